@@ -1,0 +1,49 @@
+// AVX2 + FMA + F16C instantiation of kernels_simd.inc (compiled with -mavx2 -mfma -mf16c).
+#include <immintrin.h>
+
+#include "shared/engine/row_kernels.h"
+#include "shared/util/half.h"
+
+namespace pinfer {
+namespace {
+using V = __m256;
+constexpr int W = 8;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vset1(float a) { return _mm256_set1_ps(a); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V vload_f16(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline V vload_bf16(const uint16_t* p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline V vload_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline float vsum(V v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+}  // namespace
+
+#include "shared/engine/kernels_simd.inc"
+
+const RowKernels* RowKernelsAvx2() {
+  static const RowKernels k = {
+      "avx2",
+      {DotRowF32, DotRowF16, DotRowBF16, DotRowQ8, DotRowQ4},
+      {AxpyRowF32, AxpyRowF16, AxpyRowBF16, AxpyRowQ8, AxpyRowQ4},
+      Dot4F32,
+      DotF32,
+      AxpyF32,
+  };
+  return &k;
+}
+
+}  // namespace pinfer

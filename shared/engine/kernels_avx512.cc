@@ -1,0 +1,44 @@
+// AVX-512 instantiation of kernels_simd.inc (compiled with -mavx512f -mavx512bw -mavx512vl).
+#include <immintrin.h>
+
+#include "shared/engine/row_kernels.h"
+#include "shared/util/half.h"
+
+namespace pinfer {
+namespace {
+using V = __m512;
+constexpr int W = 16;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vset1(float a) { return _mm512_set1_ps(a); }
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V vload_f16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline V vload_bf16(const uint16_t* p) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+inline V vload_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline float vsum(V v) { return _mm512_reduce_add_ps(v); }
+}  // namespace
+
+#include "shared/engine/kernels_simd.inc"
+
+const RowKernels* RowKernelsAvx512() {
+  static const RowKernels k = {
+      "avx512",
+      {DotRowF32, DotRowF16, DotRowBF16, DotRowQ8, DotRowQ4},
+      {AxpyRowF32, AxpyRowF16, AxpyRowBF16, AxpyRowQ8, AxpyRowQ4},
+      Dot4F32,
+      DotF32,
+      AxpyF32,
+  };
+  return &k;
+}
+
+}  // namespace pinfer

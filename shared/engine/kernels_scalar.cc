@@ -1,0 +1,52 @@
+// Portable instantiation of kernels_simd.inc with one-lane "vectors": the fallback for processors
+// without AVX2, and a third implementation the op tests check.
+#include "shared/engine/row_kernels.h"
+#include "shared/util/half.h"
+
+namespace pinfer {
+namespace {
+using V = float;
+constexpr int W = 1;
+inline V vzero() { return 0.f; }
+inline V vset1(float a) { return a; }
+inline V vload(const float* p) { return *p; }
+inline void vstore(float* p, V v) { *p = v; }
+inline V vadd(V a, V b) { return a + b; }
+inline V vfma(V a, V b, V c) { return a * b + c; }
+inline V vload_f16(const uint16_t* p) { return Fp16ToFp32(*p); }
+inline V vload_bf16(const uint16_t* p) { return Bf16ToFp32(*p); }
+inline V vload_i8(const int8_t* p) { return static_cast<float>(*p); }
+inline float vsum(V v) { return v; }
+}  // namespace
+
+#include "shared/engine/kernels_simd.inc"
+
+const RowKernels* RowKernelsScalar() {
+  static const RowKernels k = {
+      "scalar",
+      {DotRowF32, DotRowF16, DotRowBF16, DotRowQ8, DotRowQ4},
+      {AxpyRowF32, AxpyRowF16, AxpyRowBF16, AxpyRowQ8, AxpyRowQ4},
+      Dot4F32,
+      DotF32,
+      AxpyF32,
+  };
+  return &k;
+}
+
+const RowKernels* BestRowKernels() {
+  static const RowKernels* best = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        RowKernelsAvx512() != nullptr) {
+      return RowKernelsAvx512();
+    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c") && RowKernelsAvx2() != nullptr) {
+      return RowKernelsAvx2();
+    }
+    return RowKernelsScalar();
+  }();
+  return best;
+}
+
+}  // namespace pinfer

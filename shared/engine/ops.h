@@ -1,0 +1,55 @@
+// The CPU operator set of the forward pass, ggml-style: one interface, a plain scalar reference
+// (ReferenceOps) that defines the results, and an optimised implementation (SimdOps: AVX2 /
+// AVX-512 chosen at run time, threaded) that tests compare against the reference op by op.
+//
+// Conventions: activations are fp32, row-major [tokens, features]. Weights are TensorViews in any
+// stored dtype, [out_features, in_features], converted to fp32 on the fly; accumulation is fp32.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include "absl/strings/string_view.h"
+#include "shared/model/config.h"
+#include "shared/model/tensor.h"
+#include "shared/util/thread_pool.h"
+
+namespace pinfer {
+
+class CpuOps {
+ public:
+  virtual ~CpuOps() = default;
+  virtual absl::string_view name() const = 0;
+
+  // y: [n, w.rows()] = x: [n, w.cols()] @ w^T
+  virtual void MatMul(const TensorView& w, const float* x, int n, float* y) const = 0;
+  // Only the listed rows of w: y: [n, n_rows], y[t, i] = w.row(rows[i]) . x[t].
+  virtual void MatMulRows(const TensorView& w, const int32_t* rows, int n_rows, const float* x,
+                          int n, float* y) const = 0;
+  // y: [n, w.cols()] += sum_i a[t, i] * w.row(rows[i]); a: [n, n_rows]. Zero coefficients are
+  // skipped, which is how a transposed down projection touches only active neurons.
+  virtual void AccumulateRows(const TensorView& w, const int32_t* rows, int n_rows, const float* a,
+                              int n, float* y) const = 0;
+  // out: [n, dim] = x * rsqrt(mean(x^2) + eps) * weight
+  virtual void RmsNorm(const float* x, const float* weight, int n, int dim, float eps,
+                       float* out) const = 0;
+  // Rotates x: [n, n_heads, head_dim] in place at positions[t]. inv_freq: [head_dim / 2].
+  // interleaved: pairs (2i, 2i+1) (GGUF layout); otherwise (i, i + head_dim/2) (Hugging Face).
+  virtual void Rope(float* x, int n, int n_heads, int head_dim, const int32_t* positions,
+                    const float* inv_freq, bool interleaved) const = 0;
+  // Causal attention of n new queries at positions pos0..pos0+n-1 over the cache rows 0..pos.
+  // q: [n, n_heads, hd]; k, v: [ctx, n_kv_heads, hd] (ctx >= pos0 + n); out: [n, n_heads, hd].
+  virtual void Attention(const float* q, const float* k, const float* v, int n, int pos0,
+                         int n_heads, int n_kv_heads, int head_dim, float* out) const = 0;
+  // gate[i] = act(gate[i]) * up[i] (dReLU: relu(gate) * relu(up)).
+  virtual void GatedActivation(Activation act, float* gate, const float* up, int64_t n) const = 0;
+};
+
+std::unique_ptr<CpuOps> NewReferenceOps();
+// Picks the widest SIMD the processor supports; `pool` may be null (single thread).
+std::unique_ptr<CpuOps> NewSimdOps(ThreadPool* pool);
+// Name of the SIMD level NewSimdOps would use: "avx512", "avx2" or "scalar".
+absl::string_view SimdLevel();
+
+}  // namespace pinfer

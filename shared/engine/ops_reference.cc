@@ -1,0 +1,138 @@
+// The reference operators: plain loops that read like the maths. Everything else is tested
+// against these.
+#include <cmath>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "shared/engine/ops.h"
+
+namespace pinfer {
+namespace {
+
+class ReferenceOps : public CpuOps {
+ public:
+  absl::string_view name() const override { return "reference"; }
+
+  void MatMul(const TensorView& w, const float* x, int n, float* y) const override {
+    const int64_t rows = w.rows(), cols = w.cols();
+    std::vector<float> row(cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      DequantizeRow(w.dtype, w.row(r), row.data(), cols);
+      for (int t = 0; t < n; ++t) {
+        float sum = 0;
+        for (int64_t c = 0; c < cols; ++c) sum += row[c] * x[t * cols + c];
+        y[t * rows + r] = sum;
+      }
+    }
+  }
+
+  void MatMulRows(const TensorView& w, const int32_t* rows, int n_rows, const float* x, int n,
+                  float* y) const override {
+    const int64_t cols = w.cols();
+    std::vector<float> row(cols);
+    for (int i = 0; i < n_rows; ++i) {
+      DequantizeRow(w.dtype, w.row(rows[i]), row.data(), cols);
+      for (int t = 0; t < n; ++t) {
+        float sum = 0;
+        for (int64_t c = 0; c < cols; ++c) sum += row[c] * x[t * cols + c];
+        y[t * n_rows + i] = sum;
+      }
+    }
+  }
+
+  void AccumulateRows(const TensorView& w, const int32_t* rows, int n_rows, const float* a, int n,
+                      float* y) const override {
+    const int64_t cols = w.cols();
+    std::vector<float> row(cols);
+    for (int i = 0; i < n_rows; ++i) {
+      DequantizeRow(w.dtype, w.row(rows[i]), row.data(), cols);
+      for (int t = 0; t < n; ++t) {
+        float coef = a[t * n_rows + i];
+        if (coef == 0) continue;
+        for (int64_t c = 0; c < cols; ++c) y[t * cols + c] += coef * row[c];
+      }
+    }
+  }
+
+  void RmsNorm(const float* x, const float* weight, int n, int dim, float eps,
+               float* out) const override {
+    for (int t = 0; t < n; ++t) {
+      const float* xt = x + static_cast<int64_t>(t) * dim;
+      float ss = 0;
+      for (int i = 0; i < dim; ++i) ss += xt[i] * xt[i];
+      float scale = 1.f / std::sqrt(ss / dim + eps);
+      for (int i = 0; i < dim; ++i) out[t * dim + i] = xt[i] * scale * weight[i];
+    }
+  }
+
+  void Rope(float* x, int n, int n_heads, int head_dim, const int32_t* positions,
+            const float* inv_freq, bool interleaved) const override {
+    const int half = head_dim / 2;
+    for (int t = 0; t < n; ++t) {
+      for (int h = 0; h < n_heads; ++h) {
+        float* v = x + (static_cast<int64_t>(t) * n_heads + h) * head_dim;
+        for (int i = 0; i < half; ++i) {
+          float angle = static_cast<float>(positions[t]) * inv_freq[i];
+          float c = std::cos(angle), s = std::sin(angle);
+          int a = interleaved ? 2 * i : i;
+          int b = interleaved ? 2 * i + 1 : i + half;
+          float x0 = v[a], x1 = v[b];
+          v[a] = x0 * c - x1 * s;
+          v[b] = x0 * s + x1 * c;
+        }
+      }
+    }
+  }
+
+  void Attention(const float* q, const float* k, const float* v, int n, int pos0, int n_heads,
+                 int n_kv_heads, int head_dim, float* out) const override {
+    const int group = n_heads / n_kv_heads;
+    const int kv_stride = n_kv_heads * head_dim;
+    const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+    std::vector<float> scores(pos0 + n);
+    for (int t = 0; t < n; ++t) {
+      const int len = pos0 + t + 1;  // causal: keys 0..pos
+      for (int h = 0; h < n_heads; ++h) {
+        const float* qh = q + (static_cast<int64_t>(t) * n_heads + h) * head_dim;
+        const int kvh = h / group;
+        float max = -INFINITY;
+        for (int p = 0; p < len; ++p) {
+          const float* kp = k + static_cast<int64_t>(p) * kv_stride + kvh * head_dim;
+          float dot = 0;
+          for (int i = 0; i < head_dim; ++i) dot += qh[i] * kp[i];
+          scores[p] = dot * scale;
+          max = std::max(max, scores[p]);
+        }
+        float sum = 0;
+        for (int p = 0; p < len; ++p) {
+          scores[p] = std::exp(scores[p] - max);
+          sum += scores[p];
+        }
+        float* oh = out + (static_cast<int64_t>(t) * n_heads + h) * head_dim;
+        for (int i = 0; i < head_dim; ++i) oh[i] = 0;
+        for (int p = 0; p < len; ++p) {
+          const float* vp = v + static_cast<int64_t>(p) * kv_stride + kvh * head_dim;
+          float wgt = scores[p] / sum;
+          for (int i = 0; i < head_dim; ++i) oh[i] += wgt * vp[i];
+        }
+      }
+    }
+  }
+
+  void GatedActivation(Activation act, float* gate, const float* up, int64_t n) const override {
+    for (int64_t i = 0; i < n; ++i) {
+      float g = gate[i];
+      switch (act) {
+        case Activation::kSilu: gate[i] = g / (1.f + std::exp(-g)) * up[i]; break;
+        case Activation::kRelu: gate[i] = (g > 0 ? g : 0.f) * up[i]; break;
+        case Activation::kDRelu: gate[i] = (g > 0 ? g : 0.f) * (up[i] > 0 ? up[i] : 0.f); break;
+      }
+    }
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<CpuOps> NewReferenceOps() { return std::make_unique<ReferenceOps>(); }
+
+}  // namespace pinfer

@@ -1,0 +1,190 @@
+// The optimised CPU operators: SIMD row kernels (row_kernels.h) spread over a thread pool.
+// Results match ReferenceOps up to fp32 summation order.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "shared/engine/ops.h"
+#include "shared/engine/row_kernels.h"
+
+namespace pinfer {
+namespace {
+
+class SimdOps : public CpuOps {
+ public:
+  SimdOps(ThreadPool* pool, const RowKernels* k) : pool_(pool), k_(k) {}
+  absl::string_view name() const override { return k_->name; }
+
+  void MatMul(const TensorView& w, const float* x, int n, float* y) const override {
+    const int64_t rows = w.rows(), cols = w.cols();
+    const size_t di = static_cast<size_t>(w.dtype);
+    if (n == 1) {
+      For(rows, 16, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) y[r] = k_->dot[di](w.row(r), x, cols);
+      });
+      return;
+    }
+    // Batched: convert four weight rows to fp32 once, then run them against every token, so the
+    // conversion is amortised and each load of x feeds four dot products.
+    For((rows + 3) / 4, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> buf(4 * cols);
+      for (int64_t blk = b; blk < e; ++blk) {
+        const int64_t r0 = blk * 4;
+        const int nr = static_cast<int>(std::min<int64_t>(4, rows - r0));
+        for (int j = 0; j < 4; ++j) {
+          if (j < nr) {
+            DequantizeRow(w.dtype, w.row(r0 + j), buf.data() + j * cols, cols);
+          } else {
+            std::fill(buf.begin() + j * cols, buf.begin() + (j + 1) * cols, 0.f);
+          }
+        }
+        float out[4];
+        for (int t = 0; t < n; ++t) {
+          k_->dot4_f32(buf.data(), buf.data() + cols, buf.data() + 2 * cols,
+                       buf.data() + 3 * cols, x + t * cols, cols, out);
+          for (int j = 0; j < nr; ++j) y[t * rows + r0 + j] = out[j];
+        }
+      }
+    });
+  }
+
+  void MatMulRows(const TensorView& w, const int32_t* rows, int n_rows, const float* x, int n,
+                  float* y) const override {
+    const int64_t cols = w.cols();
+    const size_t di = static_cast<size_t>(w.dtype);
+    For(n_rows, 8, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const uint8_t* row = w.row(rows[i]);
+        for (int t = 0; t < n; ++t) y[t * n_rows + i] = k_->dot[di](row, x + t * cols, cols);
+      }
+    });
+  }
+
+  void AccumulateRows(const TensorView& w, const int32_t* rows, int n_rows, const float* a, int n,
+                      float* y) const override {
+    // Threads split the output columns (not the rows), so no two threads ever add into the same
+    // element: deterministic and race-free. Columns are split on 32-element block boundaries.
+    const int64_t cols = w.cols();
+    const size_t di = static_cast<size_t>(w.dtype);
+    const int64_t blocks = (cols + 31) / 32;
+    const size_t elem_bytes_per_block = RowBytes(w.dtype, 32);
+    For(blocks, 4, [&](int64_t b, int64_t e) {
+      const int64_t c0 = b * 32, c1 = std::min(cols, e * 32);
+      for (int i = 0; i < n_rows; ++i) {
+        const uint8_t* row = w.row(rows[i]) + (IsQuantized(w.dtype)
+                                                   ? b * elem_bytes_per_block
+                                                   : c0 * (w.dtype == DType::kF32 ? 4 : 2));
+        for (int t = 0; t < n; ++t) {
+          float coef = a[t * n_rows + i];
+          if (coef != 0) k_->axpy[di](coef, row, y + t * cols + c0, c1 - c0);
+        }
+      }
+    });
+  }
+
+  void RmsNorm(const float* x, const float* weight, int n, int dim, float eps,
+               float* out) const override {
+    for (int t = 0; t < n; ++t) {
+      const float* xt = x + static_cast<int64_t>(t) * dim;
+      float ss = k_->dot_f32(xt, xt, dim);
+      float scale = 1.f / std::sqrt(ss / dim + eps);
+      for (int i = 0; i < dim; ++i) out[t * dim + i] = xt[i] * scale * weight[i];
+    }
+  }
+
+  void Rope(float* x, int n, int n_heads, int head_dim, const int32_t* positions,
+            const float* inv_freq, bool interleaved) const override {
+    const int half = head_dim / 2;
+    std::vector<float> cs(half), sn(half);
+    for (int t = 0; t < n; ++t) {
+      for (int i = 0; i < half; ++i) {
+        float angle = static_cast<float>(positions[t]) * inv_freq[i];
+        cs[i] = std::cos(angle);
+        sn[i] = std::sin(angle);
+      }
+      for (int h = 0; h < n_heads; ++h) {
+        float* v = x + (static_cast<int64_t>(t) * n_heads + h) * head_dim;
+        for (int i = 0; i < half; ++i) {
+          int a = interleaved ? 2 * i : i;
+          int b = interleaved ? 2 * i + 1 : i + half;
+          float x0 = v[a], x1 = v[b];
+          v[a] = x0 * cs[i] - x1 * sn[i];
+          v[b] = x0 * sn[i] + x1 * cs[i];
+        }
+      }
+    }
+  }
+
+  void Attention(const float* q, const float* k, const float* v, int n, int pos0, int n_heads,
+                 int n_kv_heads, int head_dim, float* out) const override {
+    const int group = n_heads / n_kv_heads;
+    const int kv_stride = n_kv_heads * head_dim;
+    const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+    For(static_cast<int64_t>(n) * n_heads, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> scores(pos0 + n);
+      for (int64_t job = b; job < e; ++job) {
+        const int t = static_cast<int>(job / n_heads), h = static_cast<int>(job % n_heads);
+        const int len = pos0 + t + 1;
+        const float* qh = q + job * head_dim;
+        const int kvh = h / group;
+        float max = -INFINITY;
+        for (int p = 0; p < len; ++p) {
+          scores[p] = k_->dot_f32(qh, k + static_cast<int64_t>(p) * kv_stride + kvh * head_dim,
+                                  head_dim) * scale;
+          max = std::max(max, scores[p]);
+        }
+        float sum = 0;
+        for (int p = 0; p < len; ++p) {
+          scores[p] = std::exp(scores[p] - max);
+          sum += scores[p];
+        }
+        float* oh = out + job * head_dim;
+        std::fill(oh, oh + head_dim, 0.f);
+        const float inv = 1.f / sum;
+        for (int p = 0; p < len; ++p) {
+          k_->axpy_f32(scores[p] * inv, v + static_cast<int64_t>(p) * kv_stride + kvh * head_dim,
+                       oh, head_dim);
+        }
+      }
+    });
+  }
+
+  void GatedActivation(Activation act, float* gate, const float* up, int64_t n) const override {
+    for (int64_t i = 0; i < n; ++i) {
+      float g = gate[i];
+      switch (act) {
+        case Activation::kSilu: gate[i] = g / (1.f + std::exp(-g)) * up[i]; break;
+        case Activation::kRelu: gate[i] = (g > 0 ? g : 0.f) * up[i]; break;
+        case Activation::kDRelu: gate[i] = (g > 0 ? g : 0.f) * (up[i] > 0 ? up[i] : 0.f); break;
+      }
+    }
+  }
+
+ private:
+  template <typename F>
+  void For(int64_t n, int64_t grain, F&& fn) const {
+    if (pool_ == nullptr) {
+      fn(int64_t{0}, n);
+    } else {
+      pool_->ParallelFor(n, grain, fn);
+    }
+  }
+
+  ThreadPool* pool_;
+  const RowKernels* k_;
+};
+
+}  // namespace
+
+std::unique_ptr<CpuOps> NewSimdOps(ThreadPool* pool) {
+  return std::make_unique<SimdOps>(pool, BestRowKernels());
+}
+
+std::unique_ptr<CpuOps> NewSimdOpsWithKernels(ThreadPool* pool, const RowKernels* k) {
+  return std::make_unique<SimdOps>(pool, k);
+}
+
+absl::string_view SimdLevel() { return BestRowKernels()->name; }
+
+}  // namespace pinfer

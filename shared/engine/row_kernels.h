@@ -1,0 +1,32 @@
+// Per-row SIMD kernels behind SimdOps, compiled once per instruction set (kernels_simd.inc is
+// included by kernels_avx2.cc and kernels_avx512.cc with different compiler flags) and chosen at
+// run time. A "row" is one stored weight row in any dtype; x and y are fp32.
+#pragma once
+
+#include <cstdint>
+
+#include "shared/model/tensor.h"
+
+namespace pinfer {
+
+struct RowKernels {
+  const char* name;
+  // Returns sum_i row[i] * x[i].
+  float (*dot[5])(const void* row, const float* x, int64_t n);
+  // y[i] += a * row[i].
+  void (*axpy[5])(float a, const void* row, float* y, int64_t n);
+  // Four fp32 rows against one x at once (shares the loads of x): out[j] = rows[j] . x.
+  void (*dot4_f32)(const float* r0, const float* r1, const float* r2, const float* r3,
+                   const float* x, int64_t n, float* out);
+  float (*dot_f32)(const float* a, const float* b, int64_t n);
+  void (*axpy_f32)(float a, const float* x, float* y, int64_t n);
+};
+
+const RowKernels* RowKernelsScalar();
+const RowKernels* RowKernelsAvx2();    // null when not compiled in
+const RowKernels* RowKernelsAvx512();  // null when not compiled in
+
+// The best kernels this processor supports.
+const RowKernels* BestRowKernels();
+
+}  // namespace pinfer

@@ -1,0 +1,262 @@
+// Hugging Face LlamaForCausalLM directories: config.json plus model.safetensors or a sharded
+// model.safetensors.index.json. Safetensors files are mapped, never copied: a tensor view points
+// straight at its bytes in the mapping.
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <set>
+#include <cstring>
+
+#include "absl/strings/string_view.h"
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+#include "shared/model/model.h"
+#include "shared/util/status_macros.h"
+
+namespace pinfer {
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+absl::Status ConfigError(absl::string_view msg) {
+  return absl::InvalidArgumentError(absl::StrCat("config.json: ", msg));
+}
+
+absl::StatusOr<int> GetInt(const json& j, const char* key, std::optional<int> fallback = {}) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) {
+    if (fallback) return *fallback;
+    return ConfigError(absl::StrCat("missing key '", key, "'"));
+  }
+  if (!it->is_number_integer()) return ConfigError(absl::StrCat("'", key, "' is not an integer"));
+  int64_t v = it->get<int64_t>();
+  if (v < INT32_MIN || v > INT32_MAX) return ConfigError(absl::StrCat("'", key, "' out of range"));
+  return static_cast<int>(v);
+}
+
+absl::StatusOr<float> GetFloat(const json& j, const char* key, std::optional<float> fallback = {}) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) {
+    if (fallback) return *fallback;
+    return ConfigError(absl::StrCat("missing key '", key, "'"));
+  }
+  if (!it->is_number()) return ConfigError(absl::StrCat("'", key, "' is not a number"));
+  return it->get<float>();
+}
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> ParseHuggingFaceConfig(absl::string_view text) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return ConfigError("not a JSON object");
+  ModelConfig c;
+  if (j.contains("model_type") && j["model_type"].is_string() && j["model_type"] != "llama") {
+    return ConfigError(absl::StrCat("unsupported model_type '", j["model_type"].get<std::string>(),
+                                    "' (expected llama)"));
+  }
+  ASSIGN_OR_RETURN(c.vocab_size, GetInt(j, "vocab_size"));
+  ASSIGN_OR_RETURN(c.hidden_size, GetInt(j, "hidden_size"));
+  ASSIGN_OR_RETURN(c.n_layers, GetInt(j, "num_hidden_layers"));
+  ASSIGN_OR_RETURN(c.n_heads, GetInt(j, "num_attention_heads"));
+  ASSIGN_OR_RETURN(c.n_kv_heads, GetInt(j, "num_key_value_heads", c.n_heads));
+  if (c.n_heads <= 0) return ConfigError("num_attention_heads must be > 0");
+  ASSIGN_OR_RETURN(c.head_dim, GetInt(j, "head_dim", c.hidden_size / c.n_heads));
+  ASSIGN_OR_RETURN(c.ffn_size, GetInt(j, "intermediate_size"));
+  ASSIGN_OR_RETURN(c.max_context, GetInt(j, "max_position_embeddings", 2048));
+  ASSIGN_OR_RETURN(c.norm_eps, GetFloat(j, "rms_norm_eps", 1e-6f));
+
+  // RoPE: `rope_theta` at top level (transformers < 5) or inside `rope_parameters` (>= 5); Llama-3
+  // scaling in `rope_scaling` or `rope_parameters`.
+  const json* rope = nullptr;
+  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) rope = &j["rope_parameters"];
+  ASSIGN_OR_RETURN(c.rope_theta, GetFloat(j, "rope_theta", 10000.f));
+  if (rope != nullptr) {
+    ASSIGN_OR_RETURN(c.rope_theta, GetFloat(*rope, "rope_theta", c.rope_theta));
+  }
+  const json* scaling = nullptr;
+  if (j.contains("rope_scaling") && j["rope_scaling"].is_object()) scaling = &j["rope_scaling"];
+  if (scaling == nullptr && rope != nullptr) scaling = rope;
+  if (scaling != nullptr) {
+    std::string type;
+    if (scaling->contains("rope_type") && (*scaling)["rope_type"].is_string()) {
+      type = (*scaling)["rope_type"];
+    } else if (scaling->contains("type") && (*scaling)["type"].is_string()) {
+      type = (*scaling)["type"];
+    }
+    if (type == "llama3") {
+      c.rope_scaling.llama3 = true;
+      ASSIGN_OR_RETURN(c.rope_scaling.factor, GetFloat(*scaling, "factor"));
+      ASSIGN_OR_RETURN(c.rope_scaling.low_freq_factor, GetFloat(*scaling, "low_freq_factor"));
+      ASSIGN_OR_RETURN(c.rope_scaling.high_freq_factor, GetFloat(*scaling, "high_freq_factor"));
+      ASSIGN_OR_RETURN(c.rope_scaling.original_max_position,
+                       GetInt(*scaling, "original_max_position_embeddings"));
+    } else if (!type.empty() && type != "default") {
+      return ConfigError(absl::StrCat("unsupported rope type '", type, "'"));
+    }
+  }
+
+  std::string act = "silu";
+  if (j.contains("hidden_act") && j["hidden_act"].is_string()) act = j["hidden_act"];
+  if (act == "silu" || act == "swish") {
+    c.activation = Activation::kSilu;
+  } else if (act == "relu") {
+    c.activation = Activation::kRelu;
+  } else if (act == "drelu") {
+    c.activation = Activation::kDRelu;
+  } else {
+    return ConfigError(absl::StrCat("unsupported hidden_act '", act, "'"));
+  }
+  if (j.contains("tie_word_embeddings") && j["tie_word_embeddings"].is_boolean()) {
+    c.tie_embeddings = j["tie_word_embeddings"];
+  }
+  if (j.contains("bos_token_id") && j["bos_token_id"].is_number_integer()) c.bos_id = j["bos_token_id"];
+  if (j.contains("eos_token_id")) {
+    if (j["eos_token_id"].is_number_integer()) c.eos_id = j["eos_token_id"];
+    if (j["eos_token_id"].is_array() && !j["eos_token_id"].empty() &&
+        j["eos_token_id"][0].is_number_integer()) {
+      c.eos_id = j["eos_token_id"][0];
+    }
+  }
+  RETURN_IF_ERROR(c.Validate());
+  return c;
+}
+
+// Parses one safetensors file and adds its tensors (views into the mapping) to `out`.
+absl::Status ParseSafetensors(std::shared_ptr<MappedFile> file,
+                              std::map<std::string, TensorView>* out) {
+  const std::string& path = file->path();
+  auto err = [&](absl::string_view msg) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", msg));
+  };
+  if (file->size() < 8) return err("truncated safetensors header");
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, file->data(), 8);
+  if (header_len > file->size() - 8) return err("safetensors header length out of bounds");
+  absl::string_view header(reinterpret_cast<const char*>(file->data() + 8), header_len);
+  json j = json::parse(header, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return err("safetensors header is not a JSON object");
+  const uint8_t* base = file->data() + 8 + header_len;
+  const uint64_t data_size = file->size() - 8 - header_len;
+  for (auto& [name, info] : j.items()) {
+    if (name == "__metadata__") continue;
+    if (!info.is_object() || !info.contains("dtype") || !info["dtype"].is_string() ||
+        !info.contains("shape") || !info["shape"].is_array() || !info.contains("data_offsets") ||
+        !info["data_offsets"].is_array() || info["data_offsets"].size() != 2) {
+      return err(absl::StrCat("tensor '", name, "': malformed entry"));
+    }
+    TensorView t;
+    t.name = name;
+    std::string dt = info["dtype"];
+    if (dt == "F32") {
+      t.dtype = DType::kF32;
+    } else if (dt == "F16") {
+      t.dtype = DType::kF16;
+    } else if (dt == "BF16") {
+      t.dtype = DType::kBF16;
+    } else {
+      return err(absl::StrCat("tensor '", name, "': unsupported dtype ", dt));
+    }
+    uint64_t numel = 1;
+    for (auto& d : info["shape"]) {
+      if (!d.is_number_unsigned() || d.get<uint64_t>() > (1ull << 32)) {
+        return err(absl::StrCat("tensor '", name, "': bad shape"));
+      }
+      t.shape.push_back(d.get<int64_t>());
+      numel *= d.get<uint64_t>();
+      if (numel > (1ull << 40)) return err(absl::StrCat("tensor '", name, "': bad shape"));
+    }
+    if (t.shape.empty()) t.shape.push_back(1);
+    auto& off = info["data_offsets"];
+    if (!off[0].is_number_unsigned() || !off[1].is_number_unsigned()) {
+      return err(absl::StrCat("tensor '", name, "': bad data_offsets"));
+    }
+    uint64_t b = off[0], e = off[1];
+    if (b > e || e > data_size) {
+      return err(absl::StrCat("tensor '", name, "': data offsets out of bounds"));
+    }
+    if (e - b != numel * (t.dtype == DType::kF32 ? 4 : 2)) {
+      return err(absl::StrCat("tensor '", name, "': byte size does not match shape"));
+    }
+    t.data = base + b;
+    (*out)[name] = std::move(t);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Model>> LoadHuggingFaceModel(const std::string& dir) {
+  auto model = std::make_unique<Model>();
+  model->source_path = dir;
+  model->format = "huggingface";
+  ASSIGN_OR_RETURN(std::string config_text, ReadFileToString((fs::path(dir) / "config.json").string()));
+  ASSIGN_OR_RETURN(model->config, ParseHuggingFaceConfig(config_text));
+
+  std::vector<std::string> shard_paths;
+  fs::path single = fs::path(dir) / "model.safetensors";
+  fs::path index = fs::path(dir) / "model.safetensors.index.json";
+  if (fs::exists(single)) {
+    shard_paths.push_back(single.string());
+  } else if (fs::exists(index)) {
+    ASSIGN_OR_RETURN(std::string idx_text, ReadFileToString(index.string()));
+    json idx = json::parse(idx_text, nullptr, false);
+    if (idx.is_discarded() || !idx.contains("weight_map") || !idx["weight_map"].is_object()) {
+      return absl::InvalidArgumentError("model.safetensors.index.json: missing weight_map");
+    }
+    std::set<std::string> shards;
+    for (auto& [name, shard] : idx["weight_map"].items()) {
+      if (!shard.is_string() || shard.get<std::string>().find('/') != std::string::npos) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("model.safetensors.index.json: bad shard for '", name, "'"));
+      }
+      shards.insert(shard.get<std::string>());
+    }
+    for (auto& s : shards) shard_paths.push_back((fs::path(dir) / s).string());
+  } else {
+    return absl::NotFoundError(absl::StrCat(dir, ": no model.safetensors or model.safetensors.index.json"));
+  }
+  std::map<std::string, TensorView> tensors;
+  for (auto& p : shard_paths) {
+    ASSIGN_OR_RETURN(auto file, MappedFile::Open(p));
+    RETURN_IF_ERROR(ParseSafetensors(file, &tensors));
+    model->files.push_back(std::move(file));
+  }
+  auto take = [&](const std::string& name, TensorView* dst) -> absl::Status {
+    auto it = tensors.find(name);
+    if (it == tensors.end()) return absl::NotFoundError(absl::StrCat("missing tensor '", name, "'"));
+    *dst = it->second;
+    return absl::OkStatus();
+  };
+  const ModelConfig& c = model->config;
+  RETURN_IF_ERROR(take("model.embed_tokens.weight", &model->tok_embeddings));
+  RETURN_IF_ERROR(take("model.norm.weight", &model->output_norm));
+  if (tensors.count("lm_head.weight") && !c.tie_embeddings) {
+    RETURN_IF_ERROR(take("lm_head.weight", &model->output));
+  } else if (c.tie_embeddings || !tensors.count("lm_head.weight")) {
+    if (!c.tie_embeddings) return absl::NotFoundError("missing tensor 'lm_head.weight'");
+    model->output = model->tok_embeddings;
+  }
+  model->layers.resize(c.n_layers);
+  for (int l = 0; l < c.n_layers; ++l) {
+    std::string p = absl::StrCat("model.layers.", l, ".");
+    LayerWeights& L = model->layers[l];
+    RETURN_IF_ERROR(take(p + "input_layernorm.weight", &L.attn_norm));
+    RETURN_IF_ERROR(take(p + "self_attn.q_proj.weight", &L.wq));
+    RETURN_IF_ERROR(take(p + "self_attn.k_proj.weight", &L.wk));
+    RETURN_IF_ERROR(take(p + "self_attn.v_proj.weight", &L.wv));
+    RETURN_IF_ERROR(take(p + "self_attn.o_proj.weight", &L.wo));
+    RETURN_IF_ERROR(take(p + "post_attention_layernorm.weight", &L.ffn_norm));
+    RETURN_IF_ERROR(take(p + "mlp.gate_proj.weight", &L.gate));
+    RETURN_IF_ERROR(take(p + "mlp.up_proj.weight", &L.up));
+    RETURN_IF_ERROR(take(p + "mlp.down_proj.weight", &L.down));
+  }
+  RETURN_IF_ERROR(ValidateModelShapes(*model));
+  auto tok = LoadHuggingFaceTokenizer(dir);
+  if (tok.ok()) {
+    model->tokenizer = std::move(*tok);
+  } else if (!absl::IsNotFound(tok.status())) {
+    return tok.status();
+  }
+  return model;
+}
+
+}  // namespace pinfer
