@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include "shared/model/tensor.h"
 
@@ -29,4 +30,11 @@ const RowKernels* RowKernelsAvx512();  // null when not compiled in
 // The best kernels this processor supports.
 const RowKernels* BestRowKernels();
 
+}  // namespace pinfer
+
+namespace pinfer {
+class CpuOps;
+class ThreadPool;
+// SimdOps on a specific kernel set (tests check every compiled-in instruction set).
+std::unique_ptr<CpuOps> NewSimdOpsWithKernels(ThreadPool* pool, const RowKernels* kernels);
 }  // namespace pinfer

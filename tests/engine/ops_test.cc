@@ -1,0 +1,263 @@
+// Every optimised CPU operator against the plain reference, ggml test-backend-ops style: fresh
+// random inputs, normalised mean squared error limits, NaN checks and guard bytes around every
+// output. Runs each compiled-in instruction set (scalar, AVX2, AVX-512 where the CPU has it),
+// single- and multi-threaded.
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "shared/engine/ops.h"
+#include "shared/engine/row_kernels.h"
+#include "shared/model/tensor.h"
+
+namespace pinfer {
+namespace {
+
+constexpr float kGuard = 1234.5678f;
+constexpr int kGuardLen = 16;
+
+// An output buffer with guard values on both sides.
+class Guarded {
+ public:
+  explicit Guarded(size_t n, float init = 0.f) : buf_(n + 2 * kGuardLen, kGuard), n_(n) {
+    std::fill(data(), data() + n, init);
+  }
+  float* data() { return buf_.data() + kGuardLen; }
+  const float* data() const { return buf_.data() + kGuardLen; }
+  bool GuardsIntact() const {
+    for (int i = 0; i < kGuardLen; ++i) {
+      if (buf_[i] != kGuard || buf_[kGuardLen + n_ + i] != kGuard) return false;
+    }
+    return true;
+  }
+  size_t size() const { return n_; }
+
+ private:
+  std::vector<float> buf_;
+  size_t n_;
+};
+
+// sum (a-b)^2 / sum b^2, as in ggml's test-backend-ops.
+double Nmse(const float* a, const float* b, size_t n) {
+  double err = 0, ref = 0;
+  for (size_t i = 0; i < n; ++i) {
+    err += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    ref += double(b[i]) * b[i];
+  }
+  return ref == 0 ? err : err / ref;
+}
+
+bool AnyNan(const float* a, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (std::isnan(a[i])) return true;
+  }
+  return false;
+}
+
+std::vector<float> Random(size_t n, std::mt19937& rng, float scale = 1.f) {
+  std::normal_distribution<float> d(0.f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+// A weight matrix stored in `dtype`, built from random fp32 values.
+struct Weight {
+  std::vector<uint8_t> bytes;
+  TensorView view;
+};
+
+Weight MakeWeight(DType dtype, int64_t rows, int64_t cols, std::mt19937& rng) {
+  Weight w;
+  std::vector<float> f = Random(rows * cols, rng, 0.5f);
+  w.bytes.resize(RowBytes(dtype, cols) * rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    QuantizeRow(dtype, f.data() + r * cols, w.bytes.data() + r * RowBytes(dtype, cols), cols);
+  }
+  w.view.name = "w";
+  w.view.dtype = dtype;
+  w.view.shape = {rows, cols};
+  w.view.data = w.bytes.data();
+  return w;
+}
+
+struct Impl {
+  const RowKernels* kernels;
+  int threads;
+};
+
+std::vector<Impl> Implementations() {
+  std::vector<Impl> out;
+  for (const RowKernels* k : {RowKernelsScalar(), RowKernelsAvx2(), RowKernelsAvx512()}) {
+    if (k == nullptr) continue;
+    if (k == RowKernelsAvx2() && !__builtin_cpu_supports("avx2")) continue;
+    if (k == RowKernelsAvx512() && !__builtin_cpu_supports("avx512bw")) continue;
+    out.push_back({k, 1});
+    out.push_back({k, 3});
+  }
+  return out;
+}
+
+class OpsTest : public ::testing::TestWithParam<Impl> {
+ protected:
+  void SetUp() override {
+    pool_ = std::make_unique<ThreadPool>(GetParam().threads);
+    ops_ = NewSimdOpsWithKernels(pool_.get(), GetParam().kernels);
+    ref_ = NewReferenceOps();
+  }
+  void ExpectClose(const Guarded& got, const Guarded& want, double limit) {
+    EXPECT_TRUE(got.GuardsIntact()) << "wrote outside its output";
+    EXPECT_FALSE(AnyNan(got.data(), got.size()));
+    EXPECT_FALSE(AnyNan(want.data(), want.size()));
+    EXPECT_LE(Nmse(got.data(), want.data(), got.size()), limit);
+  }
+  std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<CpuOps> ops_, ref_;
+  std::mt19937 rng_{1234};
+};
+
+const DType kDTypes[] = {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ4_0};
+
+TEST_P(OpsTest, MatMulEveryDtypeAndBatch) {
+  for (DType dt : kDTypes) {
+    for (int n : {1, 2, 7}) {
+      for (auto [rows, cols] : {std::pair<int, int>{37, 64}, {64, 96}, {5, 32}}) {
+        SCOPED_TRACE(testing::Message() << DTypeName(dt) << " n=" << n << " " << rows << "x" << cols);
+        Weight w = MakeWeight(dt, rows, cols, rng_);
+        auto x = Random(n * cols, rng_);
+        Guarded got(n * rows), want(n * rows);
+        ops_->MatMul(w.view, x.data(), n, got.data());
+        ref_->MatMul(w.view, x.data(), n, want.data());
+        ExpectClose(got, want, 1e-10);
+      }
+    }
+  }
+}
+
+TEST_P(OpsTest, MatMulOddWidthsFp) {
+  // Widths that are not a multiple of the vector length exercise the scalar tails.
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (int cols : {1, 8, 13, 31, 100}) {
+      Weight w = MakeWeight(dt, 9, cols, rng_);
+      auto x = Random(3 * cols, rng_);
+      Guarded got(27), want(27);
+      ops_->MatMul(w.view, x.data(), 3, got.data());
+      ref_->MatMul(w.view, x.data(), 3, want.data());
+      ExpectClose(got, want, 1e-10);
+    }
+  }
+}
+
+TEST_P(OpsTest, MatMulRowsAndAccumulateRows) {
+  for (DType dt : kDTypes) {
+    SCOPED_TRACE(DTypeName(dt));
+    const int rows = 200, cols = 96, n = 3;
+    Weight w = MakeWeight(dt, rows, cols, rng_);
+    std::vector<int32_t> idx = {0, 3, 4, 17, 101, 150, 199, 42};
+    auto x = Random(n * cols, rng_);
+    Guarded got(n * idx.size()), want(n * idx.size());
+    ops_->MatMulRows(w.view, idx.data(), idx.size(), x.data(), n, got.data());
+    ref_->MatMulRows(w.view, idx.data(), idx.size(), x.data(), n, want.data());
+    ExpectClose(got, want, 1e-10);
+
+    auto a = Random(n * idx.size(), rng_);
+    a[2] = 0;  // zero coefficients are skipped
+    auto y0 = Random(n * cols, rng_);
+    Guarded acc(n * cols), acc_ref(n * cols);
+    std::copy(y0.begin(), y0.end(), acc.data());
+    std::copy(y0.begin(), y0.end(), acc_ref.data());
+    ops_->AccumulateRows(w.view, idx.data(), idx.size(), a.data(), n, acc.data());
+    ref_->AccumulateRows(w.view, idx.data(), idx.size(), a.data(), n, acc_ref.data());
+    ExpectClose(acc, acc_ref, 1e-10);
+  }
+}
+
+TEST_P(OpsTest, RmsNorm) {
+  const int n = 5, dim = 72;
+  auto x = Random(n * dim, rng_), w = Random(dim, rng_);
+  Guarded got(n * dim), want(n * dim);
+  ops_->RmsNorm(x.data(), w.data(), n, dim, 1e-5f, got.data());
+  ref_->RmsNorm(x.data(), w.data(), n, dim, 1e-5f, want.data());
+  ExpectClose(got, want, 1e-10);
+}
+
+TEST_P(OpsTest, RopeBothLayouts) {
+  const int n = 4, heads = 3, hd = 16;
+  std::vector<float> inv(hd / 2);
+  for (int i = 0; i < hd / 2; ++i) inv[i] = std::pow(10000.f, -2.f * i / hd);
+  std::vector<int32_t> pos = {0, 1, 57, 1000};
+  for (bool interleaved : {false, true}) {
+    auto x = Random(n * heads * hd, rng_);
+    Guarded got(x.size()), want(x.size());
+    std::copy(x.begin(), x.end(), got.data());
+    std::copy(x.begin(), x.end(), want.data());
+    ops_->Rope(got.data(), n, heads, hd, pos.data(), inv.data(), interleaved);
+    ref_->Rope(want.data(), n, heads, hd, pos.data(), inv.data(), interleaved);
+    ExpectClose(got, want, 1e-10);
+  }
+}
+
+TEST_P(OpsTest, AttentionPrefillAndDecodeWithGqa) {
+  const int heads = 6, kv_heads = 2, hd = 16, ctx = 40;
+  auto k = Random(ctx * kv_heads * hd, rng_), v = Random(ctx * kv_heads * hd, rng_);
+  for (auto [n, pos0] : {std::pair<int, int>{1, 0}, {1, 39}, {8, 0}, {5, 20}}) {
+    auto q = Random(n * heads * hd, rng_);
+    Guarded got(n * heads * hd), want(n * heads * hd);
+    ops_->Attention(q.data(), k.data(), v.data(), n, pos0, heads, kv_heads, hd, got.data());
+    ref_->Attention(q.data(), k.data(), v.data(), n, pos0, heads, kv_heads, hd, want.data());
+    ExpectClose(got, want, 1e-10);
+  }
+}
+
+TEST_P(OpsTest, GatedActivations) {
+  for (Activation act : {Activation::kSilu, Activation::kRelu, Activation::kDRelu}) {
+    auto g = Random(100, rng_), u = Random(100, rng_);
+    Guarded got(100), want(100);
+    std::copy(g.begin(), g.end(), got.data());
+    std::copy(g.begin(), g.end(), want.data());
+    ops_->GatedActivation(act, got.data(), u.data(), 100);
+    ref_->GatedActivation(act, want.data(), u.data(), 100);
+    ExpectClose(got, want, 1e-12);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllKernels, OpsTest, ::testing::ValuesIn(Implementations()),
+                         [](const auto& info) {
+                           return std::string(info.param.kernels->name) + "_t" +
+                                  std::to_string(info.param.threads);
+                         });
+
+// The storage formats round-trip within their precision.
+TEST(QuantizeTest, RoundTripErrorWithinFormatPrecision) {
+  std::mt19937 rng(7);
+  auto x = Random(1024, rng);
+  const std::pair<DType, double> limits[] = {{DType::kF32, 0},      {DType::kF16, 1e-6},
+                                             {DType::kBF16, 1e-4},  {DType::kQ8_0, 1e-4},
+                                             {DType::kQ4_0, 1.5e-2}};
+  for (auto [dt, limit] : limits) {
+    std::vector<uint8_t> q(RowBytes(dt, 1024));
+    std::vector<float> back(1024);
+    QuantizeRow(dt, x.data(), q.data(), 1024);
+    DequantizeRow(dt, q.data(), back.data(), 1024);
+    EXPECT_LE(Nmse(back.data(), x.data(), 1024), limit) << DTypeName(dt);
+  }
+}
+
+TEST(QuantizeTest, Q4_0MatchesGgmlLayout) {
+  // ggml: element j in the low nibble of qs[j], element j+16 in the high nibble; value (q-8)*d,
+  // and the largest-magnitude value maps to -8.
+  std::vector<float> x(32);
+  for (int i = 0; i < 32; ++i) x[i] = static_cast<float>(i - 16) / 2;  // -8 .. 7.5
+  BlockQ4_0 b;
+  QuantizeRow(DType::kQ4_0, x.data(), &b, 32);
+  EXPECT_EQ(b.qs[0] & 0x0f, 0);  // x[0] = -8 is the max magnitude -> q = 0 -> (0-8)*d = -8
+  std::vector<float> back(32);
+  DequantizeRow(DType::kQ4_0, &b, back.data(), 32);
+  EXPECT_FLOAT_EQ(back[0], -8.f);
+  EXPECT_NEAR(back[16], 0.f, 1e-6);
+}
+
+}  // namespace
+}  // namespace pinfer

@@ -1,0 +1,135 @@
+// Sampling: greedy, seeds, and the filters (top-k, top-p, min-p, repetition penalty) checked
+// against distributions computed by hand; stop-string hold-back in the generation loop.
+#include <cmath>
+#include <map>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "shared/engine/generator.h"
+#include "shared/engine/sampler.h"
+
+namespace pinfer {
+namespace {
+
+std::map<int32_t, int> Histogram(SamplingParams p, std::vector<float> logits, int draws) {
+  p.seed = 42;
+  Sampler s(p);
+  std::map<int32_t, int> h;
+  for (int i = 0; i < draws; ++i) {
+    std::vector<float> l = logits;
+    ++h[s.Sample(l, {}, nullptr)];
+  }
+  return h;
+}
+
+TEST(SamplerTest, GreedyPicksArgmaxAndReportsLogprob) {
+  Sampler s(SamplingParams{});
+  std::vector<float> logits = {0.f, 3.f, 1.f};
+  float lp;
+  EXPECT_EQ(s.Sample(logits, {}, &lp), 1);
+  const double z = std::exp(0.0) + std::exp(3.0) + std::exp(1.0);
+  EXPECT_NEAR(lp, 3.0 - std::log(z), 1e-5);
+}
+
+TEST(SamplerTest, SameSeedSameTokensDifferentSeedDifferentTokens) {
+  std::vector<float> logits(50);
+  for (int i = 0; i < 50; ++i) logits[i] = std::sin(i * 1.3f);
+  SamplingParams p;
+  p.temperature = 1.f;
+  auto run = [&](uint64_t seed) {
+    p.seed = seed;
+    Sampler s(p);
+    std::vector<int32_t> out;
+    for (int i = 0; i < 40; ++i) {
+      std::vector<float> l = logits;
+      out.push_back(s.Sample(l, {}, nullptr));
+    }
+    return out;
+  };
+  EXPECT_EQ(run(7), run(7));
+  EXPECT_NE(run(7), run(8));
+}
+
+TEST(SamplerTest, TopKKeepsOnlyKBest) {
+  SamplingParams p;
+  p.temperature = 1.f;
+  p.top_k = 2;
+  auto h = Histogram(p, {1.f, 5.f, 4.f, 0.f}, 2000);
+  EXPECT_EQ(h.size(), 2u);
+  EXPECT_GT(h[1], h[2]);  // p(1)/p(2) = e
+  EXPECT_NEAR(static_cast<double>(h[1]) / 2000, std::exp(5.) / (std::exp(5.) + std::exp(4.)), 0.04);
+}
+
+TEST(SamplerTest, TopPKeepsSmallestSetReachingP) {
+  // Probabilities 0.5, 0.3, 0.2: top_p 0.7 keeps the first two.
+  SamplingParams p;
+  p.temperature = 1.f;
+  p.top_p = 0.7f;
+  auto h = Histogram(p, {std::log(0.5f), std::log(0.3f), std::log(0.2f)}, 3000);
+  EXPECT_EQ(h.count(2), 0u);
+  EXPECT_NEAR(static_cast<double>(h[0]) / 3000, 0.5 / 0.8, 0.04);
+}
+
+TEST(SamplerTest, MinPDropsTokensBelowFractionOfBest) {
+  // 0.6, 0.3, 0.1 with min_p 0.4: threshold 0.24 keeps the first two.
+  SamplingParams p;
+  p.temperature = 1.f;
+  p.min_p = 0.4f;
+  auto h = Histogram(p, {std::log(0.6f), std::log(0.3f), std::log(0.1f)}, 3000);
+  EXPECT_EQ(h.count(2), 0u);
+  EXPECT_NEAR(static_cast<double>(h[0]) / 3000, 2.0 / 3.0, 0.04);
+}
+
+TEST(SamplerTest, TemperatureSharpens) {
+  SamplingParams p;
+  p.temperature = 0.5f;
+  auto h = Histogram(p, {0.f, std::log(2.f)}, 4000);  // p ∝ 1, 4 at T = 0.5
+  EXPECT_NEAR(static_cast<double>(h[1]) / 4000, 0.8, 0.03);
+}
+
+TEST(SamplerTest, RepetitionPenaltyDividesPositiveAndMultipliesNegative) {
+  SamplingParams p;
+  p.repetition_penalty = 2.f;
+  Sampler s(p);
+  std::vector<float> logits = {3.f, 2.f, -1.f};
+  std::vector<int32_t> history = {0, 2};
+  EXPECT_EQ(s.Sample(logits, history, nullptr), 1);  // 3/2 = 1.5 < 2
+  EXPECT_FLOAT_EQ(logits[0], 1.5f);
+  EXPECT_FLOAT_EQ(logits[2], -2.f);
+}
+
+TEST(SamplerTest, InvalidParamsAreRejected) {
+  SamplingParams p;
+  p.temperature = -1;
+  EXPECT_EQ(p.Validate().code(), absl::StatusCode::kInvalidArgument);
+  p = {};
+  p.top_p = 0;
+  EXPECT_EQ(p.Validate().code(), absl::StatusCode::kInvalidArgument);
+  p = {};
+  p.min_p = 2;
+  EXPECT_EQ(p.Validate().code(), absl::StatusCode::kInvalidArgument);
+  p = {};
+  p.repetition_penalty = 0;
+  EXPECT_THAT(std::string(p.Validate().message()), ::testing::HasSubstr("repetition_penalty"));
+}
+
+TEST(StopStringMatcherTest, HoldsBackPossiblePrefixesAndStopsAcrossPieces) {
+  StopStringMatcher m({"\n\n", "END"});
+  bool stopped;
+  EXPECT_EQ(m.Push("hello E", &stopped), "hello ");
+  EXPECT_FALSE(stopped);
+  EXPECT_EQ(m.Push("N", &stopped), "");
+  EXPECT_EQ(m.Push("Dless", &stopped), "");
+  EXPECT_TRUE(stopped);
+}
+
+TEST(StopStringMatcherTest, ReleasesHeldTextWhenItCannotStop) {
+  StopStringMatcher m({"END"});
+  bool stopped;
+  EXPECT_EQ(m.Push("xEN", &stopped), "x");
+  EXPECT_EQ(m.Push("Z", &stopped), "ENZ");
+  EXPECT_FALSE(stopped);
+}
+
+}  // namespace
+}  // namespace pinfer
