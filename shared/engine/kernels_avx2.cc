@@ -30,6 +30,13 @@ inline float vsum(V v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+inline void unpack_q4(const uint8_t* qs, int8_t* q) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_sub_epi8(_mm_and_si128(v, mask), eight));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
+                   _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight));
+}
 }  // namespace
 
 #include "shared/engine/kernels_simd.inc"

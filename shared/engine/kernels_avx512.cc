@@ -25,6 +25,13 @@ inline V vload_i8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline float vsum(V v) { return _mm512_reduce_add_ps(v); }
+inline void unpack_q4(const uint8_t* qs, int8_t* q) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_sub_epi8(_mm_and_si128(v, mask), eight));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
+                   _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight));
+}
 }  // namespace
 
 #include "shared/engine/kernels_simd.inc"
