@@ -47,6 +47,7 @@ const RowKernels* RowKernelsAvx2() {
       {DotRowF32, DotRowF16, DotRowBF16, DotRowQ8, DotRowQ4},
       {AxpyRowF32, AxpyRowF16, AxpyRowBF16, AxpyRowQ8, AxpyRowQ4},
       Dot4F32,
+      Dot4x4F32,
       DotF32,
       AxpyF32,
   };

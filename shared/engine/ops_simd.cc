@@ -39,8 +39,15 @@ class SimdOps : public CpuOps {
             std::fill(buf.begin() + j * cols, buf.begin() + (j + 1) * cols, 0.f);
           }
         }
-        float out[4];
-        for (int t = 0; t < n; ++t) {
+        float out[16];
+        int t = 0;
+        for (; t + 4 <= n; t += 4) {
+          k_->dot4x4_f32(buf.data(), x + t * cols, cols, cols, out);
+          for (int tt = 0; tt < 4; ++tt) {
+            for (int j = 0; j < nr; ++j) y[(t + tt) * rows + r0 + j] = out[tt * 4 + j];
+          }
+        }
+        for (; t < n; ++t) {
           k_->dot4_f32(buf.data(), buf.data() + cols, buf.data() + 2 * cols,
                        buf.data() + 3 * cols, x + t * cols, cols, out);
           for (int j = 0; j < nr; ++j) y[t * rows + r0 + j] = out[j];

@@ -19,6 +19,8 @@ struct RowKernels {
   // Four fp32 rows against one x at once (shares the loads of x): out[j] = rows[j] . x.
   void (*dot4_f32)(const float* r0, const float* r1, const float* r2, const float* r3,
                    const float* x, int64_t n, float* out);
+  // Four fp32 rows (stride ld) against four tokens (stride ld): out[t * 4 + j] = rows[j] . x[t].
+  void (*dot4x4_f32)(const float* rows, const float* x, int64_t ld, int64_t n, float* out);
   float (*dot_f32)(const float* a, const float* b, int64_t n);
   void (*axpy_f32)(float a, const float* x, float* y, int64_t n);
 };
