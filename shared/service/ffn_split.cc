@@ -1,0 +1,234 @@
+// See ffn_split.h.
+#include "shared/service/ffn_split.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace pinfer {
+
+Placement Placement::FixedFraction(const ModelConfig& c, double hot_fraction) {
+  Placement p;
+  const double f = std::clamp(hot_fraction, 0.0, 1.0);
+  const int k = static_cast<int>(std::lround(f * c.ffn_size));
+  p.hot.resize(c.n_layers);
+  for (auto& layer : p.hot) {
+    layer.resize(k);
+    for (int i = 0; i < k; ++i) layer[i] = i;
+  }
+  return p;
+}
+
+Placement Placement::FromBitmaps(const std::vector<const uint64_t*>& bitmaps, int ffn) {
+  Placement p;
+  for (const uint64_t* bm : bitmaps) {
+    std::vector<int32_t> hot;
+    for (int i = 0; i < ffn; ++i) {
+      if ((bm[i >> 6] >> (i & 63)) & 1) hot.push_back(i);
+    }
+    p.hot.push_back(std::move(hot));
+  }
+  return p;
+}
+
+void Placement::ToBitmap(int layer, int ffn, uint64_t* bitmap) const {
+  std::fill(bitmap, bitmap + (ffn + 63) / 64, 0);
+  for (int32_t i : hot[layer]) bitmap[i >> 6] |= 1ull << (i & 63);
+}
+
+std::vector<int32_t> Placement::Cold(int layer, int ffn) const {
+  std::vector<char> is_hot(ffn, 0);
+  for (int32_t i : hot[layer]) is_hot[i] = 1;
+  std::vector<int32_t> cold;
+  for (int i = 0; i < ffn; ++i) {
+    if (!is_hot[i]) cold.push_back(i);
+  }
+  return cold;
+}
+
+size_t Placement::hot_neurons() const {
+  size_t n = 0;
+  for (const auto& l : hot) n += l.size();
+  return n;
+}
+
+namespace {
+// FNV-1a, 64 bits.
+struct Fnv {
+  uint64_t h = 1469598103934665603ull;
+  void Add(const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  }
+  template <typename T>
+  void Add(const T& v) {
+    Add(&v, sizeof(v));
+  }
+};
+}  // namespace
+
+uint64_t ModelFingerprint(const Model& model) {
+  const ModelConfig& c = model.config;
+  Fnv f;
+  for (int v : {c.vocab_size, c.hidden_size, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim,
+                c.ffn_size, static_cast<int>(c.activation)}) {
+    f.Add(v);
+  }
+  for (const LayerWeights& L : model.layers) {
+    for (const TensorView* t : {&L.gate, &L.up, &L.down}) {
+      f.Add(static_cast<uint8_t>(t->dtype));
+      for (int64_t d : t->shape) f.Add(d);
+      const size_t n = std::min<size_t>(64, t->nbytes());
+      f.Add(t->data, n);
+      f.Add(static_cast<const uint8_t*>(t->data) + t->nbytes() - n, n);
+    }
+  }
+  return f.h;
+}
+
+absl::StatusOr<std::unique_ptr<FfnRowStore>> FfnRowStore::Build(
+    const Model& model, const std::vector<std::vector<int32_t>>& neurons) {
+  const ModelConfig& c = model.config;
+  if (static_cast<int>(neurons.size()) != c.n_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("placement has ", neurons.size(),
+                                                   " layers; the model has ", c.n_layers));
+  }
+  auto store = std::unique_ptr<FfnRowStore>(new FfnRowStore());
+  const int H = c.hidden_size, F = c.ffn_size;
+  std::vector<float> down_row(F);
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights& L = model.layers[l];
+    const std::vector<int32_t>& ids = neurons[l];
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] < 0 || ids[i] >= F || (i > 0 && ids[i] <= ids[i - 1])) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "layer ", l, ": neuron ids must be ascending and in [0, ", F, ")"));
+      }
+    }
+    const int64_t k = static_cast<int64_t>(ids.size());
+    Layer layer;
+    layer.neurons = ids;
+    // gate and up: copy the rows as stored.
+    for (auto [src, dst] : {std::pair{&L.gate, &layer.gate}, std::pair{&L.up, &layer.up}}) {
+      const size_t rb = src->row_bytes();
+      std::vector<uint8_t> buf(std::max<size_t>(1, rb * k));
+      for (int64_t i = 0; i < k; ++i) std::memcpy(buf.data() + i * rb, src->row(ids[i]), rb);
+      dst->name = src->name;
+      dst->dtype = src->dtype;
+      dst->shape = {k, H};
+      dst->data = buf.data();
+      store->bytes_ += rb * k;
+      store->storage_.push_back(std::move(buf));
+    }
+    // down: [hidden, ffn] -> down_t: [k, hidden], columns of the selected neurons.
+    const DType dt = (L.down.dtype == DType::kF16 || L.down.dtype == DType::kBF16) ? L.down.dtype
+                                                                                   : DType::kF32;
+    std::vector<float> tmp(static_cast<size_t>(k) * H);
+    for (int h = 0; h < H; ++h) {
+      DequantizeRow(L.down.dtype, L.down.row(h), down_row.data(), F);
+      for (int64_t i = 0; i < k; ++i) tmp[i * H + h] = down_row[ids[i]];
+    }
+    const size_t rb = RowBytes(dt, H);
+    std::vector<uint8_t> buf(std::max<size_t>(1, rb * k));
+    for (int64_t i = 0; i < k; ++i) QuantizeRow(dt, &tmp[i * H], buf.data() + i * rb, H);
+    layer.down_t.name = absl::StrCat("blk.", l, ".ffn_down_t");
+    layer.down_t.dtype = dt;
+    layer.down_t.shape = {k, H};
+    layer.down_t.data = buf.data();
+    store->bytes_ += rb * k;
+    store->storage_.push_back(std::move(buf));
+    store->layers_.push_back(std::move(layer));
+  }
+  return store;
+}
+
+size_t FfnRowStore::neurons() const {
+  size_t n = 0;
+  for (const Layer& l : layers_) n += l.neurons.size();
+  return n;
+}
+
+void ReleaseMappedPages(const Model& model) {
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  for (const auto& f : model.files) {
+    if (f == nullptr || f->size() == 0) continue;
+    auto addr = reinterpret_cast<uintptr_t>(f->data());
+    const uintptr_t aligned = addr / page * page;
+    ::madvise(reinterpret_cast<void*>(aligned), f->size() + (addr - aligned), MADV_DONTNEED);
+  }
+}
+
+uint64_t PartialFfn::Accumulate(int layer, const float* x, int n, const uint64_t* masks,
+                                int words_per_mask, float* out) {
+  const FfnRowStore::Layer& L = rows_.layer(layer);
+  const int k = static_cast<int>(L.neurons.size());
+  if (k == 0 || n == 0) return 0;
+  const bool gate_decides = act_ == Activation::kRelu || act_ == Activation::kDRelu;
+  auto bit = [&](int t, int32_t neuron) {
+    return (masks[static_cast<size_t>(t) * words_per_mask + (neuron >> 6)] >> (neuron & 63)) & 1;
+  };
+
+  // sel: the local rows computed for at least one token; g: [n, |sel|] their gate values.
+  sel_.clear();
+  if (masks == nullptr && gate_decides) {
+    // Exact mode: the gate of every row, then keep rows positive for some token.
+    gate_.resize(static_cast<size_t>(n) * k);
+    ops_.MatMul(L.gate, x, n, gate_.data());  // gate: [n, k]
+    for (int i = 0; i < k; ++i) {
+      for (int t = 0; t < n; ++t) {
+        if (gate_[static_cast<size_t>(t) * k + i] > 0) {
+          sel_.push_back(i);
+          break;
+        }
+      }
+    }
+    sel_gate_.resize(static_cast<size_t>(n) * sel_.size());
+    for (int t = 0; t < n; ++t) {
+      for (size_t j = 0; j < sel_.size(); ++j) {
+        sel_gate_[t * sel_.size() + j] = gate_[static_cast<size_t>(t) * k + sel_[j]];
+      }
+    }
+  } else {
+    if (masks == nullptr) {
+      for (int i = 0; i < k; ++i) sel_.push_back(i);
+    } else {
+      for (int i = 0; i < k; ++i) {
+        for (int t = 0; t < n; ++t) {
+          if (bit(t, L.neurons[i])) {
+            sel_.push_back(i);
+            break;
+          }
+        }
+      }
+    }
+    sel_gate_.resize(static_cast<size_t>(n) * sel_.size());
+    if (!sel_.empty()) {
+      ops_.MatMulRows(L.gate, sel_.data(), static_cast<int>(sel_.size()), x, n, sel_gate_.data());
+    }
+  }
+  const int m = static_cast<int>(sel_.size());
+  if (m == 0) return 0;
+  up_.resize(static_cast<size_t>(n) * m);
+  ops_.MatMulRows(L.up, sel_.data(), m, x, n, up_.data());  // up: [n, m]
+  ops_.GatedActivation(act_, sel_gate_.data(), up_.data(), static_cast<int64_t>(n) * m);
+  if (masks != nullptr) {
+    // A row computed for one token of the batch contributes only to the tokens that listed it.
+    for (int t = 0; t < n; ++t) {
+      for (int j = 0; j < m; ++j) {
+        if (!bit(t, L.neurons[sel_[j]])) sel_gate_[static_cast<size_t>(t) * m + j] = 0;
+      }
+    }
+  }
+  uint64_t active = 0;
+  for (size_t i = 0; i < static_cast<size_t>(n) * m; ++i) active += sel_gate_[i] != 0;
+  ops_.AccumulateRows(L.down_t, sel_.data(), m, sel_gate_.data(), n, out);  // out: [n, hidden]
+  return active;
+}
+
+}  // namespace pinfer

@@ -1,0 +1,94 @@
+// The FFN split between the two workers: which neurons each side computes (Placement), the rows
+// of those neurons copied out of the model into private memory (FfnRowStore), and the exact
+// computation of one side's share (PartialFfn). The gpu-worker and the cpu-worker run the same
+// code on complementary neuron sets, and their outputs add up to the dense FFN.
+//
+// Why copy rows instead of computing from the model mapping: a neuron's gate and up weights are
+// rows, but its down weights are a column of down: [hidden, ffn], which shares every page with
+// all the other neurons. Each side therefore stores its neurons' down columns transposed into
+// rows (PowerInfer's ffn_down_t), next to their gate and up rows, so that computing a neuron reads
+// three contiguous rows and the process keeps only its own neurons resident. The cpu-worker then
+// drops the model mapping's pages (ReleaseMappedPages): its resident memory is the cold rows.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "shared/engine/ops.h"
+#include "shared/model/model.h"
+
+namespace pinfer {
+
+// Neurons computed by the gpu-worker ("hot"), per layer, ascending; the rest are cold. This is the
+// interface a profiled placement (activation-locality work, PowerInfer's gpu_idx) plugs into.
+struct Placement {
+  std::vector<std::vector<int32_t>> hot;
+
+  // The first round(fraction * ffn) neurons of every layer are hot. A stand-in until a profiled
+  // placement is available; any split gives exact results, only the speed depends on it.
+  static Placement FixedFraction(const ModelConfig& c, double hot_fraction);
+  // From per-layer bitmaps (bit set = hot), as stored in the shared-memory segment.
+  static Placement FromBitmaps(const std::vector<const uint64_t*>& bitmaps, int ffn);
+  // Writes layer `l`'s hot set as a bitmap of (ffn + 63) / 64 words.
+  void ToBitmap(int layer, int ffn, uint64_t* bitmap) const;
+  std::vector<int32_t> Cold(int layer, int ffn) const;
+  size_t hot_neurons() const;
+};
+
+// A hash of what both workers must agree on before exchanging activations: the configuration and
+// the FFN weights' layout and a sample of their bytes (so two different checkpoints of one
+// architecture do not match).
+uint64_t ModelFingerprint(const Model& model);
+
+// The FFN rows of a subset of neurons per layer, in private memory. gate/up keep the stored
+// dtype; down_t is F16/BF16 when down is (exact copy), otherwise F32 (exact for quantized data).
+class FfnRowStore {
+ public:
+  struct Layer {
+    std::vector<int32_t> neurons;  // global neuron ids, ascending
+    TensorView gate, up;           // [k, hidden]
+    TensorView down_t;             // [k, hidden]
+  };
+  // neurons[l]: the subset of layer l.
+  static absl::StatusOr<std::unique_ptr<FfnRowStore>> Build(
+      const Model& model, const std::vector<std::vector<int32_t>>& neurons);
+
+  const Layer& layer(int l) const { return layers_[l]; }
+  int n_layers() const { return static_cast<int>(layers_.size()); }
+  size_t bytes() const { return bytes_; }
+  size_t neurons() const;
+
+ private:
+  std::vector<Layer> layers_;
+  std::vector<std::vector<uint8_t>> storage_;
+  size_t bytes_ = 0;
+};
+
+// Drops the model's mapped file pages from this process's resident set (they stay in the page
+// cache). Called by the cpu-worker after building its row store, which is all it reads.
+void ReleaseMappedPages(const Model& model);
+
+// One side's share of a layer's FFN, exact: for ReLU-family models the gate decides (only rows
+// whose gate is positive for some token get up and down computed); for SiLU every row is
+// computed. In sparse mode `masks` ([n][words_per_mask] over global neuron ids) restricts the
+// computation to the listed neurons per token.
+class PartialFfn {
+ public:
+  PartialFfn(const FfnRowStore& rows, Activation act, const CpuOps& ops)
+      : rows_(rows), act_(act), ops_(ops) {}
+  // out: [n, hidden] += this side's contribution for x: [n, hidden]. Returns the number of
+  // (token, neuron) pairs with a non-zero activation that were computed.
+  uint64_t Accumulate(int layer, const float* x, int n, const uint64_t* masks, int words_per_mask,
+                      float* out);
+
+ private:
+  const FfnRowStore& rows_;
+  Activation act_;
+  const CpuOps& ops_;
+  std::vector<float> gate_, sel_gate_, up_;
+  std::vector<int32_t> sel_;
+};
+
+}  // namespace pinfer

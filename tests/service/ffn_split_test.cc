@@ -1,0 +1,156 @@
+// The FFN split between the workers must add up to the dense FFN: for every layer, the hot side's
+// contribution plus the cold side's equals DenseFfn's output (to fp32 rounding), for ReLU models
+// (the gate decides which rows are computed) and SiLU models (every row), for any placement. Also
+// checks that sparse masks restrict the work, and that the row store's resident footprint is the
+// selected rows only.
+#include <random>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "shared/engine/ops.h"
+#include "shared/engine/transformer.h"
+#include "shared/model/model.h"
+#include "shared/service/ffn_split.h"
+#include "shared/service/log.h"
+
+namespace pinfer {
+namespace {
+
+std::unique_ptr<Model> Load(const std::string& rel) {
+  auto m = LoadModel(std::string(PINFER_MODELS_DIR) + "/" + rel);
+  EXPECT_TRUE(m.ok()) << m.status();
+  return m.ok() ? std::move(*m) : nullptr;
+}
+
+// Max |a - b| relative to max |b|.
+double RelErr(const std::vector<float>& a, const std::vector<float>& b) {
+  double err = 0, scale = 1e-30;
+  for (size_t i = 0; i < a.size(); ++i) {
+    err = std::max(err, static_cast<double>(std::fabs(a[i] - b[i])));
+    scale = std::max(scale, static_cast<double>(std::fabs(b[i])));
+  }
+  return err / scale;
+}
+
+void CheckSplitMatchesDense(const Model& m, double hot_fraction, Placement placement) {
+  const ModelConfig& c = m.config;
+  auto ops = NewSimdOps(nullptr);
+  DenseFfn dense(m, *ops);
+  std::vector<std::vector<int32_t>> cold(c.n_layers);
+  for (int l = 0; l < c.n_layers; ++l) cold[l] = placement.Cold(l, c.ffn_size);
+  auto hot_rows = FfnRowStore::Build(m, placement.hot);
+  auto cold_rows = FfnRowStore::Build(m, cold);
+  ASSERT_TRUE(hot_rows.ok() && cold_rows.ok());
+  EXPECT_EQ((*hot_rows)->neurons() + (*cold_rows)->neurons(),
+            static_cast<size_t>(c.n_layers) * c.ffn_size);
+  PartialFfn hot(**hot_rows, c.activation, *ops), cold_side(**cold_rows, c.activation, *ops);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int n = 3, H = c.hidden_size;
+  std::vector<float> x(n * H), want(n * H), got(n * H);
+  for (int l = 0; l < c.n_layers; ++l) {
+    for (float& v : x) v = nd(rng);
+    ASSERT_TRUE(dense.Forward(l, x.data(), n, want.data()).ok());
+    std::fill(got.begin(), got.end(), 0.f);
+    const uint64_t a = hot.Accumulate(l, x.data(), n, nullptr, 0, got.data());
+    const uint64_t b = cold_side.Accumulate(l, x.data(), n, nullptr, 0, got.data());
+    EXPECT_LT(RelErr(got, want), 2e-5) << "layer " << l << " hot fraction " << hot_fraction;
+    if (c.activation == Activation::kSilu) {
+      EXPECT_EQ(a + b, static_cast<uint64_t>(n) * c.ffn_size);
+    } else {
+      // ReLU: roughly half the neurons of a random input are active, never all.
+      EXPECT_GT(a + b, 0u);
+      EXPECT_LT(a + b, static_cast<uint64_t>(n) * c.ffn_size);
+    }
+  }
+}
+
+TEST(FfnSplitTest, ReluSplitEqualsDenseForAnyPlacement) {
+  auto m = Load("relu-llama-tiny");
+  ASSERT_NE(m, nullptr);
+  for (double f : {0.0, 0.3, 0.5, 1.0}) {
+    CheckSplitMatchesDense(*m, f, Placement::FixedFraction(m->config, f));
+  }
+  // A scattered placement (every third neuron hot).
+  Placement p;
+  p.hot.resize(m->config.n_layers);
+  for (auto& l : p.hot) {
+    for (int i = 0; i < m->config.ffn_size; i += 3) l.push_back(i);
+  }
+  CheckSplitMatchesDense(*m, 1.0 / 3, p);
+}
+
+TEST(FfnSplitTest, SiluSplitEqualsDense) {
+  auto m = Load("stories260K/stories260K.gguf");
+  ASSERT_NE(m, nullptr);
+  ASSERT_EQ(m->config.activation, Activation::kSilu);
+  CheckSplitMatchesDense(*m, 0.4, Placement::FixedFraction(m->config, 0.4));
+}
+
+TEST(FfnSplitTest, MasksRestrictTheComputedNeurons) {
+  auto m = Load("relu-llama-tiny");
+  ASSERT_NE(m, nullptr);
+  const ModelConfig& c = m->config;
+  auto ops = NewSimdOps(nullptr);
+  Placement all = Placement::FixedFraction(c, 1.0);
+  auto rows = FfnRowStore::Build(*m, all.hot);
+  ASSERT_TRUE(rows.ok());
+  PartialFfn ffn(**rows, c.activation, *ops);
+  const int H = c.hidden_size, W = (c.ffn_size + 63) / 64;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> x(2 * H), exact(2 * H, 0.f), masked(2 * H, 0.f), manual(2 * H, 0.f);
+  for (float& v : x) v = nd(rng);
+  ffn.Accumulate(2, x.data(), 2, nullptr, 0, exact.data());
+  // All bits set: same as exact mode.
+  std::vector<uint64_t> masks(2 * W, ~0ull);
+  ffn.Accumulate(2, x.data(), 2, masks.data(), W, masked.data());
+  EXPECT_LT(RelErr(masked, exact), 1e-6);
+  // Token 0 keeps only neuron 5, token 1 none: the output is neuron 5's term for token 0.
+  std::fill(masks.begin(), masks.end(), 0);
+  masks[0] = 1ull << 5;
+  std::fill(masked.begin(), masked.end(), 0.f);
+  const uint64_t count = ffn.Accumulate(2, x.data(), 2, masks.data(), W, masked.data());
+  const LayerWeights& L = m->layers[2];
+  std::vector<float> g(1), u(1), row(c.ffn_size);
+  int32_t five = 5;
+  ops->MatMulRows(L.gate, &five, 1, x.data(), 1, g.data());
+  ops->MatMulRows(L.up, &five, 1, x.data(), 1, u.data());
+  const float a = std::max(g[0], 0.f) * u[0];
+  for (int h = 0; h < H; ++h) {
+    DequantizeRow(L.down.dtype, L.down.row(h), row.data(), c.ffn_size);
+    manual[h] = a * row[5];
+  }
+  EXPECT_LT(RelErr(masked, manual), 1e-6);
+  EXPECT_EQ(count, a != 0 ? 1u : 0u);
+  for (int h = 0; h < H; ++h) EXPECT_EQ(masked[H + h], 0.f);
+}
+
+TEST(FfnSplitTest, StoreHoldsOnlyItsRowsAndRejectsBadPlacements) {
+  auto m = Load("relu-llama-tiny");
+  ASSERT_NE(m, nullptr);
+  const ModelConfig& c = m->config;
+  Placement p = Placement::FixedFraction(c, 0.25);
+  EXPECT_EQ(p.hot[0].size(), static_cast<size_t>(c.ffn_size / 4));
+  auto rows = FfnRowStore::Build(*m, p.hot);
+  ASSERT_TRUE(rows.ok());
+  // fp16 weights: gate, up and down_t rows of hidden * 2 bytes per neuron.
+  EXPECT_EQ((*rows)->bytes(), p.hot_neurons() * 3 * c.hidden_size * 2);
+  EXPECT_EQ((*rows)->layer(0).down_t.dtype, DType::kF16);
+
+  std::vector<uint64_t> bm((c.ffn_size + 63) / 64);
+  p.ToBitmap(1, c.ffn_size, bm.data());
+  std::vector<const uint64_t*> maps(c.n_layers, bm.data());
+  Placement back = Placement::FromBitmaps(maps, c.ffn_size);
+  EXPECT_EQ(back.hot[3], p.hot[1]);
+
+  std::vector<std::vector<int32_t>> bad(c.n_layers);
+  bad[1] = {3, 2};
+  EXPECT_THAT(FfnRowStore::Build(*m, bad).status().message(),
+              ::testing::HasSubstr("ascending"));
+  EXPECT_EQ(FfnRowStore::Build(*m, {{1}}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(ModelFingerprint(*m), 0u);
+}
+
+}  // namespace
+}  // namespace pinfer
