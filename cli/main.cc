@@ -16,7 +16,8 @@ constexpr char kUsage[] =
     "  generate    --model PATH --prompt TEXT [--max-tokens N] [--temperature T] [--top-k K]\n"
     "              [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--stop S]\n"
     "              [--threads N] [--json] [--logits] [--reference]\n"
-    "  perplexity  --model PATH --tokens FILE.u32 --window W [--threads N] [--json]\n";
+    "  perplexity  --model PATH --tokens FILE.u32 --window W [--threads N] [--json]\n"
+    "  convert     --model HF_DIR --out FILE.gguf [--type f16|q8_0|q4_0|f32] [--name NAME]\n";
 
 }  // namespace
 
@@ -25,6 +26,7 @@ int main(int argc, char** argv) {
   const std::map<std::string, Command> commands = {
       {"generate", pinfer::cli::GenerateCommand},
       {"perplexity", pinfer::cli::PerplexityCommand},
+      {"convert", pinfer::cli::ConvertCommand},
   };
   if (argc < 2) {
     std::fputs(kUsage, stderr);

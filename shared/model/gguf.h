@@ -262,4 +262,13 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const GgufFile& fil
 // themselves, read their extra tensors and reuse this). The model shares the file's mapping.
 absl::StatusOr<std::unique_ptr<Model>> LoadGgufModelFrom(const GgufFile& file);
 
+struct GgufConvertOptions {
+  GgmlType type = GgmlType::kF16;  // kF32, kF16, kQ8_0 or kQ4_0
+  std::string name;                // general.name; the directory's name when empty
+};
+// Converts a Hugging Face LlamaForCausalLM directory with a sentencepiece tokenizer.model to a
+// GGUF v3 `llama` file in llama.cpp's conventions (`pinfer convert`; see gguf_convert.cc).
+absl::Status ConvertHuggingFaceToGguf(const std::string& hf_dir, const std::string& out_path,
+                                      const GgufConvertOptions& opts);
+
 }  // namespace pinfer

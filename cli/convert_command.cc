@@ -1,0 +1,48 @@
+// `pinfer convert`: a Hugging Face LlamaForCausalLM directory to a GGUF v3 `llama` file that
+// pinfer and llama.cpp both load (the conversion itself is ConvertHuggingFaceToGguf).
+#include <chrono>
+#include <cstdio>
+
+#include "cli/commands.h"
+#include "cli/flags.h"
+#include "shared/model/gguf.h"
+
+namespace pinfer::cli {
+namespace {
+
+constexpr char kUsage[] =
+    "usage: pinfer convert --model HF_DIR --out FILE.gguf [--type f16|q8_0|q4_0|f32] [--name NAME]\n";
+
+}  // namespace
+
+int ConvertCommand(const std::vector<std::string>& args) {
+  auto flags = Flags::Parse(args, {"model", "out", "type", "name"}, {});
+  if (!flags.ok()) return UsageError(kUsage, flags.status());
+  auto model = flags->Required("model");
+  auto out = flags->Required("out");
+  for (const absl::Status& st : {model.status(), out.status()}) {
+    if (!st.ok()) return UsageError(kUsage, st);
+  }
+  GgufConvertOptions opts;
+  const std::string type = flags->Get("type").value_or("f16");
+  if (type == "f32") {
+    opts.type = GgmlType::kF32;
+  } else if (type == "f16") {
+    opts.type = GgmlType::kF16;
+  } else if (type == "q8_0") {
+    opts.type = GgmlType::kQ8_0;
+  } else if (type == "q4_0") {
+    opts.type = GgmlType::kQ4_0;
+  } else {
+    return UsageError(kUsage, absl::InvalidArgumentError("--type must be f16, q8_0, q4_0 or f32"));
+  }
+  opts.name = flags->Get("name").value_or("");
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status st = ConvertHuggingFaceToGguf(*model, *out, opts);
+  if (!st.ok()) return RuntimeError(st);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::fprintf(stderr, "wrote %s (%s) in %.1f s\n", out->c_str(), type.c_str(), s);
+  return 0;
+}
+
+}  // namespace pinfer::cli

@@ -1,0 +1,294 @@
+// Hugging Face LlamaForCausalLM directory -> GGUF v3 `llama` file, following llama.cpp's
+// convert_hf_to_gguf.py so that llama.cpp loads the result as one of its own:
+//  - tensor names token_embd / output_norm / output / blk.N.{attn_norm, attn_q, attn_k, attn_v,
+//    attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down}; `output` is left out when tied;
+//  - Q and K rows permuted per head (llama.cpp's `permute`) so that RoPE rotates adjacent pairs;
+//  - 1-D tensors (norms) always F32; 2-D weights in the requested type. q8_0 quantizes every
+//    matrix, token_embd and output included, as convert_hf_to_gguf.py --outtype q8_0 does. q4_0
+//    follows llama-quantize Q4_0, which keeps the output matrix (token_embd when tied) at higher
+//    precision: llama.cpp uses Q6_K there, pinfer Q8_0 (the closest type it computes with).
+//    Matrices whose rows are not a multiple of 32 fall back to F16, as in llama.cpp;
+//  - Llama-3 RoPE scaling as the `rope_freqs` tensor of per-frequency divisors;
+//  - the vocabulary of tokenizer.model (tokens, scores, types) as tokenizer.ggml.* keys.
+// pinfer adds one key of its own, `pinfer.hidden_act`, because GGUF has no standard way to say
+// that a `llama` model's FFN is ReLU- rather than SiLU-gated (llama.cpp ignores the key).
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+#include "shared/model/gguf.h"
+#include "shared/model/model.h"
+#include "shared/util/status_macros.h"
+
+namespace pinfer {
+namespace {
+
+// llama.cpp's llama_ftype values for general.file_type.
+uint32_t FileType(GgmlType t) {
+  switch (t) {
+    case GgmlType::kF32: return 0;   // LLAMA_FTYPE_ALL_F32
+    case GgmlType::kF16: return 1;   // LLAMA_FTYPE_MOSTLY_F16
+    case GgmlType::kQ4_0: return 2;  // LLAMA_FTYPE_MOSTLY_Q4_0
+    case GgmlType::kQ8_0: return 7;  // LLAMA_FTYPE_MOSTLY_Q8_0
+    default: return 0;
+  }
+}
+
+struct SentencePieceVocab {
+  std::vector<std::string> tokens;
+  std::vector<float> scores;
+  std::vector<int32_t> types;
+  bool add_dummy_prefix = true;
+};
+
+// A minimal protobuf wire-format reader: just enough of sentencepiece_model.proto (pieces and
+// normalizer_spec.add_dummy_prefix) to copy a tokenizer.model's vocabulary.
+class WireReader {
+ public:
+  explicit WireReader(absl::string_view b) : p_(b.data()), end_(b.data() + b.size()) {}
+  bool done() const { return p_ == end_; }
+  // Reads the next field; `bytes` is set for length-delimited fields, `value` for the others.
+  bool Next(int* field, int* wire_type, uint64_t* value, absl::string_view* bytes) {
+    uint64_t key;
+    if (!Varint(&key)) return false;
+    *field = static_cast<int>(key >> 3);
+    *wire_type = static_cast<int>(key & 7);
+    switch (*wire_type) {
+      case 0: return Varint(value);
+      case 1: return Fixed(8, value);
+      case 5: return Fixed(4, value);
+      case 2: {
+        uint64_t len;
+        if (!Varint(&len) || len > static_cast<uint64_t>(end_ - p_)) return false;
+        *bytes = absl::string_view(p_, len);
+        p_ += len;
+        return true;
+      }
+      default: return false;
+    }
+  }
+
+ private:
+  bool Varint(uint64_t* v) {
+    *v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      if (p_ == end_) return false;
+      const uint8_t b = static_cast<uint8_t>(*p_++);
+      *v |= static_cast<uint64_t>(b & 0x7f) << shift;
+      if (b < 0x80) return true;
+    }
+    return false;
+  }
+  bool Fixed(int n, uint64_t* v) {
+    if (end_ - p_ < n) return false;
+    *v = 0;
+    std::memcpy(v, p_, n);
+    p_ += n;
+    return true;
+  }
+  const char* p_;
+  const char* end_;
+};
+
+absl::StatusOr<SentencePieceVocab> ReadSentencePieceVocab(const std::string& path) {
+  ASSIGN_OR_RETURN(std::string proto, ReadFileToString(path));
+  auto bad = [&]() { return absl::InvalidArgumentError(absl::StrCat(path, ": malformed sentencepiece model")); };
+  SentencePieceVocab v;
+  WireReader top(proto);
+  int field, wt;
+  uint64_t value;
+  absl::string_view bytes;
+  while (!top.done()) {
+    if (!top.Next(&field, &wt, &value, &bytes)) return bad();
+    if (field == 1 && wt == 2) {  // ModelProto.pieces
+      WireReader piece(bytes);
+      std::string text;
+      float score = 0;
+      int32_t type = 1;  // NORMAL
+      while (!piece.done()) {
+        if (!piece.Next(&field, &wt, &value, &bytes)) return bad();
+        if (field == 1 && wt == 2) text = std::string(bytes);
+        if (field == 2 && wt == 5) {
+          const uint32_t bits = static_cast<uint32_t>(value);
+          std::memcpy(&score, &bits, 4);
+        }
+        if (field == 3 && wt == 0) type = static_cast<int32_t>(value);
+      }
+      v.tokens.push_back(std::move(text));
+      v.scores.push_back(score);
+      v.types.push_back(type);
+    } else if (field == 3 && wt == 2) {  // ModelProto.normalizer_spec
+      WireReader spec(bytes);
+      while (!spec.done()) {
+        if (!spec.Next(&field, &wt, &value, &bytes)) return bad();
+        if (field == 3 && wt == 0) v.add_dummy_prefix = value != 0;
+      }
+    }
+  }
+  if (v.tokens.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": no pieces"));
+  return v;
+}
+
+// Converts (and row-permutes) one tensor into `type` when the Producer runs.
+GgufWriter::Producer Converter(TensorView src, DType type, std::function<int64_t(int64_t)> row_of) {
+  return [src, type, row_of]() -> absl::StatusOr<std::string> {
+    const int64_t rows = src.rows(), cols = src.cols();
+    const size_t out_row = RowBytes(type, cols);
+    std::string out(static_cast<size_t>(rows) * out_row, '\0');
+    std::vector<float> tmp(cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      DequantizeRow(src.dtype, src.row(row_of ? row_of(r) : r), tmp.data(), cols);
+      QuantizeRow(type, tmp.data(), out.data() + r * out_row, cols);
+    }
+    return out;
+  };
+}
+
+// llama.cpp's `permute`: within each head of `head_dim` rows, stored row 2i comes from row i and
+// stored row 2i+1 from row i + head_dim/2, which turns rotate-half RoPE into pairwise RoPE.
+std::function<int64_t(int64_t)> RopePermutation(int head_dim) {
+  return [head_dim](int64_t r) -> int64_t {
+    const int64_t head = r / head_dim, i = r % head_dim;
+    return head * head_dim + (i % 2) * (head_dim / 2) + i / 2;
+  };
+}
+
+}  // namespace
+
+absl::Status ConvertHuggingFaceToGguf(const std::string& hf_dir, const std::string& out_path,
+                                      const GgufConvertOptions& opts) {
+  namespace fs = std::filesystem;
+  if (opts.type != GgmlType::kF32 && opts.type != GgmlType::kF16 && opts.type != GgmlType::kQ8_0 &&
+      opts.type != GgmlType::kQ4_0) {
+    return absl::InvalidArgumentError("output type must be f32, f16, q8_0 or q4_0");
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Model> model, LoadHuggingFaceModel(hf_dir));
+  const ModelConfig& c = model->config;
+  const fs::path spm_path = fs::path(hf_dir) / "tokenizer.model";
+  if (!fs::exists(spm_path)) {
+    return absl::UnimplementedError(absl::StrCat(
+        hf_dir, ": no tokenizer.model (only sentencepiece vocabularies are converted)"));
+  }
+  ASSIGN_OR_RETURN(SentencePieceVocab vocab, ReadSentencePieceVocab(spm_path.string()));
+  if (static_cast<int>(vocab.tokens.size()) > c.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat("tokenizer.model has ", vocab.tokens.size(),
+                                                   " pieces but the model only ", c.vocab_size,
+                                                   " embeddings"));
+  }
+  // Embedding rows beyond the tokenizer are padding (llama.cpp names them [PADn], unused).
+  for (int i = static_cast<int>(vocab.tokens.size()); i < c.vocab_size; ++i) {
+    vocab.tokens.push_back(absl::StrCat("[PAD", i, "]"));
+    vocab.scores.push_back(-1000.f);
+    vocab.types.push_back(5);
+  }
+  int unk_id = 0;
+  for (size_t i = 0; i < vocab.types.size(); ++i) {
+    if (vocab.types[i] == 2) {
+      unk_id = static_cast<int>(i);
+      break;
+    }
+  }
+  bool add_bos = c.add_bos, add_eos = false;
+  std::string chat_template;
+  if (auto tc = ReadFileToString((fs::path(hf_dir) / "tokenizer_config.json").string()); tc.ok()) {
+    nlohmann::json j = nlohmann::json::parse(*tc, nullptr, false);
+    if (j.is_object()) {
+      if (j.contains("add_bos_token") && j["add_bos_token"].is_boolean()) add_bos = j["add_bos_token"];
+      if (j.contains("add_eos_token") && j["add_eos_token"].is_boolean()) add_eos = j["add_eos_token"];
+      if (j.contains("chat_template") && j["chat_template"].is_string()) chat_template = j["chat_template"];
+    }
+  }
+
+  GgufWriter w;
+  std::string name = opts.name;
+  if (name.empty()) name = fs::path(hf_dir).lexically_normal().filename().string();
+  if (name.empty()) name = fs::path(hf_dir).lexically_normal().parent_path().filename().string();
+  w.SetString("general.architecture", "llama");
+  w.SetString("general.name", name);
+  w.SetU32("general.file_type", FileType(opts.type));
+  w.SetU32("general.quantization_version", 2);  // GGML_QNT_VERSION
+  w.SetU32("llama.vocab_size", static_cast<uint32_t>(c.vocab_size));
+  w.SetU32("llama.context_length", static_cast<uint32_t>(c.max_context));
+  w.SetU32("llama.embedding_length", static_cast<uint32_t>(c.hidden_size));
+  w.SetU32("llama.block_count", static_cast<uint32_t>(c.n_layers));
+  w.SetU32("llama.feed_forward_length", static_cast<uint32_t>(c.ffn_size));
+  w.SetU32("llama.rope.dimension_count", static_cast<uint32_t>(c.head_dim));
+  w.SetU32("llama.attention.head_count", static_cast<uint32_t>(c.n_heads));
+  w.SetU32("llama.attention.head_count_kv", static_cast<uint32_t>(c.n_kv_heads));
+  w.SetU32("llama.attention.key_length", static_cast<uint32_t>(c.head_dim));
+  w.SetU32("llama.attention.value_length", static_cast<uint32_t>(c.head_dim));
+  w.SetF32("llama.attention.layer_norm_rms_epsilon", c.norm_eps);
+  w.SetF32("llama.rope.freq_base", c.rope_theta);
+  w.SetString("pinfer.hidden_act", ActivationName(c.activation));
+  w.SetString("tokenizer.ggml.model", "llama");
+  w.SetStringArray("tokenizer.ggml.tokens", vocab.tokens);
+  w.SetF32Array("tokenizer.ggml.scores", vocab.scores);
+  w.SetI32Array("tokenizer.ggml.token_type", vocab.types);
+  w.SetU32("tokenizer.ggml.bos_token_id", static_cast<uint32_t>(c.bos_id));
+  w.SetU32("tokenizer.ggml.eos_token_id", static_cast<uint32_t>(c.eos_id));
+  w.SetU32("tokenizer.ggml.unknown_token_id", static_cast<uint32_t>(unk_id));
+  w.SetBool("tokenizer.ggml.add_bos_token", add_bos);
+  w.SetBool("tokenizer.ggml.add_eos_token", add_eos);
+  w.SetBool("tokenizer.ggml.add_space_prefix", vocab.add_dummy_prefix);
+  if (!chat_template.empty()) w.SetString("tokenizer.chat_template", chat_template);
+
+  auto add = [&](const std::string& gguf_name, const TensorView& t, bool is_output,
+                 std::function<int64_t(int64_t)> row_of = nullptr) -> absl::Status {
+    GgmlType type = opts.type;
+    if (t.shape.size() == 1 || (t.shape.size() == 2 && t.shape[0] == 1)) {
+      type = GgmlType::kF32;  // norms
+    } else if (is_output && opts.type == GgmlType::kQ4_0) {
+      type = GgmlType::kQ8_0;
+    }
+    if ((type == GgmlType::kQ8_0 || type == GgmlType::kQ4_0) && t.cols() % kQuantBlock != 0) {
+      type = GgmlType::kF16;
+    }
+    ASSIGN_OR_RETURN(DType dtype, DTypeFromGgmlType(static_cast<uint32_t>(type)));
+    std::vector<int64_t> shape = t.shape;
+    if (shape.size() == 2 && shape[0] == 1) shape.erase(shape.begin());
+    return w.AddTensor(gguf_name, type, shape, Converter(t, dtype, std::move(row_of)));
+  };
+  RETURN_IF_ERROR(add("token_embd.weight", model->tok_embeddings, c.tie_embeddings));
+  if (c.rope_scaling.llama3) {
+    // convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors, in float32 like torch.
+    const RopeScaling& s = c.rope_scaling;
+    const double low_wavelen = s.original_max_position / s.low_freq_factor;
+    const double high_wavelen = s.original_max_position / s.high_freq_factor;
+    std::string factors;
+    for (int i = 0; i < c.head_dim / 2; ++i) {
+      const float freq = 1.f / std::pow(c.rope_theta, static_cast<float>(2 * i) / c.head_dim);
+      const double wavelen = 2 * M_PI / freq;
+      double f = 1;
+      if (wavelen > low_wavelen) {
+        f = s.factor;
+      } else if (wavelen >= high_wavelen) {
+        const double smooth = (s.original_max_position / wavelen - s.low_freq_factor) /
+                              (s.high_freq_factor - s.low_freq_factor);
+        f = 1 / ((1 - smooth) / s.factor + smooth);
+      }
+      const float ff = static_cast<float>(f);
+      factors.append(reinterpret_cast<const char*>(&ff), 4);
+    }
+    RETURN_IF_ERROR(w.AddTensor("rope_freqs.weight", GgmlType::kF32, {c.head_dim / 2}, factors));
+  }
+  RETURN_IF_ERROR(add("output_norm.weight", model->output_norm, false));
+  if (!c.tie_embeddings) RETURN_IF_ERROR(add("output.weight", model->output, true));
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights& L = model->layers[l];
+    const std::string p = absl::StrCat("blk.", l, ".");
+    RETURN_IF_ERROR(add(p + "attn_norm.weight", L.attn_norm, false));
+    RETURN_IF_ERROR(add(p + "attn_q.weight", L.wq, false, RopePermutation(c.head_dim)));
+    RETURN_IF_ERROR(add(p + "attn_k.weight", L.wk, false, RopePermutation(c.head_dim)));
+    RETURN_IF_ERROR(add(p + "attn_v.weight", L.wv, false));
+    RETURN_IF_ERROR(add(p + "attn_output.weight", L.wo, false));
+    RETURN_IF_ERROR(add(p + "ffn_norm.weight", L.ffn_norm, false));
+    RETURN_IF_ERROR(add(p + "ffn_gate.weight", L.gate, false));
+    RETURN_IF_ERROR(add(p + "ffn_up.weight", L.up, false));
+    RETURN_IF_ERROR(add(p + "ffn_down.weight", L.down, false));
+  }
+  return w.WriteFile(out_path);
+}
+
+}  // namespace pinfer
