@@ -1,0 +1,777 @@
+// The CUDA Backend (backend.h): uploads a placement's weights and runs the forward pass on one
+// GPU, calling the cold side once per layer while the hot rows of that layer are computed.
+//
+// One stream carries all GPU work in order; the host only waits where the pinfer split needs it:
+// for the FFN input of a layer to reach host memory (an event), and at the end of the step. So
+// per layer the GPU runs attention, publishes the FFN input, and goes straight on to the hot
+// rows, while the host hands the same input to the cold side; when the cold side returns, its
+// contribution is copied up and added together with the hot one.
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpu-worker/cuda/backend.h"
+#include "gpu-worker/cuda/gemm.h"
+#include "gpu-worker/cuda/kernels.h"
+
+namespace pinfer {
+namespace cuda {
+namespace {
+
+// Batches up to this many tokens use the matrix-vector kernels (one pass over the weights);
+// larger ones go through cuBLAS.
+constexpr int kSmallBatch = 8;
+
+BackendStatus Error(Code code, std::string message) { return BackendStatus{code, std::move(message)}; }
+BackendStatus Ok() { return BackendStatus{}; }
+
+BackendStatus CudaError(cudaError_t e, const char* what, int line) {
+  return Error(Code::kInternal, std::string(what) + " (backend.cc:" + std::to_string(line) +
+                                    "): " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+}
+
+#define CUDA_RETURN_IF_ERROR(expr)                                        \
+  do {                                                                    \
+    cudaError_t _e = (expr);                                              \
+    if (_e != cudaSuccess) return CudaError(_e, #expr, __LINE__);         \
+  } while (0)
+
+#define BACKEND_RETURN_IF_ERROR(expr)        \
+  do {                                       \
+    BackendStatus _s = (expr);               \
+    if (!_s.ok()) return _s;                 \
+  } while (0)
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+size_t HostRowBytes(HostType t, int64_t cols) { return WRowBytes(static_cast<WType>(t), cols); }
+
+// fp32 copy of a small host vector (norm weights).
+bool HostToFloat(const HostMatrix& m, std::vector<float>* out) {
+  const int64_t n = m.rows * m.cols;
+  out->resize(n);
+  const auto* u16 = static_cast<const uint16_t*>(m.data);
+  switch (m.type) {
+    case HostType::kF32: std::memcpy(out->data(), m.data, n * 4); return true;
+    case HostType::kF16:
+      for (int64_t i = 0; i < n; ++i) {
+        // IEEE half -> float via the hardware-independent bit route.
+        const uint16_t h = u16[i];
+        const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+        uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+        if (exp == 0) {
+          if (mant == 0) {
+            bits = sign;
+          } else {
+            int e = -1;
+            do {
+              ++e;
+              mant <<= 1;
+            } while ((mant & 0x400) == 0);
+            bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (mant & 0x3ff) << 13;
+          }
+        } else if (exp == 31) {
+          bits = sign | 0x7f800000u | mant << 13;
+        } else {
+          bits = sign | (exp + 127 - 15) << 23 | mant << 13;
+        }
+        std::memcpy(&(*out)[i], &bits, 4);
+      }
+      return true;
+    case HostType::kBF16:
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(u16[i]) << 16;
+        std::memcpy(&(*out)[i], &bits, 4);
+      }
+      return true;
+    default: return false;
+  }
+}
+
+struct DeviceLayer {
+  FfnPlacement ffn = FfnPlacement::kNone;
+  float* attn_norm = nullptr;
+  float* ffn_norm = nullptr;
+  DeviceMatrix wq, wk, wv, wo;
+  DeviceMatrix gate, up, down, down_t;  // kHot: compact hot rows
+  int n_hot = 0;
+  int32_t* hot_ids = nullptr;           // device [n_hot] global ids
+  std::vector<int32_t> cold_ids_host;   // ascending global ids not in hot_ids
+  int32_t* cold_ids = nullptr;          // device [n_cold]
+  DeviceMatrix fc1, fc2;
+  int kv_index = -1;                    // KV cache layer slot
+};
+
+class CudaBackend : public Backend {
+ public:
+  ~CudaBackend() override { Release(); }
+
+  BackendStatus Create(const ModelUpload& m);
+  BackendStatus Forward(const ForwardArgs& args) override;
+  BackendStatus RegisterHostMemory(void* ptr, size_t bytes) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    CUDA_RETURN_IF_ERROR(cudaHostRegister(ptr, bytes, cudaHostRegisterDefault));
+    return Ok();
+  }
+  BackendStatus UnregisterHostMemory(void* ptr) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    CUDA_RETURN_IF_ERROR(cudaHostUnregister(ptr));
+    return Ok();
+  }
+  size_t DeviceBytes() const override { return device_bytes_; }
+  size_t WeightBytes() const override { return weight_bytes_; }
+  std::string DeviceName() const override { return device_name_; }
+  const ForwardStats& last_stats() const override { return stats_; }
+  void set_collect_gpu_times(bool on) override { collect_gpu_times_ = on; }
+
+ private:
+  template <typename T>
+  BackendStatus Alloc(size_t count, T** out, bool weight = false) {
+    const size_t bytes = count * sizeof(T) + 0;
+    void* p = nullptr;
+    if (bytes > 0) {
+      cudaError_t e = cudaMalloc(&p, bytes);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        return Error(Code::kResourceExhausted,
+                     "cudaMalloc of " + std::to_string(bytes) + " bytes failed: " +
+                         cudaGetErrorString(e) + " (" + std::to_string(device_bytes_) +
+                         " bytes already allocated)");
+      }
+      allocations_.push_back(p);
+      device_bytes_ += bytes;
+      if (weight) weight_bytes_ += bytes;
+    }
+    *out = static_cast<T*>(p);
+    return Ok();
+  }
+  template <typename T>
+  BackendStatus AllocHost(size_t count, T** out) {
+    void* p = nullptr;
+    CUDA_RETURN_IF_ERROR(cudaMallocHost(&p, count * sizeof(T) + 64));
+    host_allocations_.push_back(p);
+    *out = static_cast<T*>(p);
+    return Ok();
+  }
+
+  // Uploads a whole matrix, or only rows `ids` of it (in that order).
+  BackendStatus UploadMatrix(const HostMatrix& h, const std::vector<int32_t>* ids,
+                             const char* name, DeviceMatrix* out);
+  BackendStatus UploadVector(const HostMatrix& h, int64_t expect, const char* name, float** out);
+  // y: [n, ldy] = x: [n, w.cols] @ w^T
+  BackendStatus Proj(const DeviceMatrix& w, const float* x, int n, float* y, int ldy);
+  BackendStatus RunLayer(int l, const ForwardArgs& a, float* exchange_x, float* exchange_out,
+                         int32_t* exchange_active);
+  void Release();
+
+  ModelDims dims_;
+  int max_ctx_ = 0, max_seqs_ = 0, max_batch_ = 0, device_ = 0;
+  std::string device_name_;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
+  std::vector<void*> allocations_, host_allocations_;
+  size_t device_bytes_ = 0, weight_bytes_ = 0;
+
+  DeviceMatrix tok_embeddings_, output_;
+  float* output_norm_ = nullptr;
+  float* inv_freq_ = nullptr;
+  std::vector<DeviceLayer> layers_;
+  int kv_layers_ = 0;
+  float* k_cache_ = nullptr;  // [kv_layers, max_seqs, max_ctx, kv_dim]
+  float* v_cache_ = nullptr;
+
+  // Scratch, [max_batch, ...].
+  float *x_ = nullptr, *xb_ = nullptr, *q_ = nullptr, *att_ = nullptr, *hot_out_ = nullptr,
+        *cold_in_ = nullptr, *gate_ = nullptr, *up_ = nullptr, *pred_h_ = nullptr,
+        *scores_ = nullptr, *logits_ = nullptr;
+  int32_t *tokens_dev_ = nullptr, *positions_dev_ = nullptr, *hot_idx_ = nullptr,
+          *cold_idx_ = nullptr, *counts_dev_ = nullptr;  // counts: [2] hot, cold
+  int max_rank_ = 0;
+  GemmScratch gemm_;
+
+  // Pinned host staging.
+  int32_t* tokens_host_ = nullptr;   // [2 * max_batch]: tokens, positions
+  int32_t* given_host_ = nullptr;    // [n_layers, ffn + 1]
+  int32_t* counts_host_ = nullptr;   // [n_layers, 2]
+  int32_t* cold_idx_host_ = nullptr; // [ffn]
+  float* x_host_ = nullptr;          // [max_batch, hidden]
+  float* out_host_ = nullptr;
+  int32_t* active_host_ = nullptr;   // [ffn]
+
+  // Per-layer events: x published, hot start, hot end; plus step start/end.
+  std::vector<cudaEvent_t> ev_x_, ev_hot0_, ev_hot1_;
+  cudaEvent_t ev_start_ = nullptr, ev_layers_end_ = nullptr;
+  bool collect_gpu_times_ = false;
+  ForwardStats stats_;
+};
+
+void CudaBackend::Release() {
+  if (device_name_.empty() && allocations_.empty()) return;
+  cudaSetDevice(device_);
+  if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  for (void* p : allocations_) cudaFree(p);
+  for (void* p : host_allocations_) cudaFreeHost(p);
+  allocations_.clear();
+  host_allocations_.clear();
+  for (auto* v : {&ev_x_, &ev_hot0_, &ev_hot1_}) {
+    for (cudaEvent_t e : *v) cudaEventDestroy(e);
+    v->clear();
+  }
+  if (ev_start_ != nullptr) cudaEventDestroy(ev_start_);
+  if (ev_layers_end_ != nullptr) cudaEventDestroy(ev_layers_end_);
+  if (cublas_ != nullptr) cublasDestroy(cublas_);
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  stream_ = nullptr;
+  cublas_ = nullptr;
+}
+
+BackendStatus CudaBackend::UploadMatrix(const HostMatrix& h, const std::vector<int32_t>* ids,
+                                        const char* name, DeviceMatrix* out) {
+  if (h.empty()) return Error(Code::kInvalidArgument, std::string("missing tensor ") + name);
+  DeviceMatrix d;
+  d.type = static_cast<WType>(h.type);
+  d.cols = h.cols;
+  d.rows = ids != nullptr ? static_cast<int64_t>(ids->size()) : h.rows;
+  d.data = reinterpret_cast<const void*>(16);  // shape check only
+  if (CheckMatrixShape(d) != cudaSuccess) {
+    return Error(Code::kInvalidArgument,
+                 std::string(name) + ": " + std::to_string(h.cols) + " columns of type " +
+                     WTypeName(d.type) + " do not suit the GPU row kernels");
+  }
+  const size_t rb = HostRowBytes(h.type, h.cols);
+  uint8_t* dev = nullptr;
+  BACKEND_RETURN_IF_ERROR(Alloc(rb * d.rows, &dev, /*weight=*/true));
+  if (ids == nullptr) {
+    CUDA_RETURN_IF_ERROR(cudaMemcpy(dev, h.data, rb * d.rows, cudaMemcpyHostToDevice));
+  } else {
+    // Gather the rows through a staging buffer, a few MB at a time.
+    const size_t chunk_rows = std::max<size_t>(1, (64u << 20) / rb);
+    std::vector<uint8_t> staging(std::min<size_t>(chunk_rows, d.rows) * rb);
+    for (size_t r0 = 0; r0 < static_cast<size_t>(d.rows); r0 += chunk_rows) {
+      const size_t nr = std::min<size_t>(chunk_rows, d.rows - r0);
+      for (size_t i = 0; i < nr; ++i) {
+        const int32_t id = (*ids)[r0 + i];
+        if (id < 0 || id >= h.rows) {
+          return Error(Code::kInvalidArgument, std::string(name) + ": row id " +
+                                                   std::to_string(id) + " out of range");
+        }
+        std::memcpy(staging.data() + i * rb, static_cast<const uint8_t*>(h.data) + id * rb, rb);
+      }
+      CUDA_RETURN_IF_ERROR(
+          cudaMemcpy(dev + r0 * rb, staging.data(), nr * rb, cudaMemcpyHostToDevice));
+    }
+  }
+  d.data = dev;
+  *out = d;
+  return Ok();
+}
+
+BackendStatus CudaBackend::UploadVector(const HostMatrix& h, int64_t expect, const char* name,
+                                        float** out) {
+  std::vector<float> v;
+  if (h.empty() || h.rows * h.cols != expect || !HostToFloat(h, &v)) {
+    return Error(Code::kInvalidArgument, std::string("bad vector ") + name);
+  }
+  BACKEND_RETURN_IF_ERROR(Alloc(v.size(), out, /*weight=*/true));
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(*out, v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+  return Ok();
+}
+
+BackendStatus CudaBackend::Create(const ModelUpload& m) {
+  dims_ = m.dims;
+  const ModelDims& c = dims_;
+  max_ctx_ = m.max_ctx;
+  max_seqs_ = m.max_seqs;
+  max_batch_ = m.max_batch;
+  device_ = m.device;
+  if (c.hidden <= 0 || c.n_layers <= 0 || c.n_heads <= 0 || c.n_kv_heads <= 0 ||
+      c.head_dim <= 0 || c.ffn <= 0 || c.vocab <= 0 ||
+      static_cast<int>(m.layers.size()) != c.n_layers ||
+      static_cast<int>(c.inv_freq.size()) != c.head_dim / 2 || max_ctx_ <= 0 || max_seqs_ <= 0 ||
+      max_batch_ <= 0) {
+    return Error(Code::kInvalidArgument, "inconsistent model dimensions for the CUDA backend");
+  }
+  if (max_ctx_ > MaxAttentionContext()) {
+    return Error(Code::kInvalidArgument, "context " + std::to_string(max_ctx_) +
+                                             " exceeds the attention kernel's limit " +
+                                             std::to_string(MaxAttentionContext()));
+  }
+  int n_dev = 0;
+  if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {
+    cudaGetLastError();
+    return Error(Code::kUnavailable, "no CUDA device");
+  }
+  if (device_ < 0 || device_ >= n_dev) {
+    return Error(Code::kInvalidArgument, "CUDA device " + std::to_string(device_) + " of " +
+                                             std::to_string(n_dev));
+  }
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  cudaDeviceProp prop;
+  CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
+  device_name_ = prop.name;
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  if (cublasCreate(&cublas_) != CUBLAS_STATUS_SUCCESS) {
+    return Error(Code::kInternal, "cublasCreate failed");
+  }
+
+  const int H = c.hidden, B = max_batch_, F = c.ffn;
+  const int qdim = c.n_heads * c.head_dim, kvdim = c.n_kv_heads * c.head_dim;
+  BACKEND_RETURN_IF_ERROR(UploadMatrix(m.tok_embeddings, nullptr, "tok_embeddings", &tok_embeddings_));
+  BACKEND_RETURN_IF_ERROR(UploadMatrix(m.output, nullptr, "output", &output_));
+  BACKEND_RETURN_IF_ERROR(UploadVector(m.output_norm, H, "output_norm", &output_norm_));
+  BACKEND_RETURN_IF_ERROR(Alloc(c.inv_freq.size(), &inv_freq_));
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(inv_freq_, c.inv_freq.data(), c.inv_freq.size() * 4,
+                                  cudaMemcpyHostToDevice));
+
+  size_t w_half = GemmWeightScratchBytes(output_);
+  int64_t widest = std::max<int64_t>({int64_t{H}, int64_t{F}, int64_t{qdim}, int64_t{c.vocab}});
+  layers_.resize(c.n_layers);
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerUpload& u = m.layers[l];
+    DeviceLayer& d = layers_[l];
+    d.ffn = u.ffn;
+    if (u.ffn == FfnPlacement::kNone) continue;
+    d.kv_index = kv_layers_++;
+    BACKEND_RETURN_IF_ERROR(UploadVector(u.attn_norm, H, "attn_norm", &d.attn_norm));
+    BACKEND_RETURN_IF_ERROR(UploadVector(u.ffn_norm, H, "ffn_norm", &d.ffn_norm));
+    BACKEND_RETURN_IF_ERROR(UploadMatrix(u.wq, nullptr, "wq", &d.wq));
+    BACKEND_RETURN_IF_ERROR(UploadMatrix(u.wk, nullptr, "wk", &d.wk));
+    BACKEND_RETURN_IF_ERROR(UploadMatrix(u.wv, nullptr, "wv", &d.wv));
+    BACKEND_RETURN_IF_ERROR(UploadMatrix(u.wo, nullptr, "wo", &d.wo));
+    if (d.wq.rows != qdim || d.wk.rows != kvdim || d.wv.rows != kvdim || d.wo.rows != H ||
+        d.wq.cols != H || d.wo.cols != qdim) {
+      return Error(Code::kInvalidArgument, "layer " + std::to_string(l) + ": attention shapes");
+    }
+    if (u.ffn == FfnPlacement::kDense) {
+      BACKEND_RETURN_IF_ERROR(UploadMatrix(u.gate, nullptr, "gate", &d.gate));
+      BACKEND_RETURN_IF_ERROR(UploadMatrix(u.up, nullptr, "up", &d.up));
+      BACKEND_RETURN_IF_ERROR(UploadMatrix(u.down, nullptr, "down", &d.down));
+      d.n_hot = F;
+      if (d.gate.rows != F || d.down.rows != H || d.down.cols != F) {
+        return Error(Code::kInvalidArgument, "layer " + std::to_string(l) + ": FFN shapes");
+      }
+    } else {
+      for (size_t i = 0; i < u.hot_ids.size(); ++i) {
+        if (u.hot_ids[i] < 0 || u.hot_ids[i] >= F || (i > 0 && u.hot_ids[i] <= u.hot_ids[i - 1])) {
+          return Error(Code::kInvalidArgument,
+                       "layer " + std::to_string(l) + ": hot_ids must be ascending neuron ids");
+        }
+      }
+      d.n_hot = static_cast<int>(u.hot_ids.size());
+      if (d.n_hot > 0) {
+        BACKEND_RETURN_IF_ERROR(UploadMatrix(u.gate, &u.hot_ids, "gate", &d.gate));
+        BACKEND_RETURN_IF_ERROR(UploadMatrix(u.up, &u.hot_ids, "up", &d.up));
+        BACKEND_RETURN_IF_ERROR(UploadMatrix(u.down_t, &u.hot_ids, "down_t", &d.down_t));
+        if (u.gate.rows != F || u.down_t.rows != F || u.down_t.cols != H) {
+          return Error(Code::kInvalidArgument, "layer " + std::to_string(l) + ": FFN shapes");
+        }
+        BACKEND_RETURN_IF_ERROR(Alloc(d.n_hot, &d.hot_ids));
+        CUDA_RETURN_IF_ERROR(cudaMemcpy(d.hot_ids, u.hot_ids.data(), d.n_hot * 4,
+                                        cudaMemcpyHostToDevice));
+      }
+      std::vector<char> is_hot(F, 0);
+      for (int32_t id : u.hot_ids) is_hot[id] = 1;
+      for (int j = 0; j < F; ++j) {
+        if (!is_hot[j]) d.cold_ids_host.push_back(j);
+      }
+      if (!d.cold_ids_host.empty()) {
+        BACKEND_RETURN_IF_ERROR(Alloc(d.cold_ids_host.size(), &d.cold_ids));
+        CUDA_RETURN_IF_ERROR(cudaMemcpy(d.cold_ids, d.cold_ids_host.data(),
+                                        d.cold_ids_host.size() * 4, cudaMemcpyHostToDevice));
+      }
+    }
+    if (!u.pred_fc1.empty()) {
+      BACKEND_RETURN_IF_ERROR(UploadMatrix(u.pred_fc1, nullptr, "pred_fc1", &d.fc1));
+      BACKEND_RETURN_IF_ERROR(UploadMatrix(u.pred_fc2, nullptr, "pred_fc2", &d.fc2));
+      if (d.fc1.cols != H || d.fc2.rows != F || d.fc2.cols != d.fc1.rows) {
+        return Error(Code::kInvalidArgument, "layer " + std::to_string(l) + ": predictor shapes");
+      }
+      max_rank_ = std::max<int>(max_rank_, static_cast<int>(d.fc1.rows));
+    }
+    for (const DeviceMatrix* w : {&d.wq, &d.wk, &d.wv, &d.wo, &d.gate, &d.up, &d.down, &d.down_t,
+                                  &d.fc1, &d.fc2}) {
+      if (w->data != nullptr) w_half = std::max(w_half, GemmWeightScratchBytes(*w));
+    }
+  }
+  widest = std::max<int64_t>(widest, max_rank_);
+
+  // KV cache and scratch.
+  const size_t kv = static_cast<size_t>(kv_layers_) * max_seqs_ * max_ctx_ * kvdim;
+  BACKEND_RETURN_IF_ERROR(Alloc(kv, &k_cache_));
+  BACKEND_RETURN_IF_ERROR(Alloc(kv, &v_cache_));
+  const size_t bh = static_cast<size_t>(B) * H, bf = static_cast<size_t>(B) * F;
+  BACKEND_RETURN_IF_ERROR(Alloc(bh, &x_));
+  BACKEND_RETURN_IF_ERROR(Alloc(bh, &xb_));
+  BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B) * qdim, &q_));
+  BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B) * qdim, &att_));
+  BACKEND_RETURN_IF_ERROR(Alloc(bh, &hot_out_));
+  BACKEND_RETURN_IF_ERROR(Alloc(bh, &cold_in_));
+  BACKEND_RETURN_IF_ERROR(Alloc(bf, &gate_));
+  BACKEND_RETURN_IF_ERROR(Alloc(bf, &up_));
+  BACKEND_RETURN_IF_ERROR(Alloc(bf, &scores_));
+  if (max_rank_ > 0) BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B) * max_rank_, &pred_h_));
+  BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B) * c.vocab, &logits_));
+  BACKEND_RETURN_IF_ERROR(Alloc(2 * static_cast<size_t>(B), &tokens_dev_));
+  positions_dev_ = tokens_dev_ + B;
+  BACKEND_RETURN_IF_ERROR(Alloc(F, &hot_idx_));
+  BACKEND_RETURN_IF_ERROR(Alloc(F, &cold_idx_));
+  BACKEND_RETURN_IF_ERROR(Alloc(2, &counts_dev_));
+  // cuBLAS scratch only where batches can exceed the matrix-vector path.
+  if (B > kSmallBatch) {
+    gemm_.w_half_bytes = w_half;
+    if (w_half > 0) {
+      uint8_t* p = nullptr;
+      BACKEND_RETURN_IF_ERROR(Alloc(w_half, &p));
+      gemm_.w_half = p;
+    }
+    gemm_.x_half_bytes = static_cast<size_t>(B) * widest * 2;
+    uint8_t* p = nullptr;
+    BACKEND_RETURN_IF_ERROR(Alloc(gemm_.x_half_bytes, &p));
+    gemm_.x_half = p;
+  }
+
+  BACKEND_RETURN_IF_ERROR(AllocHost(2 * static_cast<size_t>(B), &tokens_host_));
+  BACKEND_RETURN_IF_ERROR(AllocHost(static_cast<size_t>(c.n_layers) * (F + 1), &given_host_));
+  BACKEND_RETURN_IF_ERROR(AllocHost(static_cast<size_t>(c.n_layers) * 2, &counts_host_));
+  BACKEND_RETURN_IF_ERROR(AllocHost(F, &cold_idx_host_));
+  BACKEND_RETURN_IF_ERROR(AllocHost(bh, &x_host_));
+  BACKEND_RETURN_IF_ERROR(AllocHost(bh, &out_host_));
+  BACKEND_RETURN_IF_ERROR(AllocHost(F, &active_host_));
+
+  for (auto* v : {&ev_x_, &ev_hot0_, &ev_hot1_}) {
+    v->resize(c.n_layers);
+    for (cudaEvent_t& e : *v) CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
+  }
+  CUDA_RETURN_IF_ERROR(cudaEventCreate(&ev_start_));
+  CUDA_RETURN_IF_ERROR(cudaEventCreate(&ev_layers_end_));
+  CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  return Ok();
+}
+
+BackendStatus CudaBackend::Proj(const DeviceMatrix& w, const float* x, int n, float* y, int ldy) {
+  if (n <= kSmallBatch) {
+    CUDA_RETURN_IF_ERROR(MatVecRows(w, nullptr, static_cast<int>(w.rows), nullptr, x, n, y, ldy,
+                                    stream_));
+    return Ok();
+  }
+  const int rc = GemmXWt(cublas_, w, x, n, y, ldy, 0.f, gemm_, stream_);
+  if (rc != 0) return Error(Code::kInternal, std::string("cuBLAS: ") + GemmErrorString(rc));
+  return Ok();
+}
+
+BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange_x,
+                                    float* exchange_out, int32_t* exchange_active) {
+  const ModelDims& c = dims_;
+  const DeviceLayer& L = layers_[l];
+  const int n = a.n, H = c.hidden, F = c.ffn;
+  const int64_t nh = static_cast<int64_t>(n) * H;
+  const int qdim = c.n_heads * c.head_dim, kvdim = c.n_kv_heads * c.head_dim;
+  if (L.ffn == FfnPlacement::kNone) {
+    return Error(Code::kFailedPrecondition, "layer " + std::to_string(l) + " is not on the GPU");
+  }
+  const ActKind act = static_cast<ActKind>(c.activation);
+
+  // Attention block; new keys and values go straight into the cache.
+  const size_t slot = (static_cast<size_t>(L.kv_index) * max_seqs_ + a.seq) * max_ctx_;
+  float* k_seq = k_cache_ + slot * kvdim;  // [max_ctx, kv_dim]
+  float* v_seq = v_cache_ + slot * kvdim;
+  float* k_new = k_seq + static_cast<size_t>(a.pos0) * kvdim;
+  float* v_new = v_seq + static_cast<size_t>(a.pos0) * kvdim;
+  CUDA_RETURN_IF_ERROR(RmsNorm(x_, L.attn_norm, n, H, c.norm_eps, xb_, stream_));
+  BACKEND_RETURN_IF_ERROR(Proj(L.wq, xb_, n, q_, qdim));  // q: [n, q_dim]
+  BACKEND_RETURN_IF_ERROR(Proj(L.wk, xb_, n, k_new, kvdim));
+  BACKEND_RETURN_IF_ERROR(Proj(L.wv, xb_, n, v_new, kvdim));
+  CUDA_RETURN_IF_ERROR(Rope(q_, n, c.n_heads, c.head_dim, positions_dev_, inv_freq_,
+                            c.rope_interleaved, stream_));
+  CUDA_RETURN_IF_ERROR(Rope(k_new, n, c.n_kv_heads, c.head_dim, positions_dev_, inv_freq_,
+                            c.rope_interleaved, stream_));
+  CUDA_RETURN_IF_ERROR(Attention(q_, k_seq, v_seq, n, a.pos0, c.n_heads, c.n_kv_heads,
+                                 c.head_dim, att_, stream_));  // att: [n, q_dim]
+  BACKEND_RETURN_IF_ERROR(Proj(L.wo, att_, n, xb_, H));         // xb: [n, hidden]
+  CUDA_RETURN_IF_ERROR(AddInPlace(x_, xb_, nh, stream_));
+
+  // FFN block: xb is the FFN input.
+  CUDA_RETURN_IF_ERROR(RmsNorm(x_, L.ffn_norm, n, H, c.norm_eps, xb_, stream_));
+  if (L.ffn == FfnPlacement::kDense) {
+    if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_hot0_[l], stream_));
+    BACKEND_RETURN_IF_ERROR(Proj(L.gate, xb_, n, gate_, F));  // gate, up: [n, ffn]
+    BACKEND_RETURN_IF_ERROR(Proj(L.up, xb_, n, up_, F));
+    CUDA_RETURN_IF_ERROR(GatedActivation(act, gate_, up_, static_cast<int64_t>(n) * F, stream_));
+    BACKEND_RETURN_IF_ERROR(Proj(L.down, gate_, n, hot_out_, H));  // [n, hidden]
+    if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_hot1_[l], stream_));
+    CUDA_RETURN_IF_ERROR(AddInPlace(x_, hot_out_, nh, stream_));
+    return Ok();
+  }
+
+  const bool cold = a.cold != nullptr && !L.cold_ids_host.empty();
+  const int n_hot = L.n_hot, n_cold = static_cast<int>(L.cold_ids_host.size());
+  const bool small = n <= kSmallBatch;
+  int32_t* hot_count = counts_dev_;
+  int32_t* cold_count = counts_dev_ + 1;
+  FfnMode mode = a.mode == FfnMode::kDense ? FfnMode::kExact : a.mode;
+  if (mode == FfnMode::kPredicted && L.fc1.data == nullptr) {
+    return Error(Code::kFailedPrecondition, "layer " + std::to_string(l) + " has no predictor");
+  }
+
+  // Predictors: scores: [n, ffn] = fc2(relu(fc1(x))).
+  if (L.fc1.data != nullptr &&
+      (mode == FfnMode::kPredicted || (mode == FfnMode::kGiven && a.run_predictors))) {
+    const int rank = static_cast<int>(L.fc1.rows);
+    BACKEND_RETURN_IF_ERROR(Proj(L.fc1, xb_, n, pred_h_, rank));
+    CUDA_RETURN_IF_ERROR(Relu(pred_h_, static_cast<int64_t>(n) * rank, stream_));
+    BACKEND_RETURN_IF_ERROR(Proj(L.fc2, pred_h_, n, scores_, F));
+  }
+  if (mode == FfnMode::kPredicted) {
+    if (n_hot > 0) {
+      CUDA_RETURN_IF_ERROR(CompactActive(scores_, n, F, L.hot_ids, n_hot, 0.f, hot_idx_,
+                                         hot_count, stream_));
+    }
+    if (cold) {
+      CUDA_RETURN_IF_ERROR(CompactActive(scores_, n, F, L.cold_ids, n_cold, 0.f, cold_idx_,
+                                         cold_count, stream_));
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cold_idx_host_, cold_idx_, n_cold * 4,
+                                           cudaMemcpyDeviceToHost, stream_));
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(counts_host_ + 2 * l + 1, cold_count, 4,
+                                           cudaMemcpyDeviceToHost, stream_));
+    }
+  } else if (mode == FfnMode::kGiven && n_hot > 0) {
+    if (a.given_hot == nullptr || static_cast<int>(a.given_hot->size()) <= l) {
+      return Error(Code::kInvalidArgument, "kGiven needs given_hot for every layer");
+    }
+    const std::vector<int32_t>& g = (*a.given_hot)[l];
+    if (static_cast<int>(g.size()) > n_hot) {
+      return Error(Code::kInvalidArgument, "given_hot lists more rows than the layer holds");
+    }
+    int32_t* stage = given_host_ + static_cast<size_t>(l) * (F + 1);
+    stage[0] = static_cast<int32_t>(g.size());
+    std::memcpy(stage + 1, g.data(), g.size() * 4);
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(hot_count, stage, 4, cudaMemcpyHostToDevice, stream_));
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(hot_idx_, stage + 1, g.size() * 4,
+                                         cudaMemcpyHostToDevice, stream_));
+  }
+
+  // Publish the FFN input for the cold side before the hot work, so both run at once.
+  if (cold) {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(exchange_x, xb_, nh * 4, cudaMemcpyDeviceToHost, stream_));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_x_[l], stream_));
+  }
+
+  // Hot rows.
+  if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_hot0_[l], stream_));
+  if (n_hot > 0) {
+    if (small) {
+      float* coef = nullptr;  // [n, n_hot] activations of the listed rows
+      if (mode == FfnMode::kExact) {
+        // The gate decides: every hot gate row, then up and down for the active ones only.
+        CUDA_RETURN_IF_ERROR(MatVecRows(L.gate, nullptr, n_hot, nullptr, xb_, n, gate_, n_hot,
+                                        stream_));
+        const float threshold = act == ActKind::kSilu ? -INFINITY : 0.f;
+        CUDA_RETURN_IF_ERROR(CompactActive(gate_, n, n_hot, nullptr, n_hot, threshold, hot_idx_,
+                                           hot_count, stream_));
+        CUDA_RETURN_IF_ERROR(MatVecRows(L.up, hot_idx_, n_hot, hot_count, xb_, n, up_, n_hot,
+                                        stream_));
+        CUDA_RETURN_IF_ERROR(GatherGatedActivation(act, gate_, n_hot, hot_idx_, n_hot, hot_count,
+                                                   up_, n_hot, n, stream_));
+        coef = up_;
+      } else {
+        CUDA_RETURN_IF_ERROR(MatVecRows(L.gate, hot_idx_, n_hot, hot_count, xb_, n, gate_, n_hot,
+                                        stream_));
+        CUDA_RETURN_IF_ERROR(MatVecRows(L.up, hot_idx_, n_hot, hot_count, xb_, n, up_, n_hot,
+                                        stream_));
+        // Elements past the count are stale and never read.
+        CUDA_RETURN_IF_ERROR(GatedActivation(act, gate_, up_, static_cast<int64_t>(n) * n_hot,
+                                             stream_));
+        coef = gate_;
+      }
+      CUDA_RETURN_IF_ERROR(cudaMemsetAsync(hot_out_, 0, nh * 4, stream_));
+      CUDA_RETURN_IF_ERROR(AccumulateRows(L.down_t, hot_idx_, n_hot, hot_count, coef, n_hot, n,
+                                          hot_out_, stream_));
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(counts_host_ + 2 * l, hot_count, 4,
+                                           cudaMemcpyDeviceToHost, stream_));
+    } else {
+      // Prompt batches: every hot row through cuBLAS (a superset of any active set).
+      int rc = GemmXWt(cublas_, L.gate, xb_, n, gate_, n_hot, 0.f, gemm_, stream_);
+      if (rc == 0) rc = GemmXWt(cublas_, L.up, xb_, n, up_, n_hot, 0.f, gemm_, stream_);
+      if (rc != 0) return Error(Code::kInternal, std::string("cuBLAS: ") + GemmErrorString(rc));
+      CUDA_RETURN_IF_ERROR(GatedActivation(act, gate_, up_, static_cast<int64_t>(n) * n_hot,
+                                           stream_));
+      rc = GemmAW(cublas_, L.down_t, gate_, n_hot, n, hot_out_, 0.f, gemm_, stream_);
+      if (rc != 0) return Error(Code::kInternal, std::string("cuBLAS: ") + GemmErrorString(rc));
+      counts_host_[2 * l] = n_hot;
+    }
+  } else {
+    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(hot_out_, 0, nh * 4, stream_));
+    counts_host_[2 * l] = 0;
+  }
+  if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_hot1_[l], stream_));
+
+  if (!cold) {
+    CUDA_RETURN_IF_ERROR(AddInPlace(x_, hot_out_, nh, stream_));
+    return Ok();
+  }
+
+  // The cold side runs while the GPU works on the hot rows.
+  double t0 = Now();
+  CUDA_RETURN_IF_ERROR(cudaEventSynchronize(ev_x_[l]));
+  double t1 = Now();
+  stats_.wait_for_x += t1 - t0;
+  ColdRequest req;
+  req.layer = l;
+  req.n = n;
+  req.x = exchange_x;
+  req.out = exchange_out;
+  if (mode == FfnMode::kPredicted) {
+    const int count = counts_host_[2 * l + 1];
+    for (int i = 0; i < count; ++i) exchange_active[i] = L.cold_ids_host[cold_idx_host_[i]];
+    req.active = exchange_active;
+    req.n_active = count;
+  } else if (mode == FfnMode::kGiven) {
+    if (a.given_cold == nullptr || static_cast<int>(a.given_cold->size()) <= l) {
+      return Error(Code::kInvalidArgument, "kGiven needs given_cold for every layer");
+    }
+    req.active = (*a.given_cold)[l].data();
+    req.n_active = static_cast<int>((*a.given_cold)[l].size());
+  }
+  stats_.cold_rows_requested += req.n_active;
+  BackendStatus st = a.cold->Run(req);
+  stats_.cold_callback += Now() - t1;
+  if (!st.ok()) return st;
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cold_in_, exchange_out, nh * 4, cudaMemcpyHostToDevice,
+                                       stream_));
+  CUDA_RETURN_IF_ERROR(Add2InPlace(x_, hot_out_, cold_in_, nh, stream_));
+  return Ok();
+}
+
+BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
+  const double t_start = Now();
+  stats_ = ForwardStats{};
+  const ModelDims& c = dims_;
+  const int n = a.n, H = c.hidden;
+  const int layer_end = a.layer_end < 0 ? c.n_layers : a.layer_end;
+  if (n <= 0 || n > max_batch_) {
+    return Error(Code::kInvalidArgument, "batch of " + std::to_string(n) + " tokens (max " +
+                                             std::to_string(max_batch_) + ")");
+  }
+  if (a.seq < 0 || a.seq >= max_seqs_) {
+    return Error(Code::kInvalidArgument, "sequence slot " + std::to_string(a.seq));
+  }
+  if (a.pos0 < 0 || a.pos0 + n > max_ctx_) {
+    return Error(Code::kOutOfRange, "positions " + std::to_string(a.pos0) + ".." +
+                                        std::to_string(a.pos0 + n - 1) +
+                                        " exceed the context of " + std::to_string(max_ctx_));
+  }
+  if (a.layer_begin < 0 || a.layer_begin > layer_end || layer_end > c.n_layers) {
+    return Error(Code::kInvalidArgument, "bad layer range");
+  }
+  if (a.hidden_in == nullptr) {
+    if (a.tokens == nullptr) return Error(Code::kInvalidArgument, "no tokens");
+    for (int t = 0; t < n; ++t) {
+      if (a.tokens[t] < 0 || a.tokens[t] >= c.vocab) {
+        return Error(Code::kInvalidArgument, "token id " + std::to_string(a.tokens[t]) +
+                                                 " out of range");
+      }
+    }
+  }
+  if ((a.mode == FfnMode::kDense) && a.cold != nullptr) {
+    return Error(Code::kInvalidArgument, "kDense mode has no cold side");
+  }
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  float* exchange_x = a.exchange_x != nullptr ? a.exchange_x : x_host_;
+  float* exchange_out = a.exchange_out != nullptr ? a.exchange_out : out_host_;
+  int32_t* exchange_active = a.exchange_active != nullptr ? a.exchange_active : active_host_;
+
+  for (int t = 0; t < n; ++t) {
+    tokens_host_[t] = a.tokens != nullptr ? a.tokens[t] : 0;
+    tokens_host_[max_batch_ + t] = a.pos0 + t;
+  }
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tokens_dev_, tokens_host_, 2 * max_batch_ * 4,
+                                       cudaMemcpyHostToDevice, stream_));
+  if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_start_, stream_));
+  // x: [n, hidden]
+  if (a.hidden_in != nullptr) {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(x_, a.hidden_in, static_cast<size_t>(n) * H * 4,
+                                         cudaMemcpyHostToDevice, stream_));
+  } else {
+    CUDA_RETURN_IF_ERROR(Embed(tok_embeddings_, tokens_dev_, n, x_, stream_));
+  }
+  for (int l = a.layer_begin; l < layer_end; ++l) {
+    BackendStatus st = RunLayer(l, a, exchange_x, exchange_out, exchange_active);
+    if (!st.ok()) {
+      cudaStreamSynchronize(stream_);
+      return st;
+    }
+  }
+  if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_layers_end_, stream_));
+  if (a.hidden_out != nullptr) {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(a.hidden_out, x_, static_cast<size_t>(n) * H * 4,
+                                         cudaMemcpyDeviceToHost, stream_));
+  }
+  if (a.logits_mode != LogitsMode::kNone && a.logits != nullptr && layer_end == c.n_layers) {
+    const int first = a.logits_mode == LogitsMode::kLast ? n - 1 : 0;
+    const int count = n - first;
+    CUDA_RETURN_IF_ERROR(RmsNorm(x_ + static_cast<size_t>(first) * H, output_norm_, count, H,
+                                 c.norm_eps, xb_, stream_));
+    BACKEND_RETURN_IF_ERROR(Proj(output_, xb_, count, logits_, c.vocab));  // [count, vocab]
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(a.logits, logits_,
+                                         static_cast<size_t>(count) * c.vocab * 4,
+                                         cudaMemcpyDeviceToHost, stream_));
+  }
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  for (int l = a.layer_begin; l < layer_end; ++l) {
+    if (layers_[l].ffn == FfnPlacement::kHot) stats_.hot_rows_computed += counts_host_[2 * l];
+  }
+  if (collect_gpu_times_) {
+    for (int l = a.layer_begin; l < layer_end; ++l) {
+      float ms = 0;
+      if (cudaEventElapsedTime(&ms, ev_hot0_[l], ev_hot1_[l]) == cudaSuccess) {
+        stats_.gpu_hot_ffn += ms * 1e-3;
+      }
+    }
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, ev_start_, ev_layers_end_) == cudaSuccess) {
+      stats_.gpu_layers = ms * 1e-3;
+    }
+    cudaGetLastError();
+  }
+  stats_.total = Now() - t_start;
+  return Ok();
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace pinfer
+
+extern "C" int pinfer_cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+extern "C" int pinfer_cuda_create_backend(const pinfer::cuda::ModelUpload* model,
+                                          pinfer::cuda::Backend** out, char* err,
+                                          size_t err_len) {
+  auto backend = std::make_unique<pinfer::cuda::CudaBackend>();
+  pinfer::cuda::BackendStatus st = backend->Create(*model);
+  if (!st.ok()) {
+    if (err != nullptr && err_len > 0) std::snprintf(err, err_len, "%s", st.message.c_str());
+    return static_cast<int>(st.code);
+  }
+  *out = backend.release();
+  return 0;
+}
+
+extern "C" void pinfer_cuda_destroy_backend(pinfer::cuda::Backend* backend) { delete backend; }

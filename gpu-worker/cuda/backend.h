@@ -1,0 +1,203 @@
+// The interface between the gpu-worker process and its CUDA module (libpinfer_cuda.so).
+//
+// The module is loaded with dlopen because cuBLAS and prometheus-cpp's civetweb cannot share a
+// process's thread-stack settings at link time; so this header is everything the process sees
+// of CUDA: plain C++17 types, no CUDA, cuBLAS or absl headers, and one extern "C" factory. The
+// process converts its Model and placement into a ModelUpload, creates a Backend, and calls
+// Forward per step; errors come back as a BackendStatus whose code uses absl::StatusCode's
+// numbering, so the caller turns it into an absl::Status with one cast.
+//
+// What runs where (the pinfer split): embeddings, attention, the KV cache, norms, predictors,
+// the hot FFN rows and the output head run here; the cold FFN rows run in the cpu-worker. Forward
+// hands each layer's FFN input to a ColdFfn callback (the process's shared-memory exchange) while
+// the GPU computes the hot rows of the same layer, and adds the cold contribution back when the
+// callback returns, so hot and cold work overlap within every layer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace pinfer {
+namespace cuda {
+
+// absl::StatusCode numbering.
+enum class Code : int {
+  kOk = 0,
+  kInvalidArgument = 3,
+  kNotFound = 5,
+  kResourceExhausted = 8,
+  kFailedPrecondition = 9,
+  kOutOfRange = 11,
+  kUnimplemented = 12,
+  kInternal = 13,
+  kUnavailable = 14,
+};
+
+struct BackendStatus {
+  Code code = Code::kOk;
+  std::string message;
+  bool ok() const { return code == Code::kOk; }
+};
+
+// Stored element types, numbered as pinfer::DType.
+enum class HostType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kQ8_0 = 3, kQ4_0 = 4 };
+
+// A row-major host matrix [rows, cols] in a stored type (ggml block layouts for Q8_0/Q4_0). A
+// vector is rows = 1. Only read during Create.
+struct HostMatrix {
+  HostType type = HostType::kF32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  const void* data = nullptr;
+  bool empty() const { return data == nullptr; }
+};
+
+struct ModelDims {
+  int vocab = 0;
+  int hidden = 0;
+  int n_layers = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  int ffn = 0;
+  float norm_eps = 1e-5f;
+  int activation = 1;  // pinfer::Activation: 0 SiLU, 1 ReLU, 2 dReLU
+  bool rope_interleaved = false;
+  std::vector<float> inv_freq;  // [head_dim / 2], RopeInverseFrequencies()
+};
+
+enum class FfnPlacement : int {
+  kNone = 0,   // the layer is not on the GPU (dense layer offload computes it elsewhere)
+  kDense = 1,  // every neuron on the GPU, computed densely: gate, up [ffn, hidden], down [hidden, ffn]
+  kHot = 2,    // only hot_ids: rows of gate, up and of down_t (down transposed, [ffn, hidden])
+};
+
+struct LayerUpload {
+  HostMatrix attn_norm, wq, wk, wv, wo, ffn_norm;  // norms as [1, hidden] (any type)
+  FfnPlacement ffn = FfnPlacement::kHot;
+  HostMatrix gate, up;   // [ffn, hidden]: kDense uploads all rows, kHot the rows in hot_ids
+  HostMatrix down;       // [hidden, ffn]: kDense only
+  HostMatrix down_t;     // [ffn, hidden]: kHot only (rows in hot_ids)
+  std::vector<int32_t> hot_ids;  // ascending global neuron ids (kHot)
+  HostMatrix pred_fc1;   // optional predictor: [rank, hidden]
+  HostMatrix pred_fc2;   // [ffn, rank]; a neuron is predicted active when its score > 0
+};
+
+struct ModelUpload {
+  ModelDims dims;
+  HostMatrix tok_embeddings;  // [vocab, hidden]
+  HostMatrix output_norm;     // [1, hidden]
+  HostMatrix output;          // [vocab, hidden]
+  std::vector<LayerUpload> layers;
+  int max_ctx = 2048;   // KV cache rows per sequence
+  int max_seqs = 1;     // KV cache slots
+  int max_batch = 512;  // tokens per Forward
+  int device = 0;
+};
+
+// What the GPU decides about the FFN's active neurons.
+enum class FfnMode : int {
+  kDense = 0,      // kDense layers: every neuron (no cold side)
+  kExact = 1,      // every neuron whose gate is > 0 (hot rows: gate decides on the GPU; the cold
+                   // side gets only x and applies the same rule to its rows)
+  kPredicted = 2,  // the predictors decide, for hot and cold rows alike
+  kGiven = 3,      // the caller lists the active rows (benchmarks with drawn masks)
+};
+
+// One layer's cold FFN work, handed to the caller while the GPU computes the hot part.
+struct ColdRequest {
+  int layer = 0;
+  int n = 0;                 // tokens
+  const float* x = nullptr;  // [n, hidden] FFN input (after the FFN norm), host memory
+  // kPredicted / kGiven: the active cold neurons (global ids, ascending) of the union over the
+  // n tokens; null in kExact mode (the cold side decides with its own gate rows).
+  const int32_t* active = nullptr;
+  int n_active = 0;
+  float* out = nullptr;      // [n, hidden] host memory the callback fills (overwrites)
+};
+
+class ColdFfn {
+ public:
+  virtual ~ColdFfn() = default;
+  virtual BackendStatus Run(const ColdRequest& request) = 0;
+};
+
+enum class LogitsMode : int { kLast = 0, kAll = 1, kNone = 2 };
+
+struct ForwardArgs {
+  int seq = 0;                        // KV cache slot
+  const int32_t* tokens = nullptr;    // [n]; ignored when hidden_in is set
+  int n = 0;
+  int pos0 = 0;
+  FfnMode mode = FfnMode::kExact;
+  ColdFfn* cold = nullptr;            // null: no cold rows (the GPU holds every neuron needed)
+  // kGiven: per layer, the active hot rows (local indices into hot_ids) and cold neurons
+  // (global ids), each ascending.
+  const std::vector<std::vector<int32_t>>* given_hot = nullptr;
+  const std::vector<std::vector<int32_t>>* given_cold = nullptr;
+  bool run_predictors = false;        // kGiven: still run the predictors so their cost counts
+  // Layer range, for dense layer offload: hidden_in (host [n, hidden]) replaces the embedding,
+  // hidden_out (host) receives x after layer_end - 1. layer_end < 0 means n_layers.
+  int layer_begin = 0;
+  int layer_end = -1;
+  const float* hidden_in = nullptr;
+  float* hidden_out = nullptr;
+  LogitsMode logits_mode = LogitsMode::kLast;
+  float* logits = nullptr;            // host: [vocab] (kLast) or [n, vocab] (kAll)
+  // Host exchange buffers (e.g. a shared-memory segment registered with RegisterHostMemory):
+  // x [max_batch, hidden], out [max_batch, hidden], active [ffn]. Null: internal pinned buffers.
+  float* exchange_x = nullptr;
+  float* exchange_out = nullptr;
+  int32_t* exchange_active = nullptr;
+};
+
+// Seconds summed over the layers of the last Forward (host clock, except gpu_* from events).
+struct ForwardStats {
+  double total = 0;
+  double cold_callback = 0;      // inside ColdFfn::Run
+  double wait_for_x = 0;         // host waiting for the GPU to publish the FFN input
+  double gpu_hot_ffn = 0;        // GPU time of the hot FFN kernels (events)
+  double gpu_layers = 0;         // GPU time from embedding to the last layer's end (events)
+  int64_t hot_rows_computed = 0;   // active hot neurons summed over layers (union over tokens)
+  int64_t cold_rows_requested = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual BackendStatus Forward(const ForwardArgs& args) = 0;
+  // Pins host memory (cudaHostRegister) so the GPU copies straight from and to it.
+  virtual BackendStatus RegisterHostMemory(void* ptr, size_t bytes) = 0;
+  virtual BackendStatus UnregisterHostMemory(void* ptr) = 0;
+  // Device bytes this backend allocated (weights, KV cache, scratch), for placement checks.
+  virtual size_t DeviceBytes() const = 0;
+  virtual size_t WeightBytes() const = 0;
+  virtual std::string DeviceName() const = 0;
+  virtual const ForwardStats& last_stats() const = 0;
+  // Records GPU event timings per Forward (costs a little; off by default).
+  virtual void set_collect_gpu_times(bool on) = 0;
+};
+
+}  // namespace cuda
+}  // namespace pinfer
+
+// The module's entry points, looked up with dlsym. Create returns 0 and sets *out, or returns the
+// Code and writes a message into err.
+#define PINFER_CUDA_EXPORT __attribute__((visibility("default")))
+extern "C" {
+PINFER_CUDA_EXPORT int pinfer_cuda_device_count();
+PINFER_CUDA_EXPORT int pinfer_cuda_create_backend(const pinfer::cuda::ModelUpload* model,
+                                                  pinfer::cuda::Backend** out, char* err,
+                                                  size_t err_len);
+PINFER_CUDA_EXPORT void pinfer_cuda_destroy_backend(pinfer::cuda::Backend* backend);
+}
+// The function types, for dlsym.
+using PinferCudaDeviceCountFn = int (*)();
+using PinferCudaCreateFn = int (*)(const pinfer::cuda::ModelUpload*, pinfer::cuda::Backend**,
+                                   char*, size_t);
+using PinferCudaDestroyFn = void (*)(pinfer::cuda::Backend*);
+#define PINFER_CUDA_CREATE_SYMBOL "pinfer_cuda_create_backend"
+#define PINFER_CUDA_DESTROY_SYMBOL "pinfer_cuda_destroy_backend"
+#define PINFER_CUDA_DEVICE_COUNT_SYMBOL "pinfer_cuda_device_count"

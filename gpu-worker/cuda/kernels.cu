@@ -1,0 +1,771 @@
+// CUDA implementations of the operators in kernels.h. Decode on a large model is a pass over the
+// weights, so the row kernels are written for memory bandwidth: one warp per weight row, 16-byte
+// loads in flight from every lane, the few tokens of a decode batch sharing each load. The block
+// formats are read in ggml's layout so that weights go to the GPU exactly as they are stored.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "gpu-worker/cuda/kernels.h"
+
+namespace pinfer {
+namespace cuda {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kMaxTok = 8;  // tokens sharing one pass over the weights in MatVecRows
+
+__device__ __forceinline__ float H2F(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+__device__ __forceinline__ float Bf2F(uint16_t b) {
+  return __uint_as_float(static_cast<uint32_t>(b) << 16);
+}
+
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float WarpMax(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Streams weights past L1: each weight byte is read once per pass.
+__device__ __forceinline__ uint4 LoadStream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void Unpack8Half(const uint4& v, float* w) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    w[2 * k] = H2F(static_cast<uint16_t>(u[k] & 0xffff));
+    w[2 * k + 1] = H2F(static_cast<uint16_t>(u[k] >> 16));
+  }
+}
+__device__ __forceinline__ void Unpack8Bf16(const uint4& v, float* w) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    w[2 * k] = __uint_as_float(u[k] << 16);
+    w[2 * k + 1] = __uint_as_float(u[k] & 0xffff0000u);
+  }
+}
+
+// One block of 32 quantized values, dequantized to fp32 (ggml layouts, see tensor.h).
+// Q8_0: 34 bytes {fp16 d; int8 qs[32]}; Q4_0: 18 bytes {fp16 d; uint8 qs[16]}, element j in the
+// low nibble of qs[j], element j+16 in the high nibble, value (q - 8) * d. Both are 2-byte
+// aligned, so they are read as 16-bit words.
+__device__ __forceinline__ void DequantQ8Block(const uint8_t* blk, float* w) {
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(blk);
+  const float d = H2F(__ldg(p));
+#pragma unroll
+  for (int k = 0; k < 16; ++k) {
+    const uint16_t q = __ldg(p + 1 + k);
+    w[2 * k] = d * static_cast<float>(static_cast<int8_t>(q & 0xff));
+    w[2 * k + 1] = d * static_cast<float>(static_cast<int8_t>(q >> 8));
+  }
+}
+__device__ __forceinline__ void DequantQ4Block(const uint8_t* blk, float* w) {
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(blk);
+  const float d = H2F(__ldg(p));
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const uint16_t q = __ldg(p + 1 + k);
+    const int b0 = q & 0xff, b1 = q >> 8;
+    w[2 * k] = d * static_cast<float>((b0 & 0x0f) - 8);
+    w[2 * k + 1] = d * static_cast<float>((b1 & 0x0f) - 8);
+    w[2 * k + 16] = d * static_cast<float>((b0 >> 4) - 8);
+    w[2 * k + 17] = d * static_cast<float>((b1 >> 4) - 8);
+  }
+}
+
+// Element c of a row in any type (slow path: embeddings and conversions).
+__device__ __forceinline__ float LoadElem(WType t, const uint8_t* row, int64_t c) {
+  switch (t) {
+    case WType::kF32: return reinterpret_cast<const float*>(row)[c];
+    case WType::kF16: return H2F(reinterpret_cast<const uint16_t*>(row)[c]);
+    case WType::kBF16: return Bf2F(reinterpret_cast<const uint16_t*>(row)[c]);
+    case WType::kQ8_0: {
+      const uint8_t* blk = row + (c / 32) * 34;
+      const float d = H2F(*reinterpret_cast<const uint16_t*>(blk));
+      return d * static_cast<float>(static_cast<int8_t>(blk[2 + c % 32]));
+    }
+    case WType::kQ4_0: {
+      const uint8_t* blk = row + (c / 32) * 18;
+      const float d = H2F(*reinterpret_cast<const uint16_t*>(blk));
+      const int j = static_cast<int>(c % 32);
+      const uint8_t q = blk[2 + (j & 15)];
+      return d * static_cast<float>(((j < 16) ? (q & 0x0f) : (q >> 4)) - 8);
+    }
+  }
+  return 0.f;
+}
+
+// Elements per "unit" a lane handles at once: a 16-byte vector or one quantized block.
+template <WType T>
+struct Unit;
+template <>
+struct Unit<WType::kF32> {
+  static constexpr int kElems = 4;
+};
+template <>
+struct Unit<WType::kF16> {
+  static constexpr int kElems = 8;
+};
+template <>
+struct Unit<WType::kBF16> {
+  static constexpr int kElems = 8;
+};
+template <>
+struct Unit<WType::kQ8_0> {
+  static constexpr int kElems = 32;
+};
+template <>
+struct Unit<WType::kQ4_0> {
+  static constexpr int kElems = 32;
+};
+
+template <WType T>
+__device__ __forceinline__ void LoadUnit(const uint8_t* row, int64_t u, float* w) {
+  if constexpr (T == WType::kF32) {
+    const uint4 v = LoadStream(reinterpret_cast<const uint4*>(row) + u);
+    w[0] = __uint_as_float(v.x);
+    w[1] = __uint_as_float(v.y);
+    w[2] = __uint_as_float(v.z);
+    w[3] = __uint_as_float(v.w);
+  } else if constexpr (T == WType::kF16) {
+    Unpack8Half(LoadStream(reinterpret_cast<const uint4*>(row) + u), w);
+  } else if constexpr (T == WType::kBF16) {
+    Unpack8Bf16(LoadStream(reinterpret_cast<const uint4*>(row) + u), w);
+  } else if constexpr (T == WType::kQ8_0) {
+    DequantQ8Block(row + u * 34, w);
+  } else {
+    DequantQ4Block(row + u * 18, w);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm: one block per token.
+
+__global__ void RmsNormKernel(const float* __restrict__ x, const float* __restrict__ weight,
+                              int dim, float eps, float* __restrict__ out) {
+  const float* xt = x + static_cast<int64_t>(blockIdx.x) * dim;
+  float* ot = out + static_cast<int64_t>(blockIdx.x) * dim;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xt[i] * xt[i];
+  __shared__ float partial[32];
+  ss = WarpSum(ss);
+  if (threadIdx.x % kWarp == 0) partial[threadIdx.x / kWarp] = ss;
+  __syncthreads();
+  if (threadIdx.x < kWarp) {
+    float v = threadIdx.x < blockDim.x / kWarp ? partial[threadIdx.x] : 0.f;
+    v = WarpSum(v);
+    if (threadIdx.x == 0) partial[0] = v;
+  }
+  __syncthreads();
+  const float scale = 1.f / sqrtf(partial[0] / dim + eps);
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) ot[i] = xt[i] * scale * weight[i];
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE: one block per (token, head), one thread per rotated pair.
+
+__global__ void RopeKernel(float* __restrict__ x, int n_heads, int head_dim,
+                           const int32_t* __restrict__ positions,
+                           const float* __restrict__ inv_freq, bool interleaved) {
+  const int t = blockIdx.x / n_heads;
+  float* v = x + static_cast<int64_t>(blockIdx.x) * head_dim;
+  const int half = head_dim / 2;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    // Same float expressions as the reference, with accurate (not fast-math) sin and cos.
+    const float angle = static_cast<float>(positions[t]) * inv_freq[i];
+    const float c = cosf(angle), s = sinf(angle);
+    const int a = interleaved ? 2 * i : i;
+    const int b = interleaved ? 2 * i + 1 : i + half;
+    const float x0 = v[a], x1 = v[b];
+    v[a] = x0 * c - x1 * s;
+    v[b] = x0 * s + x1 * c;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention: one block per (head, token). Scores for every visible key live in shared memory;
+// warps take keys in turn (a warp-wide dot product each), then the block takes the softmax and
+// the weighted sum of values, with thread groups splitting the keys.
+
+constexpr int kAttnThreads = 256;
+constexpr int kAttnMaxSmemBytes = 200 * 1024;
+
+__global__ void AttentionKernel(const float* __restrict__ q, const float* __restrict__ k,
+                                const float* __restrict__ v, int pos0, int n_heads,
+                                int n_kv_heads, int head_dim, float* __restrict__ out) {
+  extern __shared__ float smem[];
+  const int h = blockIdx.x, t = blockIdx.y;
+  const int len = pos0 + t + 1;
+  const int kv_stride = n_kv_heads * head_dim;
+  const int kvh = h / (n_heads / n_kv_heads);
+  float* qs = smem;                        // [head_dim]
+  float* red = qs + head_dim;              // [kAttnThreads] reductions, value partial sums
+  float* scores = red + kAttnThreads;      // [len]
+  const float* qh = q + (static_cast<int64_t>(t) * n_heads + h) * head_dim;
+  for (int i = threadIdx.x; i < head_dim; i += blockDim.x) qs[i] = qh[i];
+  __syncthreads();
+
+  const float scale = 1.f / sqrtf(static_cast<float>(head_dim));
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int n_warps = blockDim.x / kWarp;
+  float local_max = -INFINITY;
+  for (int p = warp; p < len; p += n_warps) {
+    const float* kp = k + static_cast<int64_t>(p) * kv_stride + kvh * head_dim;
+    float dot = 0.f;
+    for (int i = lane; i < head_dim; i += kWarp) dot += qs[i] * kp[i];
+    dot = WarpSum(dot) * scale;
+    if (lane == 0) scores[p] = dot;
+    local_max = fmaxf(local_max, dot);
+  }
+  local_max = WarpMax(local_max);
+  if (lane == 0) red[warp] = local_max;
+  __syncthreads();
+  float mx = -INFINITY;
+  for (int w = 0; w < n_warps; ++w) mx = fmaxf(mx, red[w]);
+  __syncthreads();
+
+  float local_sum = 0.f;
+  for (int p = threadIdx.x; p < len; p += blockDim.x) {
+    const float e = expf(scores[p] - mx);
+    scores[p] = e;
+    local_sum += e;
+  }
+  local_sum = WarpSum(local_sum);
+  if (lane == 0) red[warp] = local_sum;
+  __syncthreads();
+  float sum = 0.f;
+  for (int w = 0; w < n_warps; ++w) sum += red[w];
+  const float inv = 1.f / sum;
+  __syncthreads();
+
+  // groups of head_dim threads split the keys; their partial sums meet in `red`.
+  const int groups = max(1, static_cast<int>(blockDim.x) / head_dim);
+  const int g = threadIdx.x / head_dim, d = threadIdx.x % head_dim;
+  float acc = 0.f;
+  if (g < groups) {
+    for (int p = g; p < len; p += groups) {
+      acc += scores[p] * v[static_cast<int64_t>(p) * kv_stride + kvh * head_dim + d];
+    }
+    red[threadIdx.x] = acc;
+  }
+  __syncthreads();
+  if (g == 0) {
+    float total = 0.f;
+    for (int gg = 0; gg < groups; ++gg) total += red[gg * head_dim + d];
+    out[(static_cast<int64_t>(t) * n_heads + h) * head_dim + d] = total * inv;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row dot products: one warp per row, lanes striding over the row's units, every token of the
+// (small) batch sharing each weight load.
+
+constexpr int kRowWarps = 8;
+
+template <WType T>
+__global__ void __launch_bounds__(kRowWarps * kWarp)
+    MatVecRowsKernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t cols,
+                     const int32_t* __restrict__ rows, int n_rows,
+                     const int32_t* __restrict__ dev_count, const float* __restrict__ x, int n,
+                     float* __restrict__ y, int ldy) {
+  const int count = dev_count != nullptr ? *dev_count : n_rows;
+  const int i = blockIdx.x * kRowWarps + threadIdx.x / kWarp;
+  if (i >= count) return;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t r = rows != nullptr ? rows[i] : i;
+  const uint8_t* row = w + static_cast<size_t>(r) * row_bytes;
+  constexpr int E = Unit<T>::kElems;
+  const int64_t units = cols / E;
+  float acc[kMaxTok];
+#pragma unroll
+  for (int t = 0; t < kMaxTok; ++t) acc[t] = 0.f;
+
+  // Two units per lane per iteration keep two independent loads in flight before first use.
+  int64_t u = lane;
+  for (; u + kWarp < units; u += 2 * kWarp) {
+    float w0[E], w1[E];
+    LoadUnit<T>(row, u, w0);
+    LoadUnit<T>(row, u + kWarp, w1);
+#pragma unroll
+    for (int t = 0; t < kMaxTok; ++t) {
+      if (t < n) {
+        const float* x0 = x + t * cols + u * E;
+        const float* x1 = x0 + kWarp * E;
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; e += 4) {
+          const float4 a = *reinterpret_cast<const float4*>(x0 + e);
+          const float4 b = *reinterpret_cast<const float4*>(x1 + e);
+          s += w0[e] * a.x + w0[e + 1] * a.y + w0[e + 2] * a.z + w0[e + 3] * a.w;
+          s += w1[e] * b.x + w1[e + 1] * b.y + w1[e + 2] * b.z + w1[e + 3] * b.w;
+        }
+        acc[t] += s;
+      }
+    }
+  }
+  for (; u < units; u += kWarp) {
+    float w0[E];
+    LoadUnit<T>(row, u, w0);
+#pragma unroll
+    for (int t = 0; t < kMaxTok; ++t) {
+      if (t < n) {
+        const float* x0 = x + t * cols + u * E;
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; e += 4) {
+          const float4 a = *reinterpret_cast<const float4*>(x0 + e);
+          s += w0[e] * a.x + w0[e + 1] * a.y + w0[e + 2] * a.z + w0[e + 3] * a.w;
+        }
+        acc[t] += s;
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kMaxTok; ++t) {
+    if (t < n) {
+      const float s = WarpSum(acc[t]);
+      if (lane == 0) y[static_cast<int64_t>(t) * ldy + i] = s;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row accumulation (sparse down projection): threads own column units, blocks along y split the
+// active rows, blockIdx.z is the token. Each block sums its rows in registers and adds its
+// partial result to y with one atomic per column; row splits are sized so that there are a few
+// blocks per multiprocessor and few atomics.
+
+constexpr int kAccThreads = 128;
+
+template <WType T>
+__global__ void __launch_bounds__(kAccThreads)
+    AccumulateRowsKernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t cols,
+                         const int32_t* __restrict__ rows, int n_rows,
+                         const int32_t* __restrict__ dev_count, const float* __restrict__ a,
+                         int lda, int rows_per_split, float* __restrict__ y) {
+  const int count = dev_count != nullptr ? *dev_count : n_rows;
+  const int i0 = blockIdx.y * rows_per_split;
+  if (i0 >= count) return;
+  const int i1 = min(count, i0 + rows_per_split);
+  const int t = blockIdx.z;
+  constexpr int E = Unit<T>::kElems;
+  const int64_t units = cols / E;
+  const int64_t u = static_cast<int64_t>(blockIdx.x) * kAccThreads + threadIdx.x;
+  if (u >= units) return;
+  const float* at = a + static_cast<int64_t>(t) * lda;
+  float acc[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) acc[e] = 0.f;
+  bool any = false;
+  int i = i0;
+  // Two rows per iteration: two loads in flight.
+  for (; i + 1 < i1; i += 2) {
+    const float c0 = at[i], c1 = at[i + 1];
+    if (c0 == 0.f && c1 == 0.f) continue;
+    any = true;
+    const int64_t r0 = rows != nullptr ? rows[i] : i;
+    const int64_t r1 = rows != nullptr ? rows[i + 1] : i + 1;
+    float w0[E], w1[E];
+    LoadUnit<T>(w + static_cast<size_t>(r0) * row_bytes, u, w0);
+    LoadUnit<T>(w + static_cast<size_t>(r1) * row_bytes, u, w1);
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] += c0 * w0[e] + c1 * w1[e];
+  }
+  if (i < i1) {
+    const float c0 = at[i];
+    if (c0 != 0.f) {
+      any = true;
+      const int64_t r0 = rows != nullptr ? rows[i] : i;
+      float w0[E];
+      LoadUnit<T>(w + static_cast<size_t>(r0) * row_bytes, u, w0);
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[e] += c0 * w0[e];
+    }
+  }
+  if (!any) return;
+  float* yt = y + static_cast<int64_t>(t) * cols + u * E;
+#pragma unroll
+  for (int e = 0; e < E; ++e) atomicAdd(yt + e, acc[e]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element-wise.
+
+__device__ __forceinline__ float ApplyGated(ActKind act, float g, float u) {
+  switch (act) {
+    case ActKind::kSilu: return g / (1.f + expf(-g)) * u;
+    case ActKind::kRelu: return (g > 0.f ? g : 0.f) * u;
+    case ActKind::kDRelu: return (g > 0.f ? g : 0.f) * (u > 0.f ? u : 0.f);
+  }
+  return 0.f;
+}
+
+__global__ void GatedActivationKernel(ActKind act, float* __restrict__ gate,
+                                      const float* __restrict__ up, int64_t count) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    gate[i] = ApplyGated(act, gate[i], up[i]);
+  }
+}
+
+__global__ void GatherGatedKernel(ActKind act, const float* __restrict__ gate, int ldg,
+                                  const int32_t* __restrict__ idx, int n_idx,
+                                  const int32_t* __restrict__ dev_count, float* __restrict__ up,
+                                  int ld) {
+  const int count = dev_count != nullptr ? *dev_count : n_idx;
+  const int t = blockIdx.y;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
+    float* u = up + static_cast<int64_t>(t) * ld + i;
+    *u = ApplyGated(act, gate[static_cast<int64_t>(t) * ldg + idx[i]], *u);
+  }
+}
+
+__global__ void ReluKernel(float* __restrict__ x, int64_t count) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    x[i] = fmaxf(x[i], 0.f);
+  }
+}
+
+__global__ void AddKernel(float* __restrict__ y, const float* __restrict__ x, int64_t count) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    y[i] += x[i];
+  }
+}
+
+__global__ void Add2Kernel(float* __restrict__ y, const float* __restrict__ x,
+                           const float* __restrict__ z, int64_t count) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    y[i] += x[i] + z[i];
+  }
+}
+
+__global__ void EmbedKernel(WType type, const uint8_t* __restrict__ table, size_t row_bytes,
+                            int64_t cols, const int32_t* __restrict__ tokens,
+                            float* __restrict__ out) {
+  const int t = blockIdx.y;
+  const uint8_t* row = table + static_cast<size_t>(tokens[t]) * row_bytes;
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < cols;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[static_cast<int64_t>(t) * cols + c] = LoadElem(type, row, c);
+  }
+}
+
+__global__ void DequantizeToHalfKernel(WType type, const uint8_t* __restrict__ w,
+                                       size_t row_bytes, int64_t rows, int64_t cols,
+                                       __half* __restrict__ out) {
+  const int64_t total = rows * cols;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i % cols;
+    out[i] = __float2half_rn(LoadElem(type, w + static_cast<size_t>(r) * row_bytes, c));
+  }
+}
+
+__global__ void FloatToHalfKernel(const float* __restrict__ x, int64_t count,
+                                  __half* __restrict__ out) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = __float2half_rn(x[i]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ordered compaction in one block: each pass flags 1024 candidates, a block-wide prefix sum of
+// the flags (warp ballots, then a scan of the 32 warp totals) gives each active one its slot.
+
+constexpr int kCompactThreads = 1024;
+
+__global__ void __launch_bounds__(kCompactThreads)
+    CompactActiveKernel(const float* __restrict__ v, int n, int ldv,
+                        const int32_t* __restrict__ map, int len, float threshold,
+                        int32_t* __restrict__ idx, int32_t* __restrict__ count) {
+  __shared__ int warp_totals[32];
+  __shared__ int base;
+  if (threadIdx.x == 0) base = 0;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  for (int j0 = 0; j0 < len; j0 += kCompactThreads) {
+    const int j = j0 + threadIdx.x;
+    bool active = false;
+    if (j < len) {
+      const int g = map != nullptr ? map[j] : j;
+      for (int t = 0; t < n && !active; ++t) active = v[static_cast<int64_t>(t) * ldv + g] > threshold;
+    }
+    const unsigned ballot = __ballot_sync(0xffffffffu, active);
+    if (lane == 0) warp_totals[warp] = __popc(ballot);
+    __syncthreads();
+    if (warp == 0) {
+      int total = warp_totals[lane];
+      int incl = total;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int other = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += other;
+      }
+      warp_totals[lane] = incl - total;  // exclusive prefix
+    }
+    __syncthreads();
+    if (active) {
+      const int slot = base + warp_totals[warp] + __popc(ballot & ((1u << lane) - 1u));
+      idx[slot] = j;
+    }
+    __syncthreads();
+    if (threadIdx.x == kCompactThreads - 1) {
+      base += warp_totals[warp] + __popc(ballot);
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *count = base;
+}
+
+int GridFor(int64_t count, int threads) {
+  int64_t blocks = (count + threads - 1) / threads;
+  if (blocks > 65535) blocks = 65535;
+  return static_cast<int>(blocks < 1 ? 1 : blocks);
+}
+
+int SmCount() {
+  static int sms = [] {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 132;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 132;
+    return n;
+  }();
+  return sms;
+}
+
+}  // namespace
+
+size_t WRowBytes(WType t, int64_t cols) {
+  switch (t) {
+    case WType::kF32: return 4 * static_cast<size_t>(cols);
+    case WType::kF16:
+    case WType::kBF16: return 2 * static_cast<size_t>(cols);
+    case WType::kQ8_0: return 34 * static_cast<size_t>(cols / 32);
+    case WType::kQ4_0: return 18 * static_cast<size_t>(cols / 32);
+  }
+  return 0;
+}
+
+const char* WTypeName(WType t) {
+  switch (t) {
+    case WType::kF32: return "F32";
+    case WType::kF16: return "F16";
+    case WType::kBF16: return "BF16";
+    case WType::kQ8_0: return "Q8_0";
+    case WType::kQ4_0: return "Q4_0";
+  }
+  return "?";
+}
+
+cudaError_t CheckMatrixShape(const DeviceMatrix& w) {
+  const int64_t unit = (w.type == WType::kF32) ? 4 : (w.type == WType::kF16 || w.type == WType::kBF16) ? 8 : 32;
+  if (w.cols <= 0 || w.cols % unit != 0 || w.rows < 0) return cudaErrorInvalidValue;
+  if (reinterpret_cast<uintptr_t>(w.data) % 16 != 0) return cudaErrorMisalignedAddress;
+  return cudaSuccess;
+}
+
+cudaError_t RmsNorm(const float* x, const float* weight, int n, int dim, float eps, float* out,
+                    cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  RmsNormKernel<<<n, 256, 0, stream>>>(x, weight, dim, eps, out);
+  return cudaGetLastError();
+}
+
+cudaError_t Rope(float* x, int n, int n_heads, int head_dim, const int32_t* positions,
+                 const float* inv_freq, bool interleaved, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  if (head_dim % 2 != 0) return cudaErrorInvalidValue;
+  const int threads = head_dim / 2 < 128 ? (head_dim / 2 + 31) / 32 * 32 : 128;
+  RopeKernel<<<n * n_heads, threads, 0, stream>>>(x, n_heads, head_dim, positions, inv_freq,
+                                                  interleaved);
+  return cudaGetLastError();
+}
+
+int MaxAttentionContext() {
+  return (kAttnMaxSmemBytes / 4) - kAttnThreads - 256;
+}
+
+cudaError_t Attention(const float* q, const float* k, const float* v, int n, int pos0,
+                      int n_heads, int n_kv_heads, int head_dim, float* out,
+                      cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  if (head_dim > kAttnThreads || head_dim <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 ||
+      pos0 < 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int len = pos0 + n;
+  if (len > MaxAttentionContext()) return cudaErrorInvalidValue;
+  const size_t smem = (static_cast<size_t>(head_dim) + kAttnThreads + len) * sizeof(float);
+  if (smem > 48 * 1024) {
+    // Above 48 KB a kernel needs an explicit opt-in (per device; cheap to repeat).
+    cudaError_t e = cudaFuncSetAttribute(AttentionKernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         kAttnMaxSmemBytes);
+    if (e != cudaSuccess) return e;
+  }
+  AttentionKernel<<<dim3(n_heads, n), kAttnThreads, smem, stream>>>(q, k, v, pos0, n_heads,
+                                                                   n_kv_heads, head_dim, out);
+  return cudaGetLastError();
+}
+
+cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
+                       const int32_t* dev_count, const float* x, int n, float* y, int ldy,
+                       cudaStream_t stream) {
+  if (n_rows <= 0 || n <= 0) return cudaSuccess;
+  cudaError_t e = CheckMatrixShape(w);
+  if (e != cudaSuccess) return e;
+  const auto* base = static_cast<const uint8_t*>(w.data);
+  const int blocks = (n_rows + kRowWarps - 1) / kRowWarps;
+  for (int t0 = 0; t0 < n; t0 += kMaxTok) {
+    const int nt = n - t0 < kMaxTok ? n - t0 : kMaxTok;
+    const float* xt = x + static_cast<int64_t>(t0) * w.cols;
+    float* yt = y + static_cast<int64_t>(t0) * ldy;
+    switch (w.type) {
+#define PINFER_LAUNCH(T)                                                                   \
+  case T:                                                                                  \
+    MatVecRowsKernel<T><<<blocks, kRowWarps * kWarp, 0, stream>>>(                         \
+        base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);            \
+    break;
+      PINFER_LAUNCH(WType::kF32)
+      PINFER_LAUNCH(WType::kF16)
+      PINFER_LAUNCH(WType::kBF16)
+      PINFER_LAUNCH(WType::kQ8_0)
+      PINFER_LAUNCH(WType::kQ4_0)
+#undef PINFER_LAUNCH
+    }
+    e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t AccumulateRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
+                           const int32_t* dev_count, const float* a, int lda, int n, float* y,
+                           cudaStream_t stream) {
+  if (n_rows <= 0 || n <= 0) return cudaSuccess;
+  cudaError_t e = CheckMatrixShape(w);
+  if (e != cudaSuccess) return e;
+  if (n > 65535) return cudaErrorInvalidValue;
+  const auto* base = static_cast<const uint8_t*>(w.data);
+  int64_t elems = 8;
+  if (w.type == WType::kF32) elems = 4;
+  if (w.type == WType::kQ8_0 || w.type == WType::kQ4_0) elems = 32;
+  const int64_t units = w.cols / elems;
+  const int col_blocks = static_cast<int>((units + kAccThreads - 1) / kAccThreads);
+  // About 8 blocks per multiprocessor for the token, and at least 16 rows per block so that the
+  // atomics stay a small fraction of the traffic.
+  const int target = 8 * SmCount();
+  int splits = target / col_blocks;
+  if (splits < 1) splits = 1;
+  int rows_per_split = (n_rows + splits - 1) / splits;
+  if (rows_per_split < 16) rows_per_split = 16;
+  splits = (n_rows + rows_per_split - 1) / rows_per_split;
+  if (splits > 65535) {
+    splits = 65535;
+    rows_per_split = (n_rows + splits - 1) / splits;
+  }
+  const dim3 grid(col_blocks, splits, n);
+  switch (w.type) {
+#define PINFER_LAUNCH(T)                                                                      \
+  case T:                                                                                     \
+    AccumulateRowsKernel<T><<<grid, kAccThreads, 0, stream>>>(                                \
+        base, w.row_bytes(), w.cols, rows, n_rows, dev_count, a, lda, rows_per_split, y);     \
+    break;
+    PINFER_LAUNCH(WType::kF32)
+    PINFER_LAUNCH(WType::kF16)
+    PINFER_LAUNCH(WType::kBF16)
+    PINFER_LAUNCH(WType::kQ8_0)
+    PINFER_LAUNCH(WType::kQ4_0)
+#undef PINFER_LAUNCH
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t GatedActivation(ActKind act, float* gate, const float* up, int64_t count,
+                            cudaStream_t stream) {
+  if (count <= 0) return cudaSuccess;
+  GatedActivationKernel<<<GridFor(count, 256), 256, 0, stream>>>(act, gate, up, count);
+  return cudaGetLastError();
+}
+
+cudaError_t GatherGatedActivation(ActKind act, const float* gate, int ldg, const int32_t* idx,
+                                  int n_idx, const int32_t* dev_count, float* up, int ld, int n,
+                                  cudaStream_t stream) {
+  if (n_idx <= 0 || n <= 0) return cudaSuccess;
+  if (n > 65535) return cudaErrorInvalidValue;
+  GatherGatedKernel<<<dim3(GridFor(n_idx, 256), n), 256, 0, stream>>>(act, gate, ldg, idx, n_idx,
+                                                                      dev_count, up, ld);
+  return cudaGetLastError();
+}
+
+cudaError_t Relu(float* x, int64_t count, cudaStream_t stream) {
+  if (count <= 0) return cudaSuccess;
+  ReluKernel<<<GridFor(count, 256), 256, 0, stream>>>(x, count);
+  return cudaGetLastError();
+}
+
+cudaError_t AddInPlace(float* y, const float* x, int64_t count, cudaStream_t stream) {
+  if (count <= 0) return cudaSuccess;
+  AddKernel<<<GridFor(count, 256), 256, 0, stream>>>(y, x, count);
+  return cudaGetLastError();
+}
+
+cudaError_t Add2InPlace(float* y, const float* x, const float* z, int64_t count,
+                        cudaStream_t stream) {
+  if (count <= 0) return cudaSuccess;
+  Add2Kernel<<<GridFor(count, 256), 256, 0, stream>>>(y, x, z, count);
+  return cudaGetLastError();
+}
+
+cudaError_t Embed(const DeviceMatrix& table, const int32_t* tokens, int n, float* out,
+                  cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  if (n > 65535) return cudaErrorInvalidValue;
+  const int bx = static_cast<int>((table.cols + 255) / 256);
+  EmbedKernel<<<dim3(bx, n), 256, 0, stream>>>(table.type,
+                                               static_cast<const uint8_t*>(table.data),
+                                               table.row_bytes(), table.cols, tokens, out);
+  return cudaGetLastError();
+}
+
+cudaError_t CompactActive(const float* v, int n, int ldv, const int32_t* map, int len,
+                          float threshold, int32_t* idx, int32_t* count, cudaStream_t stream) {
+  CompactActiveKernel<<<1, kCompactThreads, 0, stream>>>(v, n, ldv, map, len, threshold, idx,
+                                                         count);
+  return cudaGetLastError();
+}
+
+cudaError_t DequantizeToHalf(const DeviceMatrix& w, void* out, cudaStream_t stream) {
+  const int64_t total = w.rows * w.cols;
+  if (total <= 0) return cudaSuccess;
+  DequantizeToHalfKernel<<<GridFor(total, 256), 256, 0, stream>>>(
+      w.type, static_cast<const uint8_t*>(w.data), w.row_bytes(), w.rows, w.cols,
+      static_cast<__half*>(out));
+  return cudaGetLastError();
+}
+
+cudaError_t FloatToHalf(const float* x, int64_t count, void* out, cudaStream_t stream) {
+  if (count <= 0) return cudaSuccess;
+  FloatToHalfKernel<<<GridFor(count, 256), 256, 0, stream>>>(x, count,
+                                                             static_cast<__half*>(out));
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace pinfer

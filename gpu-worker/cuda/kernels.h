@@ -1,0 +1,112 @@
+// The CUDA operators of the gpu-worker, FlashInfer-style: plain functions over raw device
+// pointers that enqueue work on a stream and return a cudaError_t. No framework types cross this
+// header, so the op tests, the backend and the benchmark all call exactly the same launchers, and
+// each one is checked against the CPU reference operators (shared/engine/ops.h) op by op.
+//
+// Conventions follow CpuOps: activations are fp32, row-major [tokens, features]; weights are
+// row-major [out_features, in_features] in any stored type (the block formats are ggml's, see
+// shared/model/tensor.h) and are converted to fp32 in registers; accumulation is fp32.
+//
+// Sparse operators take an optional list of row ids and an optional device-side row count, so
+// that a predictor or compaction kernel can decide the active rows on the GPU and the following
+// kernels read the count without a round trip to the host. Launch sizes come from the host-side
+// upper bound; blocks past the device count exit at once.
+//
+// This header must stay C++17 (nvcc compiles it) and free of absl and cuBLAS.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace pinfer {
+namespace cuda {
+
+// Numbering matches pinfer::DType (shared/model/tensor.h); tests static_assert this.
+enum class WType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kQ8_0 = 3, kQ4_0 = 4 };
+
+// Numbering matches pinfer::Activation (shared/model/config.h).
+enum class ActKind : int { kSilu = 0, kRelu = 1, kDRelu = 2 };
+
+// Bytes of `cols` consecutive elements (cols a multiple of 32 for the block formats).
+size_t WRowBytes(WType t, int64_t cols);
+const char* WTypeName(WType t);
+
+// A weight matrix in device memory.
+struct DeviceMatrix {
+  WType type = WType::kF32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  const void* data = nullptr;
+  size_t row_bytes() const { return WRowBytes(type, cols); }
+  size_t bytes() const { return row_bytes() * static_cast<size_t>(rows); }
+};
+
+// Whether the matrix's column count suits the row kernels (16-byte loads, whole blocks).
+cudaError_t CheckMatrixShape(const DeviceMatrix& w);
+
+// out: [n, dim] = x * rsqrt(mean(x^2) + eps) * weight
+cudaError_t RmsNorm(const float* x, const float* weight, int n, int dim, float eps, float* out,
+                    cudaStream_t stream);
+
+// Rotates x: [n, n_heads, head_dim] in place at positions[t] (device array). inv_freq: device
+// [head_dim / 2]. interleaved: pairs (2i, 2i+1) (GGUF); otherwise (i, i + head_dim/2) (HF).
+cudaError_t Rope(float* x, int n, int n_heads, int head_dim, const int32_t* positions,
+                 const float* inv_freq, bool interleaved, cudaStream_t stream);
+
+// Causal attention of n queries at positions pos0..pos0+n-1 over cache rows 0..pos (decode is
+// n = 1, a prompt batch n > 1). q: [n, n_heads, hd]; k, v: [ctx, n_kv_heads, hd];
+// out: [n, n_heads, hd]. head_dim <= 256, context up to MaxAttentionContext().
+cudaError_t Attention(const float* q, const float* k, const float* v, int n, int pos0,
+                      int n_heads, int n_kv_heads, int head_dim, float* out, cudaStream_t stream);
+int MaxAttentionContext();
+
+// y[t * ldy + i] = w.row(rows ? rows[i] : i) . x[t]   for i < count, t < n,
+// count = dev_count ? *dev_count : n_rows (n_rows is the upper bound). x: [n, w.cols].
+// Dense matrix-vector when rows is null; the sparse gate/up projection when it lists active rows.
+cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
+                       const int32_t* dev_count, const float* x, int n, float* y, int ldy,
+                       cudaStream_t stream);
+
+// y[t, :] += sum_i a[t * lda + i] * w.row(rows ? rows[i] : i)   for i < count, t < n.
+// The sparse down projection: w is the transposed down matrix [ffn, hidden], so each active
+// neuron is one contiguous row. Zero coefficients are skipped. y: [n, w.cols].
+cudaError_t AccumulateRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
+                           const int32_t* dev_count, const float* a, int lda, int n, float* y,
+                           cudaStream_t stream);
+
+// gate[i] = act(gate[i]) * up[i] over count elements (dReLU: relu(gate) * relu(up)).
+cudaError_t GatedActivation(ActKind act, float* gate, const float* up, int64_t count,
+                            cudaStream_t stream);
+// The exact mode's activation of the active rows: up[t * ld + i] =
+// act(gate[t * ldg + idx[i]]) * up[t * ld + i] for i < count (= dev_count ? *dev_count : n_idx),
+// where gate holds every row's gate value and up only the listed rows'.
+cudaError_t GatherGatedActivation(ActKind act, const float* gate, int ldg, const int32_t* idx,
+                                  int n_idx, const int32_t* dev_count, float* up, int ld, int n,
+                                  cudaStream_t stream);
+// x[i] = max(x[i], 0).
+cudaError_t Relu(float* x, int64_t count, cudaStream_t stream);
+// y[i] += x[i].
+cudaError_t AddInPlace(float* y, const float* x, int64_t count, cudaStream_t stream);
+// y[i] += x[i] + z[i] (the residual plus the hot and cold FFN parts).
+cudaError_t Add2InPlace(float* y, const float* x, const float* z, int64_t count,
+                        cudaStream_t stream);
+
+// out: [n, table.cols] = rows tokens[t] of the table, as fp32.
+cudaError_t Embed(const DeviceMatrix& table, const int32_t* tokens, int n, float* out,
+                  cudaStream_t stream);
+
+// Ordered compaction of the active neurons: idx = { j < len : some t < n has
+// v[t * ldv + (map ? map[j] : j)] > threshold } ascending, *count = |idx|. With map = the hot
+// neurons' global ids it lists active hot rows by local index; with the cold ids, the cold ones.
+cudaError_t CompactActive(const float* v, int n, int ldv, const int32_t* map, int len,
+                          float threshold, int32_t* idx, int32_t* count, cudaStream_t stream);
+
+// Converts a weight matrix to fp16 (for cuBLAS): out: [rows, cols] halves.
+cudaError_t DequantizeToHalf(const DeviceMatrix& w, void* out, cudaStream_t stream);
+// out[i] = (half)x[i].
+cudaError_t FloatToHalf(const float* x, int64_t count, void* out, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace pinfer

@@ -1,0 +1,364 @@
+// The CUDA module end to end, loaded with dlopen exactly as the gpu-worker loads it: relu-llama-
+// tiny split into hot rows on the GPU and cold rows computed by a CPU callback (the role the
+// cpu-worker plays through shared memory) must produce transformers' greedy tokens
+// (reference.json) for all 12 prompts; so must the whole model on the GPU in dense mode; and
+// step-by-step logits must match the CPU reference forward pass. Skips without a CUDA device.
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <vector>
+
+#include "gpu-worker/cuda/backend.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "shared/engine/ops.h"
+#include "shared/engine/transformer.h"
+#include "shared/model/model.h"
+
+namespace pinfer {
+namespace {
+
+std::string ModelsDir() {
+  const char* env = std::getenv("PINFER_MODELS_DIR");
+  return env != nullptr ? env : PINFER_MODELS_DIR;
+}
+
+std::string ModulePath() {
+  const char* env = std::getenv("PINFER_CUDA_MODULE");
+  return env != nullptr ? env : PINFER_CUDA_MODULE_PATH;
+}
+
+struct Module {
+  void* handle = nullptr;
+  PinferCudaDeviceCountFn device_count = nullptr;
+  PinferCudaCreateFn create = nullptr;
+  PinferCudaDestroyFn destroy = nullptr;
+};
+
+cuda::HostMatrix FromView(const TensorView& t) {
+  cuda::HostMatrix m;
+  m.type = static_cast<cuda::HostType>(t.dtype);
+  m.rows = t.rows();
+  m.cols = t.cols();
+  m.data = t.data;
+  return m;
+}
+
+// down: [hidden, ffn] fp16 -> down_t: [ffn, hidden], moving the 16-bit values unchanged.
+std::vector<uint16_t> Transpose16(const TensorView& down) {
+  const int64_t rows = down.rows(), cols = down.cols();
+  const auto* src = static_cast<const uint16_t*>(down.data);
+  std::vector<uint16_t> out(rows * cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) out[c * rows + r] = src[r * cols + c];
+  }
+  return out;
+}
+
+// The cold side, computed on the CPU with the optimised operators. Exact mode: the cold gate
+// rows decide which cold neurons are active, as in the cpu-worker.
+class CpuColdFfn : public cuda::ColdFfn {
+ public:
+  CpuColdFfn(const Model& model, const std::vector<TensorView>& down_t,
+             const std::vector<std::vector<int32_t>>& cold_ids)
+      : model_(model), down_t_(down_t), cold_ids_(cold_ids), ops_(NewSimdOps(nullptr)) {}
+
+  cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
+    const int H = model_.config.hidden_size;
+    const LayerWeights& L = model_.layers[r.layer];
+    const std::vector<int32_t>& ids = cold_ids_[r.layer];
+    std::fill(r.out, r.out + static_cast<size_t>(r.n) * H, 0.f);
+    ++calls;
+    for (int t = 0; t < r.n; ++t) {
+      const float* x = r.x + static_cast<size_t>(t) * H;
+      std::vector<float> g(ids.size());
+      ops_->MatMulRows(L.gate, ids.data(), static_cast<int>(ids.size()), x, 1, g.data());
+      std::vector<int32_t> active;
+      std::vector<float> ga;
+      for (size_t i = 0; i < ids.size(); ++i) {
+        if (g[i] > 0) {
+          active.push_back(ids[i]);
+          ga.push_back(g[i]);
+        }
+      }
+      std::vector<float> u(active.size());
+      ops_->MatMulRows(L.up, active.data(), static_cast<int>(active.size()), x, 1, u.data());
+      ops_->GatedActivation(model_.config.activation, ga.data(), u.data(),
+                            static_cast<int64_t>(ga.size()));
+      ops_->AccumulateRows(down_t_[r.layer], active.data(), static_cast<int>(active.size()),
+                           ga.data(), 1, r.out + static_cast<size_t>(t) * H);
+    }
+    return {};
+  }
+  int calls = 0;
+
+ private:
+  const Model& model_;
+  const std::vector<TensorView>& down_t_;
+  const std::vector<std::vector<int32_t>>& cold_ids_;
+  std::unique_ptr<CpuOps> ops_;
+};
+
+class CudaBackendTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    module_ = new Module;
+    module_->handle = dlopen(ModulePath().c_str(), RTLD_NOW | RTLD_LOCAL);
+    ASSERT_NE(module_->handle, nullptr) << dlerror();
+    module_->device_count =
+        reinterpret_cast<PinferCudaDeviceCountFn>(dlsym(module_->handle, PINFER_CUDA_DEVICE_COUNT_SYMBOL));
+    module_->create =
+        reinterpret_cast<PinferCudaCreateFn>(dlsym(module_->handle, PINFER_CUDA_CREATE_SYMBOL));
+    module_->destroy =
+        reinterpret_cast<PinferCudaDestroyFn>(dlsym(module_->handle, PINFER_CUDA_DESTROY_SYMBOL));
+    ASSERT_TRUE(module_->device_count && module_->create && module_->destroy);
+    if (module_->device_count() == 0) return;
+    auto m = LoadModel(ModelsDir() + "/relu-llama-tiny");
+    ASSERT_TRUE(m.ok()) << m.status();
+    model_ = m->release();
+    std::ifstream in(ModelsDir() + "/relu-llama-tiny/reference.json");
+    reference_ = new nlohmann::json(nlohmann::json::parse(in));
+    const ModelConfig& c = model_->config;
+    down_t_data_ = new std::vector<std::vector<uint16_t>>;
+    down_t_ = new std::vector<TensorView>;
+    hot_ids_ = new std::vector<std::vector<int32_t>>(c.n_layers);
+    cold_ids_ = new std::vector<std::vector<int32_t>>(c.n_layers);
+    for (int l = 0; l < c.n_layers; ++l) {
+      ASSERT_EQ(model_->layers[l].down.dtype, DType::kF16);
+      down_t_data_->push_back(Transpose16(model_->layers[l].down));
+      TensorView t;
+      t.dtype = DType::kF16;
+      t.shape = {c.ffn_size, c.hidden_size};
+      t.data = down_t_data_->back().data();
+      down_t_->push_back(t);
+      // A fixed quarter of each layer's neurons on the GPU, scattered by a hash.
+      for (int j = 0; j < c.ffn_size; ++j) {
+        const uint32_t h = static_cast<uint32_t>(j + 7919 * l) * 2654435761u;
+        ((h >> 7) % 4 == 0 ? (*hot_ids_)[l] : (*cold_ids_)[l]).push_back(j);
+      }
+    }
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    delete reference_;
+    delete down_t_;
+    delete down_t_data_;
+    delete hot_ids_;
+    delete cold_ids_;
+    delete module_;  // the module stays loaded: unloading CUDA libraries at exit is fragile
+  }
+  void SetUp() override {
+    if (module_->device_count == nullptr || module_->device_count() == 0) {
+      GTEST_SKIP() << "no CUDA device here";
+    }
+  }
+
+  // hot: the split placement; otherwise every layer dense on the GPU.
+  static cuda::ModelUpload Upload(bool hot) {
+    const ModelConfig& c = model_->config;
+    cuda::ModelUpload u;
+    u.dims.vocab = c.vocab_size;
+    u.dims.hidden = c.hidden_size;
+    u.dims.n_layers = c.n_layers;
+    u.dims.n_heads = c.n_heads;
+    u.dims.n_kv_heads = c.n_kv_heads;
+    u.dims.head_dim = c.head_dim;
+    u.dims.ffn = c.ffn_size;
+    u.dims.norm_eps = c.norm_eps;
+    u.dims.activation = static_cast<int>(c.activation);
+    u.dims.rope_interleaved = c.rope_interleaved;
+    u.dims.inv_freq = RopeInverseFrequencies(c);
+    u.tok_embeddings = FromView(model_->tok_embeddings);
+    u.output_norm = FromView(model_->output_norm);
+    u.output_norm.rows = 1;
+    u.output = FromView(model_->output);
+    u.max_ctx = 256;
+    u.max_seqs = 2;
+    u.max_batch = 64;
+    for (int l = 0; l < c.n_layers; ++l) {
+      const LayerWeights& L = model_->layers[l];
+      cuda::LayerUpload lu;
+      lu.attn_norm = FromView(L.attn_norm);
+      lu.attn_norm.rows = 1;
+      lu.ffn_norm = FromView(L.ffn_norm);
+      lu.ffn_norm.rows = 1;
+      lu.wq = FromView(L.wq);
+      lu.wk = FromView(L.wk);
+      lu.wv = FromView(L.wv);
+      lu.wo = FromView(L.wo);
+      lu.gate = FromView(L.gate);
+      lu.up = FromView(L.up);
+      if (hot) {
+        lu.ffn = cuda::FfnPlacement::kHot;
+        lu.down_t = FromView((*down_t_)[l]);
+        lu.hot_ids = (*hot_ids_)[l];
+      } else {
+        lu.ffn = cuda::FfnPlacement::kDense;
+        lu.down = FromView(L.down);
+      }
+      u.layers.push_back(lu);
+    }
+    return u;
+  }
+
+  static std::unique_ptr<cuda::Backend, PinferCudaDestroyFn> Create(const cuda::ModelUpload& u) {
+    cuda::Backend* b = nullptr;
+    char err[512] = {0};
+    const int rc = module_->create(&u, &b, err, sizeof(err));
+    EXPECT_EQ(rc, 0) << err;
+    return std::unique_ptr<cuda::Backend, PinferCudaDestroyFn>(b, module_->destroy);
+  }
+
+  static int Argmax(const std::vector<float>& v) {
+    return static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin());
+  }
+
+  // Greedy continuation: the prompt in one batch, then one token per step.
+  static std::vector<int32_t> Greedy(cuda::Backend* b, const std::vector<int32_t>& prompt,
+                                     int steps, cuda::FfnMode mode, cuda::ColdFfn* cold) {
+    std::vector<float> logits(model_->config.vocab_size);
+    std::vector<int32_t> out;
+    cuda::ForwardArgs a;
+    a.tokens = prompt.data();
+    a.n = static_cast<int>(prompt.size());
+    a.pos0 = 0;
+    a.mode = mode;
+    a.cold = cold;
+    a.logits = logits.data();
+    int pos = a.n;
+    for (int s = 0; s < steps; ++s) {
+      cuda::BackendStatus st = b->Forward(a);
+      EXPECT_TRUE(st.ok()) << st.message;
+      if (!st.ok()) return out;
+      out.push_back(Argmax(logits));
+      a.tokens = &out.back();
+      a.n = 1;
+      a.pos0 = pos++;
+    }
+    return out;
+  }
+
+  static Module* module_;
+  static Model* model_;
+  static nlohmann::json* reference_;
+  static std::vector<std::vector<uint16_t>>* down_t_data_;
+  static std::vector<TensorView>* down_t_;
+  static std::vector<std::vector<int32_t>>* hot_ids_;
+  static std::vector<std::vector<int32_t>>* cold_ids_;
+};
+Module* CudaBackendTest::module_ = nullptr;
+Model* CudaBackendTest::model_ = nullptr;
+nlohmann::json* CudaBackendTest::reference_ = nullptr;
+std::vector<std::vector<uint16_t>>* CudaBackendTest::down_t_data_ = nullptr;
+std::vector<TensorView>* CudaBackendTest::down_t_ = nullptr;
+std::vector<std::vector<int32_t>>* CudaBackendTest::hot_ids_ = nullptr;
+std::vector<std::vector<int32_t>>* CudaBackendTest::cold_ids_ = nullptr;
+
+TEST_F(CudaBackendTest, HotColdSplitGivesReferenceGreedyTokens) {
+  auto backend = Create(Upload(/*hot=*/true));
+  ASSERT_NE(backend, nullptr);
+  CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
+  int prompt_no = 0;
+  for (const auto& p : (*reference_)["prompts"]) {
+    std::vector<int32_t> prompt = p["input_ids"].get<std::vector<int32_t>>();
+    std::vector<int32_t> expect = p["greedy_ids"].get<std::vector<int32_t>>();
+    std::vector<int32_t> got = Greedy(backend.get(), prompt, static_cast<int>(expect.size()),
+                                      cuda::FfnMode::kExact, &cold);
+    EXPECT_EQ(got, expect) << "prompt " << prompt_no << ": " << p["prompt"];
+    ++prompt_no;
+  }
+  EXPECT_EQ(prompt_no, 12);
+  EXPECT_GT(cold.calls, 0);
+  EXPECT_GT(backend->last_stats().hot_rows_computed, 0);
+}
+
+TEST_F(CudaBackendTest, WholeModelDenseGivesReferenceGreedyTokens) {
+  auto backend = Create(Upload(/*hot=*/false));
+  ASSERT_NE(backend, nullptr);
+  for (const auto& p : (*reference_)["prompts"]) {
+    std::vector<int32_t> prompt = p["input_ids"].get<std::vector<int32_t>>();
+    std::vector<int32_t> expect = p["greedy_ids"].get<std::vector<int32_t>>();
+    EXPECT_EQ(Greedy(backend.get(), prompt, static_cast<int>(expect.size()),
+                     cuda::FfnMode::kDense, nullptr),
+              expect)
+        << p["prompt"];
+  }
+}
+
+// Token by token (the fp32 matrix-vector path), the split's logits equal the CPU reference
+// forward pass's up to fp32 summation order.
+TEST_F(CudaBackendTest, StepLogitsMatchCpuReference) {
+  auto backend = Create(Upload(/*hot=*/true));
+  ASSERT_NE(backend, nullptr);
+  CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
+  std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
+  Transformer ref(*model_, *ref_ops);
+  KvCache cache(model_->config, 64);
+  const int V = model_->config.vocab_size;
+  std::vector<int32_t> tokens =
+      (*reference_)["prompts"][10]["input_ids"].get<std::vector<int32_t>>();
+  std::vector<float> got(V), want(V);
+  for (int pos = 0; pos < static_cast<int>(tokens.size()); ++pos) {
+    ASSERT_TRUE(ref.Forward({&tokens[pos], 1}, pos, &cache, LogitsMode::kLast, want.data()).ok());
+    cuda::ForwardArgs a;
+    a.tokens = &tokens[pos];
+    a.n = 1;
+    a.pos0 = pos;
+    a.seq = 1;
+    a.mode = cuda::FfnMode::kExact;
+    a.cold = &cold;
+    a.logits = got.data();
+    cuda::BackendStatus st = backend->Forward(a);
+    ASSERT_TRUE(st.ok()) << st.message;
+    double err = 0, norm = 0;
+    for (int i = 0; i < V; ++i) {
+      ASSERT_FALSE(std::isnan(got[i]));
+      err += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+      norm += double(want[i]) * want[i];
+    }
+    EXPECT_LE(err / norm, 1e-6) << "position " << pos;
+  }
+}
+
+TEST_F(CudaBackendTest, RejectsBadRequestsWithSpecificErrors) {
+  auto backend = Create(Upload(/*hot=*/true));
+  ASSERT_NE(backend, nullptr);
+  std::vector<float> logits(model_->config.vocab_size);
+  int32_t token = 5;
+  cuda::ForwardArgs a;
+  a.tokens = &token;
+  a.n = 1;
+  a.logits = logits.data();
+
+  a.pos0 = 256;  // the context is 256
+  cuda::BackendStatus st = backend->Forward(a);
+  EXPECT_EQ(st.code, cuda::Code::kOutOfRange);
+  EXPECT_NE(st.message.find("exceed the context of 256"), std::string::npos) << st.message;
+
+  a.pos0 = 0;
+  token = model_->config.vocab_size;
+  st = backend->Forward(a);
+  EXPECT_EQ(st.code, cuda::Code::kInvalidArgument);
+  EXPECT_NE(st.message.find("out of range"), std::string::npos) << st.message;
+
+  token = 5;
+  a.mode = cuda::FfnMode::kPredicted;  // relu-llama-tiny is uploaded without predictors
+  st = backend->Forward(a);
+  EXPECT_EQ(st.code, cuda::Code::kFailedPrecondition);
+  EXPECT_NE(st.message.find("no predictor"), std::string::npos) << st.message;
+
+  cuda::ModelUpload bad = Upload(/*hot=*/true);
+  bad.layers[0].hot_ids = {5, 3};
+  cuda::Backend* b = nullptr;
+  char err[256] = {0};
+  EXPECT_EQ(module_->create(&bad, &b, err, sizeof(err)),
+            static_cast<int>(cuda::Code::kInvalidArgument));
+  EXPECT_NE(std::string(err).find("ascending"), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace pinfer

@@ -1,0 +1,610 @@
+// Every CUDA operator (gpu-worker/cuda/kernels.h, gemm.h) against the plain CPU reference
+// (NewReferenceOps), ggml test-backend-ops style: fresh random inputs on every run, the
+// normalised mean squared error (as in tests/engine/ops_test.cc) at most 1e-6 where the GPU
+// computes in fp32 (every row kernel, whatever the weight type, since weights are expanded to fp32
+// exactly) and 1e-3 where cuBLAS rounds activations to fp16, no NaN, and poisoned guard regions
+// around every device output that must come back untouched. Without a CUDA device every test
+// skips.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "gpu-worker/cuda/gemm.h"
+#include "gpu-worker/cuda/kernels.h"
+#include "gtest/gtest.h"
+#include "shared/engine/ops.h"
+#include "shared/model/config.h"
+#include "shared/model/tensor.h"
+
+namespace pinfer {
+namespace {
+
+using cuda::DeviceMatrix;
+using cuda::WType;
+
+static_assert(static_cast<int>(DType::kF32) == static_cast<int>(WType::kF32));
+static_assert(static_cast<int>(DType::kF16) == static_cast<int>(WType::kF16));
+static_assert(static_cast<int>(DType::kBF16) == static_cast<int>(WType::kBF16));
+static_assert(static_cast<int>(DType::kQ8_0) == static_cast<int>(WType::kQ8_0));
+static_assert(static_cast<int>(DType::kQ4_0) == static_cast<int>(WType::kQ4_0));
+static_assert(static_cast<int>(Activation::kDRelu) == static_cast<int>(cuda::ActKind::kDRelu));
+
+constexpr double kFp32Limit = 1e-6;
+constexpr double kFp16Limit = 1e-3;
+
+bool HaveGpu() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return n > 0;
+}
+
+#define CUDA_OK(expr)                                                         \
+  do {                                                                        \
+    const cudaError_t _e = (expr);                                            \
+    ASSERT_EQ(_e, cudaSuccess) << #expr << ": " << cudaGetErrorString(_e);    \
+  } while (0)
+
+// A device buffer of T with guard regions on both sides. The payload starts poisoned (all bytes
+// 0xff: NaN for floats, -1 for ints) so that an element the kernel should write but does not
+// shows up as NaN; the guards hold 0xa5 bytes and must survive.
+template <typename T>
+class DevBuf {
+ public:
+  static constexpr size_t kGuardBytes = 256;
+  explicit DevBuf(size_t n) : n_(n) {
+    EXPECT_EQ(cudaMalloc(&raw_, Bytes() + 2 * kGuardBytes), cudaSuccess);
+    cudaMemset(raw_, 0xa5, kGuardBytes);
+    cudaMemset(static_cast<uint8_t*>(raw_) + kGuardBytes, 0xff, Bytes());
+    cudaMemset(static_cast<uint8_t*>(raw_) + kGuardBytes + Bytes(), 0xa5, kGuardBytes);
+  }
+  DevBuf(const std::vector<T>& v) : DevBuf(v.size()) { Upload(v); }
+  ~DevBuf() { cudaFree(raw_); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+
+  T* get() { return reinterpret_cast<T*>(static_cast<uint8_t*>(raw_) + kGuardBytes); }
+  size_t Bytes() const { return n_ * sizeof(T); }
+  void Upload(const std::vector<T>& v) {
+    EXPECT_EQ(cudaMemcpy(get(), v.data(), std::min(v.size(), n_) * sizeof(T),
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  std::vector<T> Download() {
+    std::vector<T> v(n_);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(v.data(), get(), Bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
+    return v;
+  }
+  bool GuardsIntact() {
+    std::vector<uint8_t> g(2 * kGuardBytes);
+    cudaDeviceSynchronize();
+    cudaMemcpy(g.data(), raw_, kGuardBytes, cudaMemcpyDeviceToHost);
+    cudaMemcpy(g.data() + kGuardBytes, static_cast<uint8_t*>(raw_) + kGuardBytes + Bytes(),
+               kGuardBytes, cudaMemcpyDeviceToHost);
+    return std::all_of(g.begin(), g.end(), [](uint8_t b) { return b == 0xa5; });
+  }
+
+ private:
+  void* raw_ = nullptr;
+  size_t n_;
+};
+
+double Nmse(const std::vector<float>& a, const std::vector<float>& b) {
+  double err = 0, ref = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    err += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    ref += double(b[i]) * b[i];
+  }
+  return ref == 0 ? err : err / ref;
+}
+
+bool AnyNan(const std::vector<float>& a) {
+  return std::any_of(a.begin(), a.end(), [](float v) { return std::isnan(v); });
+}
+
+// Fresh seed per run, printed so a failure can be replayed.
+std::mt19937& Rng() {
+  static std::mt19937 rng = [] {
+    const unsigned seed = std::random_device{}();
+    std::printf("cuda_ops_test seed %u\n", seed);
+    return std::mt19937(seed);
+  }();
+  return rng;
+}
+
+std::vector<float> Random(size_t n, float scale = 1.f) {
+  std::normal_distribution<float> d(0.f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(Rng());
+  return v;
+}
+
+// A random weight matrix stored in `type` (quantized with ggml's reference rounding).
+struct HostWeights {
+  DType type;
+  int64_t rows, cols;
+  std::vector<uint8_t> bytes;
+  TensorView view() const {
+    TensorView t;
+    t.dtype = type;
+    t.shape = {rows, cols};
+    t.data = bytes.data();
+    return t;
+  }
+};
+
+HostWeights RandomWeights(DType type, int64_t rows, int64_t cols, float scale = 0.05f) {
+  HostWeights w{type, rows, cols, {}};
+  const size_t rb = RowBytes(type, cols);
+  w.bytes.resize(rb * rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<float> v = Random(cols, scale);
+    QuantizeRow(type, v.data(), w.bytes.data() + r * rb, cols);
+  }
+  return w;
+}
+
+DeviceMatrix ToDevice(const HostWeights& w, DevBuf<uint8_t>* buf) {
+  buf->Upload(w.bytes);
+  DeviceMatrix d;
+  d.type = static_cast<WType>(w.type);
+  d.rows = w.rows;
+  d.cols = w.cols;
+  d.data = buf->get();
+  return d;
+}
+
+const DType kAllTypes[] = {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ4_0};
+
+// Distinct random row ids in random order.
+std::vector<int32_t> RandomRows(int total, int count) {
+  std::vector<int32_t> ids(total);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), Rng());
+  ids.resize(count);
+  return ids;
+}
+
+class CudaOpsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!HaveGpu()) GTEST_SKIP() << "no CUDA device here";
+    ref_ = NewReferenceOps();
+  }
+  std::unique_ptr<CpuOps> ref_;
+};
+
+TEST_F(CudaOpsTest, RmsNormMatchesReference) {
+  for (int dim : {384, 1000, 5120}) {
+    const int n = 3;
+    std::vector<float> x = Random(n * dim, 2.f), w = Random(dim);
+    std::vector<float> ref(n * dim);
+    ref_->RmsNorm(x.data(), w.data(), n, dim, 1e-5f, ref.data());
+    DevBuf<float> dx(x), dw(w), dout(n * dim);
+    CUDA_OK(cuda::RmsNorm(dx.get(), dw.get(), n, dim, 1e-5f, dout.get(), nullptr));
+    std::vector<float> out = dout.Download();
+    EXPECT_FALSE(AnyNan(out));
+    EXPECT_LE(Nmse(out, ref), kFp32Limit) << "dim " << dim;
+    EXPECT_TRUE(dout.GuardsIntact());
+  }
+}
+
+TEST_F(CudaOpsTest, RopeBothLayoutsMatchReference) {
+  for (bool interleaved : {false, true}) {
+    for (int head_dim : {64, 128}) {
+      const int n = 5, heads = 6;
+      std::vector<float> inv(head_dim / 2);
+      for (int i = 0; i < head_dim / 2; ++i) {
+        inv[i] = static_cast<float>(1.0 / std::pow(10000.0, 2.0 * i / head_dim));
+      }
+      std::vector<int32_t> pos(n);
+      std::uniform_int_distribution<int> pd(0, 4000);
+      for (int32_t& p : pos) p = pd(Rng());
+      std::vector<float> x = Random(static_cast<size_t>(n) * heads * head_dim);
+      std::vector<float> ref = x;
+      ref_->Rope(ref.data(), n, heads, head_dim, pos.data(), inv.data(), interleaved);
+      DevBuf<float> dx(x), dinv(inv);
+      DevBuf<int32_t> dpos(pos);
+      CUDA_OK(cuda::Rope(dx.get(), n, heads, head_dim, dpos.get(), dinv.get(), interleaved,
+                         nullptr));
+      std::vector<float> out = dx.Download();
+      EXPECT_FALSE(AnyNan(out));
+      EXPECT_LE(Nmse(out, ref), kFp32Limit) << "interleaved " << interleaved << " hd " << head_dim;
+      EXPECT_TRUE(dx.GuardsIntact());
+    }
+  }
+}
+
+// Decode (n = 1) and prompt batches (n > 1), grouped-query heads, short and long contexts
+// (the long one needs more than 48 KB of scores in shared memory).
+TEST_F(CudaOpsTest, AttentionDecodeAndPromptMatchReference) {
+  struct Case {
+    int n, pos0, heads, kv_heads, head_dim;
+  };
+  for (const Case& c : {Case{1, 0, 4, 4, 64}, Case{1, 37, 8, 2, 64}, Case{1, 300, 6, 2, 128},
+                        Case{9, 0, 6, 2, 64}, Case{7, 13, 8, 8, 128}, Case{33, 100, 4, 1, 96},
+                        Case{1, 15000, 2, 1, 128}}) {
+    const int ctx = c.pos0 + c.n;
+    const size_t kv = static_cast<size_t>(ctx) * c.kv_heads * c.head_dim;
+    std::vector<float> q = Random(static_cast<size_t>(c.n) * c.heads * c.head_dim);
+    std::vector<float> k = Random(kv), v = Random(kv);
+    std::vector<float> ref(q.size());
+    ref_->Attention(q.data(), k.data(), v.data(), c.n, c.pos0, c.heads, c.kv_heads, c.head_dim,
+                    ref.data());
+    DevBuf<float> dq(q), dk(k), dv(v), dout(q.size());
+    CUDA_OK(cuda::Attention(dq.get(), dk.get(), dv.get(), c.n, c.pos0, c.heads, c.kv_heads,
+                            c.head_dim, dout.get(), nullptr));
+    std::vector<float> out = dout.Download();
+    EXPECT_FALSE(AnyNan(out));
+    EXPECT_LE(Nmse(out, ref), kFp32Limit) << "n " << c.n << " pos0 " << c.pos0;
+    EXPECT_TRUE(dout.GuardsIntact());
+  }
+}
+
+// Dense matrix-vector (all rows) and the sparse gate/up projection (listed rows only), for every
+// weight type and batch sizes that need one and several passes of the token loop.
+TEST_F(CudaOpsTest, MatVecRowsMatchesReferenceForEveryType) {
+  for (DType type : kAllTypes) {
+    const int64_t rows = 301, cols = 1056;  // 33 quant blocks: exercises the tail loop
+    HostWeights w = RandomWeights(type, rows, cols);
+    DevBuf<uint8_t> dw(w.bytes.size());
+    DeviceMatrix m = ToDevice(w, &dw);
+    for (int n : {1, 3, 11}) {
+      std::vector<float> x = Random(static_cast<size_t>(n) * cols);
+      DevBuf<float> dx(x);
+      // All rows.
+      {
+        std::vector<float> ref(static_cast<size_t>(n) * rows);
+        ref_->MatMul(w.view(), x.data(), n, ref.data());
+        DevBuf<float> dy(ref.size());
+        CUDA_OK(cuda::MatVecRows(m, nullptr, rows, nullptr, dx.get(), n, dy.get(), rows, nullptr));
+        std::vector<float> out = dy.Download();
+        EXPECT_FALSE(AnyNan(out)) << DTypeName(type) << " n " << n;
+        EXPECT_LE(Nmse(out, ref), kFp32Limit) << DTypeName(type) << " n " << n;
+        EXPECT_TRUE(dy.GuardsIntact());
+      }
+      // Listed rows with a device-side count below the bound, written with a wider stride:
+      // entries past the count must stay unwritten.
+      {
+        const int bound = 120, count = 97, ldy = 128;
+        std::vector<int32_t> ids = RandomRows(rows, bound);
+        std::vector<float> ref(static_cast<size_t>(n) * count);
+        ref_->MatMulRows(w.view(), ids.data(), count, x.data(), n, ref.data());
+        DevBuf<int32_t> dids(ids), dcount(std::vector<int32_t>{count});
+        DevBuf<float> dy(static_cast<size_t>(n) * ldy);
+        CUDA_OK(cuda::MatVecRows(m, dids.get(), bound, dcount.get(), dx.get(), n, dy.get(), ldy,
+                                 nullptr));
+        std::vector<float> all = dy.Download(), out;
+        for (int t = 0; t < n; ++t) {
+          for (int i = 0; i < ldy; ++i) {
+            const float v = all[t * ldy + i];
+            if (i < count) {
+              out.push_back(v);
+            } else {
+              EXPECT_TRUE(std::isnan(v)) << "wrote past the count at " << i;
+            }
+          }
+        }
+        EXPECT_FALSE(AnyNan(out));
+        EXPECT_LE(Nmse(out, ref), kFp32Limit) << DTypeName(type) << " rows, n " << n;
+        EXPECT_TRUE(dy.GuardsIntact());
+      }
+    }
+  }
+}
+
+// The output head: a wide vocabulary against the final hidden state.
+TEST_F(CudaOpsTest, OutputHeadMatchesReference) {
+  for (DType type : {DType::kF16, DType::kQ4_0}) {
+    const int64_t vocab = 32000, hidden = 512;
+    HostWeights w = RandomWeights(type, vocab, hidden);
+    DevBuf<uint8_t> dw(w.bytes.size());
+    DeviceMatrix m = ToDevice(w, &dw);
+    std::vector<float> x = Random(hidden), ref(vocab);
+    ref_->MatMul(w.view(), x.data(), 1, ref.data());
+    DevBuf<float> dx(x), dy(vocab);
+    CUDA_OK(cuda::MatVecRows(m, nullptr, vocab, nullptr, dx.get(), 1, dy.get(), vocab, nullptr));
+    std::vector<float> out = dy.Download();
+    EXPECT_FALSE(AnyNan(out));
+    EXPECT_LE(Nmse(out, ref), kFp32Limit) << DTypeName(type);
+    EXPECT_TRUE(dy.GuardsIntact());
+  }
+}
+
+// The sparse down projection: y += sum of the active rows of the transposed matrix, with zero
+// coefficients (inactive neurons for some tokens) and a device-side count.
+TEST_F(CudaOpsTest, AccumulateRowsMatchesReferenceForEveryType) {
+  for (DType type : kAllTypes) {
+    const int64_t rows = 700, cols = 1056;
+    HostWeights w = RandomWeights(type, rows, cols);
+    DevBuf<uint8_t> dw(w.bytes.size());
+    DeviceMatrix m = ToDevice(w, &dw);
+    for (int n : {1, 3}) {
+      for (bool listed : {false, true}) {
+        const int bound = listed ? 400 : static_cast<int>(rows);
+        const int count = listed ? 377 : static_cast<int>(rows);
+        std::vector<int32_t> ids = listed ? RandomRows(rows, bound) : std::vector<int32_t>();
+        std::vector<int32_t> all_ids(rows);
+        std::iota(all_ids.begin(), all_ids.end(), 0);
+        const int lda = bound + 5;
+        std::vector<float> a = Random(static_cast<size_t>(n) * lda);
+        std::bernoulli_distribution zero(0.3);
+        for (float& v : a) {
+          if (zero(Rng())) v = 0.f;
+        }
+        // The reference takes a packed [n, count] coefficient matrix.
+        std::vector<float> packed(static_cast<size_t>(n) * count);
+        for (int t = 0; t < n; ++t) {
+          for (int i = 0; i < count; ++i) packed[t * count + i] = a[t * lda + i];
+        }
+        std::vector<float> y0 = Random(static_cast<size_t>(n) * cols);
+        std::vector<float> ref = y0;
+        ref_->AccumulateRows(w.view(), listed ? ids.data() : all_ids.data(), count,
+                             packed.data(), n, ref.data());
+        DevBuf<int32_t> dids(listed ? ids : all_ids), dcount(std::vector<int32_t>{count});
+        DevBuf<float> da(a), dy(y0);
+        CUDA_OK(cuda::AccumulateRows(m, listed ? dids.get() : nullptr, bound,
+                                     listed ? dcount.get() : nullptr, da.get(), lda, n, dy.get(),
+                                     nullptr));
+        std::vector<float> out = dy.Download();
+        EXPECT_FALSE(AnyNan(out));
+        EXPECT_LE(Nmse(out, ref), kFp32Limit)
+            << DTypeName(type) << " n " << n << " listed " << listed;
+        EXPECT_TRUE(dy.GuardsIntact());
+      }
+    }
+  }
+}
+
+TEST_F(CudaOpsTest, GatedActivationsMatchReference) {
+  for (Activation act : {Activation::kSilu, Activation::kRelu, Activation::kDRelu}) {
+    const int64_t count = 10007;
+    std::vector<float> g = Random(count, 3.f), u = Random(count);
+    std::vector<float> ref = g;
+    ref_->GatedActivation(act, ref.data(), u.data(), count);
+    DevBuf<float> dg(g), du(u);
+    CUDA_OK(cuda::GatedActivation(static_cast<cuda::ActKind>(act), dg.get(), du.get(), count,
+                                  nullptr));
+    std::vector<float> out = dg.Download();
+    EXPECT_FALSE(AnyNan(out));
+    EXPECT_LE(Nmse(out, ref), kFp32Limit) << ActivationName(act);
+    EXPECT_TRUE(dg.GuardsIntact());
+  }
+}
+
+// The exact mode's activation of listed rows, whose gate values sit at their full-row index.
+TEST_F(CudaOpsTest, GatherGatedActivationMatchesReference) {
+  const int n = 3, full = 500, bound = 200, count = 150, ld = 210;
+  for (Activation act : {Activation::kRelu, Activation::kSilu}) {
+    std::vector<float> gate = Random(static_cast<size_t>(n) * full, 2.f);
+    std::vector<float> up = Random(static_cast<size_t>(n) * ld);
+    std::vector<int32_t> idx = RandomRows(full, bound);
+    std::vector<float> ref_g(static_cast<size_t>(n) * count), ref_u(ref_g.size());
+    for (int t = 0; t < n; ++t) {
+      for (int i = 0; i < count; ++i) {
+        ref_g[t * count + i] = gate[t * full + idx[i]];
+        ref_u[t * count + i] = up[t * ld + i];
+      }
+    }
+    ref_->GatedActivation(act, ref_g.data(), ref_u.data(), static_cast<int64_t>(ref_g.size()));
+    DevBuf<float> dg(gate), du(up);
+    DevBuf<int32_t> didx(idx), dcount(std::vector<int32_t>{count});
+    CUDA_OK(cuda::GatherGatedActivation(static_cast<cuda::ActKind>(act), dg.get(), full,
+                                        didx.get(), bound, dcount.get(), du.get(), ld, n,
+                                        nullptr));
+    std::vector<float> all = du.Download(), out;
+    for (int t = 0; t < n; ++t) {
+      for (int i = 0; i < count; ++i) out.push_back(all[t * ld + i]);
+      for (int i = count; i < ld; ++i) EXPECT_EQ(all[t * ld + i], up[t * ld + i]);
+    }
+    EXPECT_FALSE(AnyNan(out));
+    EXPECT_LE(Nmse(out, ref_g), kFp32Limit);
+    EXPECT_TRUE(du.GuardsIntact());
+  }
+}
+
+TEST_F(CudaOpsTest, ElementwiseOpsMatchReference) {
+  const int64_t count = 4099;
+  std::vector<float> x = Random(count), y = Random(count), z = Random(count);
+  std::vector<float> relu = x, add = y, add2 = y;
+  for (int64_t i = 0; i < count; ++i) {
+    relu[i] = std::max(x[i], 0.f);
+    add[i] = y[i] + x[i];
+    add2[i] = y[i] + (x[i] + z[i]);
+  }
+  DevBuf<float> dx(x), dy(y), dy2(y), dz(z), dr(x);
+  CUDA_OK(cuda::Relu(dr.get(), count, nullptr));
+  CUDA_OK(cuda::AddInPlace(dy.get(), dx.get(), count, nullptr));
+  CUDA_OK(cuda::Add2InPlace(dy2.get(), dx.get(), dz.get(), count, nullptr));
+  EXPECT_EQ(dr.Download(), relu);
+  EXPECT_LE(Nmse(dy.Download(), add), kFp32Limit);
+  EXPECT_LE(Nmse(dy2.Download(), add2), kFp32Limit);
+  EXPECT_TRUE(dr.GuardsIntact() && dy.GuardsIntact() && dy2.GuardsIntact());
+}
+
+TEST_F(CudaOpsTest, EmbedMatchesDequantizedRows) {
+  for (DType type : kAllTypes) {
+    const int64_t vocab = 257, hidden = 384;
+    HostWeights w = RandomWeights(type, vocab, hidden, 1.f);
+    DevBuf<uint8_t> dw(w.bytes.size());
+    DeviceMatrix m = ToDevice(w, &dw);
+    std::vector<int32_t> tokens = {0, 256, 17, 17, 100};
+    const int n = static_cast<int>(tokens.size());
+    std::vector<float> ref(static_cast<size_t>(n) * hidden);
+    for (int t = 0; t < n; ++t) {
+      DequantizeRow(type, w.view().row(tokens[t]), ref.data() + t * hidden, hidden);
+    }
+    DevBuf<int32_t> dt(tokens);
+    DevBuf<float> dout(ref.size());
+    CUDA_OK(cuda::Embed(m, dt.get(), n, dout.get(), nullptr));
+    EXPECT_EQ(dout.Download(), ref) << DTypeName(type);
+    EXPECT_TRUE(dout.GuardsIntact());
+  }
+}
+
+// Compaction against a plain loop: ordered ids of the neurons active for any token, all neurons
+// or through a map of global ids (hot or cold subsets), many passes of the 1024-thread block.
+TEST_F(CudaOpsTest, CompactActiveListsExactlyTheActiveNeurons) {
+  for (int n : {1, 3}) {
+    for (int len : {37, 13824}) {
+      for (bool mapped : {false, true}) {
+        const int full = 13824;
+        std::vector<float> v = Random(static_cast<size_t>(n) * full);
+        for (float& s : v) s -= 1.3f;  // about 10% above zero
+        std::vector<int32_t> map;
+        if (mapped) {
+          map = RandomRows(full, len);
+          std::sort(map.begin(), map.end());
+        }
+        std::vector<int32_t> expect;
+        for (int j = 0; j < len; ++j) {
+          const int g = mapped ? map[j] : j;
+          bool any = false;
+          for (int t = 0; t < n; ++t) any = any || v[static_cast<size_t>(t) * full + g] > 0.f;
+          if (any) expect.push_back(j);
+        }
+        DevBuf<float> dv(v);
+        DevBuf<int32_t> dmap(mapped ? map : std::vector<int32_t>{0}), didx(len), dcount(1);
+        CUDA_OK(cuda::CompactActive(dv.get(), n, full, mapped ? dmap.get() : nullptr, len, 0.f,
+                                    didx.get(), dcount.get(), nullptr));
+        std::vector<int32_t> count = dcount.Download(), idx = didx.Download();
+        ASSERT_EQ(count[0], static_cast<int32_t>(expect.size()));
+        idx.resize(expect.size());
+        EXPECT_EQ(idx, expect) << "n " << n << " len " << len << " mapped " << mapped;
+        EXPECT_TRUE(didx.GuardsIntact() && dcount.GuardsIntact());
+      }
+    }
+  }
+}
+
+// The predictor: scores = fc2(relu(fc1(x))), then the neurons with a positive score.
+TEST_F(CudaOpsTest, PredictorMatchesReference) {
+  const int hidden = 512, rank = 128, ffn = 1536, n = 2;
+  HostWeights fc1 = RandomWeights(DType::kF16, rank, hidden, 0.1f);
+  HostWeights fc2 = RandomWeights(DType::kF16, ffn, rank, 0.1f);
+  std::vector<float> x = Random(static_cast<size_t>(n) * hidden);
+  std::vector<float> h(static_cast<size_t>(n) * rank), ref(static_cast<size_t>(n) * ffn);
+  ref_->MatMul(fc1.view(), x.data(), n, h.data());
+  for (float& v : h) v = std::max(v, 0.f);
+  ref_->MatMul(fc2.view(), h.data(), n, ref.data());
+  DevBuf<uint8_t> d1(fc1.bytes.size()), d2(fc2.bytes.size());
+  DeviceMatrix m1 = ToDevice(fc1, &d1), m2 = ToDevice(fc2, &d2);
+  DevBuf<float> dx(x), dh(h.size()), ds(ref.size());
+  CUDA_OK(cuda::MatVecRows(m1, nullptr, rank, nullptr, dx.get(), n, dh.get(), rank, nullptr));
+  CUDA_OK(cuda::Relu(dh.get(), static_cast<int64_t>(h.size()), nullptr));
+  CUDA_OK(cuda::MatVecRows(m2, nullptr, ffn, nullptr, dh.get(), n, ds.get(), ffn, nullptr));
+  std::vector<float> out = ds.Download();
+  EXPECT_FALSE(AnyNan(out));
+  EXPECT_LE(Nmse(out, ref), kFp32Limit);
+  EXPECT_TRUE(ds.GuardsIntact() && dh.GuardsIntact());
+}
+
+// A hot FFN block as the backend runs it in exact mode, against the reference composition:
+// gate over every hot row, compaction of gate > 0, up for the active rows only, activation,
+// then the sum of the active rows of the transposed down matrix.
+TEST_F(CudaOpsTest, SparseHotFfnMatchesReference) {
+  for (DType type : {DType::kF16, DType::kQ8_0, DType::kQ4_0}) {
+    const int hidden = 512, n_hot = 900;
+    HostWeights gate = RandomWeights(type, n_hot, hidden), up = RandomWeights(type, n_hot, hidden);
+    HostWeights down_t = RandomWeights(type, n_hot, hidden);
+    std::vector<float> x = Random(hidden);
+    // Reference: gates of all rows, active = gate > 0, up rows of the active, relu(g) * u.
+    std::vector<float> g(n_hot);
+    ref_->MatMul(gate.view(), x.data(), 1, g.data());
+    std::vector<int32_t> active;
+    for (int i = 0; i < n_hot; ++i) {
+      if (g[i] > 0) active.push_back(i);
+    }
+    const int count = static_cast<int>(active.size());
+    std::vector<float> ga(count), ua(count);
+    for (int i = 0; i < count; ++i) ga[i] = g[active[i]];
+    ref_->MatMulRows(up.view(), active.data(), count, x.data(), 1, ua.data());
+    ref_->GatedActivation(Activation::kRelu, ga.data(), ua.data(), count);
+    std::vector<float> ref(hidden, 0.f);
+    ref_->AccumulateRows(down_t.view(), active.data(), count, ga.data(), 1, ref.data());
+
+    DevBuf<uint8_t> dg(gate.bytes.size()), du(up.bytes.size()), dd(down_t.bytes.size());
+    DeviceMatrix mg = ToDevice(gate, &dg), mu = ToDevice(up, &du), md = ToDevice(down_t, &dd);
+    DevBuf<float> dx(x), dgate(n_hot), dup(n_hot), dout(std::vector<float>(hidden, 0.f));
+    DevBuf<int32_t> didx(n_hot), dcount(1);
+    CUDA_OK(cuda::MatVecRows(mg, nullptr, n_hot, nullptr, dx.get(), 1, dgate.get(), n_hot, nullptr));
+    CUDA_OK(cuda::CompactActive(dgate.get(), 1, n_hot, nullptr, n_hot, 0.f, didx.get(),
+                                dcount.get(), nullptr));
+    CUDA_OK(cuda::MatVecRows(mu, didx.get(), n_hot, dcount.get(), dx.get(), 1, dup.get(), n_hot,
+                             nullptr));
+    CUDA_OK(cuda::GatherGatedActivation(cuda::ActKind::kRelu, dgate.get(), n_hot, didx.get(),
+                                        n_hot, dcount.get(), dup.get(), n_hot, 1, nullptr));
+    CUDA_OK(cuda::AccumulateRows(md, didx.get(), n_hot, dcount.get(), dup.get(), n_hot, 1,
+                                 dout.get(), nullptr));
+    EXPECT_EQ(dcount.Download()[0], count);
+    std::vector<float> out = dout.Download();
+    EXPECT_FALSE(AnyNan(out));
+    EXPECT_LE(Nmse(out, ref), kFp32Limit) << DTypeName(type);
+    EXPECT_TRUE(dout.GuardsIntact());
+  }
+}
+
+// Batched products through cuBLAS: y = x w^T (projections, hot gate/up rows of a prompt) and
+// y = a w (the down projection over transposed rows).
+TEST_F(CudaOpsTest, CublasGemmsMatchReference) {
+  cublasHandle_t h;
+  ASSERT_EQ(cublasCreate(&h), CUBLAS_STATUS_SUCCESS);
+  for (DType type : kAllTypes) {
+    const int64_t rows = 300, cols = 1056;
+    const int n = 37;
+    const double limit = type == DType::kF32 ? kFp32Limit : kFp16Limit;
+    HostWeights w = RandomWeights(type, rows, cols);
+    DevBuf<uint8_t> dw(w.bytes.size());
+    DeviceMatrix m = ToDevice(w, &dw);
+    DevBuf<uint8_t> wh(std::max<size_t>(16, cuda::GemmWeightScratchBytes(m)));
+    DevBuf<uint8_t> xh(cuda::GemmActivationScratchBytes(m, n));
+    cuda::GemmScratch s{wh.get(), wh.Bytes(), xh.get(), xh.Bytes()};
+    {
+      std::vector<float> x = Random(static_cast<size_t>(n) * cols);
+      std::vector<float> ref(static_cast<size_t>(n) * rows);
+      ref_->MatMul(w.view(), x.data(), n, ref.data());
+      DevBuf<float> dx(x), dy(ref.size());
+      ASSERT_EQ(cuda::GemmXWt(h, m, dx.get(), n, dy.get(), rows, 0.f, s, nullptr), 0);
+      std::vector<float> out = dy.Download();
+      EXPECT_FALSE(AnyNan(out));
+      EXPECT_LE(Nmse(out, ref), limit) << DTypeName(type);
+      EXPECT_TRUE(dy.GuardsIntact());
+    }
+    {
+      std::vector<float> a = Random(static_cast<size_t>(n) * rows);
+      std::vector<int32_t> all(rows);
+      std::iota(all.begin(), all.end(), 0);
+      std::vector<float> ref(static_cast<size_t>(n) * cols, 0.f);
+      ref_->AccumulateRows(w.view(), all.data(), static_cast<int>(rows), a.data(), n, ref.data());
+      DevBuf<float> da(a), dy(ref.size());
+      ASSERT_EQ(cuda::GemmAW(h, m, da.get(), static_cast<int>(rows), n, dy.get(), 0.f, s,
+                             nullptr), 0);
+      std::vector<float> out = dy.Download();
+      EXPECT_FALSE(AnyNan(out));
+      EXPECT_LE(Nmse(out, ref), limit) << DTypeName(type) << " (a w)";
+      EXPECT_TRUE(dy.GuardsIntact());
+    }
+  }
+  cublasDestroy(h);
+}
+
+TEST_F(CudaOpsTest, RejectsShapesTheKernelsCannotRead) {
+  DevBuf<uint8_t> buf(4096);
+  DeviceMatrix m{WType::kQ4_0, 2, 48, buf.get()};  // 48 is not a whole number of blocks
+  EXPECT_EQ(cuda::CheckMatrixShape(m), cudaErrorInvalidValue);
+  DeviceMatrix f{WType::kF16, 2, 36, buf.get()};   // rows not 16-byte aligned
+  EXPECT_EQ(cuda::CheckMatrixShape(f), cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::Attention(nullptr, nullptr, nullptr, 1, 0, 4, 4, 512, nullptr, nullptr),
+            cudaErrorInvalidValue);
+}
+
+}  // namespace
+}  // namespace pinfer
