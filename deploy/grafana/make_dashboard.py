@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Generates deploy/grafana/dashboards/pinfer.json, the Grafana dashboard of a pinfer deployment.
+
+The panels are declared here as (title, unit, [(legend, PromQL)]) rather than edited as raw
+Grafana JSON, because the same list is what the monitoring integration test
+(tests/deploy/monitoring_test.py) evaluates against a live Prometheus: every expression on the
+dashboard must return data from the real processes. The committed JSON is checked to be current
+by tests/deploy (run `deploy/grafana/make_dashboard.py` after editing this file).
+
+Usage: make_dashboard.py [--check]   (writes the JSON; with --check only compares)
+"""
+
+import json
+import pathlib
+import sys
+
+OUT = pathlib.Path(__file__).resolve().parent / "dashboards" / "pinfer.json"
+DATASOURCE = {"type": "prometheus", "uid": "pinfer-prometheus"}
+RATE = "$__rate_interval"  # Grafana's rate window: at least four scrape intervals.
+
+
+def quantiles(metric, by="le"):
+    """p50/p90/p99 of a histogram, aggregated over every instance of the metric."""
+    return [(f"p{int(q * 100)}",
+             f"histogram_quantile({q}, sum by ({by}) (rate({metric}_bucket[{RATE}])))")
+            for q in (0.5, 0.9, 0.99)]
+
+
+# (row title, [(panel title, unit, description, [(legend, expr)])]). Units are Grafana unit ids.
+ROWS = [
+    ("Requests", [
+        ("Request rate by finish reason", "reqps",
+         "Completed Generate calls per second, by why they stopped (length, eos, stop, cancelled).",
+         [("{{finish_reason}}",
+           f"sum by (finish_reason) (rate(pinfer_requests_total[{RATE}]))")]),
+        ("Errors by code", "reqps",
+         "Generate calls that ended with an error status, by gRPC code.",
+         [("{{code}}", f"sum by (code) (rate(pinfer_request_failures_total[{RATE}]))")]),
+        ("Running and waiting requests", "short",
+         "Requests being generated on a worker pair, and requests queued in the gateway.",
+         [("running", "sum(pinfer_requests_running)"),
+          ("waiting", "sum(pinfer_requests_waiting)")]),
+        ("Tokens per second", "short",
+         "Generated tokens (decode throughput) and prompt tokens (prefill) per second.",
+         [("generated", f"sum(rate(pinfer_generation_tokens_total[{RATE}]))"),
+          ("prompt", f"sum(rate(pinfer_prompt_tokens_total[{RATE}]))")]),
+    ]),
+    ("Latency", [
+        ("Time to first token", "s",
+         "From arrival at the gateway to the first streamed token (includes queueing and prefill).",
+         quantiles("pinfer_time_to_first_token_seconds")),
+        ("Inter-token latency", "s", "Time between consecutive streamed tokens (decode step).",
+         quantiles("pinfer_inter_token_latency_seconds")),
+        ("End-to-end request duration", "s", "From arrival at the gateway to the last token.",
+         quantiles("pinfer_request_duration_seconds")),
+        ("Queue time", "s", "Time a request waits in the gateway before a worker pair takes it.",
+         quantiles("pinfer_queue_time_seconds")),
+    ]),
+    ("Workers", [
+        ("Activated neurons served by the GPU", "percentunit",
+         "Share of the FFN neurons computed per token that the gpu-worker computed (hot rows); "
+         "the rest are the cpu-worker's cold rows. Higher is faster; raise the VRAM budget in "
+         "`pinfer prepare` to move more hot rows to the GPU.",
+         [("gpu share",
+           f"sum(rate(pinfer_worker_neurons_computed_total{{device=\"gpu\"}}[{RATE}])) / "
+           f"sum(rate(pinfer_worker_neurons_computed_total[{RATE}]))")]),
+        ("Compute time per layer, by worker and kind", "s",
+         "Seconds per layer step spent computing, by worker role and layer kind (attention, FFN "
+         "hot rows on the gpu-worker, FFN cold rows on the cpu-worker, output head).",
+         [("{{job}} {{kind}}",
+           f"sum by (job, kind) (rate(pinfer_worker_layer_compute_seconds_sum[{RATE}])) / "
+           f"sum by (job, kind) (rate(pinfer_worker_layer_compute_seconds_count[{RATE}]))")]),
+        ("Shared-memory wait per layer", "s",
+         "Mean time a worker waits for its peer's activations per layer step (gpu-worker: the cold "
+         "contribution; cpu-worker: the next FFN input).",
+         [("{{job}}",
+           f"sum by (job) (rate(pinfer_worker_shm_wait_seconds_sum[{RATE}])) / "
+           f"sum by (job) (rate(pinfer_worker_shm_wait_seconds_count[{RATE}]))")]),
+        ("Resident memory per worker", "bytes",
+         "Resident set size of each worker process; the cpu-worker maps only the cold rows.",
+         [("{{job}} {{instance}}", "sum by (job, instance) (pinfer_worker_resident_bytes)")]),
+        ("Predictor sparsity", "percentunit",
+         "Share of FFN neurons predicted (or, in exact mode, found) inactive per token.",
+         [("{{job}}", "avg by (job) (pinfer_worker_predictor_sparsity)")]),
+        ("Compute backend", "short",
+         "Backend each worker computes on (1 = in use); a gpu-worker on \"cpu\" found no usable GPU.",
+         [("{{job}} {{backend}}", "max by (job, backend) (pinfer_worker_backend_info)")]),
+        ("Targets up", "short", "Scrape health of every pinfer process (1 = up).",
+         [("{{job}} {{instance}}", "up{job=~\"pinfer-.*\"}")]),
+    ]),
+]
+
+
+def panel(pid, title, unit, description, targets, x, y):
+    return {
+        "id": pid,
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "datasource": DATASOURCE,
+        "gridPos": {"h": 8, "w": 12, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": unit, "min": 0}, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"},
+                    "tooltip": {"mode": "multi"}},
+        "targets": [{"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": expr,
+                     "legendFormat": legend, "range": True}
+                    for i, (legend, expr) in enumerate(targets)],
+    }
+
+
+def dashboard():
+    panels, pid, y = [], 1, 0
+    for row_title, row_panels in ROWS:
+        panels.append({"id": pid, "type": "row", "title": row_title, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+        pid, y = pid + 1, y + 1
+        for i, (title, unit, description, targets) in enumerate(row_panels):
+            panels.append(panel(pid, title, unit, description, targets, 12 * (i % 2), y))
+            pid += 1
+            if i % 2 == 1 or i == len(row_panels) - 1:
+                y += 8
+    return {
+        "uid": "pinfer-overview",
+        "title": "pinfer",
+        "description": "pinfer service: requests, latency, tokens, and the GPU/CPU neuron split.",
+        "tags": ["pinfer"],
+        "timezone": "browser",
+        "editable": True,
+        "refresh": "10s",
+        "schemaVersion": 39,
+        "version": 1,
+        "time": {"from": "now-30m", "to": "now"},
+        "templating": {"list": []},
+        "annotations": {"list": []},
+        "panels": panels,
+    }
+
+
+def render():
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+def main(argv):
+    text = render()
+    if "--check" in argv:
+        if not OUT.exists() or OUT.read_text() != text:
+            print(f"{OUT} is stale: run {pathlib.Path(__file__).name}", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
