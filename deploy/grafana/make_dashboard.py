@@ -17,6 +17,10 @@ import sys
 OUT = pathlib.Path(__file__).resolve().parent / "dashboards" / "pinfer.json"
 DATASOURCE = {"type": "prometheus", "uid": "pinfer-prometheus"}
 RATE = "$__rate_interval"  # Grafana's rate window: at least four scrape intervals.
+# The gpu-worker counts the (token, neuron) pairs of both sides of the split, so the GPU share is
+# taken from it alone (the cpu-worker's own count would count the cold side twice).
+GPU_NEURONS = 'pinfer_worker_neurons_computed_total{job="pinfer-gpu-worker"'
+
 
 
 def quantiles(metric, by="le"):
@@ -59,32 +63,48 @@ ROWS = [
     ("Workers", [
         ("Activated neurons served by the GPU", "percentunit",
          "Share of the FFN neurons computed per token that the gpu-worker computed (hot rows); "
-         "the rest are the cpu-worker's cold rows. Higher is faster; raise the VRAM budget in "
-         "`pinfer prepare` to move more hot rows to the GPU.",
+         "the rest are the cpu-worker's cold rows. Higher is faster: raise the VRAM budget in "
+         "`pinfer prepare` to move more hot rows to the GPU. (The gpu-worker counts both sides.)",
          [("gpu share",
-           f"sum(rate(pinfer_worker_neurons_computed_total{{device=\"gpu\"}}[{RATE}])) / "
-           f"sum(rate(pinfer_worker_neurons_computed_total[{RATE}]))")]),
-        ("Compute time per layer, by worker and kind", "s",
-         "Seconds per layer step spent computing, by worker role and layer kind (attention, FFN "
-         "hot rows on the gpu-worker, FFN cold rows on the cpu-worker, output head).",
+           f"sum(rate({GPU_NEURONS},side=\"gpu\"}}[{RATE}])) / sum(rate({GPU_NEURONS}}}[{RATE}]))")]),
+        ("Compute time per layer step", "s",
+         "Mean compute time of one layer for one forward step: the gpu-worker's dense work "
+         "(attention, norms, head) and hot FFN rows, and the cpu-worker's cold FFN rows.",
+         [("gpu-worker {{kind}}",
+           "sum by (kind) (rate(pinfer_worker_compute_seconds_total{job=\"pinfer-gpu-worker\"}"
+           f"[{RATE}])) / ignoring(kind) group_left "
+           f"sum(rate(pinfer_worker_shm_wait_seconds_count{{job=\"pinfer-gpu-worker\"}}[{RATE}]))"),
+          ("cpu-worker ffn (cold)",
+           f"sum(rate(pinfer_worker_exchange_compute_seconds_sum[{RATE}])) / "
+           f"sum(rate(pinfer_worker_exchange_compute_seconds_count[{RATE}]))")]),
+        ("Shared-memory wait per layer (gpu-worker)", "s",
+         "Time the gpu-worker waits for the cold share of a layer after finishing its hot share. "
+         "Near zero means the cpu-worker keeps up; growing waits mean the CPU side is the "
+         "bottleneck (move more rows to the GPU or give the cpu-worker more threads).",
+         quantiles("pinfer_worker_shm_wait_seconds")),
+        ("Busy and waiting time per second", "percentunit",
+         "Seconds per second each worker spends computing, by kind, and the cpu-worker's idle "
+         "wait for the next exchange.",
          [("{{job}} {{kind}}",
-           f"sum by (job, kind) (rate(pinfer_worker_layer_compute_seconds_sum[{RATE}])) / "
-           f"sum by (job, kind) (rate(pinfer_worker_layer_compute_seconds_count[{RATE}]))")]),
-        ("Shared-memory wait per layer", "s",
-         "Mean time a worker waits for its peer's activations per layer step (gpu-worker: the cold "
-         "contribution; cpu-worker: the next FFN input).",
-         [("{{job}}",
-           f"sum by (job) (rate(pinfer_worker_shm_wait_seconds_sum[{RATE}])) / "
-           f"sum by (job) (rate(pinfer_worker_shm_wait_seconds_count[{RATE}]))")]),
+           f"sum by (job, kind) (rate(pinfer_worker_compute_seconds_total[{RATE}]))"),
+          ("cpu-worker idle wait",
+           f"sum(rate(pinfer_worker_shm_wait_seconds_total[{RATE}]))")]),
         ("Resident memory per worker", "bytes",
-         "Resident set size of each worker process; the cpu-worker maps only the cold rows.",
-         [("{{job}} {{instance}}", "sum by (job, instance) (pinfer_worker_resident_bytes)")]),
-        ("Predictor sparsity", "percentunit",
-         "Share of FFN neurons predicted (or, in exact mode, found) inactive per token.",
-         [("{{job}}", "avg by (job) (pinfer_worker_predictor_sparsity)")]),
-        ("Compute backend", "short",
-         "Backend each worker computes on (1 = in use); a gpu-worker on \"cpu\" found no usable GPU.",
-         [("{{job}} {{backend}}", "max by (job, backend) (pinfer_worker_backend_info)")]),
+         "Resident set size of each worker process and the FFN rows it holds; the cpu-worker "
+         "maps only the cold rows.",
+         [("{{job}} {{instance}} resident", "sum by (job, instance) (pinfer_worker_resident_bytes)"),
+          ("{{job}} {{instance}} ffn rows",
+           "sum by (job, instance) (pinfer_worker_ffn_row_bytes)")]),
+        ("FFN sparsity", "percentunit",
+         "Share of (token, neuron) pairs skipped because the activation was zero (exact mode) or "
+         "predicted zero (sparse mode), over each worker's lifetime.",
+         [("{{job}}", "avg by (job) (pinfer_worker_ffn_sparsity)")]),
+        ("Backend and peers", "short",
+         "Backend each worker computes on (1 = in use), whether the gpu-worker has a usable GPU, "
+         "and whether each worker sees its peer alive.",
+         [("{{job}} backend={{backend}}", "max by (job, backend) (pinfer_worker_backend_info)"),
+          ("gpu available", "min(pinfer_worker_gpu_available)"),
+          ("{{job}} peer alive", "min by (job) (pinfer_worker_peer_alive)")]),
         ("Targets up", "short", "Scrape health of every pinfer process (1 = up).",
          [("{{job}} {{instance}}", "up{job=~\"pinfer-.*\"}")]),
     ]),

@@ -3,16 +3,22 @@
 // run it inside the image; Debian has no grpc_health_probe package, and the pinfer processes
 // serve the standard health service, so a tiny client is all that is needed.
 //
-// The two health messages are encoded by hand (one string field in, one enum field out) so the
-// probe needs neither health.proto nor generated code: it links only grpc++.
+// With --drain it is the Kubernetes preStop hook of a worker pair instead: it asks the gpu-worker
+// to drain (pinfer.worker.v1.GpuWorker/Drain: no new sequences) and waits until its running
+// sequences reach zero (GpuWorker/Check), so the pod is stopped only after in-flight requests
+// finished, within --timeout.
 //
-// usage: pinfer-health-probe --addr HOST:PORT [--service NAME] [--timeout SECONDS]
+// The few messages involved are encoded by hand (at most one string field in, varint fields out)
+// so the probe needs neither .proto files nor generated code: it links only grpc++.
+//
+// usage: pinfer-health-probe --addr HOST:PORT [--service NAME] [--timeout SECONDS] [--drain]
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "grpcpp/channel.h"
@@ -25,8 +31,10 @@
 namespace {
 
 constexpr char kUsage[] =
-    "usage: pinfer-health-probe --addr HOST:PORT [--service NAME] [--timeout SECONDS]\n"
-    "exits 0 when the server's grpc.health.v1.Health/Check says SERVING, 1 otherwise\n";
+    "usage: pinfer-health-probe --addr HOST:PORT [--service NAME] [--timeout SECONDS] [--drain]\n"
+    "exits 0 when the server's grpc.health.v1.Health/Check says SERVING, 1 otherwise\n"
+    "--drain: drain the gpu-worker at HOST:PORT and wait (up to --timeout) until it runs no\n"
+    "         sequence; exits 0 when drained, 1 on timeout or error\n";
 
 // HealthCheckRequest { string service = 1; }: tag 0x0a, varint length, bytes.
 std::string EncodeRequest(const std::string& service) {
@@ -41,24 +49,68 @@ std::string EncodeRequest(const std::string& service) {
   return out + service;
 }
 
-// HealthCheckResponse { ServingStatus status = 1; }: returns the status (0 when absent, which is
-// UNKNOWN), or -1 when the bytes are not that message.
-int DecodeStatus(const std::string& bytes) {
-  int status = 0;
+// Reads varint field `field` of a message made only of varint fields (HealthCheckResponse.status,
+// CheckResponse.running_sequences...; CheckResponse's string field is skipped). Returns 0 when
+// the field is absent (proto3 default) and -1 when the bytes cannot be parsed.
+int64_t DecodeVarintField(const std::string& bytes, int field) {
+  int64_t result = 0;
   size_t i = 0;
-  while (i < bytes.size()) {
-    uint8_t key = static_cast<uint8_t>(bytes[i++]);
-    if ((key & 7) != 0) return -1;  // Only varint fields are expected.
-    uint64_t v = 0;
-    int shift = 0;
-    while (true) {
-      if (i >= bytes.size() || shift > 63) return -1;
+  auto varint = [&](uint64_t* v) {
+    *v = 0;
+    for (int shift = 0; shift <= 63; shift += 7) {
+      if (i >= bytes.size()) return false;
       uint8_t b = static_cast<uint8_t>(bytes[i++]);
-      v |= static_cast<uint64_t>(b & 0x7f) << shift;
-      shift += 7;
-      if ((b & 0x80) == 0) break;
+      *v |= static_cast<uint64_t>(b & 0x7f) << shift;
+      if ((b & 0x80) == 0) return true;
     }
-    if ((key >> 3) == 1) status = static_cast<int>(v);
+    return false;
+  };
+  while (i < bytes.size()) {
+    uint64_t key = 0, v = 0;
+    if (!varint(&key)) return -1;
+    if ((key & 7) == 0) {
+      if (!varint(&v)) return -1;
+      if (static_cast<int>(key >> 3) == field) result = static_cast<int64_t>(v);
+    } else if ((key & 7) == 2) {  // length-delimited: skip
+      if (!varint(&v) || v > bytes.size() - i) return -1;
+      i += v;
+    } else {
+      return -1;
+    }
+  }
+  return result;
+}
+
+// One unary call with raw bytes in and out, waiting for the server to become reachable within
+// the deadline (a server that is just starting is reported by its answer, not by a connect race).
+grpc::Status Call(grpc::GenericStub* stub, const std::string& method, const std::string& request,
+                  std::chrono::system_clock::time_point deadline, std::string* response) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(deadline);
+  ctx.set_wait_for_ready(true);
+  grpc::Slice slice(request);
+  grpc::ByteBuffer request_buffer(&slice, 1);
+  grpc::CompletionQueue cq;
+  auto call = stub->PrepareUnaryCall(&ctx, method, request_buffer, &cq);
+  call->StartCall();
+  grpc::ByteBuffer response_buffer;
+  grpc::Status status;
+  call->Finish(&response_buffer, &status, reinterpret_cast<void*>(1));
+  void* tag = nullptr;
+  bool ok = false;
+  if (!cq.Next(&tag, &ok) || !ok) {
+    return grpc::Status(grpc::StatusCode::UNKNOWN, "call did not complete");
+  }
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  if (!status.ok()) return status;
+  std::vector<grpc::Slice> slices;
+  response->clear();
+  if (response_buffer.Dump(&slices).ok()) {
+    for (const auto& sl : slices) {
+      response->append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+    }
   }
   return status;
 }
@@ -78,6 +130,7 @@ const char* StatusName(int s) {
 int main(int argc, char** argv) {
   std::string addr, service;
   double timeout = 3;
+  bool drain = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     std::string value;
@@ -85,7 +138,7 @@ int main(int argc, char** argv) {
     if (eq != std::string::npos) {
       value = a.substr(eq + 1);
       a = a.substr(0, eq);
-    } else if (a != "--help" && a != "-h") {
+    } else if (a != "--help" && a != "-h" && a != "--drain") {
       if (i + 1 >= argc) {
         std::fprintf(stderr, "pinfer-health-probe: %s needs a value\n%s", a.c_str(), kUsage);
         return 2;
@@ -96,6 +149,8 @@ int main(int argc, char** argv) {
       addr = value;
     } else if (a == "--service") {
       service = value;
+    } else if (a == "--drain") {
+      drain = true;
     } else if (a == "--timeout") {
       timeout = std::atof(value.c_str());
     } else if (a == "--help" || a == "-h") {
@@ -113,40 +168,41 @@ int main(int argc, char** argv) {
 
   auto channel = grpc::CreateChannel(addr, grpc::InsecureChannelCredentials());
   grpc::GenericStub stub(channel);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)));
-  // Wait for the connection within the deadline instead of failing on the first refused attempt,
-  // so a server that is just starting is reported by its status, not by a connect race.
-  ctx.set_wait_for_ready(true);
+  const auto deadline = std::chrono::system_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
+  std::string response;
 
-  std::string request = EncodeRequest(service);
-  grpc::Slice slice(request);
-  grpc::ByteBuffer request_buffer(&slice, 1);
-  grpc::CompletionQueue cq;
-  auto call = stub.PrepareUnaryCall(&ctx, "/grpc.health.v1.Health/Check", request_buffer, &cq);
-  call->StartCall();
-  grpc::ByteBuffer response_buffer;
-  grpc::Status status;
-  call->Finish(&response_buffer, &status, reinterpret_cast<void*>(1));
-  void* tag = nullptr;
-  bool ok = false;
-  if (!cq.Next(&tag, &ok) || !ok) {
-    std::fprintf(stderr, "pinfer-health-probe: %s: call did not complete\n", addr.c_str());
+  if (drain) {
+    grpc::Status st = Call(&stub, "/pinfer.worker.v1.GpuWorker/Drain", "", deadline, &response);
+    while (st.ok()) {
+      st = Call(&stub, "/pinfer.worker.v1.GpuWorker/Check", "", deadline, &response);
+      if (!st.ok()) break;
+      const int64_t running = DecodeVarintField(response, 3);  // running_sequences
+      if (running == 0) {
+        std::printf("%s: drained\n", addr.c_str());
+        return 0;
+      }
+      if (std::chrono::system_clock::now() >= deadline) {
+        std::fprintf(stderr, "pinfer-health-probe: %s: %lld sequence(s) still running\n",
+                     addr.c_str(), static_cast<long long>(running));
+        return 1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    std::fprintf(stderr, "pinfer-health-probe: %s: drain failed: %d %s\n", addr.c_str(),
+                 static_cast<int>(st.error_code()), st.error_message().c_str());
     return 1;
   }
-  if (!status.ok()) {
+
+  grpc::Status st =
+      Call(&stub, "/grpc.health.v1.Health/Check", EncodeRequest(service), deadline, &response);
+  if (!st.ok()) {
     std::fprintf(stderr, "pinfer-health-probe: %s: rpc failed: %d %s\n", addr.c_str(),
-                 static_cast<int>(status.error_code()), status.error_message().c_str());
+                 static_cast<int>(st.error_code()), st.error_message().c_str());
     return 1;
   }
-  std::vector<grpc::Slice> slices;
-  std::string bytes;
-  if (response_buffer.Dump(&slices).ok()) {
-    for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  }
-  int serving = DecodeStatus(bytes);
+  const int64_t serving = DecodeVarintField(response, 1);
   std::printf("%s%s%s: %s\n", addr.c_str(), service.empty() ? "" : " ", service.c_str(),
-              StatusName(serving));
+              StatusName(static_cast<int>(serving)));
   return serving == 1 ? 0 : 1;
 }
