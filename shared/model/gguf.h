@@ -221,6 +221,8 @@ class GgufWriter {
   void SetStringArray(const std::string& key, const std::vector<std::string>& values);
   void SetF32Array(const std::string& key, const std::vector<float>& values);
   void SetI32Array(const std::string& key, const std::vector<int32_t>& values);
+  // Any value as parsed by GgufFile, with its type (copies metadata between files).
+  void SetValue(const std::string& key, const GgufValue& value);
 
   using Producer = std::function<absl::StatusOr<std::string>()>;
   // `shape` is outermost first (pinfer's order); it is written innermost first. The data must be

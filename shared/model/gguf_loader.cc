@@ -362,16 +362,13 @@ absl::StatusOr<std::unique_ptr<Model>> LoadGgufModelFrom(const GgufFile& f) {
     if (!st.ok()) return absl::Status(st.code(), absl::StrCat(f.name(), ": ", st.message()));
   }
 
-  auto tok = LoadGgufTokenizer(f);
-  if (tok.ok()) {
-    if ((*tok)->vocab_size() > c.vocab_size) {
+  if (f.HasKey("tokenizer.ggml.model")) {  // otherwise a weights-only file
+    ASSIGN_OR_RETURN(model->tokenizer, LoadGgufTokenizer(f));
+    if (model->tokenizer->vocab_size() > c.vocab_size) {
       return absl::InvalidArgumentError(
-          absl::StrCat(f.name(), ": the vocabulary has ", (*tok)->vocab_size(),
+          absl::StrCat(f.name(), ": the vocabulary has ", model->tokenizer->vocab_size(),
                        " tokens but token_embd.weight only ", c.vocab_size, " rows"));
     }
-    model->tokenizer = std::move(*tok);
-  } else if (!absl::IsNotFound(tok.status())) {
-    return tok.status();
   }
   if (c.bos_id < 0 || c.bos_id >= c.vocab_size || c.eos_id < 0 || c.eos_id >= c.vocab_size) {
     return absl::InvalidArgumentError(

@@ -379,11 +379,11 @@ absl::Status GgufFile::ParseAll(const uint8_t* data, size_t size,
   // (empty name, dimension count, one dimension, type, offset).
   if (n_kv > in.remaining() / 13) {
     return in.Error(absl::StrCat("metadata count ", n_kv, " is more than the ", in.remaining(),
-                                 " bytes left can hold"));
+                                 " bytes left can hold (truncated or corrupt file)"));
   }
   if (n_tensors > in.remaining() / 32) {
     return in.Error(absl::StrCat("tensor count ", n_tensors, " is more than the ", in.remaining(),
-                                 " bytes left can hold"));
+                                 " bytes left can hold (truncated or corrupt file)"));
   }
 
   // Metadata.

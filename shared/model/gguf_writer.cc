@@ -27,6 +27,23 @@ void AppendString(std::string* out, absl::string_view s) {
   out->append(s.data(), s.size());
 }
 
+size_t FixedSize(GgufType t) {
+  switch (t) {
+    case GgufType::kUint8:
+    case GgufType::kInt8:
+    case GgufType::kBool: return 1;
+    case GgufType::kUint16:
+    case GgufType::kInt16: return 2;
+    case GgufType::kUint32:
+    case GgufType::kInt32:
+    case GgufType::kFloat32: return 4;
+    case GgufType::kUint64:
+    case GgufType::kInt64:
+    case GgufType::kFloat64: return 8;
+    default: return 0;
+  }
+}
+
 uint64_t AlignUp(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
 
 class StringSink {
@@ -129,6 +146,42 @@ void GgufWriter::SetI32Array(const std::string& key, const std::vector<int32_t>&
   Append<uint64_t>(&p, values.size());
   for (int32_t v : values) Append(&p, v);
   SetRaw(key, GgufType::kArray, std::move(p));
+}
+
+void GgufWriter::SetValue(const std::string& key, const GgufValue& v) {
+  std::string p;
+  auto scalar = [&](GgufType t, uint64_t u, int64_t i, double f) {
+    switch (t) {
+      case GgufType::kUint8:
+      case GgufType::kBool: Append<uint8_t>(&p, static_cast<uint8_t>(u)); break;
+      case GgufType::kInt8: Append<int8_t>(&p, static_cast<int8_t>(i)); break;
+      case GgufType::kUint16: Append<uint16_t>(&p, static_cast<uint16_t>(u)); break;
+      case GgufType::kInt16: Append<int16_t>(&p, static_cast<int16_t>(i)); break;
+      case GgufType::kUint32: Append<uint32_t>(&p, static_cast<uint32_t>(u)); break;
+      case GgufType::kInt32: Append<int32_t>(&p, static_cast<int32_t>(i)); break;
+      case GgufType::kUint64: Append<uint64_t>(&p, u); break;
+      case GgufType::kInt64: Append<int64_t>(&p, i); break;
+      case GgufType::kFloat32: Append<float>(&p, static_cast<float>(f)); break;
+      case GgufType::kFloat64: Append<double>(&p, f); break;
+      default: break;
+    }
+  };
+  if (v.type == GgufType::kString) {
+    AppendString(&p, v.str);
+  } else if (v.type == GgufType::kArray) {
+    const GgufArray& a = v.array;
+    Append<uint32_t>(&p, static_cast<uint32_t>(a.elem_type));
+    Append<uint64_t>(&p, a.count);
+    if (a.elem_type == GgufType::kString) {
+      for (absl::string_view s : a.strings) AppendString(&p, s);
+    } else {
+      // Fixed-size elements are little-endian in the source file already: copy the bytes.
+      p.append(reinterpret_cast<const char*>(a.data), a.count * FixedSize(a.elem_type));
+    }
+  } else {
+    scalar(v.type, v.u64, v.i64, v.f64);
+  }
+  SetRaw(key, v.type, std::move(p));
 }
 
 uint64_t GgufWriter::Alignment() const {
