@@ -435,7 +435,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
       BACKEND_RETURN_IF_ERROR(Alloc(w_half, &p));
       gemm_.w_half = p;
     }
-    gemm_.x_half_bytes = static_cast<size_t>(B) * widest * 2;
+    gemm_.x_half_bytes = 2 * static_cast<size_t>(B) * widest * 2;  // hi and lo halves
     uint8_t* p = nullptr;
     BACKEND_RETURN_IF_ERROR(Alloc(gemm_.x_half_bytes, &p));
     gemm_.x_half = p;

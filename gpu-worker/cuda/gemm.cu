@@ -28,11 +28,17 @@ int HalfWeights(const DeviceMatrix& w, const GemmScratch& s, cudaStream_t stream
   return 0;
 }
 
-int HalfActivations(const float* x, int64_t count, const GemmScratch& s, cudaStream_t stream) {
-  if (s.x_half == nullptr || s.x_half_bytes < static_cast<size_t>(count) * sizeof(__half)) {
+// x = hi + lo with both halves in fp16 (scratch: hi then lo), so that two tensor-core products
+// carry x to about 22 bits instead of fp16's 11.
+int SplitActivations(const float* x, int64_t count, const GemmScratch& s, cudaStream_t stream,
+                     const void** hi, const void** lo) {
+  if (s.x_half == nullptr || s.x_half_bytes < 2 * static_cast<size_t>(count) * sizeof(__half)) {
     return CUBLAS_STATUS_INVALID_VALUE;
   }
-  cudaError_t e = FloatToHalf(x, count, s.x_half, stream);
+  __half* h = static_cast<__half*>(s.x_half);
+  cudaError_t e = FloatToHalfSplit(x, count, h, h + count, stream);
+  *hi = h;
+  *lo = h + count;
   return e == cudaSuccess ? 0 : 1000 + static_cast<int>(e);
 }
 
@@ -44,7 +50,7 @@ size_t GemmWeightScratchBytes(const DeviceMatrix& w) {
 
 size_t GemmActivationScratchBytes(const DeviceMatrix& w, int n) {
   const int64_t widest = w.rows > w.cols ? w.rows : w.cols;
-  return static_cast<size_t>(n) * widest * sizeof(__half);
+  return 2 * static_cast<size_t>(n) * widest * sizeof(__half);
 }
 
 int GemmXWt(cublasHandle_t h, const DeviceMatrix& w, const float* x, int n, float* y, int ldy,
@@ -61,10 +67,16 @@ int GemmXWt(cublasHandle_t h, const DeviceMatrix& w, const float* x, int n, floa
   const void* wh = nullptr;
   int rc = HalfWeights(w, s, stream, &wh);
   if (rc != 0) return rc;
-  rc = HalfActivations(x, static_cast<int64_t>(n) * k, s, stream);
+  const void *hi = nullptr, *lo = nullptr;
+  rc = SplitActivations(x, static_cast<int64_t>(n) * k, s, stream, &hi, &lo);
   if (rc != 0) return rc;
-  return cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, wh, CUDA_R_16F, k, s.x_half,
-                      CUDA_R_16F, k, &beta, y, CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F,
+  const float one = 1.f;
+  rc = cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, wh, CUDA_R_16F, k, hi,
+                    CUDA_R_16F, k, &beta, y, CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F,
+                    CUBLAS_GEMM_DEFAULT);
+  if (rc != 0) return rc;
+  return cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, wh, CUDA_R_16F, k, lo,
+                      CUDA_R_16F, k, &one, y, CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F,
                       CUBLAS_GEMM_DEFAULT);
 }
 
@@ -82,10 +94,16 @@ int GemmAW(cublasHandle_t h, const DeviceMatrix& w, const float* a, int lda, int
   const void* wh = nullptr;
   int rc = HalfWeights(w, s, stream, &wh);
   if (rc != 0) return rc;
-  rc = HalfActivations(a, static_cast<int64_t>(n) * lda, s, stream);
+  const void *hi = nullptr, *lo = nullptr;
+  rc = SplitActivations(a, static_cast<int64_t>(n) * lda, s, stream, &hi, &lo);
   if (rc != 0) return rc;
-  return cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, &alpha, wh, CUDA_R_16F, m, s.x_half,
-                      CUDA_R_16F, lda, &beta, y, CUDA_R_32F, m, CUBLAS_COMPUTE_32F,
+  const float one = 1.f;
+  rc = cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, &alpha, wh, CUDA_R_16F, m, hi,
+                    CUDA_R_16F, lda, &beta, y, CUDA_R_32F, m, CUBLAS_COMPUTE_32F,
+                    CUBLAS_GEMM_DEFAULT);
+  if (rc != 0) return rc;
+  return cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, &alpha, wh, CUDA_R_16F, m, lo,
+                      CUDA_R_16F, lda, &one, y, CUDA_R_32F, m, CUBLAS_COMPUTE_32F,
                       CUBLAS_GEMM_DEFAULT);
 }
 

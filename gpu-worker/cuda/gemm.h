@@ -1,7 +1,9 @@
 // Dense and batched matrix products through cuBLAS, for prompt batches and any n too large for
 // the matrix-vector kernels: weights in any stored type are converted to fp16 in a caller-owned
-// scratch buffer (fp16 weights are used in place), activations are rounded to fp16, and cuBLAS
-// multiplies on the tensor cores with fp32 accumulation and fp32 output. fp32 weights take the
+// scratch buffer (fp16 weights are used in place), activations are split into two fp16 parts
+// (x = hi + lo, so they keep about 22 bits), and cuBLAS multiplies both on the tensor cores with
+// fp32 accumulation and fp32 output. Prompt batches thus stay within fp32 rounding of the
+// reference for fp16 weights, at twice the (cheap) tensor-core work. fp32 weights take the
 // plain fp32 path instead. Kept apart from kernels.h so that only code that links cuBLAS sees
 // its handle type.
 #pragma once
@@ -18,7 +20,7 @@ namespace cuda {
 struct GemmScratch {
   void* w_half = nullptr;  // >= rows * cols halves when w is quantized or bf16
   size_t w_half_bytes = 0;
-  void* x_half = nullptr;  // >= n * max(rows, cols) halves
+  void* x_half = nullptr;  // >= 2 * n * max(rows, cols) halves (hi and lo parts)
   size_t x_half_bytes = 0;
 };
 

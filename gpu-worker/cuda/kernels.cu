@@ -485,6 +485,16 @@ __global__ void FloatToHalfKernel(const float* __restrict__ x, int64_t count,
   }
 }
 
+__global__ void FloatToHalfSplitKernel(const float* __restrict__ x, int64_t count,
+                                       __half* __restrict__ hi, __half* __restrict__ lo) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const __half h = __float2half_rn(x[i]);
+    hi[i] = h;
+    lo[i] = __float2half_rn(x[i] - __half2float(h));
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Ordered compaction in one block: each pass flags 1024 candidates, a block-wide prefix sum of
 // the flags (warp ballots, then a scan of the 32 warp totals) gives each active one its slot.
@@ -764,6 +774,14 @@ cudaError_t FloatToHalf(const float* x, int64_t count, void* out, cudaStream_t s
   if (count <= 0) return cudaSuccess;
   FloatToHalfKernel<<<GridFor(count, 256), 256, 0, stream>>>(x, count,
                                                              static_cast<__half*>(out));
+  return cudaGetLastError();
+}
+
+cudaError_t FloatToHalfSplit(const float* x, int64_t count, void* hi, void* lo,
+                             cudaStream_t stream) {
+  if (count <= 0) return cudaSuccess;
+  FloatToHalfSplitKernel<<<GridFor(count, 256), 256, 0, stream>>>(
+      x, count, static_cast<__half*>(hi), static_cast<__half*>(lo));
   return cudaGetLastError();
 }
 

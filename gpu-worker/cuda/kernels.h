@@ -107,6 +107,9 @@ cudaError_t CompactActive(const float* v, int n, int ldv, const int32_t* map, in
 cudaError_t DequantizeToHalf(const DeviceMatrix& w, void* out, cudaStream_t stream);
 // out[i] = (half)x[i].
 cudaError_t FloatToHalf(const float* x, int64_t count, void* out, cudaStream_t stream);
+// hi[i] = (half)x[i], lo[i] = (half)(x[i] - hi[i]).
+cudaError_t FloatToHalfSplit(const float* x, int64_t count, void* hi, void* lo,
+                             cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace pinfer

@@ -2,9 +2,9 @@
 // (NewReferenceOps), ggml test-backend-ops style: fresh random inputs on every run, the
 // normalised mean squared error (as in tests/engine/ops_test.cc) at most 1e-6 where the GPU
 // computes in fp32 (every row kernel, whatever the weight type, since weights are expanded to fp32
-// exactly) and 1e-3 where cuBLAS rounds activations to fp16, no NaN, and poisoned guard regions
-// around every device output that must come back untouched. Without a CUDA device every test
-// skips.
+// exactly) and 1e-3 for cuBLAS products of fp16 / quantized weights (fp16 tensor-core inputs),
+// no NaN, and poisoned guard regions around every device output that must come back untouched.
+// Without a CUDA device every test skips.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -97,13 +97,17 @@ class DevBuf {
   size_t n_;
 };
 
+// Also prints each value, so that the run's log records how far inside the limits the ops are.
 double Nmse(const std::vector<float>& a, const std::vector<float>& b) {
   double err = 0, ref = 0;
   for (size_t i = 0; i < b.size(); ++i) {
     err += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
     ref += double(b[i]) * b[i];
   }
-  return ref == 0 ? err : err / ref;
+  const double v = ref == 0 ? err : err / ref;
+  std::printf("  nmse %-45s %.3g\n",
+              ::testing::UnitTest::GetInstance()->current_test_info()->name(), v);
+  return v;
 }
 
 bool AnyNan(const std::vector<float>& a) {

@@ -1,0 +1,904 @@
+// Decode speed of the pinfer split on a synthetic ReluLLaMA-13B-shape model, against dense layer
+// offload (llama.cpp's strategy) and the whole model on the GPU, in one binary and one run, with
+// the GPU and CPU bandwidths that make up the roofline measured in the same run.
+//
+// The model is built in memory: random weights (F16 or Q4_0) of the real shapes, and per-token
+// activation masks drawn from a documented profile instead of a trained predictor (the
+// predictors still run on the GPU so that their cost counts; their output is replaced by the
+// mask). Profile: per layer the neurons are ranked by a random permutation; the top `skew`
+// fraction ("hot tier") are active with probability p_hot = 0.8 * active / skew and the rest with
+// p_cold = 0.2 * active / (1 - skew), so on average `active` of the neurons fire per token and the
+// hot tier takes 80% of activations (skew 0.2 is what PowerInfer's authors report for ReLU
+// models, 0.4 is the harder case).
+//
+// Modes, at the same VRAM budget (default half the model's bytes):
+//   pinfer   attention, norms, embeddings, output head, predictors and the top-ranked FFN rows
+//            that fit on the GPU; the active hot rows computed sparse on the GPU while the active
+//            cold rows are computed sparse by CPU threads, overlapped within each layer.
+//   offload  whole layers on the GPU up to the budget, the remaining layers computed dense on the
+//            CPU (attention included), output head on the GPU.
+//   gpu      every weight on the GPU, dense (no budget): the bandwidth check.
+// Weights are random, so down_t (the transposed down matrix the sparse path reads) is simply
+// another random [ffn, hidden] matrix; the dense modes read the same bytes as [hidden, ffn].
+// The synthetic model gates with SiLU rather than ReLU: with random weights a drawn-active
+// neuron's ReLU gate would be zero half of the time, and the sparse kernels skip rows with a zero
+// coefficient, which would flatter both sides; with SiLU every drawn-active row is read in full,
+// as for truly active neurons of a ReLU model. The cost per row is the same.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <functional>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gpu-worker/cuda/backend.h"
+#include "gpu-worker/cuda/kernels.h"
+#include "shared/engine/ops.h"
+#include "shared/engine/row_kernels.h"
+#include "shared/engine/transformer.h"
+#include "shared/model/tensor.h"
+#include "shared/util/thread_pool.h"
+
+namespace pinfer {
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+struct Options {
+  std::string dtype = "F16";
+  int layers = 40, hidden = 5120, ffn = 13824, heads = 40, vocab = 32000;
+  int pred_rank = 256;
+  double budget_fraction = 0.5;
+  double active = 0.10;
+  std::vector<double> skews = {0.2, 0.4};
+  int warmup = 4, steps = 32;
+  int threads = 0;  // 0: all cores
+  std::string modes = "pinfer,offload,gpu";
+};
+
+// 64-byte aligned host buffer.
+struct Buffer {
+  uint8_t* p = nullptr;
+  size_t n = 0;
+  explicit Buffer(size_t bytes) : n(bytes) {
+    p = static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+    if (p == nullptr) {
+      std::fprintf(stderr, "out of host memory (%zu bytes)\n", bytes);
+      std::exit(1);
+    }
+  }
+  ~Buffer() { std::free(p); }
+};
+
+inline uint64_t SplitMix(uint64_t& s) {
+  uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Random weights in the stored type. F16: magnitudes 2^-7..2^-4 with random sign and mantissa;
+// Q4_0: scale ~0.004, random nibbles. Filled in parallel.
+void FillRandom(DType t, uint8_t* p, size_t bytes, uint64_t seed, ThreadPool& pool) {
+  const size_t chunk = 1 << 22;
+  pool.ParallelFor(static_cast<int64_t>((bytes + chunk - 1) / chunk), 1, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) {
+      uint64_t s = seed * 1000003 + c;
+      const size_t begin = c * chunk, end = std::min(bytes, begin + chunk);
+      if (t == DType::kF16) {
+        uint16_t* h = reinterpret_cast<uint16_t*>(p + begin);
+        for (size_t i = 0; i < (end - begin) / 2; i += 4) {
+          const uint64_t r = SplitMix(s);
+          for (int k = 0; k < 4; ++k) {
+            const uint16_t x = static_cast<uint16_t>(r >> (16 * k));
+            h[i + k] = static_cast<uint16_t>((x & 0x83ff) | ((8 + (x >> 10) % 4) << 10));
+          }
+        }
+      } else {
+        for (size_t i = begin; i < end; i += 8) {
+          const uint64_t r = SplitMix(s);
+          std::memcpy(p + i, &r, std::min<size_t>(8, end - i));
+        }
+      }
+    }
+  });
+  if (t == DType::kQ4_0) {
+    // Fix every block's scale to a sane fp16 value (0x1c00 ~ 0.0039 with small variations).
+    const size_t blocks = bytes / sizeof(BlockQ4_0);
+    pool.ParallelFor(static_cast<int64_t>(blocks), 1 << 16, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        auto* blk = reinterpret_cast<BlockQ4_0*>(p + i * sizeof(BlockQ4_0));
+        blk->d = static_cast<uint16_t>(0x1c00 | (blk->d & 0xff));
+      }
+    });
+  }
+}
+
+struct SynthLayer {
+  std::unique_ptr<Buffer> wq, wk, wv, wo, gate, up, down_t, fc1, fc2;
+  std::vector<float> attn_norm, ffn_norm;
+  std::vector<int32_t> rank_of;  // neuron -> popularity rank (0 = most active)
+};
+
+struct SynthModel {
+  DType dtype;
+  ModelConfig config;
+  std::unique_ptr<Buffer> emb, out;
+  std::vector<float> out_norm;
+  std::vector<SynthLayer> layers;
+  int pred_rank = 0;
+
+  size_t Rb(int64_t cols) const { return RowBytes(dtype, cols); }
+  size_t AttnBytes() const {
+    const ModelConfig& c = config;
+    return Rb(c.hidden_size) * (2 * c.q_dim() + 2 * c.kv_dim());
+  }
+  size_t FfnBytes() const { return 3 * Rb(config.hidden_size) * config.ffn_size; }
+  size_t PredBytes() const {
+    return Rb(config.hidden_size) * pred_rank + Rb(pred_rank) * config.ffn_size;
+  }
+  size_t HeadBytes() const { return 2 * Rb(config.hidden_size) * config.vocab_size; }
+  size_t ModelBytes() const {
+    return HeadBytes() + config.n_layers * (AttnBytes() + FfnBytes() + 8 * config.hidden_size) +
+           4 * config.hidden_size;
+  }
+};
+
+TensorView View(DType t, int64_t rows, int64_t cols, const Buffer& b) {
+  TensorView v;
+  v.dtype = t;
+  v.shape = {rows, cols};
+  v.data = b.p;
+  return v;
+}
+
+cuda::HostMatrix Host(DType t, int64_t rows, int64_t cols, const void* data) {
+  cuda::HostMatrix m;
+  m.type = static_cast<cuda::HostType>(t);
+  m.rows = rows;
+  m.cols = cols;
+  m.data = data;
+  return m;
+}
+
+std::unique_ptr<SynthModel> BuildModel(const Options& o, ThreadPool& pool) {
+  auto m = std::make_unique<SynthModel>();
+  m->dtype = o.dtype == "Q4_0" ? DType::kQ4_0 : DType::kF16;
+  ModelConfig& c = m->config;
+  c.vocab_size = o.vocab;
+  c.hidden_size = o.hidden;
+  c.n_layers = o.layers;
+  c.n_heads = o.heads;
+  c.n_kv_heads = o.heads;
+  c.head_dim = o.hidden / o.heads;
+  c.ffn_size = o.ffn;
+  c.activation = Activation::kSilu;
+  m->pred_rank = o.pred_rank;
+  const int H = c.hidden_size, F = c.ffn_size;
+  uint64_t seed = 1;
+  auto make = [&](int64_t rows, int64_t cols) {
+    auto b = std::make_unique<Buffer>(m->Rb(cols) * rows);
+    FillRandom(m->dtype, b->p, b->n, seed++, pool);
+    return b;
+  };
+  m->emb = make(c.vocab_size, H);
+  m->out = make(c.vocab_size, H);
+  m->out_norm.assign(H, 1.f);
+  std::mt19937 rng(7);
+  for (int l = 0; l < c.n_layers; ++l) {
+    SynthLayer L;
+    L.wq = make(c.q_dim(), H);
+    L.wk = make(c.kv_dim(), H);
+    L.wv = make(c.kv_dim(), H);
+    L.wo = make(H, c.q_dim());
+    L.gate = make(F, H);
+    L.up = make(F, H);
+    L.down_t = make(F, H);
+    L.fc1 = make(m->pred_rank, H);
+    L.fc2 = make(F, m->pred_rank);
+    L.attn_norm.assign(H, 1.f);
+    L.ffn_norm.assign(H, 1.f);
+    std::vector<int32_t> perm(F);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    L.rank_of.resize(F);
+    for (int r = 0; r < F; ++r) L.rank_of[perm[r]] = r;
+    m->layers.push_back(std::move(L));
+  }
+  return m;
+}
+
+// masks[step][layer]: ascending active neuron ids, drawn from the profile.
+using Masks = std::vector<std::vector<std::vector<int32_t>>>;
+
+Masks DrawMasks(const SynthModel& m, double active, double skew, int steps, ThreadPool& pool) {
+  const int F = m.config.ffn_size, Lc = m.config.n_layers;
+  const double p_hot = 0.8 * active / skew, p_cold = 0.2 * active / (1 - skew);
+  const int hot_tier = static_cast<int>(skew * F);
+  Masks masks(steps, std::vector<std::vector<int32_t>>(Lc));
+  pool.ParallelFor(static_cast<int64_t>(steps) * Lc, 1, [&](int64_t b, int64_t e) {
+    for (int64_t job = b; job < e; ++job) {
+      const int s = static_cast<int>(job / Lc), l = static_cast<int>(job % Lc);
+      std::mt19937_64 rng(job * 7919 + static_cast<uint64_t>(skew * 1000));
+      std::uniform_real_distribution<double> u(0, 1);
+      std::vector<int32_t>& out = masks[s][l];
+      for (int j = 0; j < F; ++j) {
+        const double p = m.layers[l].rank_of[j] < hot_tier ? p_hot : p_cold;
+        if (u(rng) < p) out.push_back(j);
+      }
+    }
+  });
+  return masks;
+}
+
+// A pool whose workers spin between tasks: the cold side runs twice per layer, 80 times per
+// token, so a futex wake-up per task (tens of microseconds) would be a visible share of a token.
+// Task part p of T runs on thread p (the caller is part 0).
+class SpinPool {
+ public:
+  explicit SpinPool(int n) : n_(n) {
+    for (int i = 1; i < n; ++i) threads_.emplace_back([this, i] { Loop(i); });
+  }
+  ~SpinPool() {
+    stop_.store(true);
+    for (auto& t : threads_) t.join();
+  }
+  int size() const { return n_; }
+  void Run(const std::function<void(int)>& fn) {
+    fn_ = &fn;
+    pending_.store(n_ - 1, std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_release);
+    fn(0);
+    while (pending_.load(std::memory_order_acquire) != 0) Pause();
+  }
+
+ private:
+  static void Pause() { __builtin_ia32_pause(); }
+  void Loop(int part) {
+    uint64_t seen = 0;
+    while (!stop_.load(std::memory_order_relaxed)) {
+      const uint64_t g = generation_.load(std::memory_order_acquire);
+      if (g == seen) {
+        Pause();
+        continue;
+      }
+      seen = g;
+      (*fn_)(part);
+      pending_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+  const int n_;
+  std::vector<std::thread> threads_;
+  const std::function<void(int)>* fn_ = nullptr;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> pending_{0};
+  std::atomic<bool> stop_{false};
+};
+
+// The cold rows on the CPU: each thread takes a share of the active cold neurons, computes gate
+// and up dot products and adds act * down_t row into its own partial sum; the partials are then
+// reduced. One pass over each active row, no shared writes.
+class CpuColdFfn : public cuda::ColdFfn {
+ public:
+  CpuColdFfn(const SynthModel& m, SpinPool& pool)
+      : m_(m), pool_(pool), k_(BestRowKernels()),
+        partial_(static_cast<size_t>(pool.size()) * m.config.hidden_size) {}
+
+  cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
+    const int H = m_.config.hidden_size;
+    const SynthLayer& L = m_.layers[r.layer];
+    const size_t rb = m_.Rb(H);
+    const size_t di = static_cast<size_t>(m_.dtype);
+    const int T = pool_.size();
+    for (int t = 0; t < r.n; ++t) {
+      const float* x = r.x + static_cast<size_t>(t) * H;
+      pool_.Run([&](int part) {
+        float* y = partial_.data() + static_cast<size_t>(part) * H;
+        std::fill(y, y + H, 0.f);
+        const int i0 = static_cast<int>(static_cast<int64_t>(r.n_active) * part / T);
+        const int i1 = static_cast<int>(static_cast<int64_t>(r.n_active) * (part + 1) / T);
+        for (int i = i0; i < i1; ++i) {
+          const int64_t j = r.active[i];
+          const float g = k_->dot[di](L.gate->p + j * rb, x, H);
+          const float u = k_->dot[di](L.up->p + j * rb, x, H);
+          k_->axpy[di](g / (1.f + std::exp(-g)) * u, L.down_t->p + j * rb, y, H);
+        }
+      });
+      float* out = r.out + static_cast<size_t>(t) * H;
+      pool_.Run([&](int part) {
+        const int c0 = H * part / T, c1 = H * (part + 1) / T;
+        for (int c = c0; c < c1; ++c) {
+          float s = 0;
+          for (int p = 0; p < T; ++p) s += partial_[static_cast<size_t>(p) * H + c];
+          out[c] = s;
+        }
+      });
+    }
+    return {};
+  }
+
+ private:
+  const SynthModel& m_;
+  SpinPool& pool_;
+  const RowKernels* k_;
+  std::vector<float> partial_;
+};
+
+// Dense layers on the CPU for the offload mode (llama.cpp's CPU path): the whole layer with the
+// optimised CPU operators over all threads.
+class CpuDenseLayers {
+ public:
+  CpuDenseLayers(const SynthModel& m, ThreadPool& pool, int first, int max_ctx)
+      : m_(m), ops_(NewSimdOps(&pool)), first_(first), max_ctx_(max_ctx) {
+    const ModelConfig& c = m.config;
+    inv_freq_ = RopeInverseFrequencies(c);
+    k_.assign(static_cast<size_t>(c.n_layers - first) * max_ctx * c.kv_dim(), 0.f);
+    v_ = k_;
+  }
+  // x: [1, hidden] in place, position pos.
+  void Run(float* x, int pos) {
+    const ModelConfig& c = m_.config;
+    const int H = c.hidden_size, F = c.ffn_size;
+    std::vector<float> xb(H), q(c.q_dim()), att(c.q_dim()), g(F), u(F), o(H);
+    const int32_t position = pos;
+    for (int l = first_; l < c.n_layers; ++l) {
+      const SynthLayer& L = m_.layers[l];
+      const size_t base = static_cast<size_t>(l - first_) * max_ctx_ * c.kv_dim();
+      float* kc = k_.data() + base;
+      float* vc = v_.data() + base;
+      ops_->RmsNorm(x, L.attn_norm.data(), 1, H, c.norm_eps, xb.data());
+      ops_->MatMul(View(m_.dtype, c.q_dim(), H, *L.wq), xb.data(), 1, q.data());
+      ops_->MatMul(View(m_.dtype, c.kv_dim(), H, *L.wk), xb.data(), 1, kc + pos * c.kv_dim());
+      ops_->MatMul(View(m_.dtype, c.kv_dim(), H, *L.wv), xb.data(), 1, vc + pos * c.kv_dim());
+      ops_->Rope(q.data(), 1, c.n_heads, c.head_dim, &position, inv_freq_.data(), false);
+      ops_->Rope(kc + pos * c.kv_dim(), 1, c.n_kv_heads, c.head_dim, &position, inv_freq_.data(),
+                 false);
+      ops_->Attention(q.data(), kc, vc, 1, pos, c.n_heads, c.n_kv_heads, c.head_dim, att.data());
+      ops_->MatMul(View(m_.dtype, H, c.q_dim(), *L.wo), att.data(), 1, o.data());
+      for (int i = 0; i < H; ++i) x[i] += o[i];
+      ops_->RmsNorm(x, L.ffn_norm.data(), 1, H, c.norm_eps, xb.data());
+      ops_->MatMul(View(m_.dtype, F, H, *L.gate), xb.data(), 1, g.data());
+      ops_->MatMul(View(m_.dtype, F, H, *L.up), xb.data(), 1, u.data());
+      ops_->GatedActivation(c.activation, g.data(), u.data(), F);
+      ops_->MatMul(View(m_.dtype, H, F, *L.down_t), g.data(), 1, o.data());  // as [hidden, ffn]
+      for (int i = 0; i < H; ++i) x[i] += o[i];
+    }
+  }
+
+ private:
+  const SynthModel& m_;
+  std::unique_ptr<CpuOps> ops_;
+  int first_, max_ctx_;
+  std::vector<float> inv_freq_, k_, v_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Bandwidths, measured in this run.
+
+struct Bandwidths {
+  double gpu_copy = 0;   // device-to-device copy, bytes read + written per second
+  double gpu_gemv = 0;   // our F16/Q4_0 matrix-vector kernel over a 2 GB matrix
+  double cpu_gemv = 0;   // SimdOps matrix-vector over all threads, 2 GB matrix
+  double h2d = 0;        // pinned host to device
+  double gpu() const { return std::max(gpu_copy, gpu_gemv); }
+};
+
+#define CHECK_CUDA(expr)                                                              \
+  do {                                                                                \
+    cudaError_t _e = (expr);                                                          \
+    if (_e != cudaSuccess) {                                                          \
+      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(_e));                \
+      std::exit(1);                                                                   \
+    }                                                                                 \
+  } while (0)
+
+double MedianOf(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+Bandwidths MeasureBandwidths(DType dtype, ThreadPool& pool) {
+  Bandwidths bw;
+  const size_t bytes = size_t{2} << 30;
+  void *a = nullptr, *b = nullptr;
+  CHECK_CUDA(cudaMalloc(&a, bytes));
+  CHECK_CUDA(cudaMalloc(&b, bytes));
+  CHECK_CUDA(cudaMemset(a, 0x11, bytes));
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  std::vector<double> t;
+  for (int i = 0; i < 12; ++i) {
+    CHECK_CUDA(cudaEventRecord(e0));
+    CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+    CHECK_CUDA(cudaEventRecord(e1));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float ms;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    if (i >= 2) t.push_back(ms * 1e-3);
+  }
+  bw.gpu_copy = 2.0 * bytes / MedianOf(t);
+
+  // GEMV: a random matrix of the benchmark's type, hidden 5120 columns.
+  const int64_t cols = 5120;
+  const int64_t rows = static_cast<int64_t>(bytes / RowBytes(dtype, cols));
+  {
+    Buffer host(RowBytes(dtype, cols) * rows);
+    FillRandom(dtype, host.p, host.n, 99, pool);
+    CHECK_CUDA(cudaMemcpy(a, host.p, host.n, cudaMemcpyHostToDevice));
+    std::vector<float> x(cols, 0.01f);
+    CHECK_CUDA(cudaMemcpy(b, x.data(), cols * 4, cudaMemcpyHostToDevice));
+    float* y = static_cast<float*>(b) + cols;
+    cuda::DeviceMatrix m{static_cast<cuda::WType>(dtype), rows, cols, a};
+    t.clear();
+    for (int i = 0; i < 12; ++i) {
+      CHECK_CUDA(cudaEventRecord(e0));
+      CHECK_CUDA(cuda::MatVecRows(m, nullptr, static_cast<int>(rows), nullptr,
+                                  static_cast<float*>(b), 1, y, static_cast<int>(rows), nullptr));
+      CHECK_CUDA(cudaEventRecord(e1));
+      CHECK_CUDA(cudaEventSynchronize(e1));
+      float ms;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+      if (i >= 2) t.push_back(ms * 1e-3);
+    }
+    bw.gpu_gemv = static_cast<double>(host.n) / MedianOf(t);
+
+    // CPU: the same matrix through SimdOps on all threads.
+    std::unique_ptr<CpuOps> ops = NewSimdOps(&pool);
+    std::vector<float> yc(rows);
+    t.clear();
+    TensorView v = View(dtype, rows, cols, host);
+    for (int i = 0; i < 5; ++i) {
+      const double t0 = Now();
+      ops->MatMul(v, x.data(), 1, yc.data());
+      if (i >= 1) t.push_back(Now() - t0);
+    }
+    bw.cpu_gemv = static_cast<double>(host.n) / MedianOf(t);
+  }
+  {
+    const size_t hb = size_t{1} << 30;
+    void* pinned = nullptr;
+    CHECK_CUDA(cudaMallocHost(&pinned, hb));
+    std::memset(pinned, 1, hb);
+    t.clear();
+    for (int i = 0; i < 6; ++i) {
+      const double t0 = Now();
+      CHECK_CUDA(cudaMemcpy(a, pinned, hb, cudaMemcpyHostToDevice));
+      if (i >= 1) t.push_back(Now() - t0);
+    }
+    bw.h2d = hb / MedianOf(t);
+    cudaFreeHost(pinned);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(a);
+  cudaFree(b);
+  return bw;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+struct Backend {
+  cuda::Backend* b = nullptr;
+  ~Backend() {
+    if (b != nullptr) pinfer_cuda_destroy_backend(b);
+  }
+};
+
+cuda::ModelUpload BaseUpload(const SynthModel& m, int max_ctx) {
+  const ModelConfig& c = m.config;
+  cuda::ModelUpload u;
+  u.dims.vocab = c.vocab_size;
+  u.dims.hidden = c.hidden_size;
+  u.dims.n_layers = c.n_layers;
+  u.dims.n_heads = c.n_heads;
+  u.dims.n_kv_heads = c.n_kv_heads;
+  u.dims.head_dim = c.head_dim;
+  u.dims.ffn = c.ffn_size;
+  u.dims.activation = static_cast<int>(c.activation);
+  u.dims.inv_freq = RopeInverseFrequencies(c);
+  u.tok_embeddings = Host(m.dtype, c.vocab_size, c.hidden_size, m.emb->p);
+  u.output = Host(m.dtype, c.vocab_size, c.hidden_size, m.out->p);
+  u.output_norm = Host(DType::kF32, 1, c.hidden_size, m.out_norm.data());
+  u.max_ctx = max_ctx;
+  u.max_seqs = 1;
+  u.max_batch = 8;  // decode only: no cuBLAS scratch
+  u.layers.resize(c.n_layers);
+  return u;
+}
+
+void FillAttention(const SynthModel& m, int l, cuda::LayerUpload* lu) {
+  const ModelConfig& c = m.config;
+  const SynthLayer& L = m.layers[l];
+  const int H = c.hidden_size;
+  lu->attn_norm = Host(DType::kF32, 1, H, L.attn_norm.data());
+  lu->ffn_norm = Host(DType::kF32, 1, H, L.ffn_norm.data());
+  lu->wq = Host(m.dtype, c.q_dim(), H, L.wq->p);
+  lu->wk = Host(m.dtype, c.kv_dim(), H, L.wk->p);
+  lu->wv = Host(m.dtype, c.kv_dim(), H, L.wv->p);
+  lu->wo = Host(m.dtype, H, c.q_dim(), L.wo->p);
+}
+
+void FillDenseFfn(const SynthModel& m, int l, cuda::LayerUpload* lu) {
+  const ModelConfig& c = m.config;
+  const SynthLayer& L = m.layers[l];
+  lu->ffn = cuda::FfnPlacement::kDense;
+  lu->gate = Host(m.dtype, c.ffn_size, c.hidden_size, L.gate->p);
+  lu->up = Host(m.dtype, c.ffn_size, c.hidden_size, L.up->p);
+  lu->down = Host(m.dtype, c.hidden_size, c.ffn_size, L.down_t->p);
+}
+
+struct Result {
+  std::string mode;
+  double skew = 0;
+  std::string placement;
+  double tok_s = 0;
+  double gpu_bytes = 0, cpu_bytes = 0;  // per token
+  double floor_s = 0;
+  double plan_bytes = 0, actual_bytes = 0;
+  double cold_s = 0, wait_s = 0, gpu_hot_s = 0;
+};
+
+int Argmax(const std::vector<float>& v) {
+  return static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin());
+}
+
+// Backend scratch and KV cache for a decode-only backend (mirrors CudaBackend::Create).
+double ScratchBytes(const SynthModel& m, int max_ctx, int kv_layers, int max_batch) {
+  const ModelConfig& c = m.config;
+  const double B = max_batch;
+  double s = 2.0 * kv_layers * max_ctx * c.kv_dim() * 4;  // KV cache (fp32)
+  s += B * (6.0 * c.hidden_size + 2.0 * c.q_dim() + 3.0 * c.ffn_size + m.pred_rank + c.vocab_size) * 4;
+  s += 2.0 * c.ffn_size * 4 + 4.0 * B * 4 + c.head_dim * 2.0 + 8;
+  s += 4.0 * c.hidden_size * (kv_layers * 2 + 1);  // fp32 norms
+  return s;
+}
+
+void PrintResults(const Options& o, const SynthModel& m, const Bandwidths& bw,
+                  const std::vector<Result>& rs) {
+  double offload = 0;
+  for (const Result& r : rs) {
+    if (r.mode == "offload") offload = r.tok_s;
+  }
+  std::printf("\n| dtype | mode | skew | placement | tokens/s | ms/token | vs offload | GPU GB/token |"
+              " CPU GB/token | roofline ms | %% of roofline | VRAM plan GB | VRAM actual GB |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const Result& r : rs) {
+    const double ms = 1e3 / r.tok_s;
+    char skew[16] = "-";
+    if (r.skew > 0) std::snprintf(skew, sizeof(skew), "%.0f%%", r.skew * 100);
+    char vs[16] = "-";
+    if (offload > 0) std::snprintf(vs, sizeof(vs), "%.1fx", r.tok_s / offload);
+    std::printf("| %s | %s | %s | %s | %.2f | %.2f | %s | %.2f | %.2f | %.2f | %.0f%% | %.2f | %.2f |\n",
+                DTypeName(m.dtype).data(), r.mode.c_str(), skew, r.placement.c_str(), r.tok_s, ms,
+                vs, r.gpu_bytes / 1e9, r.cpu_bytes / 1e9, r.floor_s * 1e3,
+                100.0 * r.floor_s * r.tok_s, r.plan_bytes / 1e9, r.actual_bytes / 1e9);
+  }
+  for (const Result& r : rs) {
+    if (r.mode == "gpu") {
+      std::printf("\nwhole model on the GPU: %.0f GB/s = %.0f%% of the measured GPU bandwidth\n",
+                  r.gpu_bytes * r.tok_s / 1e9, 100.0 * r.gpu_bytes * r.tok_s / bw.gpu());
+    }
+    if (r.mode == "pinfer") {
+      std::printf("pinfer skew %.0f%%: per token cold callback %.2f ms, host wait for x %.2f ms, "
+                  "GPU hot FFN %.2f ms\n",
+                  r.skew * 100, r.cold_s * 1e3, r.wait_s * 1e3, r.gpu_hot_s * 1e3);
+    }
+  }
+  (void)o;
+}
+
+int Main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto val = [&](const char* key) -> const char* {
+      const size_t n = std::strlen(key);
+      return a.compare(0, n, key) == 0 ? a.c_str() + n : nullptr;
+    };
+    if (const char* v = val("--dtype=")) o.dtype = v;
+    else if (const char* v = val("--layers=")) o.layers = std::atoi(v);
+    else if (const char* v = val("--hidden=")) o.hidden = std::atoi(v);
+    else if (const char* v = val("--ffn=")) o.ffn = std::atoi(v);
+    else if (const char* v = val("--heads=")) o.heads = std::atoi(v);
+    else if (const char* v = val("--vocab=")) o.vocab = std::atoi(v);
+    else if (const char* v = val("--pred-rank=")) o.pred_rank = std::atoi(v);
+    else if (const char* v = val("--budget-fraction=")) o.budget_fraction = std::atof(v);
+    else if (const char* v = val("--active=")) o.active = std::atof(v);
+    else if (const char* v = val("--steps=")) o.steps = std::atoi(v);
+    else if (const char* v = val("--warmup=")) o.warmup = std::atoi(v);
+    else if (const char* v = val("--threads=")) o.threads = std::atoi(v);
+    else if (const char* v = val("--modes=")) o.modes = v;
+    else if (const char* v = val("--skews=")) {
+      o.skews.clear();
+      for (const char* p = v; *p;) {
+        o.skews.push_back(std::atof(p));
+        const char* c = std::strchr(p, ',');
+        if (c == nullptr) break;
+        p = c + 1;
+      }
+    } else {
+      std::fprintf(stderr, "unknown flag %s\n", argv[i]);
+      return 2;
+    }
+  }
+  std::printf("command:");
+  for (int i = 0; i < argc; ++i) std::printf(" %s", argv[i]);
+  std::printf("\n");
+  if (pinfer_cuda_device_count() == 0) {
+    std::fprintf(stderr, "no CUDA device\n");
+    return 1;
+  }
+  const int threads = o.threads > 0 ? o.threads : static_cast<int>(std::thread::hardware_concurrency());
+  ThreadPool pool(threads);
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs; CPU threads: %d (%s)\n", prop.name, prop.multiProcessorCount,
+              threads, SimdLevel().data());
+
+  double t0 = Now();
+  std::unique_ptr<SynthModel> model = BuildModel(o, pool);
+  const SynthModel& m = *model;
+  const ModelConfig& c = m.config;
+  const double model_bytes = m.ModelBytes();
+  const double budget = o.budget_fraction * model_bytes;
+  std::printf("model: %d layers, hidden %d, ffn %d, heads %d, vocab %d, %s: %.2f GB (+ predictors "
+              "rank %d: %.2f GB); VRAM budget %.2f GB; built in %.1f s\n",
+              c.n_layers, c.hidden_size, c.ffn_size, c.n_heads, c.vocab_size,
+              DTypeName(m.dtype).data(), model_bytes / 1e9, m.pred_rank,
+              c.n_layers * m.PredBytes() / 1e9, budget / 1e9, Now() - t0);
+
+  Bandwidths bw = MeasureBandwidths(m.dtype, pool);
+  std::printf("bandwidth: GPU copy %.0f GB/s, GPU %s matvec %.0f GB/s, CPU %s matvec (%d threads) "
+              "%.1f GB/s, host->GPU %.1f GB/s\n",
+              bw.gpu_copy / 1e9, DTypeName(m.dtype).data(), bw.gpu_gemv / 1e9,
+              DTypeName(m.dtype).data(), threads, bw.cpu_gemv / 1e9, bw.h2d / 1e9);
+
+  const int max_ctx = o.warmup + o.steps + 8;
+  const int total_steps = o.warmup + o.steps;
+  const size_t rb = m.Rb(c.hidden_size);
+  const double kv_per_layer = 2.0 * max_ctx * c.kv_dim() * 4;
+  // Attention reads of the KV cache, averaged over the measured positions.
+  const double kv_read = 2.0 * c.kv_dim() * 4 * (o.warmup + o.steps / 2.0);
+  std::vector<Result> results;
+  std::vector<float> logits(c.vocab_size);
+
+  auto has_mode = [&](const char* name) { return o.modes.find(name) != std::string::npos; };
+
+  // --- pinfer: hot rows on the GPU, cold rows on the CPU, overlapped.
+  if (has_mode("pinfer")) {
+    const double fixed = m.HeadBytes() + c.n_layers * (m.AttnBytes() + m.PredBytes()) +
+                         ScratchBytes(m, max_ctx, c.n_layers, 8);
+    const double per_neuron = 3.0 * rb + 4;  // gate, up, down_t rows and the id
+    const int n_hot = std::max(0, std::min(c.ffn_size, static_cast<int>((budget - fixed) /
+                                                                          (c.n_layers * per_neuron))));
+    cuda::ModelUpload u = BaseUpload(m, max_ctx);
+    std::vector<std::vector<int32_t>> local_of(c.n_layers);  // global -> hot local or -1
+    for (int l = 0; l < c.n_layers; ++l) {
+      const SynthLayer& L = m.layers[l];
+      cuda::LayerUpload& lu = u.layers[l];
+      FillAttention(m, l, &lu);
+      lu.ffn = cuda::FfnPlacement::kHot;
+      lu.gate = Host(m.dtype, c.ffn_size, c.hidden_size, L.gate->p);
+      lu.up = Host(m.dtype, c.ffn_size, c.hidden_size, L.up->p);
+      lu.down_t = Host(m.dtype, c.ffn_size, c.hidden_size, L.down_t->p);
+      lu.pred_fc1 = Host(m.dtype, m.pred_rank, c.hidden_size, L.fc1->p);
+      lu.pred_fc2 = Host(m.dtype, c.ffn_size, m.pred_rank, L.fc2->p);
+      local_of[l].assign(c.ffn_size, -1);
+      for (int j = 0; j < c.ffn_size; ++j) {
+        if (L.rank_of[j] < n_hot) lu.hot_ids.push_back(j);
+      }
+      for (size_t i = 0; i < lu.hot_ids.size(); ++i) local_of[l][lu.hot_ids[i]] = static_cast<int>(i);
+    }
+    const double plan = fixed + c.n_layers * per_neuron * n_hot +
+                        4.0 * c.n_layers * (c.ffn_size - n_hot);  // cold ids
+    Backend be;
+    char err[512] = {0};
+    t0 = Now();
+    if (int rc = pinfer_cuda_create_backend(&u, &be.b, err, sizeof(err)); rc != 0) {
+      std::fprintf(stderr, "pinfer backend: %s\n", err);
+      return 1;
+    }
+    std::printf("pinfer: %d of %d FFN neurons per layer on the GPU (%.1f%%), uploaded in %.1f s\n",
+                n_hot, c.ffn_size, 100.0 * n_hot / c.ffn_size, Now() - t0);
+    be.b->set_collect_gpu_times(true);
+    SpinPool spin(threads);
+    CpuColdFfn cold(m, spin);
+    for (double skew : o.skews) {
+      Masks masks = DrawMasks(m, o.active, skew, total_steps, pool);
+      std::vector<std::vector<std::vector<int32_t>>> hot(total_steps), cold_ids(total_steps);
+      double hot_rows = 0, cold_rows = 0;
+      for (int s = 0; s < total_steps; ++s) {
+        hot[s].resize(c.n_layers);
+        cold_ids[s].resize(c.n_layers);
+        for (int l = 0; l < c.n_layers; ++l) {
+          for (int32_t j : masks[s][l]) {
+            if (local_of[l][j] >= 0) hot[s][l].push_back(local_of[l][j]);
+            else cold_ids[s][l].push_back(j);
+          }
+          if (s >= o.warmup) {
+            hot_rows += hot[s][l].size();
+            cold_rows += cold_ids[s][l].size();
+          }
+        }
+      }
+      hot_rows /= o.steps;
+      cold_rows /= o.steps;
+      int32_t token = 1;
+      double start = 0, cold_s = 0, wait_s = 0, hot_s = 0;
+      for (int s = 0; s < total_steps; ++s) {
+        if (s == o.warmup) start = Now();
+        cuda::ForwardArgs a;
+        a.tokens = &token;
+        a.n = 1;
+        a.pos0 = s;
+        a.mode = cuda::FfnMode::kGiven;
+        a.given_hot = &hot[s];
+        a.given_cold = &cold_ids[s];
+        a.run_predictors = true;
+        a.cold = &cold;
+        a.logits = logits.data();
+        cuda::BackendStatus st = be.b->Forward(a);
+        if (!st.ok()) {
+          std::fprintf(stderr, "forward: %s\n", st.message.c_str());
+          return 1;
+        }
+        token = Argmax(logits);
+        if (s >= o.warmup) {
+          cold_s += be.b->last_stats().cold_callback;
+          wait_s += be.b->last_stats().wait_for_x;
+          hot_s += be.b->last_stats().gpu_hot_ffn;
+        }
+      }
+      Result r;
+      r.mode = "pinfer";
+      r.skew = skew;
+      r.tok_s = o.steps / (Now() - start);
+      char pl[64];
+      std::snprintf(pl, sizeof(pl), "%.1f%% FFN rows hot", 100.0 * n_hot / c.ffn_size);
+      r.placement = pl;
+      r.gpu_bytes = m.HeadBytes() / 2 + c.n_layers * (m.AttnBytes() + m.PredBytes() + kv_read) +
+                    hot_rows * 3 * rb;
+      r.cpu_bytes = cold_rows * 3 * rb;
+      r.floor_s = std::max(r.gpu_bytes / bw.gpu(), r.cpu_bytes / bw.cpu_gemv);
+      r.plan_bytes = plan;
+      r.actual_bytes = static_cast<double>(be.b->DeviceBytes());
+      r.cold_s = cold_s / o.steps;
+      r.wait_s = wait_s / o.steps;
+      r.gpu_hot_s = hot_s / o.steps;
+      std::printf("pinfer skew %.0f%%: %.1f hot + %.1f cold active rows per layer per token\n",
+                  skew * 100, hot_rows / c.n_layers, cold_rows / c.n_layers);
+      results.push_back(r);
+    }
+  }
+
+  // --- offload: whole layers on the GPU up to the budget, the rest dense on the CPU.
+  if (has_mode("offload")) {
+    const double layer_bytes = m.AttnBytes() + m.FfnBytes() + kv_per_layer + 8.0 * c.hidden_size;
+    const double fixed = m.HeadBytes() + ScratchBytes(m, max_ctx, 0, 8);
+    const int gpu_layers = std::max(0, std::min(c.n_layers, static_cast<int>((budget - fixed) / layer_bytes)));
+    cuda::ModelUpload u = BaseUpload(m, max_ctx);
+    for (int l = 0; l < c.n_layers; ++l) {
+      if (l < gpu_layers) {
+        FillAttention(m, l, &u.layers[l]);
+        FillDenseFfn(m, l, &u.layers[l]);
+      } else {
+        u.layers[l].ffn = cuda::FfnPlacement::kNone;
+      }
+    }
+    const double plan = fixed + gpu_layers * layer_bytes;
+    Backend be;
+    char err[512] = {0};
+    if (int rc = pinfer_cuda_create_backend(&u, &be.b, err, sizeof(err)); rc != 0) {
+      std::fprintf(stderr, "offload backend: %s\n", err);
+      return 1;
+    }
+    std::printf("offload: %d of %d layers on the GPU\n", gpu_layers, c.n_layers);
+    CpuDenseLayers cpu(m, pool, gpu_layers, max_ctx);
+    std::vector<float> x(c.hidden_size);
+    int32_t token = 1;
+    double start = 0;
+    for (int s = 0; s < total_steps; ++s) {
+      if (s == o.warmup) start = Now();
+      cuda::ForwardArgs a;
+      a.tokens = &token;
+      a.n = 1;
+      a.pos0 = s;
+      a.mode = cuda::FfnMode::kDense;
+      a.layer_end = gpu_layers;
+      a.hidden_out = x.data();
+      a.logits_mode = cuda::LogitsMode::kNone;
+      cuda::BackendStatus st = be.b->Forward(a);
+      if (st.ok()) {
+        cpu.Run(x.data(), s);
+        cuda::ForwardArgs h;
+        h.n = 1;
+        h.pos0 = s;
+        h.mode = cuda::FfnMode::kDense;
+        h.hidden_in = x.data();
+        h.layer_begin = c.n_layers;
+        h.layer_end = c.n_layers;
+        h.logits = logits.data();
+        st = be.b->Forward(h);
+      }
+      if (!st.ok()) {
+        std::fprintf(stderr, "offload forward: %s\n", st.message.c_str());
+        return 1;
+      }
+      token = Argmax(logits);
+    }
+    Result r;
+    r.mode = "offload";
+    r.tok_s = o.steps / (Now() - start);
+    r.placement = std::to_string(gpu_layers) + " of " + std::to_string(c.n_layers) + " layers";
+    const double layer_read = m.AttnBytes() + m.FfnBytes() + kv_read;
+    r.gpu_bytes = m.HeadBytes() / 2 + gpu_layers * layer_read;
+    r.cpu_bytes = (c.n_layers - gpu_layers) * layer_read;
+    r.floor_s = r.gpu_bytes / bw.gpu() + r.cpu_bytes / bw.cpu_gemv;  // layers run in sequence
+    r.plan_bytes = plan;
+    r.actual_bytes = static_cast<double>(be.b->DeviceBytes());
+    results.push_back(r);
+  }
+
+  // --- gpu: every weight on the GPU, dense.
+  if (has_mode("gpu")) {
+    cuda::ModelUpload u = BaseUpload(m, max_ctx);
+    for (int l = 0; l < c.n_layers; ++l) {
+      FillAttention(m, l, &u.layers[l]);
+      FillDenseFfn(m, l, &u.layers[l]);
+    }
+    Backend be;
+    char err[512] = {0};
+    if (int rc = pinfer_cuda_create_backend(&u, &be.b, err, sizeof(err)); rc != 0) {
+      std::fprintf(stderr, "gpu backend: %s\n", err);
+      return 1;
+    }
+    int32_t token = 1;
+    double start = 0;
+    for (int s = 0; s < total_steps; ++s) {
+      if (s == o.warmup) start = Now();
+      cuda::ForwardArgs a;
+      a.tokens = &token;
+      a.n = 1;
+      a.pos0 = s;
+      a.mode = cuda::FfnMode::kDense;
+      a.logits = logits.data();
+      cuda::BackendStatus st = be.b->Forward(a);
+      if (!st.ok()) {
+        std::fprintf(stderr, "gpu forward: %s\n", st.message.c_str());
+        return 1;
+      }
+      token = Argmax(logits);
+    }
+    Result r;
+    r.mode = "gpu";
+    r.tok_s = o.steps / (Now() - start);
+    r.placement = "all weights (no budget)";
+    r.gpu_bytes = m.HeadBytes() / 2 + c.n_layers * (m.AttnBytes() + m.FfnBytes() + kv_read);
+    r.floor_s = r.gpu_bytes / bw.gpu();
+    r.plan_bytes = model_bytes + ScratchBytes(m, max_ctx, c.n_layers, 8);
+    r.actual_bytes = static_cast<double>(be.b->DeviceBytes());
+    results.push_back(r);
+  }
+
+  PrintResults(o, m, bw, results);
+  return 0;
+}
+
+}  // namespace
+}  // namespace pinfer
+
+int main(int argc, char** argv) { return pinfer::Main(argc, argv); }

@@ -1,0 +1,32 @@
+#!/bin/bash
+# One run on a GPU machine: op tests, the module's end-to-end test, then the decode benchmark in
+# F16 and Q4_0. Run from the repository root with a bundle made by make_bundle.sh (the GPU machine
+# needs only the NVIDIA driver and CUDA 13's cuBLAS):
+#
+#   gpu-worker/cuda/device_run.sh BUNDLE_DIR [OUT_DIR]
+#
+# Logs and gtest XML go to OUT_DIR (default ./cuda-results). The bench flags are the documented
+# configuration of docs/benchmarks.md; extra BENCH_FLAGS are appended.
+set -uo pipefail
+bundle=$(realpath "${1:?bundle dir}")
+out=${2:-${OUT:-./cuda-results}}
+mkdir -p "$out"
+cublas=""
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu; do
+  if [[ -e $d/libcublas.so.13 ]]; then cublas=$d; break; fi
+done
+if [[ -z $cublas ]]; then
+  cublas=$(dirname "$(find / -name 'libcublas.so.13' -not -path '/proc/*' 2>/dev/null | head -1)")
+fi
+export LD_LIBRARY_PATH="$bundle/lib:$cublas:${LD_LIBRARY_PATH:-}"
+echo "cuBLAS from $cublas"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
+nproc; grep -m1 'model name' /proc/cpuinfo
+rc=0
+timeout "${OPS_TIMEOUT:-120}" "$bundle/bin/cuda_ops_test" --gtest_output="xml:$out/cuda_ops_test.xml" 2>&1 | tee "$out/cuda_ops_test.log" || rc=1
+PINFER_CUDA_MODULE="$bundle/bin/libpinfer_cuda.so" PINFER_MODELS_DIR="$PWD/models" \
+  timeout "${BACKEND_TIMEOUT:-120}" "$bundle/bin/cuda_backend_test" --gtest_output="xml:$out/cuda_backend_test.xml" 2>&1 | tee "$out/cuda_backend_test.log" || rc=1
+for dtype in ${BENCH_DTYPES:-F16 Q4_0}; do
+  timeout "${BENCH_TIMEOUT:-240}" "$bundle/bin/cuda_decode_bench" --dtype=$dtype ${BENCH_FLAGS:-} 2>&1 | tee "$out/bench_$dtype.log" || rc=1
+done
+exit $rc
