@@ -1,0 +1,65 @@
+// The gpu-worker's compute, behind one interface so that the scheduler does not care where it
+// runs: the CPU backend here (the Transformer with a hot/cold split FFN), or the CUDA module
+// (gpu-worker/cuda, loaded with dlopen so that cuBLAS never shares the process image with
+// prometheus-cpp at link time) once it is available on the machine.
+//
+// Either way the backend computes embeddings, attention, the KV caches, norms, the hot FFN rows
+// and the output head; for every layer it hands the FFN input to the ColdLink (the shared-memory
+// exchange with the cpu-worker) and adds the cold contribution back.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "shared/engine/ops.h"
+#include "shared/model/model.h"
+#include "shared/service/ffn_split.h"
+#include "shared/shm/activation_channel.h"
+
+namespace pinfer::gpuworker {
+
+// Counters the backend accumulates for metrics; read and reset by the caller.
+struct BackendStats {
+  uint64_t forward_ns = 0;       // whole forward passes
+  uint64_t hot_ffn_ns = 0;       // this side's FFN share
+  uint64_t exchange_wait_ns = 0; // waiting for the cold share after the hot share was done
+  uint64_t exchanges = 0;
+  uint64_t hot_neurons = 0;      // (token, neuron) pairs computed here
+  uint64_t cold_neurons = 0;     // ... and by the cpu-worker
+  uint64_t hot_candidates = 0;   // (token, neuron) pairs that could have been computed here
+  uint64_t cold_candidates = 0;
+  std::vector<double> wait_samples;  // per exchange, seconds (for the wait histogram)
+};
+
+class ComputeBackend {
+ public:
+  virtual ~ComputeBackend() = default;
+  // "cpu" or "cuda".
+  virtual std::string name() const = 0;
+  // Reserves the state of one sequence (its KV cache) for up to max_ctx positions.
+  virtual absl::StatusOr<int> AcquireSlot(int max_ctx) = 0;
+  virtual void ReleaseSlot(int slot) = 0;
+  // Runs tokens at positions pos0.. of the sequence in `slot`; logits: [vocab] of the last
+  // token, or null when not needed (earlier prefill chunks).
+  virtual absl::Status Forward(int slot, std::span<const int32_t> tokens, int pos0,
+                               float* logits) = 0;
+  // Bytes of FFN rows held here, and of everything else (attention, embeddings, head).
+  virtual uint64_t ffn_bytes() const = 0;
+  virtual uint64_t dense_bytes() const = 0;
+  virtual uint64_t ffn_neurons() const = 0;
+  // Moves the accumulated counters out.
+  virtual BackendStats TakeStats() = 0;
+};
+
+// The CPU implementation. `model`, `ops` and `exchange` must outlive it; `placement` chooses the
+// hot neurons (the rest are computed by the cpu-worker through `exchange`).
+absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCpuBackend(const Model& model,
+                                                              const CpuOps& ops,
+                                                              const Placement& placement,
+                                                              shm::ExchangeClient* exchange);
+
+}  // namespace pinfer::gpuworker

@@ -1,0 +1,597 @@
+// pinfer-gpu-worker: holds the sequences (KV caches, sampling) and computes everything except the
+// cold FFN neurons: embeddings, attention, norms, the hot FFN rows and the output head. It creates
+// the shared-memory segment that the cpu-worker attaches to, writes the placement into it, and
+// serves the internal GpuWorker gRPC service (proto/pinfer/worker/v1/worker.proto) that the
+// gateway drives.
+//
+// Without a usable GPU (no CUDA module, no device) the same role runs on the CPU; the log says so
+// and the metric pinfer_worker_gpu_available is 0.
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "cli/flags.h"
+#include "gpu-worker/backend.h"
+#include "gpu-worker/scheduler.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "pinfer/worker/v1/worker.grpc.pb.h"
+#include "prometheus/counter.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "shared/engine/ops.h"
+#include "shared/metrics/metrics.h"
+#include "shared/model/model.h"
+#include "shared/service/ffn_split.h"
+#include "shared/service/grpc_convert.h"
+#include "shared/service/log.h"
+#include "shared/shm/activation_channel.h"
+#include "shared/util/status_macros.h"
+#include "shared/util/thread_pool.h"
+
+namespace pinfer::gpuworker {
+namespace {
+
+namespace wv1 = ::pinfer::worker::v1;
+
+constexpr char kUsage[] =
+    "usage: pinfer-gpu-worker --model PATH [--listen ADDR] [--port-file FILE] [--segment NAME]\n"
+    "         [--metrics-port P] [--metrics-port-file FILE] [--threads N] [--hot-fraction F]\n"
+    "         [--max-batch-tokens N] [--max-sequences N] [--max-new-tokens-limit N]\n"
+    "         [--exchange-timeout-ms MS] [--liveness-ms MS] [--backend auto|cpu|cuda]\n"
+    "         [--cuda-module PATH] [--sparse] [--drain-timeout-ms MS]\n"
+    "  --listen: host:port (port 0 picks one; see --port-file) or unix:/path\n"
+    "  --segment: POSIX shared-memory name for the activation exchange (default: a fresh\n"
+    "             unique name, printed in the log); give the cpu-worker the same name\n";
+
+struct Options {
+  std::string model, listen = "127.0.0.1:0", port_file, segment, metrics_port, metrics_port_file;
+  std::string backend = "auto", cuda_module;
+  int threads = 1;
+  double hot_fraction = 0.5;
+  int max_batch_tokens = 128;
+  int max_sequences = 64;
+  int max_new_tokens_limit = 4096;
+  int64_t exchange_timeout_ms = 30000, liveness_ms = 2000, drain_timeout_ms = 30000;
+  bool sparse = false;
+};
+
+absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
+  ASSIGN_OR_RETURN(cli::Flags f,
+                   cli::Flags::Parse(args,
+                                     {"model", "listen", "port-file", "segment", "metrics-port",
+                                      "metrics-port-file", "threads", "hot-fraction",
+                                      "max-batch-tokens", "max-sequences", "max-new-tokens-limit",
+                                      "exchange-timeout-ms", "liveness-ms", "backend",
+                                      "cuda-module", "drain-timeout-ms"},
+                                     {"sparse"}));
+  Options o;
+  ASSIGN_OR_RETURN(o.model, f.Required("model"));
+  if (auto v = f.Get("listen")) o.listen = *v;
+  if (auto v = f.Get("port-file")) o.port_file = *v;
+  if (auto v = f.Get("segment")) o.segment = *v;
+  if (auto v = f.Get("metrics-port")) o.metrics_port = *v;
+  if (auto v = f.Get("metrics-port-file")) o.metrics_port_file = *v;
+  if (auto v = f.Get("backend")) o.backend = *v;
+  if (auto v = f.Get("cuda-module")) o.cuda_module = *v;
+  ASSIGN_OR_RETURN(int64_t threads, f.Int("threads", 1));
+  ASSIGN_OR_RETURN(o.hot_fraction, f.Double("hot-fraction", 0.5));
+  ASSIGN_OR_RETURN(int64_t mbt, f.Int("max-batch-tokens", 128));
+  ASSIGN_OR_RETURN(int64_t ms, f.Int("max-sequences", 64));
+  ASSIGN_OR_RETURN(int64_t mnt, f.Int("max-new-tokens-limit", 4096));
+  ASSIGN_OR_RETURN(o.exchange_timeout_ms, f.Int("exchange-timeout-ms", 30000));
+  ASSIGN_OR_RETURN(o.liveness_ms, f.Int("liveness-ms", 2000));
+  ASSIGN_OR_RETURN(o.drain_timeout_ms, f.Int("drain-timeout-ms", 30000));
+  if (threads < 1 || threads > 1024) return absl::InvalidArgumentError("--threads out of range");
+  if (!(o.hot_fraction >= 0 && o.hot_fraction <= 1)) {
+    return absl::InvalidArgumentError("--hot-fraction must be in [0, 1]");
+  }
+  if (mbt < 1 || mbt > 65536) return absl::InvalidArgumentError("--max-batch-tokens out of range");
+  if (ms < 1 || ms > 100000) return absl::InvalidArgumentError("--max-sequences out of range");
+  if (mnt < 1 || mnt > (1 << 24)) return absl::InvalidArgumentError("--max-new-tokens-limit out of range");
+  if (o.exchange_timeout_ms < 1 || o.liveness_ms < 1) {
+    return absl::InvalidArgumentError("timeouts must be positive");
+  }
+  if (o.backend != "auto" && o.backend != "cpu" && o.backend != "cuda") {
+    return absl::InvalidArgumentError("--backend must be auto, cpu or cuda");
+  }
+  o.threads = static_cast<int>(threads);
+  o.max_batch_tokens = static_cast<int>(mbt);
+  o.max_sequences = static_cast<int>(ms);
+  o.max_new_tokens_limit = static_cast<int>(mnt);
+  o.sparse = f.Has("sparse");
+  return o;
+}
+
+// Decides whether a GPU can be used. The CUDA backend lives in a module loaded with dlopen
+// (gpu-worker/cuda); when it or a device is missing the worker computes on the CPU.
+struct GpuProbe {
+  bool available = false;
+  std::string reason;
+};
+
+GpuProbe ProbeGpu(const Options& o) {
+  GpuProbe p;
+  if (o.backend == "cpu") {
+    p.reason = "--backend cpu";
+    return p;
+  }
+  std::vector<std::string> candidates;
+  if (!o.cuda_module.empty()) candidates.push_back(o.cuda_module);
+  if (const char* env = std::getenv("PINFER_CUDA_MODULE")) candidates.push_back(env);
+  char self[4096];
+  const ssize_t len = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (len > 0) {
+    std::string dir(self, len);
+    dir = dir.substr(0, dir.rfind('/'));
+    candidates.push_back(dir + "/libpinfer_cuda.so");
+    candidates.push_back(dir + "/../gpu-worker/cuda/libpinfer_cuda.so");
+  }
+  candidates.push_back("libpinfer_cuda.so");
+  std::string errors;
+  for (const std::string& path : candidates) {
+    void* h = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (h == nullptr) {
+      absl::StrAppend(&errors, errors.empty() ? "" : "; ", ::dlerror());
+      continue;
+    }
+    using CountFn = int (*)();
+    auto count = reinterpret_cast<CountFn>(::dlsym(h, "pinfer_cuda_device_count"));
+    const int n = count != nullptr ? count() : 0;
+    if (n > 0) {
+      p.available = true;
+      p.reason = absl::StrCat(n, " CUDA device(s) via ", path);
+      // The CUDA compute path is wired in by the CUDA backend work; until then even with a
+      // device the worker computes on the CPU (reported as such below).
+    } else {
+      p.reason = absl::StrCat(path, " loaded but reports no CUDA device");
+    }
+    ::dlclose(h);
+    return p;
+  }
+  p.reason = absl::StrCat("no CUDA module could be loaded (", errors, ")");
+  return p;
+}
+
+std::string ActivationLabel(Activation a) {
+  switch (a) {
+    case Activation::kRelu: return "relu";
+    case Activation::kSilu: return "silu";
+    case Activation::kDRelu: return "drelu";
+  }
+  return "?";
+}
+
+// Everything the worker serves, built at start-up.
+struct State {
+  Options options;
+  std::unique_ptr<Model> model;
+  std::unique_ptr<ThreadPool> pool;
+  std::unique_ptr<CpuOps> ops;
+  std::unique_ptr<shm::ExchangeClient> exchange;
+  std::unique_ptr<ComputeBackend> backend;
+  std::unique_ptr<Scheduler> scheduler;
+  Placement placement;
+  GpuProbe gpu;
+  uint64_t cold_bytes_estimate = 0;
+};
+
+v1::ModelInfo BuildModelInfo(const State& s) {
+  const ModelConfig& c = s.model->config;
+  v1::ModelInfo info;
+  info.set_architecture(c.architecture);
+  info.set_model_path(s.model->source_path);
+  info.set_context_length(c.max_context);
+  info.set_vocab_size(c.vocab_size);
+  info.set_hidden_size(c.hidden_size);
+  info.set_num_layers(c.n_layers);
+  info.set_ffn_size(c.ffn_size);
+  info.set_activation(ActivationLabel(c.activation));
+  info.set_weight_dtype(std::string(DTypeName(s.model->layers[0].gate.dtype)));
+  info.set_max_new_tokens_limit(s.options.max_new_tokens_limit);
+  info.set_bos_id(c.bos_id);
+  info.set_eos_id(c.eos_id);
+  v1::PlacementSummary* p = info.mutable_placement();
+  const uint64_t total = static_cast<uint64_t>(c.n_layers) * c.ffn_size;
+  p->set_gpu_neurons(s.backend->ffn_neurons());
+  p->set_cpu_neurons(total - s.backend->ffn_neurons());
+  p->set_gpu_bytes(s.backend->ffn_bytes());
+  p->set_cpu_bytes(s.cold_bytes_estimate);
+  p->set_gpu_dense_bytes(s.backend->dense_bytes());
+  p->set_gpu_backend(s.backend->name());
+  p->set_mode(s.options.sparse ? "sparse" : "exact");
+  return info;
+}
+
+class GpuWorkerService final : public wv1::GpuWorker::Service {
+ public:
+  explicit GpuWorkerService(State* s) : s_(s) {}
+
+  grpc::Status Load(grpc::ServerContext*, const wv1::LoadRequest* req,
+                    wv1::LoadResponse* resp) override {
+    if (!req->model_path().empty() && req->model_path() != s_->options.model) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          absl::StrCat("this gpu-worker serves ", s_->options.model,
+                                       "; start another worker for ", req->model_path()));
+    }
+    FillInfo(resp->mutable_info());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetInfo(grpc::ServerContext*, const wv1::InfoRequest*,
+                       wv1::WorkerInfo* info) override {
+    FillInfo(info);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Check(grpc::ServerContext*, const wv1::CheckRequest*,
+                     wv1::CheckResponse* resp) override {
+    const std::string problem = s_->exchange->PeerProblem();
+    resp->set_peer_alive(problem.empty());
+    resp->set_state(CurrentState());
+    resp->set_running_sequences(s_->scheduler->running());
+    resp->set_message(problem);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Run(grpc::ServerContext* ctx, const wv1::RunRequest* req,
+                   grpc::ServerWriter<wv1::RunEvent>* writer) override {
+    SequenceOptions opts;
+    const ModelConfig& c = s_->model->config;
+    if (req->has_token_ids()) {
+      opts.prompt.assign(req->token_ids().ids().begin(), req->token_ids().ids().end());
+    } else {
+      if (req->prompt().empty()) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty prompt");
+      }
+      auto ids = s_->model->tokenizer->Encode(req->prompt());
+      if (!ids.ok()) return ToGrpcStatus(ids.status());
+      if (c.add_bos) opts.prompt.push_back(c.bos_id);
+      opts.prompt.insert(opts.prompt.end(), ids->begin(), ids->end());
+    }
+    opts.gen.max_new_tokens = static_cast<int>(
+        std::min<uint32_t>(req->max_new_tokens(), static_cast<uint32_t>(INT32_MAX)));
+    opts.gen.sampling = SamplingFromProto(req->sampling());
+    opts.gen.stop.assign(req->stop().begin(), req->stop().end());
+    opts.gen.stop_at_eos = !req->ignore_eos();
+    opts.request_id = req->request_id();
+    const auto deadline = ctx->deadline();
+    if (deadline != std::chrono::system_clock::time_point::max()) {
+      opts.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                         deadline - std::chrono::system_clock::now());
+    }
+    auto seq = s_->scheduler->Submit(std::move(opts));
+    if (!seq.ok()) return ToGrpcStatus(seq.status());
+    std::vector<SequenceEvent> events;
+    for (;;) {
+      events.clear();
+      if (!(*seq)->WaitEvents(&events, std::chrono::milliseconds(50))) {
+        if (ctx->IsCancelled()) {
+          (*seq)->Cancel();
+          return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the caller");
+        }
+        continue;
+      }
+      wv1::RunEvent out;
+      bool final = false;
+      for (SequenceEvent& e : events) {
+        if (!e.status.ok()) return ToGrpcStatus(e.status);
+        for (const GeneratedToken& t : e.tokens) {
+          v1::Token* pt = out.add_tokens();
+          pt->set_id(static_cast<uint32_t>(t.id));
+          pt->set_text(t.text);
+          pt->set_logprob(t.logprob);
+        }
+        if (e.prefill_seconds >= 0) out.set_prefill_seconds(e.prefill_seconds);
+        out.set_prompt_tokens(e.prompt_tokens);
+        out.set_generated_tokens(e.generated_tokens);
+        if (e.final) {
+          final = true;
+          out.set_finish_reason(FinishReasonToProto(e.finish));
+        }
+      }
+      if (!writer->Write(out)) {
+        (*seq)->Cancel();
+        return grpc::Status(grpc::StatusCode::CANCELLED, "the caller went away");
+      }
+      if (final) return grpc::Status::OK;
+    }
+  }
+
+  grpc::Status Cancel(grpc::ServerContext*, const wv1::CancelRequest* req,
+                      wv1::CancelResponse* resp) override {
+    resp->set_found(s_->scheduler->CancelById(req->request_id()));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Drain(grpc::ServerContext*, const wv1::DrainRequest*,
+                     wv1::DrainResponse* resp) override {
+    s_->scheduler->Drain();
+    resp->set_running_sequences(s_->scheduler->running());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Tokenize(grpc::ServerContext*, const v1::TokenizeRequest* req,
+                        v1::TokenizeResponse* resp) override {
+    const ModelConfig& c = s_->model->config;
+    auto ids = s_->model->tokenizer->Encode(req->text());
+    if (!ids.ok()) return ToGrpcStatus(ids.status());
+    if (req->add_bos() && c.add_bos) {
+      resp->add_ids(c.bos_id);
+      resp->add_pieces(s_->model->tokenizer->TokenBytes(c.bos_id));
+    }
+    for (int32_t id : *ids) {
+      resp->add_ids(static_cast<uint32_t>(id));
+      resp->add_pieces(s_->model->tokenizer->TokenBytes(id));
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Detokenize(grpc::ServerContext*, const v1::DetokenizeRequest* req,
+                          v1::DetokenizeResponse* resp) override {
+    std::vector<int32_t> ids;
+    for (uint32_t id : req->ids()) {
+      if (id >= static_cast<uint32_t>(s_->model->config.vocab_size)) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            absl::StrCat("token id ", id, " is outside the vocabulary"));
+      }
+      ids.push_back(static_cast<int32_t>(id));
+    }
+    resp->set_text(s_->model->tokenizer->Decode(ids));
+    return grpc::Status::OK;
+  }
+
+ private:
+  wv1::WorkerState CurrentState() const {
+    if (s_->scheduler->draining()) return wv1::WORKER_STATE_DRAINING;
+    if (!s_->exchange->PeerReady()) return wv1::WORKER_STATE_WAITING_FOR_PEER;
+    return wv1::WORKER_STATE_READY;
+  }
+
+  void FillInfo(wv1::WorkerInfo* info) {
+    info->set_role("gpu-worker");
+    info->set_state(CurrentState());
+    info->set_segment(s_->exchange->segment().name());
+    *info->mutable_model() = BuildModelInfo(*s_);
+    info->set_resident_bytes(ResidentBytes());
+    info->set_ffn_row_bytes(s_->backend->ffn_bytes());
+    info->set_ffn_neurons(s_->backend->ffn_neurons());
+    info->set_backend(s_->backend->name());
+    info->set_pid(static_cast<uint32_t>(::getpid()));
+  }
+
+  State* s_;
+};
+
+int Main(const std::vector<std::string>& args) {
+  SetLogRole("gpu-worker");
+  InstallShutdownHandlers();
+  auto parsed = ParseOptions(args);
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "pinfer-gpu-worker: %s\n%s", std::string(parsed.status().message()).c_str(),
+                 kUsage);
+    return 2;
+  }
+  State s;
+  s.options = *parsed;
+  const Options& o = s.options;
+  if (o.sparse) {
+    Log("--sparse needs predictors from a prepared model (pinfer prepare), which this worker "
+        "cannot load yet; refusing to start rather than silently running exact");
+    return 2;
+  }
+
+  auto registry = std::make_shared<prometheus::Registry>();
+  std::unique_ptr<metrics::Endpoint> endpoint;
+  if (!o.metrics_port.empty()) {
+    endpoint = metrics::Endpoint::Start(o.metrics_port, registry);
+    if (endpoint != nullptr) {
+      Log("metrics on port %d", endpoint->port());
+      if (!o.metrics_port_file.empty()) {
+        (void)WriteFileAtomically(o.metrics_port_file, absl::StrCat(endpoint->port(), "\n"));
+      }
+    }
+  }
+
+  auto model = LoadModel(o.model);
+  if (!model.ok()) {
+    Log("cannot load %s: %s", o.model.c_str(), model.status().ToString().c_str());
+    return 1;
+  }
+  s.model = std::move(*model);
+  const ModelConfig& c = s.model->config;
+  if (s.model->tokenizer == nullptr) {
+    Log("%s has no tokenizer", o.model.c_str());
+    return 1;
+  }
+  s.gpu = ProbeGpu(o);
+  if (o.backend == "cuda" && !s.gpu.available) {
+    Log("--backend cuda but no usable GPU: %s", s.gpu.reason.c_str());
+    return 1;
+  }
+  Log("no usable GPU (%s): computing the gpu-worker's share on the CPU with %d thread(s)",
+      s.gpu.available ? "the CUDA compute path is not wired into this build yet"
+                      : s.gpu.reason.c_str(),
+      o.threads);
+
+  s.placement = Placement::FixedFraction(c, o.hot_fraction);
+  shm::Geometry g;
+  g.n_layers = c.n_layers;
+  g.hidden = c.hidden_size;
+  g.ffn = c.ffn_size;
+  g.max_tokens = o.max_batch_tokens;
+  g.fingerprint = ModelFingerprint(*s.model);
+  const std::string segment_name = o.segment.empty() ? shm::UniqueSegmentName() : o.segment;
+  auto segment = shm::Segment::Create(segment_name, g);
+  if (!segment.ok()) {
+    Log("cannot create the activation segment: %s", segment.status().ToString().c_str());
+    return 1;
+  }
+  for (int l = 0; l < c.n_layers; ++l) {
+    s.placement.ToBitmap(l, c.ffn_size, (*segment)->hot_bitmap(l));
+  }
+  shm::ChannelOptions co;
+  co.exchange_timeout_ns = o.exchange_timeout_ms * 1'000'000;
+  co.liveness_ns = o.liveness_ms * 1'000'000;
+  s.exchange = std::make_unique<shm::ExchangeClient>(std::move(*segment), co);
+  Log("activation segment %s (%zu bytes, up to %d tokens per exchange)", segment_name.c_str(),
+      s.exchange->segment().size(), o.max_batch_tokens);
+
+  s.pool = std::make_unique<ThreadPool>(o.threads);
+  s.ops = NewSimdOps(s.pool.get());
+  auto backend = NewCpuBackend(*s.model, *s.ops, s.placement, s.exchange.get());
+  if (!backend.ok()) {
+    Log("cannot build the backend: %s", backend.status().ToString().c_str());
+    return 1;
+  }
+  s.backend = std::move(*backend);
+  // Building the hot rows read the whole down matrices; drop those pages, what we use comes back.
+  ReleaseMappedPages(*s.model);
+  {
+    const uint64_t total = static_cast<uint64_t>(c.n_layers) * c.ffn_size;
+    const uint64_t per_neuron = s.backend->ffn_neurons() > 0
+                                    ? s.backend->ffn_bytes() / s.backend->ffn_neurons()
+                                    : 3 * RowBytes(s.model->layers[0].gate.dtype, c.hidden_size);
+    s.cold_bytes_estimate = (total - s.backend->ffn_neurons()) * per_neuron;
+  }
+  Log("placement: %zu of %zu FFN neurons hot (%.1f MiB of rows here), exact mode",
+      static_cast<size_t>(s.backend->ffn_neurons()),
+      static_cast<size_t>(c.n_layers) * c.ffn_size, s.backend->ffn_bytes() / 1048576.0);
+
+  // Metrics.
+  auto& compute = prometheus::BuildCounter()
+                      .Name("pinfer_worker_compute_seconds_total")
+                      .Help("Compute time by kind of layer work: ffn (this worker's FFN neurons), "
+                            "dense (attention, norms, embeddings, output head)")
+                      .Register(*registry);
+  auto& compute_ffn = compute.Add({{"kind", "ffn"}});
+  auto& compute_dense = compute.Add({{"kind", "dense"}});
+  auto& wait_hist = prometheus::BuildHistogram()
+                        .Name("pinfer_worker_shm_wait_seconds")
+                        .Help("Time waiting for the cpu-worker's share of a layer after the "
+                              "hot share was done")
+                        .Register(*registry)
+                        .Add({}, metrics::ShortLatencyBuckets());
+  auto& neurons = prometheus::BuildCounter()
+                      .Name("pinfer_worker_neurons_computed_total")
+                      .Help("(token, neuron) pairs computed, by side of the split")
+                      .Register(*registry);
+  auto& neurons_gpu = neurons.Add({{"side", "gpu"}});
+  auto& neurons_cpu = neurons.Add({{"side", "cpu"}});
+  auto& candidates = prometheus::BuildCounter()
+                         .Name("pinfer_worker_neuron_candidates_total")
+                         .Help("(token, neuron) pairs that could have been computed, by side")
+                         .Register(*registry);
+  auto& cand_gpu = candidates.Add({{"side", "gpu"}});
+  auto& cand_cpu = candidates.Add({{"side", "cpu"}});
+  auto& tokens = prometheus::BuildCounter()
+                     .Name("pinfer_worker_tokens_total")
+                     .Help("Tokens sampled by this gpu-worker")
+                     .Register(*registry)
+                     .Add({});
+  auto& running = prometheus::BuildGauge()
+                      .Name("pinfer_worker_sequences_running")
+                      .Help("Sequences in the gpu-worker's schedule")
+                      .Register(*registry)
+                      .Add({});
+  prometheus::BuildGauge()
+      .Name("pinfer_worker_backend_info")
+      .Help("The backend computing this worker's share (value 1)")
+      .Register(*registry)
+      .Add({{"role", "gpu-worker"}, {"backend", "cpu"}})
+      .Set(1);
+  prometheus::BuildGauge()
+      .Name("pinfer_worker_gpu_available")
+      .Help("1 if the gpu-worker computes on a GPU, 0 if it runs its share on the CPU")
+      .Register(*registry)
+      .Add({})
+      .Set(0);
+  prometheus::BuildGauge()
+      .Name("pinfer_worker_ffn_row_bytes")
+      .Help("Bytes of FFN rows this worker holds")
+      .Register(*registry)
+      .Add({{"side", "gpu"}})
+      .Set(static_cast<double>(s.backend->ffn_bytes()));
+  auto gauges = std::make_shared<metrics::ScrapeGauges>();
+  gauges->Add({"pinfer_worker_resident_bytes", "Resident memory of this worker process",
+               {{"role", "gpu-worker"}}, [] { return static_cast<double>(ResidentBytes()); }});
+  gauges->Add({"pinfer_worker_peer_alive",
+               "1 while the cpu-worker is attached, loaded and its heartbeat is fresh",
+               {},
+               [&s] { return s.exchange->PeerReady() ? 1.0 : 0.0; }});
+  gauges->Add({"pinfer_worker_ffn_sparsity",
+               "Fraction of (token, neuron) pairs skipped because their activation was zero "
+               "(exact mode) or predicted zero (sparse mode), over the worker's lifetime",
+               {},
+               [&] {
+                 const double cand = cand_gpu.Value() + cand_cpu.Value();
+                 return cand > 0 ? 1.0 - (neurons_gpu.Value() + neurons_cpu.Value()) / cand : 0.0;
+               }});
+  if (endpoint != nullptr) endpoint->Add(gauges);
+
+  SchedulerOptions so;
+  so.max_sequences = o.max_sequences;
+  so.prefill_chunk = o.max_batch_tokens;
+  so.max_new_tokens_limit = o.max_new_tokens_limit;
+  SchedulerHooks hooks;
+  hooks.on_stats = [&](const BackendStats& st) {
+    compute_ffn.Increment(st.hot_ffn_ns * 1e-9);
+    compute_dense.Increment(
+        (st.forward_ns > st.hot_ffn_ns + st.exchange_wait_ns
+             ? st.forward_ns - st.hot_ffn_ns - st.exchange_wait_ns
+             : 0) * 1e-9);
+    for (double w : st.wait_samples) wait_hist.Observe(w);
+    neurons_gpu.Increment(static_cast<double>(st.hot_neurons));
+    neurons_cpu.Increment(static_cast<double>(st.cold_neurons));
+    cand_gpu.Increment(static_cast<double>(st.hot_candidates));
+    cand_cpu.Increment(static_cast<double>(st.cold_candidates));
+  };
+  hooks.on_running = [&](int n) { running.Set(n); };
+  hooks.on_tokens = [&](int n) { tokens.Increment(n); };
+  s.scheduler = std::make_unique<Scheduler>(
+      s.backend.get(), *s.model, so, [&s] { return s.exchange->PeerProblem(); }, hooks);
+
+  GpuWorkerService service(&s);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(o.listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) {
+    Log("cannot listen on %s", o.listen.c_str());
+    return 1;
+  }
+  Log("serving pinfer.worker.v1.GpuWorker on %s (port %d)", o.listen.c_str(), port);
+  if (!o.port_file.empty()) {
+    if (absl::Status st = WriteFileAtomically(o.port_file, absl::StrCat(port, "\n")); !st.ok()) {
+      Log("%s", st.ToString().c_str());
+    }
+  }
+
+  WaitForShutdown();
+  Log("shutting down: draining %d running sequence(s)", s.scheduler->running());
+  s.scheduler->Drain();
+  const auto drain_end = Clock::now() + std::chrono::milliseconds(o.drain_timeout_ms);
+  while (s.scheduler->running() > 0 && Clock::now() < drain_end) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  s.scheduler.reset();
+  Log("stopped");
+  return 0;  // the segment is closed and unlinked as s.exchange goes
+}
+
+}  // namespace
+}  // namespace pinfer::gpuworker
+
+int main(int argc, char** argv) {
+  return pinfer::gpuworker::Main(std::vector<std::string>(argv + 1, argv + argc));
+}
