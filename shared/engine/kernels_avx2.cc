@@ -30,6 +30,7 @@ inline float vsum(V v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 inline void unpack_q4(const uint8_t* qs, int8_t* q) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m128i mask = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);

@@ -25,6 +25,7 @@ inline V vload_i8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline float vsum(V v) { return _mm512_reduce_add_ps(v); }
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 inline void unpack_q4(const uint8_t* qs, int8_t* q) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m128i mask = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);

@@ -17,6 +17,7 @@ inline V vload_f16(const uint16_t* p) { return Fp16ToFp32(*p); }
 inline V vload_bf16(const uint16_t* p) { return Bf16ToFp32(*p); }
 inline V vload_i8(const int8_t* p) { return static_cast<float>(*p); }
 inline float vsum(V v) { return v; }
+inline float half_to_float(uint16_t h) { return Fp16ToFp32(h); }
 inline void unpack_q4(const uint8_t* qs, int8_t* q) {
   for (int j = 0; j < 16; ++j) {
     q[j] = static_cast<int8_t>((qs[j] & 0x0f) - 8);
