@@ -1,7 +1,8 @@
 #!/bin/sh
 # The build stage of every pinfer image (deploy/docker/*.Dockerfile) runs this script with the
 # build context at /src. It leaves a self-contained tree at OUT (see bundle.sh) either way:
-#   source:   installs Debian 12's build dependencies, compiles the given targets, bundles them.
+#   source:   installs Debian 12's build dependencies, compiles the given targets and the
+#             sentencepiece module (libpinfer_spm.so, loaded at run time), bundles them.
 #             With PINFER_CUDA=1 it also installs NVIDIA's CUDA 13 toolkit for Debian 12 and
 #             builds libpinfer_cuda.so (the gpu-worker image).
 #   prebuilt: the context already holds a bundle in prebuilt/ (made on the host with bundle.sh
@@ -19,17 +20,15 @@ case "$mode" in
       echo "build.sh: PINFER_BUILD=prebuilt but the build context has no prebuilt/bin" >&2
       exit 1
     fi
-    # The bundle may hold every binary; the image gets the libraries, the requested targets and,
-    # if present, the CUDA module (only the gpu-worker loads it; it is inert elsewhere).
+    # The bundle may hold every binary; the image gets the libraries and modules, and the
+    # requested executables. The CUDA module only goes where it is asked for (PINFER_CUDA=1).
     mkdir -p "$out/bin"
     cp -a /src/prebuilt/lib "$out/"
+    if [ "${PINFER_CUDA:-0}" != 1 ]; then rm -f "$out/lib/libpinfer_cuda.so"; fi
     for t in "$@"; do
       [ -x "/src/prebuilt/bin/$t" ] || { echo "build.sh: prebuilt/bin/$t is missing" >&2; exit 1; }
       cp -a "/src/prebuilt/bin/$t" "$out/bin/"
     done
-    if [ "${PINFER_CUDA:-0}" = 1 ] && [ -f /src/prebuilt/bin/libpinfer_cuda.so ]; then
-      cp -a /src/prebuilt/bin/libpinfer_cuda.so "$out/bin/"
-    fi
     ;;
   source)
     export DEBIAN_FRONTEND=noninteractive
@@ -41,7 +40,7 @@ case "$mode" in
       prometheus-cpp-dev libsentencepiece-dev libre2-dev nlohmann-json3-dev \
       libgtest-dev libgmock-dev >/dev/null
     cuda_flag=-DPINFER_CUDA=OFF
-    targets="$*"
+    targets="$* pinfer_spm"
     if [ "${PINFER_CUDA:-0}" = 1 ]; then
       wget -q -O /tmp/cuda-keyring.deb \
         https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/cuda-keyring_1.1-1_all.deb
@@ -58,8 +57,8 @@ case "$mode" in
     cmake --build /build --target $targets
     files=""
     for t in $targets; do
-      if [ "$t" = pinfer_cuda ]; then
-        f=$(find /build -name libpinfer_cuda.so -type f | head -n 1)
+      if [ "$t" = pinfer_cuda ] || [ "$t" = pinfer_spm ]; then
+        f=$(find /build -name "lib$t.so" -type f | head -n 1)
       else
         f=$(find /build -name "$t" -type f -perm -u+x | head -n 1)
       fi

@@ -32,4 +32,4 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["pinfer-gateway"]
 CMD ["--listen", "0.0.0.0:50051", "--metrics-port", "9400", \
-     "--workers", "gpu-worker:50052/cpu-worker:50053"]
+     "--workers", "gpu-worker:50052"]

@@ -89,10 +89,12 @@ ROWS = [
            f"sum by (job, kind) (rate(pinfer_worker_compute_seconds_total[{RATE}]))"),
           ("cpu-worker idle wait",
            f"sum(rate(pinfer_worker_shm_wait_seconds_total[{RATE}]))")]),
-        ("Resident memory per worker", "bytes",
-         "Resident set size of each worker process and the FFN rows it holds; the cpu-worker "
+        ("Resident memory per process", "bytes",
+         "Resident set size of each process and the FFN rows each worker holds; the cpu-worker "
          "maps only the cold rows.",
          [("{{job}} {{instance}} resident", "sum by (job, instance) (pinfer_worker_resident_bytes)"),
+          ("gateway {{instance}} resident",
+           "sum by (instance) (pinfer_gateway_resident_bytes)"),
           ("{{job}} {{instance}} ffn rows",
            "sum by (job, instance) (pinfer_worker_ffn_row_bytes)")]),
         ("FFN sparsity", "percentunit",

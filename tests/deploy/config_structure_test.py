@@ -80,7 +80,7 @@ class ComposeTest(unittest.TestCase):
             self.assertTrue(any(str(v).endswith(":/models:ro") for v in svc["volumes"]),
                             "the model volume is mounted read-only at /models")
         # The gateway routes to this pair.
-        self.assertIn("gpu-worker:50052", " ".join(services["gateway"]["command"]))
+        self.assertEqual(flag_value(services["gateway"]["command"], "--workers"), "gpu-worker:50052")
         prom = services["prometheus"]
         mounts = " ".join(prom["volumes"])
         self.assertIn("../prometheus/prometheus.yml:/etc/prometheus/prometheus.yml", mounts)
@@ -171,35 +171,49 @@ class KubernetesTest(unittest.TestCase):
                     if isinstance(target, str):
                         self.assertIn(target, ports, f"Service {name}: no container port {target}")
 
-    def test_worker_pair(self):
-        dep = self.get("Deployment", "pinfer-worker-pair")
-        pod = dep["spec"]["template"]["spec"]
-        self.assertGreaterEqual(dep["spec"]["replicas"], 2, "scale-out: several worker pairs")
-        self.assertTrue(pod["securityContext"]["runAsNonRoot"])
-        dshm = [v for v in pod["volumes"] if v["name"] == "dshm"][0]
-        self.assertEqual(dshm["emptyDir"]["medium"], "Memory")
-        containers = {c["name"]: c for c in pod["containers"]}
-        self.assertEqual(set(containers), {"gpu-worker", "cpu-worker"})
-        for name, c in containers.items():
-            grpc_port = PORTS[name][0]
-            mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
-            self.assertEqual(mounts.get("/dev/shm"), "dshm", f"{name} shares /dev/shm")
-            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                self.assertEqual(c[probe]["grpc"]["port"], grpc_port, f"{name} {probe}")
-            pre = c["lifecycle"]["preStop"]["exec"]["command"]
-            self.assertEqual(pre[:2], ["pinfer-health-probe", "--drain"], f"{name} preStop")
-            self.assertEqual(flag_value(c["args"], "--listen"), f"0.0.0.0:{grpc_port}")
-        gpu = containers["gpu-worker"]
-        self.assertEqual(str(gpu["resources"]["limits"]["nvidia.com/gpu"]), "1")
-        self.assertEqual(str(gpu["resources"]["requests"]["nvidia.com/gpu"]), "1")
-        self.assertNotIn("nvidia.com/gpu", containers["cpu-worker"]["resources"].get("limits", {}))
-        self.assertEqual(flag_value(gpu["args"], "--segment"),
-                         flag_value(containers["cpu-worker"]["args"], "--segment"))
-        # The preStop drain must fit in the grace period.
-        timeout = float(flag_value(gpu["lifecycle"]["preStop"]["exec"]["command"], "--timeout"))
-        self.assertLess(timeout, pod["terminationGracePeriodSeconds"])
-        svc = self.get("Service", "pinfer-worker-pairs")
-        self.assertEqual(svc["spec"]["clusterIP"], "None", "headless: one DNS record per pair")
+    def worker_pairs(self):
+        return sorted(name for (kind, name) in self.objects
+                      if kind == "Deployment" and name.startswith("pinfer-worker-pair-"))
+
+    def test_worker_pairs(self):
+        pairs = self.worker_pairs()
+        self.assertGreaterEqual(len(pairs), 2, "scale-out: several worker pairs")
+        first = None
+        for name in pairs:
+            dep = self.get("Deployment", name)
+            self.assertEqual(dep["spec"]["replicas"], 1, f"{name}: one Pod per pair")
+            pod = dep["spec"]["template"]["spec"]
+            self.assertTrue(pod["securityContext"]["runAsNonRoot"])
+            dshm = [v for v in pod["volumes"] if v["name"] == "dshm"][0]
+            self.assertEqual(dshm["emptyDir"]["medium"], "Memory")
+            containers = {c["name"]: c for c in pod["containers"]}
+            self.assertEqual(set(containers), {"gpu-worker", "cpu-worker"})
+            for cname, c in containers.items():
+                grpc_port = PORTS[cname][0]
+                mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+                self.assertEqual(mounts.get("/dev/shm"), "dshm", f"{cname} shares /dev/shm")
+                for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                    self.assertEqual(c[probe]["grpc"]["port"], grpc_port, f"{cname} {probe}")
+                pre = c["lifecycle"]["preStop"]["exec"]["command"]
+                self.assertEqual(pre[:2], ["pinfer-health-probe", "--drain"], f"{cname} preStop")
+                self.assertEqual(flag_value(pre, "--addr"), "127.0.0.1:50052")
+                self.assertEqual(flag_value(c["args"], "--listen"), f"0.0.0.0:{grpc_port}")
+            gpu = containers["gpu-worker"]
+            self.assertEqual(str(gpu["resources"]["limits"]["nvidia.com/gpu"]), "1")
+            self.assertEqual(str(gpu["resources"]["requests"]["nvidia.com/gpu"]), "1")
+            self.assertNotIn("nvidia.com/gpu", containers["cpu-worker"]["resources"]["limits"])
+            self.assertEqual(flag_value(gpu["args"], "--segment"),
+                             flag_value(containers["cpu-worker"]["args"], "--segment"))
+            # The preStop drain must fit in the grace period.
+            timeout = float(flag_value(gpu["lifecycle"]["preStop"]["exec"]["command"],
+                                       "--timeout"))
+            self.assertLess(timeout, pod["terminationGracePeriodSeconds"])
+            svc = self.get("Service", name)
+            self.assertIn(50052, [p["port"] for p in svc["spec"]["ports"]])
+            # Pairs differ only in their names.
+            text = yaml.safe_dump(dep).replace(name, "PAIR")
+            first = first or text
+            self.assertEqual(text, first, f"{name} differs from {pairs[0]}")
 
     def test_gateway(self):
         dep = self.get("Deployment", "pinfer-gateway")
@@ -208,8 +222,9 @@ class KubernetesTest(unittest.TestCase):
         c = pod["containers"][0]
         self.assertEqual(c["readinessProbe"]["grpc"]["port"], 50051)
         self.assertIn("preStop", c["lifecycle"])
-        args = " ".join(str(a) for a in c["args"])
-        self.assertIn("pinfer-worker-pairs", args, "the gateway finds the worker pairs")
+        workers = flag_value(c["args"], "--workers").split(",")
+        self.assertEqual(workers, [f"{p}:50052" for p in self.worker_pairs()],
+                         "the gateway balances over every worker pair")
         svc = self.get("Service", "pinfer-gateway")
         self.assertIn(50051, [p["port"] for p in svc["spec"]["ports"]])
 
