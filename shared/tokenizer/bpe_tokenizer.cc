@@ -131,11 +131,11 @@ std::optional<std::string> SanitizeUtf8(absl::string_view text) {
 // Unicode White_Space, the set llama.cpp's splitter (and Python's `re` `\s`) uses.
 bool IsWhitespace(uint32_t c) {
   return (c >= 0x09 && c <= 0x0d) || c == 0x20 || c == 0x85 || c == 0xa0 || c == 0x1680 ||
-         (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f ||
-         c == 0x205f || c == 0x3000;
+         (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f || c == 0x205f ||
+         c == 0x3000;
 }
 // The same set as the inside of an RE2 character class.
-#define PINFER_WS \
+#define PINFER_WS                                                                             \
   "\\t\\n\\x{0B}\\f\\r \\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}" \
   "\\x{205F}\\x{3000}"
 
@@ -181,8 +181,8 @@ struct PreTokenizerSpec {
 
 // Names as in GGUF `tokenizer.ggml.pre`, grouped the way llama.cpp maps them to regexes.
 absl::StatusOr<PreTokenizerSpec> FindPreTokenizer(absl::string_view name) {
-  static constexpr absl::string_view kLlama3[] = {"llama-bpe", "llama3",    "llama-v3", "falcon3",
-                                                  "falcon-h1", "pixtral",   "midm-2.0", "lfm2"};
+  static constexpr absl::string_view kLlama3[] = {"llama-bpe", "llama3",  "llama-v3", "falcon3",
+                                                  "falcon-h1", "pixtral", "midm-2.0", "lfm2"};
   static constexpr absl::string_view kGpt2[] = {"gpt2", "mpt", "olmo", "jais", "trillion"};
   for (absl::string_view n : kLlama3) {
     if (name == n) return PreTokenizerSpec{PreTokenizerKind::kLlama3, /*ignore_merges=*/true};
@@ -191,8 +191,8 @@ absl::StatusOr<PreTokenizerSpec> FindPreTokenizer(absl::string_view name) {
   for (absl::string_view n : kGpt2) {
     if (name == n) return PreTokenizerSpec{PreTokenizerKind::kGpt2, false};
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unsupported byte-level BPE pre-tokenizer '", name, "' (supported: llama-bpe, gpt2)"));
+  return absl::InvalidArgumentError(absl::StrCat("unsupported byte-level BPE pre-tokenizer '", name,
+                                                 "' (supported: llama-bpe, gpt2)"));
 }
 
 // Splits text into pre-tokens with one RE2 regex, matched anchored at each position in turn
@@ -205,14 +205,17 @@ class PreTokenizer {
         "'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD]"
         "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+"
         "|\\p{N}{1,3}"
-        "| ?[^" PINFER_WS "\\p{L}\\p{N}]+[\\r\\n]*"
-        "|[" PINFER_WS "]*[\\r\\n]+"
+        "| ?[^" PINFER_WS
+        "\\p{L}\\p{N}]+[\\r\\n]*"
+        "|[" PINFER_WS
+        "]*[\\r\\n]+"
         "|[" PINFER_WS "]+";
     static constexpr char kGpt2Pattern[] =
         "'s|'t|'re|'ve|'m|'ll|'d"
         "| ?\\p{L}+"
         "| ?\\p{N}+"
-        "| ?[^" PINFER_WS "\\p{L}\\p{N}]+"
+        "| ?[^" PINFER_WS
+        "\\p{L}\\p{N}]+"
         "|[" PINFER_WS "]+";
     RE2::Options options;
     options.set_log_errors(false);
@@ -273,14 +276,13 @@ class PreTokenizer {
 class ByteLevelBpeTokenizer : public Tokenizer {
  public:
   static absl::StatusOr<std::unique_ptr<Tokenizer>> Create(const std::vector<std::string>& tokens,
-                                                            const std::vector<std::string>& merges,
-                                                            const std::vector<int32_t>& types,
-                                                            PreTokenizerSpec spec) {
+                                                           const std::vector<std::string>& merges,
+                                                           const std::vector<int32_t>& types,
+                                                           PreTokenizerSpec spec) {
     if (tokens.empty()) return absl::InvalidArgumentError("byte-level BPE: empty vocabulary");
     if (!types.empty() && types.size() != tokens.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("byte-level BPE: ", types.size(),
-                                                     " token types for ", tokens.size(),
-                                                     " tokens"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "byte-level BPE: ", types.size(), " token types for ", tokens.size(), " tokens"));
     }
     std::unique_ptr<ByteLevelBpeTokenizer> t(new ByteLevelBpeTokenizer(spec));
     if (!t->pre_.ok()) return absl::InternalError("byte-level BPE: pre-tokenizer regex invalid");
@@ -513,7 +515,8 @@ class ParseErrorRecorder : public nlohmann::json_sax<Json> {
   bool end_object() override { return true; }
   bool start_array(std::size_t) override { return true; }
   bool end_array() override { return true; }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& ex) override {
+  bool parse_error(std::size_t, const std::string&,
+                   const nlohmann::detail::exception& ex) override {
     message = ex.what();
     return false;
   }
@@ -596,6 +599,8 @@ absl::StatusOr<PreTokenizerKind> PreTokenizerFromJson(const Json& p) {
   }
   return kind;
 }
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> ParseTokenizerJson(absl::string_view text,
                                                               const std::string& name) {
@@ -690,7 +695,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseTokenizerJson(absl::string_view 
   types.resize(n);
 
   auto merges_it = model.find("merges");
-  if (merges_it == model.end() || !merges_it->is_array()) return error("missing model.merges array");
+  if (merges_it == model.end() || !merges_it->is_array())
+    return error("missing model.merges array");
   std::vector<std::string> merges;
   merges.reserve(merges_it->size());
   for (size_t i = 0; i < merges_it->size(); ++i) {
@@ -714,8 +720,6 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseTokenizerJson(absl::string_view 
   }
   return ByteLevelBpeTokenizer::Create(tokens, merges, types, {*kind, *ignore_merges});
 }
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> NewByteLevelBpeTokenizer(
     const std::vector<std::string>& tokens, const std::vector<std::string>& merges,

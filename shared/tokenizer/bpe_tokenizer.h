@@ -17,6 +17,9 @@ namespace pinfer {
 // ByteLevel pre-tokenizer: Llama-3's Split regex + ByteLevel, or GPT-2's plain ByteLevel).
 // Malformed or unsupported files give InvalidArgument naming the problem.
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerJson(const std::string& path);
+// The same from the file's bytes; `name` prefixes error messages (fuzzing, in-memory files).
+absl::StatusOr<std::unique_ptr<Tokenizer>> ParseTokenizerJson(absl::string_view json,
+                                                              const std::string& name);
 
 // Splits `text` into the pre-tokens that BPE then merges independently. `pre_tokenizer` is
 // "llama-bpe" (aliases "llama3", "llama-v3") or "gpt2". Invalid UTF-8 is first replaced by U+FFFD,

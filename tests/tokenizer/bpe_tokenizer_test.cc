@@ -3,6 +3,8 @@
 // are tiny and hand-made; every expected result was derived by hand from the regex, GPT-2's
 // bytes_to_unicode table and the BPE rule (lowest rank first, leftmost on ties), not from running
 // this code. The full Llama-3 vocabulary is checked against llama.cpp in llama3_vocab_test.
+#include "shared/tokenizer/bpe_tokenizer.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,7 +17,6 @@
 #include "absl/status/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "shared/tokenizer/bpe_tokenizer.h"
 #include "shared/tokenizer/tokenizer.h"
 
 namespace pinfer {
@@ -80,7 +81,12 @@ TEST(Llama3PreTokenizerTest, ContractionsAreCaseInsensitive) {
 
 TEST(Llama3PreTokenizerTest, UnicodeClasses) {
   // U+00A0 is whitespace for llama.cpp (not for RE2's ASCII \s) and not \r\n: it leads a word.
-  EXPECT_THAT(Split("a\xC2\xA0" "b", "llama-bpe"), ElementsAre("a", "\xC2\xA0" "b"));
+  EXPECT_THAT(Split("a\xC2\xA0"
+                    "b",
+                    "llama-bpe"),
+              ElementsAre("a",
+                          "\xC2\xA0"
+                          "b"));
   // U+3000 ideographic space between words: same rule.
   EXPECT_THAT(Split("x\xE3\x80\x80\xE3\x80\x80y", "llama-bpe"),
               ElementsAre("x", "\xE3\x80\x80", "\xE3\x80\x80y"));
@@ -96,7 +102,12 @@ TEST(Llama3PreTokenizerTest, UnicodeClasses) {
 }
 
 TEST(Llama3PreTokenizerTest, InvalidUtf8BecomesReplacementCharacter) {
-  EXPECT_THAT(Split("ab\xFF" "cd", "llama-bpe"), ElementsAre("ab", "\xEF\xBF\xBD" "cd"));
+  EXPECT_THAT(Split("ab\xFF"
+                    "cd",
+                    "llama-bpe"),
+              ElementsAre("ab",
+                          "\xEF\xBF\xBD"
+                          "cd"));
   // A truncated sequence at the end.
   EXPECT_THAT(Split("ab\xE3\x80", "llama-bpe"), ElementsAre("ab", "\xEF\xBF\xBD\xEF\xBF\xBD"));
 }
@@ -307,10 +318,10 @@ TEST(BpeConstructionTest, Errors) {
 class TokenizerJsonTest : public ::testing::Test {
  protected:
   std::string Write(const std::string& content) {
-    const std::string path = (std::filesystem::temp_directory_path() /
-                              ("pinfer_bpe_test_" + std::to_string(getpid()) + "_" +
-                               std::to_string(counter_++) + ".json"))
-                                 .string();
+    const std::string path =
+        (std::filesystem::temp_directory_path() / ("pinfer_bpe_test_" + std::to_string(getpid()) +
+                                                   "_" + std::to_string(counter_++) + ".json"))
+            .string();
     std::ofstream(path, std::ios::binary) << content;
     paths_.push_back(path);
     return path;
@@ -375,8 +386,8 @@ TEST_F(TokenizerJsonTest, IgnoreMergesFollowsTheFile) {
   // "Ġthere" is in the vocabulary but the only merge is Ġ+t; with ignore_merges the whole
   // pre-token " there" is looked up before merging.
   const std::string merges = R"(["Ġ t"])";
-  auto with = LoadTokenizerJson(Write(Llama3Json(kSmallVocab, merges, "[]",
-                                                 R"(, "ignore_merges": true)")));
+  auto with =
+      LoadTokenizerJson(Write(Llama3Json(kSmallVocab, merges, "[]", R"(, "ignore_merges": true)")));
   ASSERT_TRUE(with.ok()) << with.status();
   EXPECT_THAT(Enc(**with, " there"), ElementsAre(13));
   auto without = LoadTokenizerJson(Write(Llama3Json(kSmallVocab, merges)));
@@ -425,8 +436,7 @@ TEST_F(TokenizerJsonTest, MalformedFiles) {
       {Llama3Json(kSmallVocab, ok_merges, R"({"id": 16})"), "added_tokens is not an array"},
       {Llama3Json(kSmallVocab, ok_merges, "[]", R"(, "ignore_merges": "yes")"),
        "model.ignore_merges is not a boolean"},
-      {Llama3Json(kSmallVocab, ok_merges, "[]", "",
-                  R"({"type": "Metaspace", "replacement": "▁"})"),
+      {Llama3Json(kSmallVocab, ok_merges, "[]", "", R"({"type": "Metaspace", "replacement": "▁"})"),
        "unsupported pre_tokenizer (not byte-level)"},
       {Llama3Json(kSmallVocab, ok_merges, "[]", "",
                   R"({"type": "ByteLevel", "add_prefix_space": true, "use_regex": true})"),
@@ -459,8 +469,8 @@ TEST_F(TokenizerJsonTest, MissingFile) {
 }
 
 TEST_F(TokenizerJsonTest, HuggingFaceDirectoryFallsBackToTokenizerJson) {
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
-                                    ("pinfer_bpe_dir_" + std::to_string(getpid()));
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("pinfer_bpe_dir_" + std::to_string(getpid()));
   std::filesystem::create_directories(dir);
   std::ofstream(dir / "tokenizer.json") << Llama3Json(kSmallVocab, R"(["H i"])");
   auto t = LoadHuggingFaceTokenizer(dir.string());

@@ -63,8 +63,8 @@ class Llama3VocabTest : public ::testing::Test {
     ASSERT_TRUE(j.is_array());
     vectors_ = new std::vector<Vector>;
     for (const auto& e : j) {
-      vectors_->push_back({e["text"].get<std::string>(),
-                           e["ids_with_bos"].get<std::vector<int32_t>>()});
+      vectors_->push_back(
+          {e["text"].get<std::string>(), e["ids_with_bos"].get<std::vector<int32_t>>()});
     }
   }
   static void TearDownTestSuite() {
