@@ -5,11 +5,13 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
+#include "shared/model/huggingface.h"
 #include "shared/model/model.h"
 #include "shared/util/status_macros.h"
 
@@ -42,7 +44,10 @@ absl::StatusOr<float> GetFloat(const json& j, const char* key, std::optional<flo
     return ConfigError(absl::StrCat("missing key '", key, "'"));
   }
   if (!it->is_number()) return ConfigError(absl::StrCat("'", key, "' is not a number"));
-  return it->get<float>();
+  // Converting an out-of-range double to float is undefined behaviour: check first.
+  const double v = it->get<double>();
+  if (!(std::fabs(v) <= 3.0e38)) return ConfigError(absl::StrCat("'", key, "' out of range"));
+  return static_cast<float>(v);
 }
 
 }  // namespace
@@ -91,6 +96,13 @@ absl::StatusOr<ModelConfig> ParseHuggingFaceConfig(absl::string_view text) {
       ASSIGN_OR_RETURN(c.rope_scaling.high_freq_factor, GetFloat(*scaling, "high_freq_factor"));
       ASSIGN_OR_RETURN(c.rope_scaling.original_max_position,
                        GetInt(*scaling, "original_max_position_embeddings"));
+      const RopeScaling& s = c.rope_scaling;
+      if (!(s.factor > 0) || !(s.low_freq_factor > 0) ||
+          !(s.high_freq_factor > s.low_freq_factor) || s.original_max_position <= 0) {
+        return ConfigError(
+            "llama3 rope scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and "
+            "original_max_position_embeddings > 0");
+      }
     } else if (!type.empty() && type != "default") {
       return ConfigError(absl::StrCat("unsupported rope type '", type, "'"));
     }
@@ -119,25 +131,33 @@ absl::StatusOr<ModelConfig> ParseHuggingFaceConfig(absl::string_view text) {
     }
   }
   RETURN_IF_ERROR(c.Validate());
+  if (c.bos_id < 0 || c.bos_id >= c.vocab_size || c.eos_id < 0 || c.eos_id >= c.vocab_size) {
+    return ConfigError(absl::StrCat("bos_token_id ", c.bos_id, " or eos_token_id ", c.eos_id,
+                                    " is outside the vocabulary of ", c.vocab_size));
+  }
   return c;
 }
 
-// Parses one safetensors file and adds its tensors (views into the mapping) to `out`.
 absl::Status ParseSafetensors(std::shared_ptr<MappedFile> file,
                               std::map<std::string, TensorView>* out) {
-  const std::string& path = file->path();
+  return ParseSafetensorsBytes(file->data(), file->size(), file->path(), out);
+}
+
+// Parses one safetensors file and adds its tensors (views into `data`) to `out`.
+absl::Status ParseSafetensorsBytes(const uint8_t* data, size_t size, const std::string& path,
+                                   std::map<std::string, TensorView>* out) {
   auto err = [&](absl::string_view msg) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", msg));
   };
-  if (file->size() < 8) return err("truncated safetensors header");
+  if (size < 8) return err("truncated safetensors header");
   uint64_t header_len = 0;
-  std::memcpy(&header_len, file->data(), 8);
-  if (header_len > file->size() - 8) return err("safetensors header length out of bounds");
-  absl::string_view header(reinterpret_cast<const char*>(file->data() + 8), header_len);
+  std::memcpy(&header_len, data, 8);
+  if (header_len > size - 8) return err("safetensors header length out of bounds");
+  absl::string_view header(reinterpret_cast<const char*>(data + 8), header_len);
   json j = json::parse(header, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return err("safetensors header is not a JSON object");
-  const uint8_t* base = file->data() + 8 + header_len;
-  const uint64_t data_size = file->size() - 8 - header_len;
+  const uint8_t* base = data + 8 + header_len;
+  const uint64_t data_size = size - 8 - header_len;
   for (auto& [name, info] : j.items()) {
     if (name == "__metadata__") continue;
     if (!info.is_object() || !info.contains("dtype") || !info["dtype"].is_string() ||
@@ -179,7 +199,9 @@ absl::Status ParseSafetensors(std::shared_ptr<MappedFile> file,
       return err(absl::StrCat("tensor '", name, "': byte size does not match shape"));
     }
     t.data = base + b;
-    (*out)[name] = std::move(t);
+    if (!out->emplace(name, std::move(t)).second) {
+      return err(absl::StrCat("tensor '", name, "' appears in more than one shard"));
+    }
   }
   return absl::OkStatus();
 }
@@ -224,6 +246,15 @@ absl::StatusOr<std::unique_ptr<Model>> LoadHuggingFaceModel(const std::string& d
     auto it = tensors.find(name);
     if (it == tensors.end()) return absl::NotFoundError(absl::StrCat("missing tensor '", name, "'"));
     *dst = it->second;
+    // safetensors does not promise alignment; the kernels read whole elements, so a tensor
+    // whose data is not aligned to its element size gets an aligned copy.
+    const size_t align = dst->dtype == DType::kF32 ? 4 : 2;
+    if (reinterpret_cast<uintptr_t>(dst->data) % align != 0) {
+      auto copy = std::make_shared<std::vector<uint8_t>>(dst->nbytes());
+      std::memcpy(copy->data(), dst->data, copy->size());
+      dst->data = copy->data();
+      model->owned.push_back(std::move(copy));
+    }
     return absl::OkStatus();
   };
   const ModelConfig& c = model->config;
@@ -252,6 +283,11 @@ absl::StatusOr<std::unique_ptr<Model>> LoadHuggingFaceModel(const std::string& d
   RETURN_IF_ERROR(ValidateModelShapes(*model));
   auto tok = LoadHuggingFaceTokenizer(dir);
   if (tok.ok()) {
+    if ((*tok)->vocab_size() > c.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(dir, ": the tokenizer has ", (*tok)->vocab_size(),
+                                                     " tokens but the model only ", c.vocab_size,
+                                                     " embeddings"));
+    }
     model->tokenizer = std::move(*tok);
   } else if (!absl::IsNotFound(tok.status())) {
     return tok.status();
