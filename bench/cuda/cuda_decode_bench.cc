@@ -393,6 +393,8 @@ struct Bandwidths {
   double gpu_gemv = 0;   // our F16/Q4_0 matrix-vector kernel over a 2 GB matrix
   double cpu_gemv = 0;   // SimdOps matrix-vector over all threads, 2 GB matrix
   double h2d = 0;        // pinned host to device
+  double launch_us = 0;  // host time to enqueue one small kernel
+  double kernel_us = 0;  // GPU time per small dependent kernel (back to back)
   double gpu() const { return std::max(gpu_copy, gpu_gemv); }
 };
 
@@ -481,6 +483,21 @@ Bandwidths MeasureBandwidths(DType dtype, ThreadPool& pool) {
     }
     bw.h2d = hb / MedianOf(t);
     cudaFreeHost(pinned);
+  }
+  {
+    // Launch costs: 2000 tiny dependent kernels, host enqueue time and GPU time.
+    float* f = static_cast<float*>(a);
+    CHECK_CUDA(cuda::AddInPlace(f, f + 1024, 256, nullptr));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    const double t0 = Now();
+    CHECK_CUDA(cudaEventRecord(e0));
+    for (int i = 0; i < 2000; ++i) CHECK_CUDA(cuda::AddInPlace(f, f + 1024, 256, nullptr));
+    CHECK_CUDA(cudaEventRecord(e1));
+    bw.launch_us = (Now() - t0) / 2000 * 1e6;
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float ms;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    bw.kernel_us = ms * 1e3 / 2000;
   }
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
@@ -663,9 +680,10 @@ int Main(int argc, char** argv) {
 
   Bandwidths bw = MeasureBandwidths(m.dtype, pool);
   std::printf("bandwidth: GPU copy %.0f GB/s, GPU %s matvec %.0f GB/s, CPU %s matvec (%d threads) "
-              "%.1f GB/s, host->GPU %.1f GB/s\n",
+              "%.1f GB/s, host->GPU %.1f GB/s; kernel launch %.2f us host, %.2f us GPU\n",
               bw.gpu_copy / 1e9, DTypeName(m.dtype).data(), bw.gpu_gemv / 1e9,
-              DTypeName(m.dtype).data(), threads, bw.cpu_gemv / 1e9, bw.h2d / 1e9);
+              DTypeName(m.dtype).data(), threads, bw.cpu_gemv / 1e9, bw.h2d / 1e9, bw.launch_us,
+              bw.kernel_us);
 
   const int max_ctx = o.warmup + o.steps + 8;
   const int total_steps = o.warmup + o.steps;

@@ -103,8 +103,9 @@ struct DeviceLayer {
   FfnPlacement ffn = FfnPlacement::kNone;
   float* attn_norm = nullptr;
   float* ffn_norm = nullptr;
-  DeviceMatrix wq, wk, wv, wo;
-  DeviceMatrix gate, up, down, down_t;  // kHot: compact hot rows
+  DeviceMatrix wqkv, wo;                // wqkv: rows of wq, wk, wv stacked (one projection)
+  DeviceMatrix gate_up;                 // kDense: rows of gate then up stacked
+  DeviceMatrix gate, up, down, down_t;  // kHot: compact hot rows (gate, up, down_t)
   int n_hot = 0;
   int32_t* hot_ids = nullptr;           // device [n_hot] global ids
   std::vector<int32_t> cold_ids_host;   // ascending global ids not in hot_ids
@@ -169,6 +170,9 @@ class CudaBackend : public Backend {
   BackendStatus UploadMatrix(const HostMatrix& h, const std::vector<int32_t>* ids,
                              const char* name, DeviceMatrix* out);
   BackendStatus UploadVector(const HostMatrix& h, int64_t expect, const char* name, float** out);
+  // Uploads matrices of one type and width as one, rows stacked in order.
+  BackendStatus UploadStacked(const std::vector<const HostMatrix*>& parts, const char* name,
+                              DeviceMatrix* out);
   // y: [n, ldy] = x: [n, w.cols] @ w^T
   BackendStatus Proj(const DeviceMatrix& w, const float* x, int n, float* y, int ldy);
   BackendStatus RunLayer(int l, const ForwardArgs& a, float* exchange_x, float* exchange_out,
@@ -192,11 +196,16 @@ class CudaBackend : public Backend {
   float* v_cache_ = nullptr;
 
   // Scratch, [max_batch, ...].
+  // The residual of the previous layer's FFN, added by the next norm (ResidualRmsNorm).
+  const float* pending1_ = nullptr;
+  const float* pending2_ = nullptr;
+  float* qkv_ = nullptr;
   float *x_ = nullptr, *xb_ = nullptr, *q_ = nullptr, *att_ = nullptr, *hot_out_ = nullptr,
         *cold_in_ = nullptr, *gate_ = nullptr, *up_ = nullptr, *pred_h_ = nullptr,
         *scores_ = nullptr, *logits_ = nullptr;
-  int32_t *tokens_dev_ = nullptr, *positions_dev_ = nullptr, *hot_idx_ = nullptr,
-          *cold_idx_ = nullptr, *counts_dev_ = nullptr;  // counts: [2] hot, cold
+  // hot_list_: [1 + ffn] = count, then ids (one copy uploads a given list); cold likewise.
+  int32_t *tokens_dev_ = nullptr, *positions_dev_ = nullptr, *hot_list_ = nullptr,
+          *cold_list_ = nullptr;
   int max_rank_ = 0;
   GemmScratch gemm_;
 
@@ -288,6 +297,36 @@ BackendStatus CudaBackend::UploadVector(const HostMatrix& h, int64_t expect, con
   return Ok();
 }
 
+BackendStatus CudaBackend::UploadStacked(const std::vector<const HostMatrix*>& parts,
+                                         const char* name, DeviceMatrix* out) {
+  DeviceMatrix d;
+  d.type = static_cast<WType>(parts[0]->type);
+  d.cols = parts[0]->cols;
+  for (const HostMatrix* p : parts) {
+    if (p->empty() || p->type != parts[0]->type || p->cols != d.cols) {
+      return Error(Code::kInvalidArgument, std::string(name) + ": parts differ in type or width");
+    }
+    d.rows += p->rows;
+  }
+  d.data = reinterpret_cast<const void*>(16);
+  if (CheckMatrixShape(d) != cudaSuccess) {
+    return Error(Code::kInvalidArgument,
+                 std::string(name) + ": " + std::to_string(d.cols) + " columns of type " +
+                     WTypeName(d.type) + " do not suit the GPU row kernels");
+  }
+  const size_t rb = HostRowBytes(parts[0]->type, d.cols);
+  uint8_t* dev = nullptr;
+  BACKEND_RETURN_IF_ERROR(Alloc(rb * d.rows, &dev, /*weight=*/true));
+  size_t off = 0;
+  for (const HostMatrix* p : parts) {
+    CUDA_RETURN_IF_ERROR(cudaMemcpy(dev + off, p->data, rb * p->rows, cudaMemcpyHostToDevice));
+    off += rb * p->rows;
+  }
+  d.data = dev;
+  *out = d;
+  return Ok();
+}
+
 BackendStatus CudaBackend::Create(const ModelUpload& m) {
   dims_ = m.dims;
   const ModelDims& c = dims_;
@@ -335,7 +374,8 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
                                   cudaMemcpyHostToDevice));
 
   size_t w_half = GemmWeightScratchBytes(output_);
-  int64_t widest = std::max<int64_t>({int64_t{H}, int64_t{F}, int64_t{qdim}, int64_t{c.vocab}});
+  int64_t widest = std::max<int64_t>(
+      {int64_t{H}, int64_t{2} * F, int64_t{qdim} + 2 * kvdim, int64_t{c.vocab}});
   layers_.resize(c.n_layers);
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerUpload& u = m.layers[l];
@@ -345,20 +385,20 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
     d.kv_index = kv_layers_++;
     BACKEND_RETURN_IF_ERROR(UploadVector(u.attn_norm, H, "attn_norm", &d.attn_norm));
     BACKEND_RETURN_IF_ERROR(UploadVector(u.ffn_norm, H, "ffn_norm", &d.ffn_norm));
-    BACKEND_RETURN_IF_ERROR(UploadMatrix(u.wq, nullptr, "wq", &d.wq));
-    BACKEND_RETURN_IF_ERROR(UploadMatrix(u.wk, nullptr, "wk", &d.wk));
-    BACKEND_RETURN_IF_ERROR(UploadMatrix(u.wv, nullptr, "wv", &d.wv));
-    BACKEND_RETURN_IF_ERROR(UploadMatrix(u.wo, nullptr, "wo", &d.wo));
-    if (d.wq.rows != qdim || d.wk.rows != kvdim || d.wv.rows != kvdim || d.wo.rows != H ||
-        d.wq.cols != H || d.wo.cols != qdim) {
+    if (u.wq.rows != qdim || u.wk.rows != kvdim || u.wv.rows != kvdim || u.wo.rows != H ||
+        u.wq.cols != H || u.wo.cols != qdim) {
       return Error(Code::kInvalidArgument, "layer " + std::to_string(l) + ": attention shapes");
     }
+    BACKEND_RETURN_IF_ERROR(UploadStacked({&u.wq, &u.wk, &u.wv}, "wq/wk/wv", &d.wqkv));
+    BACKEND_RETURN_IF_ERROR(UploadMatrix(u.wo, nullptr, "wo", &d.wo));
     if (u.ffn == FfnPlacement::kDense) {
-      BACKEND_RETURN_IF_ERROR(UploadMatrix(u.gate, nullptr, "gate", &d.gate));
-      BACKEND_RETURN_IF_ERROR(UploadMatrix(u.up, nullptr, "up", &d.up));
+      if (u.gate.rows != F || u.up.rows != F || u.down.rows != H || u.down.cols != F) {
+        return Error(Code::kInvalidArgument, "layer " + std::to_string(l) + ": FFN shapes");
+      }
+      BACKEND_RETURN_IF_ERROR(UploadStacked({&u.gate, &u.up}, "gate/up", &d.gate_up));
       BACKEND_RETURN_IF_ERROR(UploadMatrix(u.down, nullptr, "down", &d.down));
       d.n_hot = F;
-      if (d.gate.rows != F || d.down.rows != H || d.down.cols != F) {
+      if (d.down.rows != H) {
         return Error(Code::kInvalidArgument, "layer " + std::to_string(l) + ": FFN shapes");
       }
     } else {
@@ -399,7 +439,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
       }
       max_rank_ = std::max<int>(max_rank_, static_cast<int>(d.fc1.rows));
     }
-    for (const DeviceMatrix* w : {&d.wq, &d.wk, &d.wv, &d.wo, &d.gate, &d.up, &d.down, &d.down_t,
+    for (const DeviceMatrix* w : {&d.wqkv, &d.wo, &d.gate_up, &d.gate, &d.up, &d.down, &d.down_t,
                                   &d.fc1, &d.fc2}) {
       if (w->data != nullptr) w_half = std::max(w_half, GemmWeightScratchBytes(*w));
     }
@@ -417,16 +457,16 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B) * qdim, &att_));
   BACKEND_RETURN_IF_ERROR(Alloc(bh, &hot_out_));
   BACKEND_RETURN_IF_ERROR(Alloc(bh, &cold_in_));
-  BACKEND_RETURN_IF_ERROR(Alloc(bf, &gate_));
+  BACKEND_RETURN_IF_ERROR(Alloc(2 * bf, &gate_));  // also [n, 2 ffn] stacked gate/up outputs
+  BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B) * (qdim + 2 * kvdim), &qkv_));
   BACKEND_RETURN_IF_ERROR(Alloc(bf, &up_));
   BACKEND_RETURN_IF_ERROR(Alloc(bf, &scores_));
   if (max_rank_ > 0) BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B) * max_rank_, &pred_h_));
   BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B) * c.vocab, &logits_));
   BACKEND_RETURN_IF_ERROR(Alloc(2 * static_cast<size_t>(B), &tokens_dev_));
   positions_dev_ = tokens_dev_ + B;
-  BACKEND_RETURN_IF_ERROR(Alloc(F, &hot_idx_));
-  BACKEND_RETURN_IF_ERROR(Alloc(F, &cold_idx_));
-  BACKEND_RETURN_IF_ERROR(Alloc(2, &counts_dev_));
+  BACKEND_RETURN_IF_ERROR(Alloc(F + 1, &hot_list_));
+  BACKEND_RETURN_IF_ERROR(Alloc(F + 1, &cold_list_));
   // cuBLAS scratch only where batches can exceed the matrix-vector path.
   if (B > kSmallBatch) {
     gemm_.w_half_bytes = w_half;
@@ -488,37 +528,42 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
   float* v_seq = v_cache_ + slot * kvdim;
   float* k_new = k_seq + static_cast<size_t>(a.pos0) * kvdim;
   float* v_new = v_seq + static_cast<size_t>(a.pos0) * kvdim;
-  CUDA_RETURN_IF_ERROR(RmsNorm(x_, L.attn_norm, n, H, c.norm_eps, xb_, stream_));
-  BACKEND_RETURN_IF_ERROR(Proj(L.wq, xb_, n, q_, qdim));  // q: [n, q_dim]
-  BACKEND_RETURN_IF_ERROR(Proj(L.wk, xb_, n, k_new, kvdim));
-  BACKEND_RETURN_IF_ERROR(Proj(L.wv, xb_, n, v_new, kvdim));
-  CUDA_RETURN_IF_ERROR(Rope(q_, n, c.n_heads, c.head_dim, positions_dev_, inv_freq_,
-                            c.rope_interleaved, stream_));
-  CUDA_RETURN_IF_ERROR(Rope(k_new, n, c.n_kv_heads, c.head_dim, positions_dev_, inv_freq_,
-                            c.rope_interleaved, stream_));
+  // The previous layer's FFN output joins the residual inside this norm.
+  if (pending1_ != nullptr) {
+    CUDA_RETURN_IF_ERROR(ResidualRmsNorm(x_, pending1_, pending2_, L.attn_norm, n, H, c.norm_eps,
+                                         xb_, stream_));
+    pending1_ = pending2_ = nullptr;
+  } else {
+    CUDA_RETURN_IF_ERROR(RmsNorm(x_, L.attn_norm, n, H, c.norm_eps, xb_, stream_));
+  }
+  BACKEND_RETURN_IF_ERROR(Proj(L.wqkv, xb_, n, qkv_, qdim + 2 * kvdim));  // [n, q + 2 kv]
+  CUDA_RETURN_IF_ERROR(RopeQkvToCache(qkv_, n, c.n_heads, c.n_kv_heads, c.head_dim,
+                                      positions_dev_, inv_freq_, c.rope_interleaved, q_, k_new,
+                                      v_new, stream_));  // q: [n, q_dim]; k, v into the cache
   CUDA_RETURN_IF_ERROR(Attention(q_, k_seq, v_seq, n, a.pos0, c.n_heads, c.n_kv_heads,
                                  c.head_dim, att_, stream_));  // att: [n, q_dim]
   BACKEND_RETURN_IF_ERROR(Proj(L.wo, att_, n, xb_, H));         // xb: [n, hidden]
-  CUDA_RETURN_IF_ERROR(AddInPlace(x_, xb_, nh, stream_));
 
-  // FFN block: xb is the FFN input.
-  CUDA_RETURN_IF_ERROR(RmsNorm(x_, L.ffn_norm, n, H, c.norm_eps, xb_, stream_));
+  // FFN block: x += attention output, xb = the FFN input.
+  CUDA_RETURN_IF_ERROR(ResidualRmsNorm(x_, xb_, nullptr, L.ffn_norm, n, H, c.norm_eps, xb_,
+                                       stream_));
   if (L.ffn == FfnPlacement::kDense) {
     if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_hot0_[l], stream_));
-    BACKEND_RETURN_IF_ERROR(Proj(L.gate, xb_, n, gate_, F));  // gate, up: [n, ffn]
-    BACKEND_RETURN_IF_ERROR(Proj(L.up, xb_, n, up_, F));
-    CUDA_RETURN_IF_ERROR(GatedActivation(act, gate_, up_, static_cast<int64_t>(n) * F, stream_));
-    BACKEND_RETURN_IF_ERROR(Proj(L.down, gate_, n, hot_out_, H));  // [n, hidden]
+    BACKEND_RETURN_IF_ERROR(Proj(L.gate_up, xb_, n, gate_, 2 * F));  // [n, 2 ffn]: gate | up
+    CUDA_RETURN_IF_ERROR(GatedActivationPacked(act, gate_, n, F, up_, stream_));  // [n, ffn]
+    BACKEND_RETURN_IF_ERROR(Proj(L.down, up_, n, hot_out_, H));  // [n, hidden]
     if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_hot1_[l], stream_));
-    CUDA_RETURN_IF_ERROR(AddInPlace(x_, hot_out_, nh, stream_));
+    pending1_ = hot_out_;
     return Ok();
   }
 
   const bool cold = a.cold != nullptr && !L.cold_ids_host.empty();
   const int n_hot = L.n_hot, n_cold = static_cast<int>(L.cold_ids_host.size());
   const bool small = n <= kSmallBatch;
-  int32_t* hot_count = counts_dev_;
-  int32_t* cold_count = counts_dev_ + 1;
+  int32_t* hot_count = hot_list_;
+  int32_t* hot_idx_ = hot_list_ + 1;
+  int32_t* cold_count = cold_list_;
+  int32_t* cold_idx_ = cold_list_ + 1;
   FfnMode mode = a.mode == FfnMode::kDense ? FfnMode::kExact : a.mode;
   if (mode == FfnMode::kPredicted && L.fc1.data == nullptr) {
     return Error(Code::kFailedPrecondition, "layer " + std::to_string(l) + " has no predictor");
@@ -556,9 +601,9 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
     int32_t* stage = given_host_ + static_cast<size_t>(l) * (F + 1);
     stage[0] = static_cast<int32_t>(g.size());
     std::memcpy(stage + 1, g.data(), g.size() * 4);
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(hot_count, stage, 4, cudaMemcpyHostToDevice, stream_));
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(hot_idx_, stage + 1, g.size() * 4,
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(hot_list_, stage, (g.size() + 1) * 4,
                                          cudaMemcpyHostToDevice, stream_));
+    counts_host_[2 * l] = static_cast<int32_t>(g.size());
   }
 
   // Publish the FFN input for the cold side before the hot work, so both run at once.
@@ -597,8 +642,10 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
       CUDA_RETURN_IF_ERROR(cudaMemsetAsync(hot_out_, 0, nh * 4, stream_));
       CUDA_RETURN_IF_ERROR(AccumulateRows(L.down_t, hot_idx_, n_hot, hot_count, coef, n_hot, n,
                                           hot_out_, stream_));
-      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(counts_host_ + 2 * l, hot_count, 4,
-                                           cudaMemcpyDeviceToHost, stream_));
+      if (mode != FfnMode::kGiven) {
+        CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(counts_host_ + 2 * l, hot_count, 4,
+                                             cudaMemcpyDeviceToHost, stream_));
+      }
     } else {
       // Prompt batches: every hot row through cuBLAS (a superset of any active set).
       int rc = GemmXWt(cublas_, L.gate, xb_, n, gate_, n_hot, 0.f, gemm_, stream_);
@@ -617,7 +664,7 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_hot1_[l], stream_));
 
   if (!cold) {
-    CUDA_RETURN_IF_ERROR(AddInPlace(x_, hot_out_, nh, stream_));
+    pending1_ = hot_out_;
     return Ok();
   }
 
@@ -649,7 +696,8 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
   if (!st.ok()) return st;
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cold_in_, exchange_out, nh * 4, cudaMemcpyHostToDevice,
                                        stream_));
-  CUDA_RETURN_IF_ERROR(Add2InPlace(x_, hot_out_, cold_in_, nh, stream_));
+  pending1_ = hot_out_;
+  pending2_ = cold_in_;
   return Ok();
 }
 
@@ -705,12 +753,22 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
   } else {
     CUDA_RETURN_IF_ERROR(Embed(tok_embeddings_, tokens_dev_, n, x_, stream_));
   }
+  pending1_ = pending2_ = nullptr;
   for (int l = a.layer_begin; l < layer_end; ++l) {
     BackendStatus st = RunLayer(l, a, exchange_x, exchange_out, exchange_active);
     if (!st.ok()) {
       cudaStreamSynchronize(stream_);
       return st;
     }
+  }
+  if (pending1_ != nullptr) {  // the last layer's FFN output
+    if (pending2_ != nullptr) {
+      CUDA_RETURN_IF_ERROR(Add2InPlace(x_, pending1_, pending2_, static_cast<int64_t>(n) * H,
+                                       stream_));
+    } else {
+      CUDA_RETURN_IF_ERROR(AddInPlace(x_, pending1_, static_cast<int64_t>(n) * H, stream_));
+    }
+    pending1_ = pending2_ = nullptr;
   }
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_layers_end_, stream_));
   if (a.hidden_out != nullptr) {

@@ -61,23 +61,24 @@ __device__ __forceinline__ void Unpack8Bf16(const uint4& v, float* w) {
 // One block of 32 quantized values, dequantized to fp32 (ggml layouts, see tensor.h).
 // Q8_0: 34 bytes {fp16 d; int8 qs[32]}; Q4_0: 18 bytes {fp16 d; uint8 qs[16]}, element j in the
 // low nibble of qs[j], element j+16 in the high nibble, value (q - 8) * d. Both are 2-byte
-// aligned, so they are read as 16-bit words.
+// aligned, so they are read as 16-bit words (from global memory, or from a shared-memory copy of
+// the row that was filled with 16-byte loads).
 __device__ __forceinline__ void DequantQ8Block(const uint8_t* blk, float* w) {
   const uint16_t* p = reinterpret_cast<const uint16_t*>(blk);
-  const float d = H2F(__ldg(p));
+  const float d = H2F(p[0]);
 #pragma unroll
   for (int k = 0; k < 16; ++k) {
-    const uint16_t q = __ldg(p + 1 + k);
+    const uint16_t q = p[1 + k];
     w[2 * k] = d * static_cast<float>(static_cast<int8_t>(q & 0xff));
     w[2 * k + 1] = d * static_cast<float>(static_cast<int8_t>(q >> 8));
   }
 }
 __device__ __forceinline__ void DequantQ4Block(const uint8_t* blk, float* w) {
   const uint16_t* p = reinterpret_cast<const uint16_t*>(blk);
-  const float d = H2F(__ldg(p));
+  const float d = H2F(p[0]);
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
-    const uint16_t q = __ldg(p + 1 + k);
+    const uint16_t q = p[1 + k];
     const int b0 = q & 0xff, b1 = q >> 8;
     w[2 * k] = d * static_cast<float>((b0 & 0x0f) - 8);
     w[2 * k + 1] = d * static_cast<float>((b1 & 0x0f) - 8);
@@ -174,6 +175,35 @@ __global__ void RmsNormKernel(const float* __restrict__ x, const float* __restri
   for (int i = threadIdx.x; i < dim; i += blockDim.x) ot[i] = xt[i] * scale * weight[i];
 }
 
+__global__ void ResidualRmsNormKernel(float* __restrict__ x, const float* d1, const float* d2,
+                                      const float* __restrict__ weight, int dim, float eps,
+                                      float* out) {
+  // Each thread reads its elements of d1/d2 before writing the same elements of out, so out may
+  // alias them.
+  float* xt = x + static_cast<int64_t>(blockIdx.x) * dim;
+  const float* a = d1 + static_cast<int64_t>(blockIdx.x) * dim;
+  const float* b = d2 != nullptr ? d2 + static_cast<int64_t>(blockIdx.x) * dim : nullptr;
+  float* ot = out + static_cast<int64_t>(blockIdx.x) * dim;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    const float v = b != nullptr ? xt[i] + (a[i] + b[i]) : xt[i] + a[i];
+    xt[i] = v;
+    ss += v * v;
+  }
+  __shared__ float partial[32];
+  ss = WarpSum(ss);
+  if (threadIdx.x % kWarp == 0) partial[threadIdx.x / kWarp] = ss;
+  __syncthreads();
+  if (threadIdx.x < kWarp) {
+    float v = threadIdx.x < blockDim.x / kWarp ? partial[threadIdx.x] : 0.f;
+    v = WarpSum(v);
+    if (threadIdx.x == 0) partial[0] = v;
+  }
+  __syncthreads();
+  const float scale = 1.f / sqrtf(partial[0] / dim + eps);
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) ot[i] = xt[i] * scale * weight[i];
+}
+
 // ---------------------------------------------------------------------------------------------
 // RoPE: one block per (token, head), one thread per rotated pair.
 
@@ -193,6 +223,36 @@ __global__ void RopeKernel(float* __restrict__ x, int n_heads, int head_dim,
     v[a] = x0 * c - x1 * s;
     v[b] = x0 * s + x1 * c;
   }
+}
+
+// One block per token: q heads rotated into q, k heads rotated into the cache, v copied.
+__global__ void RopeQkvKernel(const float* __restrict__ qkv, int n_heads, int n_kv_heads,
+                              int head_dim, const int32_t* __restrict__ positions,
+                              const float* __restrict__ inv_freq, bool interleaved,
+                              float* __restrict__ q, float* __restrict__ k_cache,
+                              float* __restrict__ v_cache) {
+  const int t = blockIdx.x;
+  const int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim;
+  const float* src = qkv + static_cast<int64_t>(t) * (q_dim + 2 * kv_dim);
+  float* qt = q + static_cast<int64_t>(t) * q_dim;
+  float* kt = k_cache + static_cast<int64_t>(t) * kv_dim;
+  float* vt = v_cache + static_cast<int64_t>(t) * kv_dim;
+  const int half = head_dim / 2;
+  const float pos = static_cast<float>(positions[t]);
+  const int pairs = (n_heads + n_kv_heads) * half;
+  for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
+    const int head = j / half, i = j % half;
+    const float angle = pos * inv_freq[i];
+    const float c = cosf(angle), s = sinf(angle);
+    const int a = interleaved ? 2 * i : i;
+    const int b = interleaved ? 2 * i + 1 : i + half;
+    const float* in = src + head * head_dim;  // q heads, then k heads
+    float* dst = head < n_heads ? qt + head * head_dim : kt + (head - n_heads) * head_dim;
+    const float x0 = in[a], x1 = in[b];
+    dst[a] = x0 * c - x1 * s;
+    dst[b] = x0 * s + x1 * c;
+  }
+  for (int j = threadIdx.x; j < kv_dim; j += blockDim.x) vt[j] = src[q_dim + kv_dim + j];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -270,21 +330,40 @@ __global__ void AttentionKernel(const float* __restrict__ q, const float* __rest
 }
 
 // ---------------------------------------------------------------------------------------------
-// Row dot products: one warp per row, lanes striding over the row's units, every token of the
-// (small) batch sharing each weight load.
+// Row dot products: one block of 128 threads per row (a whole row is 2-27 KB), every token of the
+// (small) batch sharing each weight load. One row per block rather than per warp keeps the last
+// wave short: a layer's 5120-row matrix is about five waves of blocks instead of 1.2 waves of
+// warps. Block formats are first copied into shared memory with 16-byte loads (their 18/34-byte
+// blocks are only 2-byte aligned in global memory), then dequantized from there.
 
-constexpr int kRowWarps = 8;
+constexpr int kMvThreads = 128;
+constexpr int kMaxStageBytes = 48 * 1024;
 
 template <WType T>
-__global__ void __launch_bounds__(kRowWarps * kWarp)
+constexpr bool kVec16 = T == WType::kF32 || T == WType::kF16 || T == WType::kBF16;
+
+template <int E>
+__device__ __forceinline__ float DotUnit(const float* w, const float* x) {
+  float s = 0.f;
+#pragma unroll
+  for (int e = 0; e < E; e += 4) {
+    const float4 a = *reinterpret_cast<const float4*>(x + e);
+    s += w[e] * a.x + w[e + 1] * a.y + w[e + 2] * a.z + w[e + 3] * a.w;
+  }
+  return s;
+}
+
+template <WType T>
+__global__ void __launch_bounds__(kMvThreads)
     MatVecRowsKernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t cols,
                      const int32_t* __restrict__ rows, int n_rows,
                      const int32_t* __restrict__ dev_count, const float* __restrict__ x, int n,
-                     float* __restrict__ y, int ldy) {
+                     float* __restrict__ y, int ldy, bool stage) {
+  extern __shared__ uint4 staged[];
+  __shared__ float red[kMaxTok][kMvThreads / kWarp];
   const int count = dev_count != nullptr ? *dev_count : n_rows;
-  const int i = blockIdx.x * kRowWarps + threadIdx.x / kWarp;
+  const int i = blockIdx.x;
   if (i >= count) return;
-  const int lane = threadIdx.x % kWarp;
   const int64_t r = rows != nullptr ? rows[i] : i;
   const uint8_t* row = w + static_cast<size_t>(r) * row_bytes;
   constexpr int E = Unit<T>::kElems;
@@ -293,52 +372,69 @@ __global__ void __launch_bounds__(kRowWarps * kWarp)
 #pragma unroll
   for (int t = 0; t < kMaxTok; ++t) acc[t] = 0.f;
 
-  // Two units per lane per iteration keep two independent loads in flight before first use.
-  int64_t u = lane;
-  for (; u + kWarp < units; u += 2 * kWarp) {
-    float w0[E], w1[E];
-    LoadUnit<T>(row, u, w0);
-    LoadUnit<T>(row, u + kWarp, w1);
+  if constexpr (kVec16<T>) {
+    // Four independent 16-byte loads in flight per thread before their first use.
+    int64_t u = threadIdx.x;
+    for (; u + 3 * kMvThreads < units; u += 4 * kMvThreads) {
+      float w0[E], w1[E], w2[E], w3[E];
+      LoadUnit<T>(row, u, w0);
+      LoadUnit<T>(row, u + kMvThreads, w1);
+      LoadUnit<T>(row, u + 2 * kMvThreads, w2);
+      LoadUnit<T>(row, u + 3 * kMvThreads, w3);
 #pragma unroll
-    for (int t = 0; t < kMaxTok; ++t) {
-      if (t < n) {
-        const float* x0 = x + t * cols + u * E;
-        const float* x1 = x0 + kWarp * E;
-        float s = 0.f;
-#pragma unroll
-        for (int e = 0; e < E; e += 4) {
-          const float4 a = *reinterpret_cast<const float4*>(x0 + e);
-          const float4 b = *reinterpret_cast<const float4*>(x1 + e);
-          s += w0[e] * a.x + w0[e + 1] * a.y + w0[e + 2] * a.z + w0[e + 3] * a.w;
-          s += w1[e] * b.x + w1[e + 1] * b.y + w1[e + 2] * b.z + w1[e + 3] * b.w;
+      for (int t = 0; t < kMaxTok; ++t) {
+        if (t < n) {
+          const float* xt = x + t * cols + u * E;
+          acc[t] += DotUnit<E>(w0, xt) + DotUnit<E>(w1, xt + kMvThreads * E) +
+                    DotUnit<E>(w2, xt + 2 * kMvThreads * E) +
+                    DotUnit<E>(w3, xt + 3 * kMvThreads * E);
         }
-        acc[t] += s;
+      }
+    }
+    for (; u < units; u += kMvThreads) {
+      float w0[E];
+      LoadUnit<T>(row, u, w0);
+#pragma unroll
+      for (int t = 0; t < kMaxTok; ++t) {
+        if (t < n) acc[t] += DotUnit<E>(w0, x + t * cols + u * E);
+      }
+    }
+  } else {
+    const uint8_t* base = row;
+    if (stage) {
+      const uint4* src = reinterpret_cast<const uint4*>(row);
+      const int n16 = static_cast<int>(row_bytes / 16);
+      for (int k = threadIdx.x; k < n16; k += kMvThreads) staged[k] = LoadStream(src + k);
+      __syncthreads();
+      base = reinterpret_cast<const uint8_t*>(staged);
+    }
+    for (int64_t u = threadIdx.x; u < units; u += kMvThreads) {
+      float w0[E];
+      if constexpr (T == WType::kQ8_0) {
+        DequantQ8Block(base + u * 34, w0);
+      } else {
+        DequantQ4Block(base + u * 18, w0);
+      }
+#pragma unroll
+      for (int t = 0; t < kMaxTok; ++t) {
+        if (t < n) acc[t] += DotUnit<E>(w0, x + t * cols + u * E);
       }
     }
   }
-  for (; u < units; u += kWarp) {
-    float w0[E];
-    LoadUnit<T>(row, u, w0);
-#pragma unroll
-    for (int t = 0; t < kMaxTok; ++t) {
-      if (t < n) {
-        const float* x0 = x + t * cols + u * E;
-        float s = 0.f;
-#pragma unroll
-        for (int e = 0; e < E; e += 4) {
-          const float4 a = *reinterpret_cast<const float4*>(x0 + e);
-          s += w0[e] * a.x + w0[e + 1] * a.y + w0[e + 2] * a.z + w0[e + 3] * a.w;
-        }
-        acc[t] += s;
-      }
-    }
-  }
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
 #pragma unroll
   for (int t = 0; t < kMaxTok; ++t) {
     if (t < n) {
       const float s = WarpSum(acc[t]);
-      if (lane == 0) y[static_cast<int64_t>(t) * ldy + i] = s;
+      if (lane == 0) red[t][warp] = s;
     }
+  }
+  __syncthreads();
+  if (threadIdx.x < n) {
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < kMvThreads / kWarp; ++k) s += red[threadIdx.x][k];
+    y[static_cast<int64_t>(threadIdx.x) * ldy + i] = s;
   }
 }
 
@@ -346,7 +442,8 @@ __global__ void __launch_bounds__(kRowWarps * kWarp)
 // Row accumulation (sparse down projection): threads own column units, blocks along y split the
 // active rows, blockIdx.z is the token. Each block sums its rows in registers and adds its
 // partial result to y with one atomic per column; row splits are sized so that there are a few
-// blocks per multiprocessor and few atomics.
+// blocks per multiprocessor and few atomics. Block formats stage each row's segment (the block's
+// 128 quant blocks, 16-byte aligned when the row is) in shared memory, two rows at a time.
 
 constexpr int kAccThreads = 128;
 
@@ -355,7 +452,8 @@ __global__ void __launch_bounds__(kAccThreads)
     AccumulateRowsKernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t cols,
                          const int32_t* __restrict__ rows, int n_rows,
                          const int32_t* __restrict__ dev_count, const float* __restrict__ a,
-                         int lda, int rows_per_split, float* __restrict__ y) {
+                         int lda, int rows_per_split, float* __restrict__ y, bool stage) {
+  extern __shared__ uint4 seg[];
   const int count = dev_count != nullptr ? *dev_count : n_rows;
   const int i0 = blockIdx.y * rows_per_split;
   if (i0 >= count) return;
@@ -364,36 +462,92 @@ __global__ void __launch_bounds__(kAccThreads)
   constexpr int E = Unit<T>::kElems;
   const int64_t units = cols / E;
   const int64_t u = static_cast<int64_t>(blockIdx.x) * kAccThreads + threadIdx.x;
-  if (u >= units) return;
+  const bool valid = u < units;
   const float* at = a + static_cast<int64_t>(t) * lda;
   float acc[E];
 #pragma unroll
   for (int e = 0; e < E; ++e) acc[e] = 0.f;
   bool any = false;
-  int i = i0;
-  // Two rows per iteration: two loads in flight.
-  for (; i + 1 < i1; i += 2) {
-    const float c0 = at[i], c1 = at[i + 1];
-    if (c0 == 0.f && c1 == 0.f) continue;
-    any = true;
-    const int64_t r0 = rows != nullptr ? rows[i] : i;
-    const int64_t r1 = rows != nullptr ? rows[i + 1] : i + 1;
-    float w0[E], w1[E];
-    LoadUnit<T>(w + static_cast<size_t>(r0) * row_bytes, u, w0);
-    LoadUnit<T>(w + static_cast<size_t>(r1) * row_bytes, u, w1);
-#pragma unroll
-    for (int e = 0; e < E; ++e) acc[e] += c0 * w0[e] + c1 * w1[e];
-  }
-  if (i < i1) {
-    const float c0 = at[i];
-    if (c0 != 0.f) {
+  auto row_of = [&](int i) -> const uint8_t* {
+    const int64_t r = rows != nullptr ? rows[i] : i;
+    return w + static_cast<size_t>(r) * row_bytes;
+  };
+
+  if constexpr (kVec16<T>) {
+    if (!valid) return;
+    int i = i0;
+    // Four rows per iteration: four loads in flight.
+    for (; i + 3 < i1; i += 4) {
+      const float c0 = at[i], c1 = at[i + 1], c2 = at[i + 2], c3 = at[i + 3];
+      if (c0 == 0.f && c1 == 0.f && c2 == 0.f && c3 == 0.f) continue;
       any = true;
-      const int64_t r0 = rows != nullptr ? rows[i] : i;
+      float w0[E], w1[E], w2[E], w3[E];
+      LoadUnit<T>(row_of(i), u, w0);
+      LoadUnit<T>(row_of(i + 1), u, w1);
+      LoadUnit<T>(row_of(i + 2), u, w2);
+      LoadUnit<T>(row_of(i + 3), u, w3);
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[e] += c0 * w0[e] + c1 * w1[e] + c2 * w2[e] + c3 * w3[e];
+    }
+    for (; i < i1; ++i) {
+      const float c0 = at[i];
+      if (c0 == 0.f) continue;
+      any = true;
       float w0[E];
-      LoadUnit<T>(w + static_cast<size_t>(r0) * row_bytes, u, w0);
+      LoadUnit<T>(row_of(i), u, w0);
 #pragma unroll
       for (int e = 0; e < E; ++e) acc[e] += c0 * w0[e];
     }
+  } else if (!stage) {
+    if (!valid) return;
+    for (int i = i0; i < i1; ++i) {
+      const float c0 = at[i];
+      if (c0 == 0.f) continue;
+      any = true;
+      float w0[E];
+      LoadUnit<T>(row_of(i), u, w0);
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[e] += c0 * w0[e];
+    }
+  } else {
+    // Every thread takes part in the copies (so no early return); coefficients are the same for
+    // the whole block, so the skips are uniform and the barriers are reached by all.
+    constexpr int kUnitBytes = T == WType::kQ8_0 ? 34 : 18;
+    const size_t seg_off = static_cast<size_t>(blockIdx.x) * kAccThreads * kUnitBytes;
+    const size_t avail = min(static_cast<size_t>(kAccThreads) * kUnitBytes, row_bytes - seg_off);
+    const int n16 = static_cast<int>(avail / 16);
+    const int seg16 = kAccThreads * kUnitBytes / 16;
+    for (int i = i0; i < i1; i += 2) {
+      const float c0 = at[i];
+      const float c1 = i + 1 < i1 ? at[i + 1] : 0.f;
+      if (c0 == 0.f && c1 == 0.f) continue;
+      const uint4* s0 = reinterpret_cast<const uint4*>(row_of(i) + seg_off);
+      const uint4* s1 = reinterpret_cast<const uint4*>(row_of(i + 1 < i1 ? i + 1 : i) + seg_off);
+      __syncthreads();  // the previous pair has been read
+      for (int k = threadIdx.x; k < n16; k += kAccThreads) {
+        seg[k] = LoadStream(s0 + k);
+        if (c1 != 0.f) seg[seg16 + k] = LoadStream(s1 + k);
+      }
+      __syncthreads();
+      if (valid) {
+        any = true;
+        const uint8_t* b0 = reinterpret_cast<const uint8_t*>(seg) + threadIdx.x * kUnitBytes;
+        float w0[E];
+        if constexpr (T == WType::kQ8_0) DequantQ8Block(b0, w0); else DequantQ4Block(b0, w0);
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[e] += c0 * w0[e];
+        if (c1 != 0.f) {
+          if constexpr (T == WType::kQ8_0) {
+            DequantQ8Block(b0 + seg16 * 16, w0);
+          } else {
+            DequantQ4Block(b0 + seg16 * 16, w0);
+          }
+#pragma unroll
+          for (int e = 0; e < E; ++e) acc[e] += c1 * w0[e];
+        }
+      }
+    }
+    if (!valid) return;
   }
   if (!any) return;
   float* yt = y + static_cast<int64_t>(t) * cols + u * E;
@@ -430,6 +584,15 @@ __global__ void GatherGatedKernel(ActKind act, const float* __restrict__ gate, i
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
     float* u = up + static_cast<int64_t>(t) * ld + i;
     *u = ApplyGated(act, gate[static_cast<int64_t>(t) * ldg + idx[i]], *u);
+  }
+}
+
+__global__ void GatedActivationPackedKernel(ActKind act, const float* __restrict__ gu, int width,
+                                            float* __restrict__ out) {
+  const int t = blockIdx.y;
+  const float* g = gu + static_cast<int64_t>(t) * 2 * width;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < width; i += gridDim.x * blockDim.x) {
+    out[static_cast<int64_t>(t) * width + i] = ApplyGated(act, g[i], g[width + i]);
   }
 }
 
@@ -597,6 +760,23 @@ cudaError_t RmsNorm(const float* x, const float* weight, int n, int dim, float e
   return cudaGetLastError();
 }
 
+cudaError_t ResidualRmsNorm(float* x, const float* d1, const float* d2, const float* weight,
+                            int n, int dim, float eps, float* out, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  ResidualRmsNormKernel<<<n, 256, 0, stream>>>(x, d1, d2, weight, dim, eps, out);
+  return cudaGetLastError();
+}
+
+cudaError_t RopeQkvToCache(const float* qkv, int n, int n_heads, int n_kv_heads, int head_dim,
+                           const int32_t* positions, const float* inv_freq, bool interleaved,
+                           float* q, float* k_cache, float* v_cache, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  if (head_dim % 2 != 0) return cudaErrorInvalidValue;
+  RopeQkvKernel<<<n, 256, 0, stream>>>(qkv, n_heads, n_kv_heads, head_dim, positions, inv_freq,
+                                       interleaved, q, k_cache, v_cache);
+  return cudaGetLastError();
+}
+
 cudaError_t Rope(float* x, int n, int n_heads, int head_dim, const int32_t* positions,
                  const float* inv_freq, bool interleaved, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
@@ -641,7 +821,9 @@ cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
   cudaError_t e = CheckMatrixShape(w);
   if (e != cudaSuccess) return e;
   const auto* base = static_cast<const uint8_t*>(w.data);
-  const int blocks = (n_rows + kRowWarps - 1) / kRowWarps;
+  const bool quant = w.type == WType::kQ8_0 || w.type == WType::kQ4_0;
+  const bool stage = quant && w.row_bytes() % 16 == 0 && w.row_bytes() <= kMaxStageBytes;
+  const size_t smem = stage ? w.row_bytes() : 0;
   for (int t0 = 0; t0 < n; t0 += kMaxTok) {
     const int nt = n - t0 < kMaxTok ? n - t0 : kMaxTok;
     const float* xt = x + static_cast<int64_t>(t0) * w.cols;
@@ -649,8 +831,8 @@ cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
     switch (w.type) {
 #define PINFER_LAUNCH(T)                                                                   \
   case T:                                                                                  \
-    MatVecRowsKernel<T><<<blocks, kRowWarps * kWarp, 0, stream>>>(                         \
-        base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);            \
+    MatVecRowsKernel<T><<<n_rows, kMvThreads, smem, stream>>>(                             \
+        base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, stage);     \
     break;
       PINFER_LAUNCH(WType::kF32)
       PINFER_LAUNCH(WType::kF16)
@@ -691,11 +873,15 @@ cudaError_t AccumulateRows(const DeviceMatrix& w, const int32_t* rows, int n_row
     rows_per_split = (n_rows + splits - 1) / splits;
   }
   const dim3 grid(col_blocks, splits, n);
+  const bool quant = w.type == WType::kQ8_0 || w.type == WType::kQ4_0;
+  const bool stage = quant && w.row_bytes() % 16 == 0;
+  const size_t smem = stage ? 2 * kAccThreads * (w.type == WType::kQ8_0 ? 34 : 18) : 0;
   switch (w.type) {
 #define PINFER_LAUNCH(T)                                                                      \
   case T:                                                                                     \
-    AccumulateRowsKernel<T><<<grid, kAccThreads, 0, stream>>>(                                \
-        base, w.row_bytes(), w.cols, rows, n_rows, dev_count, a, lda, rows_per_split, y);     \
+    AccumulateRowsKernel<T><<<grid, kAccThreads, smem, stream>>>(                             \
+        base, w.row_bytes(), w.cols, rows, n_rows, dev_count, a, lda, rows_per_split, y,      \
+        stage);                                                                               \
     break;
     PINFER_LAUNCH(WType::kF32)
     PINFER_LAUNCH(WType::kF16)
@@ -721,6 +907,15 @@ cudaError_t GatherGatedActivation(ActKind act, const float* gate, int ldg, const
   if (n > 65535) return cudaErrorInvalidValue;
   GatherGatedKernel<<<dim3(GridFor(n_idx, 256), n), 256, 0, stream>>>(act, gate, ldg, idx, n_idx,
                                                                       dev_count, up, ld);
+  return cudaGetLastError();
+}
+
+cudaError_t GatedActivationPacked(ActKind act, const float* gu, int n, int width, float* out,
+                                  cudaStream_t stream) {
+  if (n <= 0 || width <= 0) return cudaSuccess;
+  if (n > 65535) return cudaErrorInvalidValue;
+  GatedActivationPackedKernel<<<dim3(GridFor(width, 256), n), 256, 0, stream>>>(act, gu, width,
+                                                                                out);
   return cudaGetLastError();
 }
 

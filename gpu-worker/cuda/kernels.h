@@ -50,10 +50,22 @@ cudaError_t CheckMatrixShape(const DeviceMatrix& w);
 cudaError_t RmsNorm(const float* x, const float* weight, int n, int dim, float eps, float* out,
                     cudaStream_t stream);
 
+// The residual add fused with the next norm: x[t] += d1[t] (+ d2[t] when d2 is not null), then
+// out = RmsNorm(x). out may alias d1 or d2. x, d1, d2, out: [n, dim].
+cudaError_t ResidualRmsNorm(float* x, const float* d1, const float* d2, const float* weight,
+                            int n, int dim, float eps, float* out, cudaStream_t stream);
+
 // Rotates x: [n, n_heads, head_dim] in place at positions[t] (device array). inv_freq: device
 // [head_dim / 2]. interleaved: pairs (2i, 2i+1) (GGUF); otherwise (i, i + head_dim/2) (HF).
 cudaError_t Rope(float* x, int n, int n_heads, int head_dim, const int32_t* positions,
                  const float* inv_freq, bool interleaved, cudaStream_t stream);
+
+// The fused projection's tail: qkv: [n, q_dim + 2 kv_dim] (rows of wq, wk, wv stacked) ->
+// q: [n, q_dim] rotated; k_cache, v_cache rows 0..n-1 (each [n, kv_dim], the cache at the first
+// new position) receive the rotated keys and the values.
+cudaError_t RopeQkvToCache(const float* qkv, int n, int n_heads, int n_kv_heads, int head_dim,
+                           const int32_t* positions, const float* inv_freq, bool interleaved,
+                           float* q, float* k_cache, float* v_cache, cudaStream_t stream);
 
 // Causal attention of n queries at positions pos0..pos0+n-1 over cache rows 0..pos (decode is
 // n = 1, a prompt batch n > 1). q: [n, n_heads, hd]; k, v: [ctx, n_kv_heads, hd];
@@ -84,6 +96,10 @@ cudaError_t GatedActivation(ActKind act, float* gate, const float* up, int64_t c
 // where gate holds every row's gate value and up only the listed rows'.
 cudaError_t GatherGatedActivation(ActKind act, const float* gate, int ldg, const int32_t* idx,
                                   int n_idx, const int32_t* dev_count, float* up, int ld, int n,
+                                  cudaStream_t stream);
+// gu: [n, 2 * width] (gate rows then up rows of a stacked projection) -> out[t, i] =
+// act(gu[t, i]) * gu[t, width + i]; out: [n, width].
+cudaError_t GatedActivationPacked(ActKind act, const float* gu, int n, int width, float* out,
                                   cudaStream_t stream);
 // x[i] = max(x[i], 0).
 cudaError_t Relu(float* x, int64_t count, cudaStream_t stream);

@@ -10,7 +10,10 @@ build=${1:?build dir}
 out=${2:?output dir}
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
+# The tokenizer loads sentencepiece from its own module, found beside ../lib of the executable.
+spm=$(find "$build" -name libpinfer_spm.so -print -quit)
 bins=(
+  ${spm:+"$spm"}
   "$build/tests/cuda/cuda_ops_test"
   "$build/tests/cuda/cuda_backend_test"
   "$build/bench/cuda/cuda_decode_bench"
@@ -27,4 +30,5 @@ for b in "${bins[@]}"; do
     if [[ ! $name =~ $skip ]]; then cp -L "$path" "$out/lib/$name"; fi
   done
 done
+if [[ -n $spm ]]; then mv "$out/bin/libpinfer_spm.so" "$out/lib/"; fi
 du -sh "$out"

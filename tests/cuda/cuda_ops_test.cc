@@ -201,6 +201,56 @@ TEST_F(CudaOpsTest, RmsNormMatchesReference) {
   }
 }
 
+// x += d1 (+ d2), then the norm, writing over d1 (the backend's in-place use).
+TEST_F(CudaOpsTest, ResidualRmsNormMatchesReference) {
+  for (bool two : {false, true}) {
+    const int n = 3, dim = 5120;
+    std::vector<float> x = Random(n * dim), d1 = Random(n * dim), d2 = Random(n * dim);
+    std::vector<float> w = Random(dim), ref_x = x, ref(n * dim);
+    for (int i = 0; i < n * dim; ++i) ref_x[i] += two ? d1[i] + d2[i] : d1[i];
+    ref_->RmsNorm(ref_x.data(), w.data(), n, dim, 1e-5f, ref.data());
+    DevBuf<float> dx(x), dd1(d1), dd2(d2), dw(w);
+    CUDA_OK(cuda::ResidualRmsNorm(dx.get(), dd1.get(), two ? dd2.get() : nullptr, dw.get(), n,
+                                  dim, 1e-5f, dd1.get(), nullptr));
+    std::vector<float> out = dd1.Download();
+    EXPECT_FALSE(AnyNan(out));
+    EXPECT_LE(Nmse(out, ref), kFp32Limit);
+    EXPECT_LE(Nmse(dx.Download(), ref_x), kFp32Limit);
+    EXPECT_TRUE(dd1.GuardsIntact() && dx.GuardsIntact());
+  }
+}
+
+// The stacked q/k/v projection's output rotated and scattered: q to its buffer, k and v to the
+// cache rows of the new positions.
+TEST_F(CudaOpsTest, RopeQkvToCacheMatchesReference) {
+  for (bool interleaved : {false, true}) {
+    const int n = 4, heads = 8, kv_heads = 2, hd = 64, pos0 = 21;
+    const int qd = heads * hd, kvd = kv_heads * hd;
+    std::vector<float> inv(hd / 2);
+    for (int i = 0; i < hd / 2; ++i) inv[i] = static_cast<float>(1.0 / std::pow(10000.0, 2.0 * i / hd));
+    std::vector<int32_t> pos(n);
+    for (int t = 0; t < n; ++t) pos[t] = pos0 + t;
+    std::vector<float> qkv = Random(static_cast<size_t>(n) * (qd + 2 * kvd));
+    std::vector<float> q(n * qd), k(n * kvd), v(n * kvd);
+    for (int t = 0; t < n; ++t) {
+      const float* src = qkv.data() + t * (qd + 2 * kvd);
+      std::copy(src, src + qd, q.begin() + t * qd);
+      std::copy(src + qd, src + qd + kvd, k.begin() + t * kvd);
+      std::copy(src + qd + kvd, src + qd + 2 * kvd, v.begin() + t * kvd);
+    }
+    ref_->Rope(q.data(), n, heads, hd, pos.data(), inv.data(), interleaved);
+    ref_->Rope(k.data(), n, kv_heads, hd, pos.data(), inv.data(), interleaved);
+    DevBuf<float> dqkv(qkv), dinv(inv), dq(q.size()), dk(k.size()), dv(v.size());
+    DevBuf<int32_t> dpos(pos);
+    CUDA_OK(cuda::RopeQkvToCache(dqkv.get(), n, heads, kv_heads, hd, dpos.get(), dinv.get(),
+                                 interleaved, dq.get(), dk.get(), dv.get(), nullptr));
+    EXPECT_LE(Nmse(dq.Download(), q), kFp32Limit);
+    EXPECT_LE(Nmse(dk.Download(), k), kFp32Limit);
+    EXPECT_EQ(dv.Download(), v);
+    EXPECT_TRUE(dq.GuardsIntact() && dk.GuardsIntact() && dv.GuardsIntact());
+  }
+}
+
 TEST_F(CudaOpsTest, RopeBothLayoutsMatchReference) {
   for (bool interleaved : {false, true}) {
     for (int head_dim : {64, 128}) {
@@ -381,6 +431,29 @@ TEST_F(CudaOpsTest, GatedActivationsMatchReference) {
     EXPECT_FALSE(AnyNan(out));
     EXPECT_LE(Nmse(out, ref), kFp32Limit) << ActivationName(act);
     EXPECT_TRUE(dg.GuardsIntact());
+  }
+}
+
+// Stacked gate/up outputs [n, 2 width] -> activations [n, width].
+TEST_F(CudaOpsTest, GatedActivationPackedMatchesReference) {
+  const int n = 3, width = 1000;
+  for (Activation act : {Activation::kSilu, Activation::kRelu, Activation::kDRelu}) {
+    std::vector<float> gu = Random(static_cast<size_t>(n) * 2 * width, 2.f);
+    std::vector<float> g(n * width), u(n * width);
+    for (int t = 0; t < n; ++t) {
+      for (int i = 0; i < width; ++i) {
+        g[t * width + i] = gu[t * 2 * width + i];
+        u[t * width + i] = gu[t * 2 * width + width + i];
+      }
+    }
+    ref_->GatedActivation(act, g.data(), u.data(), static_cast<int64_t>(g.size()));
+    DevBuf<float> dgu(gu), dout(g.size());
+    CUDA_OK(cuda::GatedActivationPacked(static_cast<cuda::ActKind>(act), dgu.get(), n, width,
+                                        dout.get(), nullptr));
+    std::vector<float> out = dout.Download();
+    EXPECT_FALSE(AnyNan(out));
+    EXPECT_LE(Nmse(out, g), kFp32Limit) << ActivationName(act);
+    EXPECT_TRUE(dout.GuardsIntact());
   }
 }
 
