@@ -12,6 +12,7 @@ namespace pinfer::cli {
 int GenerateCommand(const std::vector<std::string>& args);
 int PerplexityCommand(const std::vector<std::string>& args);
 int ConvertCommand(const std::vector<std::string>& args);
+int ServeCommand(const std::vector<std::string>& args);
 
 // Prints a usage error (exit code 2) or a runtime error (exit code 1).
 int UsageError(const std::string& usage, const absl::Status& st);

@@ -17,7 +17,9 @@ constexpr char kUsage[] =
     "              [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--stop S]\n"
     "              [--threads N] [--json] [--logits] [--reference]\n"
     "  perplexity  --model PATH --tokens FILE.u32 --window W [--threads N] [--json]\n"
-    "  convert     --model HF_DIR --out FILE.gguf [--type f16|q8_0|q4_0|f32] [--name NAME]\n";
+    "  convert     --model HF_DIR --out FILE.gguf [--type f16|q8_0|q4_0|f32] [--name NAME]\n"
+    "  serve       --model PATH [--port P] [--metrics-port M] [--threads N] [--cpu-threads N]\n"
+    "              [--hot-fraction F] (gateway + gpu-worker + cpu-worker; --help for more)\n";
 
 }  // namespace
 
@@ -27,6 +29,7 @@ int main(int argc, char** argv) {
       {"generate", pinfer::cli::GenerateCommand},
       {"perplexity", pinfer::cli::PerplexityCommand},
       {"convert", pinfer::cli::ConvertCommand},
+      {"serve", pinfer::cli::ServeCommand},
   };
   if (argc < 2) {
     std::fputs(kUsage, stderr);
