@@ -143,6 +143,20 @@ absl::StatusOr<TensorView> TransposeDown(const TensorView& t, Model* model) {
   return out;
 }
 
+// A weight view; data that a file with a small general.alignment leaves unaligned for its element
+// type is copied (the kernels read whole elements).
+absl::StatusOr<TensorView> Weight(const GgufFile& f, const std::string& name, Model* model) {
+  ASSIGN_OR_RETURN(TensorView t, f.GetTensor(name));
+  const size_t align = t.dtype == DType::kF32 ? 4 : 2;
+  if (reinterpret_cast<uintptr_t>(t.data) % align != 0) {
+    auto copy = std::make_shared<std::vector<uint8_t>>(t.nbytes());
+    std::memcpy(copy->data(), t.data, copy->size());
+    t.data = copy->data();
+    model->owned.push_back(std::move(copy));
+  }
+  return t;
+}
+
 absl::StatusOr<Activation> ActivationOf(const GgufFile& f) {
   if (f.HasKey("pinfer.hidden_act")) {
     ASSIGN_OR_RETURN(std::string act, f.GetString("pinfer.hidden_act"));
@@ -294,7 +308,7 @@ absl::StatusOr<std::unique_ptr<Model>> LoadGgufModelFrom(const GgufFile& f) {
   ASSIGN_OR_RETURN(model->config, ConfigFromGguf(f));
   ModelConfig& c = model->config;
 
-  ASSIGN_OR_RETURN(model->tok_embeddings, f.GetTensor("token_embd.weight"));
+  ASSIGN_OR_RETURN(model->tok_embeddings, Weight(f, "token_embd.weight", model.get()));
   if (model->tok_embeddings.shape.size() != 2) {
     return absl::InvalidArgumentError(absl::StrCat(f.name(), ": token_embd.weight is not a matrix"));
   }
@@ -307,9 +321,9 @@ absl::StatusOr<std::unique_ptr<Model>> LoadGgufModelFrom(const GgufFile& f) {
                                                      c.vocab_size, " rows"));
     }
   }
-  ASSIGN_OR_RETURN(model->output_norm, f.GetTensor("output_norm.weight"));
+  ASSIGN_OR_RETURN(model->output_norm, Weight(f, "output_norm.weight", model.get()));
   if (f.FindTensor("output.weight") != nullptr) {
-    ASSIGN_OR_RETURN(model->output, f.GetTensor("output.weight"));
+    ASSIGN_OR_RETURN(model->output, Weight(f, "output.weight", model.get()));
   } else {
     c.tie_embeddings = true;
     model->output = model->tok_embeddings;
@@ -341,20 +355,20 @@ absl::StatusOr<std::unique_ptr<Model>> LoadGgufModelFrom(const GgufFile& f) {
   for (int l = 0; l < c.n_layers; ++l) {
     const std::string p = absl::StrCat("blk.", l, ".");
     LayerWeights& L = model->layers[l];
-    ASSIGN_OR_RETURN(L.attn_norm, f.GetTensor(p + "attn_norm.weight"));
-    ASSIGN_OR_RETURN(L.wq, f.GetTensor(p + "attn_q.weight"));
-    ASSIGN_OR_RETURN(L.wk, f.GetTensor(p + "attn_k.weight"));
-    ASSIGN_OR_RETURN(L.wv, f.GetTensor(p + "attn_v.weight"));
-    ASSIGN_OR_RETURN(L.wo, f.GetTensor(p + "attn_output.weight"));
-    ASSIGN_OR_RETURN(L.ffn_norm, f.GetTensor(p + "ffn_norm.weight"));
-    ASSIGN_OR_RETURN(L.gate, f.GetTensor(p + "ffn_gate.weight"));
-    ASSIGN_OR_RETURN(L.up, f.GetTensor(p + "ffn_up.weight"));
+    ASSIGN_OR_RETURN(L.attn_norm, Weight(f, p + "attn_norm.weight", model.get()));
+    ASSIGN_OR_RETURN(L.wq, Weight(f, p + "attn_q.weight", model.get()));
+    ASSIGN_OR_RETURN(L.wk, Weight(f, p + "attn_k.weight", model.get()));
+    ASSIGN_OR_RETURN(L.wv, Weight(f, p + "attn_v.weight", model.get()));
+    ASSIGN_OR_RETURN(L.wo, Weight(f, p + "attn_output.weight", model.get()));
+    ASSIGN_OR_RETURN(L.ffn_norm, Weight(f, p + "ffn_norm.weight", model.get()));
+    ASSIGN_OR_RETURN(L.gate, Weight(f, p + "ffn_gate.weight", model.get()));
+    ASSIGN_OR_RETURN(L.up, Weight(f, p + "ffn_up.weight", model.get()));
     if (f.FindTensor(p + "ffn_down.weight") == nullptr &&
         f.FindTensor(p + "ffn_down_t.weight") != nullptr) {
-      ASSIGN_OR_RETURN(TensorView t, f.GetTensor(p + "ffn_down_t.weight"));
+      ASSIGN_OR_RETURN(TensorView t, Weight(f, p + "ffn_down_t.weight", model.get()));
       ASSIGN_OR_RETURN(L.down, TransposeDown(t, model.get()));
     } else {
-      ASSIGN_OR_RETURN(L.down, f.GetTensor(p + "ffn_down.weight"));
+      ASSIGN_OR_RETURN(L.down, Weight(f, p + "ffn_down.weight", model.get()));
     }
   }
   {

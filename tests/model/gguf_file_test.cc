@@ -494,6 +494,40 @@ TEST(GgufModelErrorsTest, ValidTinyModelLoadsAndRuns) {
   for (float v : logits) EXPECT_TRUE(std::isfinite(v));
 }
 
+// A file with general.alignment 1 may leave F32 data unaligned; the model must not change.
+TEST(GgufModelErrorsTest, UnalignedDataGivesTheSameModel) {
+  auto logits = [](const Model& m) {
+    auto ops = NewReferenceOps();
+    Transformer t(m, *ops);
+    KvCache cache(m.config, 4);
+    std::vector<float> out(m.config.vocab_size);
+    std::vector<int32_t> ids = {3, 1, 4};
+    EXPECT_TRUE(t.Forward(ids, 0, &cache, LogitsMode::kLast, out.data()).ok());
+    return out;
+  };
+  auto aligned = LoadModel(*WriteTinyLlama("aligned.gguf", TinyLlama()));
+  ASSERT_TRUE(aligned.ok()) << aligned.status();
+  bool tested = false;
+  for (int pad = 0; pad < 4 && !tested; ++pad) {
+    TinyLlama m;
+    m.extra = [pad](GgufWriter& w) {
+      w.SetU32("general.alignment", 1);
+      w.SetString("pad", std::string(pad, 'x'));
+    };
+    auto path = WriteTinyLlama("unaligned.gguf", m);
+    ASSERT_TRUE(path.ok());
+    auto file = GgufFile::Open(*path);
+    ASSERT_TRUE(file.ok()) << file.status();
+    if ((*file)->data_offset() % 4 == 0) continue;
+    tested = true;
+    auto model = LoadModel(*path);
+    ASSERT_TRUE(model.ok()) << model.status();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>((*model)->layers[1].wq.data) % 4, 0u);
+    EXPECT_EQ(logits(**model), logits(**aligned));
+  }
+  EXPECT_TRUE(tested);
+}
+
 TEST(GgufModelErrorsTest, MissingTensor) {
   TinyLlama m;
   m.skip_tensors = {"blk.1.ffn_up.weight"};
