@@ -379,7 +379,9 @@ class ByteLevelBpeTokenizer : public Tokenizer {
     }
 
     // A merge whose parts or result are not tokens could never produce a token id; such merges
-    // (absent from well-formed vocabularies) are skipped. The first of duplicate merges ranks.
+    // (absent from well-formed vocabularies, rejected by Hugging Face) are skipped, where
+    // llama.cpp would merge the strings and later fall back to byte tokens. The first of
+    // duplicate merges ranks.
     merges_.reserve(merges.size());
     for (size_t rank = 0; rank < merges.size(); ++rank) {
       const std::string& m = merges[rank];

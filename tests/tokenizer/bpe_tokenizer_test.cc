@@ -210,6 +210,24 @@ TEST(BpeMergeTest, MergesRespectPreTokenBoundaries) {
   (void)aspace;
 }
 
+TEST(BpeMergeTest, MergesOutsideTheVocabularyAreSkipped) {
+  // Hugging Face rejects such files. pinfer ignores a merge whose parts or result are not tokens
+  // (llama.cpp would apply it to strings and fall back to byte tokens; the two differ only for
+  // such malformed vocabularies), and the valid merges still apply.
+  Vocab v;
+  const int a = v.Add("a"), b = v.Add("b"), ab = v.Add("ab");
+  v.merges = {"a q", "b a", "ab", "a b"};  // unknown part, unknown result, not a pair, valid
+  EXPECT_THAT(Enc(*v.Build("gpt2"), "aba"), ElementsAre(ab, a));
+  (void)b;
+}
+
+TEST(BpeMergeTest, BytesWithoutATokenAreDropped) {
+  // As in llama.cpp: a byte whose character is not in the vocabulary produces no token.
+  Vocab v;
+  const int a = v.Add("a");
+  EXPECT_THAT(Enc(*v.Build("gpt2"), "aza"), ElementsAre(a, a));
+}
+
 TEST(BpeByteMapTest, MultiByteCharactersAndControlBytes) {
   Vocab v;
   const int c3 = v.Add("\xC3\x83"), a9 = v.Add("\xC2\xA9"), e_acute = v.Add("\xC3\x83\xC2\xA9");
