@@ -33,6 +33,7 @@ def load_stubs(out_dir):
     if protoc is None or plugin is None:
         raise AssertionError("protoc and grpc_python_plugin are needed (protobuf-compiler, "
                              "protobuf-compiler-grpc)")
+    pathlib.Path(out_dir).mkdir(parents=True, exist_ok=True)
     subprocess.run([protoc, f"-I{ROOT / 'proto'}", f"--python_out={out_dir}",
                     f"--grpc_python_out={out_dir}", f"--plugin=protoc-gen-grpc_python={plugin}",
                     "pinfer/v1/inference.proto"], check=True)
