@@ -441,6 +441,9 @@ absl::Status GgufFile::ParseAll(const uint8_t* data, size_t size,
       t.ne.push_back(static_cast<int64_t>(ne));
     }
     ASSIGN_OR_RETURN(t.type, in.Read<uint32_t>(absl::StrCat(what, " type")));
+    // PowerInfer's ggml fork numbers I8/I16/I32 16/17/18 (ids later ggml gave to IQ2_XXS,
+    // IQ2_XS, IQ3_XXS); its files (magic PWRI, e.g. the .gpuidx neuron index) use them.
+    if (magic_ == kPowerInferMagic && t.type >= 16 && t.type <= 18) t.type += 8;
     const GgmlTypeTraits* traits = FindGgmlTypeTraits(t.type);
     if (traits == nullptr) {
       return in.Error(absl::StrCat(what, " has unknown tensor type ", t.type));

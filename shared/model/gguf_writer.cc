@@ -266,7 +266,10 @@ absl::Status GgufWriter::WriteTo(Sink& sink) const {
     AppendString(&head, t.name);
     Append<uint32_t>(&head, static_cast<uint32_t>(t.ne.size()));
     for (int64_t d : t.ne) Append<uint64_t>(&head, static_cast<uint64_t>(d));
-    Append<uint32_t>(&head, static_cast<uint32_t>(t.type));
+    uint32_t type = static_cast<uint32_t>(t.type);
+    // PWRI files use PowerInfer's ggml numbering of the integer types (see gguf_reader.cc).
+    if (magic_ == kPowerInferMagic && type >= 24 && type <= 26) type -= 8;
+    Append<uint32_t>(&head, type);
     Append<uint64_t>(&head, offset);
     offset = AlignUp(offset + t.nbytes, alignment);
   }
