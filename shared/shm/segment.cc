@@ -2,6 +2,7 @@
 #include "shared/shm/segment.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -102,7 +103,9 @@ absl::StatusOr<std::unique_ptr<Segment>> Segment::Create(const std::string& name
           auto* h = static_cast<Header*>(p);
           if (h->magic == kMagic && h->version == kLayoutVersion) {
             const uint64_t hb = h->gpu_heartbeat_ns.load();
-            stale = hb == 0 || MonotonicNanos() - hb > kStaleCreatorNs;
+            // Gone: no heartbeat for a while, or (same PID namespace) no such process any more.
+            stale = hb == 0 || MonotonicNanos() - hb > kStaleCreatorNs ||
+                    (h->creator_pid > 0 && ::kill(h->creator_pid, 0) != 0 && errno == ESRCH);
             if (stale) {
               // Attached cpu-workers see this and let go of the old segment.
               h->state.store(static_cast<uint32_t>(SegmentState::kClosed));

@@ -1,0 +1,570 @@
+// Integration tests of the service: real gateway, gpu-worker and cpu-worker processes on port 0
+// with a fresh shared-memory segment. Outputs are checked against independent references (the
+// transformers library's greedy tokens in reference.json, llama.cpp's continuations for
+// stories260K) and against the in-process engine; failure behaviour (invalid requests, full
+// queue, deadlines, cancellation, killed workers, drain on SIGTERM) is checked by status code
+// and message.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "shared/engine/generator.h"
+#include "shared/engine/ops.h"
+#include "shared/model/model.h"
+#include "tests/service/deployment.h"
+
+namespace pinfer::testing {
+namespace {
+
+using ::testing::HasSubstr;
+using Clock = std::chrono::steady_clock;
+
+const std::string kTiny = std::string(PINFER_MODELS_DIR) + "/relu-llama-tiny";
+
+nlohmann::json ReadJson(const std::string& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+
+double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+v1::GenerateRequest GreedyRequest(const std::string& prompt, int n) {
+  v1::GenerateRequest req;
+  req.set_prompt(prompt);
+  req.set_max_new_tokens(n);
+  req.set_ignore_eos(true);
+  return req;
+}
+
+std::vector<uint32_t> U32(const nlohmann::json& j) {
+  std::vector<uint32_t> v;
+  for (const auto& x : j) v.push_back(x.get<uint32_t>());
+  return v;
+}
+
+// The in-process engine's greedy continuation (48 tokens, no EOS stop), the service's reference.
+std::vector<uint32_t> EngineGreedy(const Model& m, const std::vector<int32_t>& prompt, int n) {
+  auto ops = NewSimdOps(nullptr);
+  Transformer t(m, *ops);
+  GenerateOptions opts;
+  opts.max_new_tokens = n;
+  opts.stop_at_eos = false;
+  auto r = Generate(t, *m.tokenizer, prompt, opts, nullptr);
+  EXPECT_TRUE(r.ok()) << r.status();
+  std::vector<uint32_t> out;
+  if (r.ok()) {
+    for (int32_t id : r->ids) out.push_back(static_cast<uint32_t>(id));
+  }
+  return out;
+}
+
+// One deployment shared by the non-destructive tests.
+class ServiceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    DeploymentOptions o;
+    o.model = kTiny;
+    o.hot_fraction = 0.5;
+    o.gateway_flags = {"--max-running", "32", "--max-queue", "64"};
+    d_ = new Deployment(o);
+    absl::Status st = d_->Start();
+    ASSERT_TRUE(st.ok()) << st;
+    ref_ = new nlohmann::json(ReadJson(kTiny + "/reference.json"));
+  }
+  static void TearDownTestSuite() {
+    delete d_;
+    delete ref_;
+  }
+  void SetUp() override {
+    if (d_ == nullptr || d_->gateway_pid() <= 0) GTEST_SKIP() << "deployment did not start";
+  }
+  static Deployment* d_;
+  static nlohmann::json* ref_;
+};
+Deployment* ServiceTest::d_ = nullptr;
+nlohmann::json* ServiceTest::ref_ = nullptr;
+
+TEST_F(ServiceTest, GreedyTokensMatchReferenceAndInProcessEngine) {
+  auto model = LoadModel(kTiny);
+  ASSERT_TRUE(model.ok());
+  const auto& prompts = (*ref_)["prompts"];
+  ASSERT_EQ(prompts.size(), 12u);
+  for (const auto& p : prompts) {
+    const std::string text = p["prompt"];
+    SCOPED_TRACE(text);
+    const std::vector<uint32_t> want = U32(p["greedy_ids"]);
+    // The gateway tokenizes like transformers did (BOS + sentencepiece).
+    grpc::ClientContext tctx;
+    v1::TokenizeRequest treq;
+    treq.set_text(text);
+    treq.set_add_bos(true);
+    v1::TokenizeResponse tresp;
+    ASSERT_TRUE(d_->stub().Tokenize(&tctx, treq, &tresp).ok());
+    EXPECT_EQ(std::vector<uint32_t>(tresp.ids().begin(), tresp.ids().end()), U32(p["input_ids"]));
+
+    GenerateResult r = RunGenerate(d_->stub(), GreedyRequest(text, 48));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message() << "\n" << d_->Logs();
+    EXPECT_EQ(r.ids, want);
+    std::vector<int32_t> prompt_ids;
+    for (uint32_t id : U32(p["input_ids"])) prompt_ids.push_back(static_cast<int32_t>(id));
+    EXPECT_EQ(r.ids, EngineGreedy(**model, prompt_ids, 48));
+    // Streamed, not one message; the last one carries the summary.
+    EXPECT_GT(r.messages, 1);
+    EXPECT_EQ(r.last.finish_reason(), v1::FINISH_REASON_LENGTH);
+    EXPECT_EQ(r.last.usage().prompt_tokens(), p["input_ids"].size());
+    EXPECT_EQ(r.last.usage().generated_tokens(), 48u);
+    EXPECT_GT(r.last.timings().time_to_first_token_seconds(), 0);
+    EXPECT_GE(r.last.timings().total_seconds(), r.last.timings().time_to_first_token_seconds());
+    // The streamed texts, appended to the prompt, are the detokenized prompt and output.
+    grpc::ClientContext dctx;
+    v1::DetokenizeRequest dreq;
+    for (uint32_t id : U32(p["input_ids"])) dreq.add_ids(id);
+    for (uint32_t id : r.ids) dreq.add_ids(id);
+    v1::DetokenizeResponse dresp;
+    ASSERT_TRUE(d_->stub().Detokenize(&dctx, dreq, &dresp).ok());
+    EXPECT_EQ(text + r.text, dresp.text());
+  }
+}
+
+TEST_F(ServiceTest, TokenIdInputAndStopStringsAndEos) {
+  const auto& p = (*ref_)["prompts"][3];  // "Once upon a time": greedy output contains EOS
+  v1::GenerateRequest req;
+  for (uint32_t id : U32(p["input_ids"])) req.mutable_token_ids()->add_ids(id);
+  req.set_max_new_tokens(48);
+  GenerateResult r = RunGenerate(d_->stub(), req);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  const std::vector<uint32_t> greedy = U32(p["greedy_ids"]);
+  const auto eos_at = std::find(greedy.begin(), greedy.end(), 2u);
+  ASSERT_NE(eos_at, greedy.end());
+  // Without ignore_eos the stream ends at EOS, with the tokens before it.
+  EXPECT_EQ(r.last.finish_reason(), v1::FINISH_REASON_EOS);
+  EXPECT_EQ(r.ids, std::vector<uint32_t>(greedy.begin(), eos_at + 1));
+
+  // A stop string taken from the reference text ends the stream before it.
+  const std::string full = p["greedy_text"];
+  v1::GenerateRequest sreq = GreedyRequest(p["prompt"], 48);
+  const std::string stop = full.substr(10, 4);
+  sreq.add_stop(stop);
+  GenerateResult s = RunGenerate(d_->stub(), sreq);
+  ASSERT_TRUE(s.status.ok());
+  EXPECT_EQ(s.last.finish_reason(), v1::FINISH_REASON_STOP);
+  EXPECT_EQ(s.text.find(stop), std::string::npos);
+  EXPECT_LT(s.ids.size(), 48u);
+}
+
+TEST_F(ServiceTest, SixteenConcurrentStreamsAreAllCorrect) {
+  const auto& prompts = (*ref_)["prompts"];
+  std::vector<GenerateResult> results(16);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 16; ++i) {
+    threads.emplace_back([&, i] {
+      results[i] = RunGenerate(d_->stub(), GreedyRequest(prompts[i % 12]["prompt"], 48));
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 16; ++i) {
+    SCOPED_TRACE(i);
+    ASSERT_TRUE(results[i].status.ok()) << results[i].status.error_message();
+    EXPECT_EQ(results[i].ids, U32(prompts[i % 12]["greedy_ids"]));
+  }
+}
+
+TEST_F(ServiceTest, InvalidRequestsGetInvalidArgument) {
+  struct Case {
+    std::string name;
+    v1::GenerateRequest req;
+    std::string message;
+  };
+  std::vector<Case> cases;
+  {
+    Case c{"empty prompt", GreedyRequest("", 8), "prompt is empty"};
+    cases.push_back(c);
+  }
+  {
+    Case c{"no input", v1::GenerateRequest(), "prompt is empty"};
+    cases.push_back(c);
+  }
+  {
+    Case c{"max_new_tokens over the limit", GreedyRequest("Hello", 5000), "over the limit of 4096"};
+    cases.push_back(c);
+  }
+  {
+    Case c{"negative temperature", GreedyRequest("Hello", 8), "temperature must not be negative"};
+    c.req.mutable_sampling()->set_temperature(-0.5f);
+    cases.push_back(c);
+  }
+  {
+    Case c{"top_p out of range", GreedyRequest("Hello", 8), "top_p"};
+    c.req.mutable_sampling()->set_top_p(1.5f);
+    cases.push_back(c);
+  }
+  {
+    Case c{"token ids longer than the context", v1::GenerateRequest(), "context length of 2048"};
+    for (int i = 0; i < 2049; ++i) c.req.mutable_token_ids()->add_ids(100);
+    c.req.set_max_new_tokens(1);
+    cases.push_back(c);
+  }
+  {
+    std::string longtext;
+    for (int i = 0; i < 2100; ++i) longtext += "word ";
+    Case c{"text prompt longer than the context", GreedyRequest(longtext, 8),
+           "exceeds the context length of 2048"};
+    cases.push_back(c);
+  }
+  {
+    Case c{"token id outside the vocabulary", v1::GenerateRequest(), "outside the vocabulary"};
+    c.req.mutable_token_ids()->add_ids(1);
+    c.req.mutable_token_ids()->add_ids(4096);
+    cases.push_back(c);
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const auto t0 = Clock::now();
+    GenerateResult r = RunGenerate(d_->stub(), c.req);
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(r.status.error_message(), HasSubstr(c.message));
+    EXPECT_TRUE(r.ids.empty());
+    EXPECT_LT(Since(t0), 5.0);
+  }
+}
+
+// Polls the gpu-worker until it runs no sequence.
+bool WaitWorkerIdle(Deployment* d, double seconds) {
+  const auto t0 = Clock::now();
+  while (Since(t0) < seconds) {
+    grpc::ClientContext ctx;
+    worker::v1::CheckResponse resp;
+    if (d->gpu_stub().Check(&ctx, worker::v1::CheckRequest(), &resp).ok() &&
+        resp.running_sequences() == 0) {
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
+double WorkerTokens(Deployment* d) {
+  auto m = ScrapeMetrics(d->gpu_metrics_port());
+  return m.ok() ? MetricSum(*m, "pinfer_worker_tokens_total") : -1;
+}
+
+TEST_F(ServiceTest, CancellingTheStreamStopsTheWorker) {
+  grpc::ClientContext ctx;
+  auto reader = d_->stub().Generate(&ctx, GreedyRequest("The Python interpreter", 1500));
+  v1::GenerateResponse resp;
+  int got = 0;
+  while (got < 3 && reader->Read(&resp)) got += resp.tokens_size();
+  ASSERT_GE(got, 3);
+  ctx.TryCancel();
+  while (reader->Read(&resp)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  // The gpu-worker drops the sequence at its next step, far before 1500 tokens.
+  ASSERT_TRUE(WaitWorkerIdle(d_, 5.0));
+  const double a = WorkerTokens(d_);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(WorkerTokens(d_), a);
+}
+
+TEST_F(ServiceTest, ClientDeadlineIsHonoured) {
+  const auto t0 = Clock::now();
+  GenerateResult r = RunGenerate(d_->stub(), GreedyRequest("The Python interpreter", 1500),
+                                 std::chrono::milliseconds(300));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_LT(Since(t0), 3.0);
+  EXPECT_LT(r.ids.size(), 1500u);
+  EXPECT_TRUE(WaitWorkerIdle(d_, 5.0));
+}
+
+TEST_F(ServiceTest, ModelInfoHealthAndReflection) {
+  grpc::ClientContext ctx;
+  v1::ModelInfo info;
+  ASSERT_TRUE(d_->stub().GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
+  EXPECT_EQ(info.architecture(), "llama");
+  EXPECT_EQ(info.num_layers(), 6u);
+  EXPECT_EQ(info.hidden_size(), 384u);
+  EXPECT_EQ(info.ffn_size(), 1536u);
+  EXPECT_EQ(info.context_length(), 2048u);
+  EXPECT_EQ(info.activation(), "relu");
+  EXPECT_EQ(info.weight_dtype(), "F16");
+  EXPECT_EQ(info.max_new_tokens_limit(), 4096u);
+  // Half of each layer's 1536 neurons on each side; rows: gate, up, down_t, 384 fp16 each.
+  EXPECT_EQ(info.placement().gpu_neurons(), 6u * 768);
+  EXPECT_EQ(info.placement().cpu_neurons(), 6u * 768);
+  EXPECT_EQ(info.placement().gpu_bytes(), 6u * 768 * 3 * 384 * 2);
+  EXPECT_EQ(info.placement().cpu_bytes(), 6u * 768 * 3 * 384 * 2);
+  EXPECT_EQ(info.placement().gpu_backend(), "cpu");
+  EXPECT_EQ(info.placement().mode(), "exact");
+
+  EXPECT_EQ(d_->Health(""), "SERVING");
+  EXPECT_EQ(d_->Health("pinfer.v1.Inference"), "SERVING");
+
+  auto refl = grpc::reflection::v1alpha::ServerReflection::NewStub(d_->channel());
+  grpc::ClientContext rctx;
+  auto stream = refl->ServerReflectionInfo(&rctx);
+  grpc::reflection::v1alpha::ServerReflectionRequest rreq;
+  rreq.set_list_services("");
+  ASSERT_TRUE(stream->Write(rreq));
+  grpc::reflection::v1alpha::ServerReflectionResponse rresp;
+  ASSERT_TRUE(stream->Read(&rresp));
+  std::vector<std::string> services;
+  for (const auto& s : rresp.list_services_response().service()) services.push_back(s.name());
+  EXPECT_THAT(services, ::testing::IsSupersetOf({"pinfer.v1.Inference", "grpc.health.v1.Health"}));
+  rreq.set_file_containing_symbol("pinfer.v1.GenerateRequest");
+  ASSERT_TRUE(stream->Write(rreq));
+  ASSERT_TRUE(stream->Read(&rresp));
+  EXPECT_GT(rresp.file_descriptor_response().file_descriptor_proto_size(), 0);
+  stream->WritesDone();
+}
+
+TEST_F(ServiceTest, MetricsCountTheLoad) {
+  auto before = ScrapeMetrics(d_->gateway_metrics_port());
+  ASSERT_TRUE(before.ok()) << before.status();
+  const auto& prompts = (*ref_)["prompts"];
+  size_t prompt_tokens = 0;
+  for (int i = 0; i < 3; ++i) {
+    GenerateResult r = RunGenerate(d_->stub(), GreedyRequest(prompts[i]["prompt"], 10));
+    ASSERT_TRUE(r.status.ok());
+    prompt_tokens += prompts[i]["input_ids"].size();
+  }
+  ASSERT_EQ(RunGenerate(d_->stub(), GreedyRequest("", 10)).status.error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  auto after = ScrapeMetrics(d_->gateway_metrics_port());
+  ASSERT_TRUE(after.ok()) << after.status();
+  auto delta = [&](const std::string& name, const std::string& filter = "") {
+    return MetricSum(*after, name, filter) - MetricSum(*before, name, filter);
+  };
+  EXPECT_EQ(delta("pinfer_generation_tokens_total"), 30);
+  EXPECT_EQ(delta("pinfer_prompt_tokens_total"), static_cast<double>(prompt_tokens));
+  EXPECT_EQ(delta("pinfer_requests_total", "finish_reason=\"length\""), 3);
+  EXPECT_EQ(delta("pinfer_request_failures_total", "code=\"INVALID_ARGUMENT\""), 1);
+  EXPECT_EQ(delta("pinfer_time_to_first_token_seconds_count"), 3);
+  EXPECT_EQ(delta("pinfer_request_duration_seconds_count"), 3);
+  EXPECT_EQ(delta("pinfer_queue_time_seconds_count"), 3);
+  EXPECT_EQ(delta("pinfer_inter_token_latency_seconds_count"), 27);
+  EXPECT_EQ(MetricSum(*after, "pinfer_requests_running"), 0);
+  EXPECT_EQ(MetricSum(*after, "pinfer_requests_waiting"), 0);
+  EXPECT_GT(MetricSum(*after, "pinfer_request_duration_seconds_sum"), 0);
+  // No request ids or other unbounded labels: every series of these families is known.
+  for (const auto& [k, v] : *after) {
+    if (k.rfind("pinfer_requests_total{", 0) == 0) EXPECT_THAT(k, HasSubstr("finish_reason="));
+    EXPECT_EQ(k.find("request_id"), std::string::npos) << k;
+  }
+
+  auto gpu = ScrapeMetrics(d_->gpu_metrics_port());
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  EXPECT_GT(MetricSum(*gpu, "pinfer_worker_neurons_computed_total", "side=\"gpu\""), 0);
+  EXPECT_GT(MetricSum(*gpu, "pinfer_worker_neurons_computed_total", "side=\"cpu\""), 0);
+  EXPECT_GT(MetricSum(*gpu, "pinfer_worker_compute_seconds_total", "kind=\"ffn\""), 0);
+  EXPECT_GT(MetricSum(*gpu, "pinfer_worker_compute_seconds_total", "kind=\"dense\""), 0);
+  EXPECT_GT(MetricSum(*gpu, "pinfer_worker_shm_wait_seconds_count"), 0);
+  EXPECT_EQ(MetricSum(*gpu, "pinfer_worker_backend_info", "backend=\"cpu\""), 1);
+  EXPECT_EQ(MetricSum(*gpu, "pinfer_worker_gpu_available"), 0);
+  EXPECT_GT(MetricSum(*gpu, "pinfer_worker_resident_bytes"), 0);
+  EXPECT_EQ(MetricSum(*gpu, "pinfer_worker_peer_alive"), 1);
+  // ReLU: most neurons are skipped (reference.json: 15-35% active per layer).
+  const double sparsity = MetricSum(*gpu, "pinfer_worker_ffn_sparsity");
+  EXPECT_GT(sparsity, 0.5);
+  EXPECT_LT(sparsity, 0.95);
+
+  auto cpu = ScrapeMetrics(d_->cpu_metrics_port());
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  EXPECT_GT(MetricSum(*cpu, "pinfer_worker_neurons_computed_total", "side=\"cpu\""), 0);
+  EXPECT_GT(MetricSum(*cpu, "pinfer_worker_compute_seconds_total"), 0);
+  EXPECT_EQ(MetricSum(*cpu, "pinfer_worker_ffn_row_bytes"), 6.0 * 768 * 3 * 384 * 2);
+  EXPECT_GT(MetricSum(*cpu, "pinfer_worker_resident_bytes"), 0);
+}
+
+// Resident bytes of the mappings of `file` in process `pid`, and of everything else.
+std::pair<uint64_t, uint64_t> ResidentSplit(pid_t pid, const std::string& file) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/smaps");
+  std::string line;
+  bool in_file = false;
+  uint64_t file_kb = 0, other_kb = 0;
+  while (std::getline(in, line)) {
+    if (!line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) &&
+        line.find('-') < line.find(' ')) {
+      in_file = line.size() >= file.size() && line.compare(line.size() - file.size(), file.size(), file) == 0;
+      continue;
+    }
+    if (line.rfind("Rss:", 0) == 0) {
+      const uint64_t kb = std::stoull(line.substr(4));
+      (in_file ? file_kb : other_kb) += kb;
+    }
+  }
+  return {file_kb * 1024, other_kb * 1024};
+}
+
+TEST_F(ServiceTest, CpuWorkerKeepsOnlyItsColdRowsResident) {
+  // After serving (all cold rows in use), none of the model file's pages are resident in the
+  // cpu-worker: it computes from its private copy of the cold rows only.
+  ASSERT_TRUE(RunGenerate(d_->stub(), GreedyRequest("In the beginning", 16)).status.ok());
+  const auto [file_bytes, other_bytes] = ResidentSplit(d_->cpu_pid(), "model.safetensors");
+  const uint64_t cold_rows = 6ull * 768 * 3 * 384 * 2;
+  const uint64_t model_bytes = 32259872;
+  EXPECT_LT(file_bytes, 256u * 1024) << "the cpu-worker keeps model pages resident";
+  EXPECT_GE(other_bytes, cold_rows);
+  // Its whole resident set is below the model's size plus its code and libraries; the
+  // gpu-worker, which also holds attention, embeddings and the output head, holds more.
+  const auto [gfile, gother] = ResidentSplit(d_->gpu_pid(), "model.safetensors");
+  EXPECT_LT(file_bytes + other_bytes, gfile + gother);
+  EXPECT_LT(file_bytes + other_bytes - cold_rows, model_bytes);
+}
+
+// --- Tests with their own deployment -------------------------------------------------------
+
+TEST(ServiceFailureTest, KilledCpuWorkerFailsFastAndServiceRecovers) {
+  DeploymentOptions o;
+  o.model = kTiny;
+  o.liveness_ms = 1000;
+  Deployment d(o);
+  ASSERT_TRUE(d.Start().ok()) << d.Logs();
+  const auto ref = ReadJson(kTiny + "/reference.json");
+
+  // A long stream is running when the cpu-worker dies.
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto reader = d.stub().Generate(&ctx, GreedyRequest("The Python interpreter", 1500));
+  v1::GenerateResponse resp;
+  int got = 0;
+  while (got < 2 && reader->Read(&resp)) got += resp.tokens_size();
+  ASSERT_GE(got, 2);
+  const auto t0 = Clock::now();
+  d.KillCpuWorker(SIGKILL);
+  while (reader->Read(&resp)) {
+  }
+  grpc::Status st = reader->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("cpu-worker"));
+  EXPECT_LT(Since(t0), 5.0);
+
+  // New requests fail fast, and health says NOT_SERVING.
+  const auto t1 = Clock::now();
+  GenerateResult r = RunGenerate(d.stub(), GreedyRequest("Hello", 8));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_LT(Since(t1), 3.0);
+  ASSERT_TRUE(d.WaitHealth("NOT_SERVING", std::chrono::seconds(5)).ok());
+
+  // A restarted cpu-worker brings it back, with correct output.
+  ASSERT_TRUE(d.StartCpuWorker().ok());
+  ASSERT_TRUE(d.WaitHealth("SERVING", std::chrono::seconds(30)).ok()) << d.Logs();
+  for (int i : {0, 5}) {
+    const auto& p = ref["prompts"][i];
+    GenerateResult ok = RunGenerate(d.stub(), GreedyRequest(p["prompt"], 48));
+    ASSERT_TRUE(ok.status.ok()) << ok.status.error_message();
+    EXPECT_EQ(ok.ids, U32(p["greedy_ids"]));
+  }
+}
+
+TEST(ServiceFailureTest, KilledGpuWorkerGivesUnavailableAndRestartRecovers) {
+  DeploymentOptions o;
+  o.model = kTiny;
+  o.liveness_ms = 1000;
+  Deployment d(o);
+  ASSERT_TRUE(d.Start().ok()) << d.Logs();
+  d.KillGpuWorker(SIGKILL);
+  const auto t0 = Clock::now();
+  GenerateResult r = RunGenerate(d.stub(), GreedyRequest("Hello", 8));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_LT(Since(t0), 5.0);
+  ASSERT_TRUE(d.WaitHealth("NOT_SERVING", std::chrono::seconds(5)).ok());
+  // The new gpu-worker takes over the dead one's segment name; the cpu-worker re-attaches.
+  ASSERT_TRUE(d.StartGpuWorker().ok()) << d.Logs();
+  // The gateway was given the old port; start a new gateway for the new worker.
+  d.KillGateway(SIGKILL);
+  ASSERT_TRUE(d.StartGateway().ok());
+  ASSERT_TRUE(d.WaitHealth("SERVING", std::chrono::seconds(30)).ok()) << d.Logs();
+  const auto ref = ReadJson(kTiny + "/reference.json");
+  GenerateResult ok = RunGenerate(d.stub(), GreedyRequest(ref["prompts"][1]["prompt"], 48));
+  ASSERT_TRUE(ok.status.ok()) << ok.status.error_message();
+  EXPECT_EQ(ok.ids, U32(ref["prompts"][1]["greedy_ids"]));
+}
+
+TEST(ServiceQueueTest, FullQueueGivesResourceExhaustedAndSigtermDrains) {
+  DeploymentOptions o;
+  o.model = kTiny;
+  o.gateway_flags = {"--max-running", "1", "--max-queue", "1", "--drain-timeout-ms", "20000"};
+  Deployment d(o);
+  ASSERT_TRUE(d.Start().ok()) << d.Logs();
+
+  // A occupies the only slot; B waits in the queue; C finds the queue full.
+  grpc::ClientContext actx;
+  auto a = d.stub().Generate(&actx, GreedyRequest("The Python interpreter", 1500));
+  v1::GenerateResponse resp;
+  ASSERT_TRUE(a->Read(&resp));
+  GenerateResult b;
+  std::thread bt([&] { b = RunGenerate(d.stub(), GreedyRequest("Once upon a time", 20)); });
+  // Wait until B is queued.
+  const auto t0 = Clock::now();
+  while (Since(t0) < 10) {
+    auto m = ScrapeMetrics(d.gateway_metrics_port());
+    if (m.ok() && MetricSum(*m, "pinfer_requests_waiting") == 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  GenerateResult c = RunGenerate(d.stub(), GreedyRequest("In the beginning", 20));
+  EXPECT_EQ(c.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(c.status.error_message(), HasSubstr("queue is full"));
+  // Freeing the slot lets B run.
+  actx.TryCancel();
+  while (a->Read(&resp)) {
+  }
+  (void)a->Finish();
+  bt.join();
+  ASSERT_TRUE(b.status.ok()) << b.status.error_message();
+  EXPECT_EQ(b.ids.size(), 20u);
+  EXPECT_GT(b.last.timings().queue_seconds(), 0);
+
+  // SIGTERM while a request runs: it completes, new ones are refused, then the gateway exits.
+  grpc::ClientContext dctx;
+  auto running = d.stub().Generate(&dctx, GreedyRequest("The meaning of life is", 200));
+  ASSERT_TRUE(running->Read(&resp));
+  int tokens = resp.tokens_size();
+  ::kill(d.gateway_pid(), SIGTERM);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(d.Health(""), "NOT_SERVING");
+  GenerateResult refused = RunGenerate(d.stub(), GreedyRequest("Hello", 5));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  while (running->Read(&resp)) tokens += resp.tokens_size();
+  EXPECT_TRUE(running->Finish().ok());
+  EXPECT_EQ(tokens, 200);
+  const int status = d.WaitGateway(std::chrono::seconds(10));
+  ASSERT_NE(status, -1) << "the gateway did not exit after draining";
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
+TEST(ServiceModelFamilyTest, SiluGgufModelMatchesLlamaCpp) {
+  // Another model of the family: SiLU activation (every neuron computed, split between the
+  // workers), GGUF F32, interleaved RoPE. Reference: llama.cpp's greedy continuations.
+  const std::string dir = std::string(PINFER_MODELS_DIR) + "/stories260K";
+  DeploymentOptions o;
+  o.model = dir + "/stories260K.gguf";
+  o.hot_fraction = 0.3;
+  Deployment d(o);
+  ASSERT_TRUE(d.Start().ok()) << d.Logs();
+  const auto ref = ReadJson(dir + "/reference.json");
+  for (const auto& r : ref["references"]) {
+    const std::string prompt = r["prompt"];
+    SCOPED_TRACE(prompt);
+    GenerateResult g = RunGenerate(d.stub(), GreedyRequest(prompt, r["n_predict"].get<int>()));
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+    EXPECT_EQ(g.ids.size(), 64u);
+    EXPECT_EQ(g.text + "\n\n", r["greedy_continuation"].get<std::string>());
+  }
+  grpc::ClientContext ctx;
+  v1::ModelInfo info;
+  ASSERT_TRUE(d.stub().GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
+  EXPECT_EQ(info.activation(), "silu");
+  EXPECT_EQ(info.weight_dtype(), "F32");
+}
+
+}  // namespace
+}  // namespace pinfer::testing
