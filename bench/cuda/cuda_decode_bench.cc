@@ -67,6 +67,7 @@ struct Options {
   int warmup = 4, steps = 32;
   int threads = 0;  // 0: all cores
   std::string modes = "pinfer,offload,gpu";
+  bool graphs = true;
 };
 
 // 64-byte aligned host buffer.
@@ -639,6 +640,7 @@ int Main(int argc, char** argv) {
     else if (const char* v = val("--warmup=")) o.warmup = std::atoi(v);
     else if (const char* v = val("--threads=")) o.threads = std::atoi(v);
     else if (const char* v = val("--modes=")) o.modes = v;
+    else if (const char* v = val("--graphs=")) o.graphs = std::atoi(v) != 0;
     else if (const char* v = val("--skews=")) {
       o.skews.clear();
       for (const char* p = v; *p;) {
@@ -653,6 +655,7 @@ int Main(int argc, char** argv) {
     }
   }
   std::printf("command:");
+  // (CUDA graphs: one per layer for single-token steps unless --graphs=0.)
   for (int i = 0; i < argc; ++i) std::printf(" %s", argv[i]);
   std::printf("\n");
   if (pinfer_cuda_device_count() == 0) {
@@ -733,6 +736,7 @@ int Main(int argc, char** argv) {
     std::printf("pinfer: %d of %d FFN neurons per layer on the GPU (%.1f%%), uploaded in %.1f s\n",
                 n_hot, c.ffn_size, 100.0 * n_hot / c.ffn_size, Now() - t0);
     be.b->set_collect_gpu_times(true);
+    be.b->set_use_graphs(o.graphs);
     SpinPool spin(threads);
     CpuColdFfn cold(m, spin);
     for (double skew : o.skews) {
@@ -825,6 +829,7 @@ int Main(int argc, char** argv) {
       return 1;
     }
     std::printf("offload: %d of %d layers on the GPU\n", gpu_layers, c.n_layers);
+    be.b->set_use_graphs(o.graphs);
     CpuDenseLayers cpu(m, pool, gpu_layers, max_ctx);
     std::vector<float> x(c.hidden_size);
     int32_t token = 1;
@@ -884,6 +889,7 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr, "gpu backend: %s\n", err);
       return 1;
     }
+    be.b->set_use_graphs(o.graphs);
     int32_t token = 1;
     double start = 0;
     for (int s = 0; s < total_steps; ++s) {

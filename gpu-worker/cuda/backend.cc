@@ -13,7 +13,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -135,6 +137,7 @@ class CudaBackend : public Backend {
   std::string DeviceName() const override { return device_name_; }
   const ForwardStats& last_stats() const override { return stats_; }
   void set_collect_gpu_times(bool on) override { collect_gpu_times_ = on; }
+  void set_use_graphs(bool on) override { use_graphs_ = on; }
 
  private:
   template <typename T>
@@ -175,6 +178,17 @@ class CudaBackend : public Backend {
                               DeviceMatrix* out);
   // y: [n, ldy] = x: [n, w.cols] @ w^T
   BackendStatus Proj(const DeviceMatrix& w, const float* x, int n, float* y, int ldy);
+  static FfnMode EffectiveMode(const ForwardArgs& a) {
+    return a.mode == FfnMode::kDense ? FfnMode::kExact : a.mode;
+  }
+  // Host-side checks and staging of one layer (never captured in a graph).
+  BackendStatus PrepareLayer(int l, const ForwardArgs& a);
+  // The layer's GPU work up to the hot FFN output (capturable: no host waits, fixed sizes).
+  BackendStatus EnqueueLayer(int l, const ForwardArgs& a, const float* pend1, const float* pend2,
+                             bool cold, float* exchange_x);
+  // Waits for the FFN input, runs the cold callback, and queues its contribution.
+  BackendStatus FinishCold(int l, const ForwardArgs& a, float* exchange_x, float* exchange_out,
+                           int32_t* exchange_active);
   BackendStatus RunLayer(int l, const ForwardArgs& a, float* exchange_x, float* exchange_out,
                          int32_t* exchange_active);
   void Release();
@@ -222,6 +236,8 @@ class CudaBackend : public Backend {
   std::vector<cudaEvent_t> ev_x_, ev_hot0_, ev_hot1_;
   cudaEvent_t ev_start_ = nullptr, ev_layers_end_ = nullptr;
   bool collect_gpu_times_ = false;
+  bool use_graphs_ = true;
+  std::map<std::vector<int64_t>, cudaGraphExec_t> graphs_;
   ForwardStats stats_;
 };
 
@@ -239,6 +255,8 @@ void CudaBackend::Release() {
   }
   if (ev_start_ != nullptr) cudaEventDestroy(ev_start_);
   if (ev_layers_end_ != nullptr) cudaEventDestroy(ev_layers_end_);
+  for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+  graphs_.clear();
   if (cublas_ != nullptr) cublasDestroy(cublas_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
   stream_ = nullptr;
@@ -355,6 +373,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
     return Error(Code::kInvalidArgument, "CUDA device " + std::to_string(device_) + " of " +
                                              std::to_string(n_dev));
   }
+  if (const char* g = std::getenv("PINFER_CUDA_GRAPHS")) use_graphs_ = std::string(g) != "0";
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   cudaDeviceProp prop;
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
@@ -510,38 +529,108 @@ BackendStatus CudaBackend::Proj(const DeviceMatrix& w, const float* x, int n, fl
   return Ok();
 }
 
+BackendStatus CudaBackend::PrepareLayer(int l, const ForwardArgs& a) {
+  const DeviceLayer& L = layers_[l];
+  if (L.ffn == FfnPlacement::kNone) {
+    return Error(Code::kFailedPrecondition, "layer " + std::to_string(l) + " is not on the GPU");
+  }
+  if (L.ffn == FfnPlacement::kDense) return Ok();
+  const FfnMode mode = EffectiveMode(a);
+  if (mode == FfnMode::kPredicted && L.fc1.data == nullptr) {
+    return Error(Code::kFailedPrecondition, "layer " + std::to_string(l) + " has no predictor");
+  }
+  const int F = dims_.ffn, n_hot = L.n_hot;
+  if (mode == FfnMode::kGiven && n_hot > 0) {
+    if (a.given_hot == nullptr || static_cast<int>(a.given_hot->size()) <= l) {
+      return Error(Code::kInvalidArgument, "kGiven needs given_hot for every layer");
+    }
+    const std::vector<int32_t>& g = (*a.given_hot)[l];
+    if (static_cast<int>(g.size()) > n_hot) {
+      return Error(Code::kInvalidArgument, "given_hot lists more rows than the layer holds");
+    }
+    // Staged in pinned memory; the copy to the GPU (fixed size, so a graph can replay it) is
+    // part of the layer's GPU work.
+    int32_t* stage = given_host_ + static_cast<size_t>(l) * (F + 1);
+    stage[0] = static_cast<int32_t>(g.size());
+    std::memcpy(stage + 1, g.data(), g.size() * 4);
+    counts_host_[2 * l] = static_cast<int32_t>(g.size());
+  }
+  if (mode == FfnMode::kGiven && a.cold != nullptr &&
+      (a.given_cold == nullptr || static_cast<int>(a.given_cold->size()) <= l)) {
+    return Error(Code::kInvalidArgument, "kGiven needs given_cold for every layer");
+  }
+  if (a.n > kSmallBatch || n_hot == 0) counts_host_[2 * l] = n_hot;
+  return Ok();
+}
+
 BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange_x,
                                     float* exchange_out, int32_t* exchange_active) {
+  BACKEND_RETURN_IF_ERROR(PrepareLayer(l, a));
+  const DeviceLayer& L = layers_[l];
+  const bool cold =
+      L.ffn == FfnPlacement::kHot && a.cold != nullptr && !L.cold_ids_host.empty();
+  const float* pend1 = pending1_;
+  const float* pend2 = pending2_;
+  if (use_graphs_ && a.n == 1) {
+    // Decode steps replay one captured graph per layer: one launch instead of about twenty.
+    const std::vector<int64_t> key = {
+        l, a.seq, static_cast<int>(EffectiveMode(a)), a.run_predictors ? 1 : 0,
+        pend1 != nullptr, pend2 != nullptr, cold ? 1 : 0,
+        static_cast<int64_t>(reinterpret_cast<uintptr_t>(cold ? exchange_x : nullptr)),
+        collect_gpu_times_ ? 1 : 0};
+    auto it = graphs_.find(key);
+    if (it == graphs_.end()) {
+      cudaGraph_t graph = nullptr;
+      CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
+      BackendStatus st = EnqueueLayer(l, a, pend1, pend2, cold, exchange_x);
+      cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+      if (!st.ok()) {
+        if (graph != nullptr) cudaGraphDestroy(graph);
+        return st;
+      }
+      CUDA_RETURN_IF_ERROR(end);
+      cudaGraphExec_t exec = nullptr;
+      cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+      cudaGraphDestroy(graph);
+      CUDA_RETURN_IF_ERROR(inst);
+      it = graphs_.emplace(key, exec).first;
+    }
+    CUDA_RETURN_IF_ERROR(cudaGraphLaunch(it->second, stream_));
+  } else {
+    BACKEND_RETURN_IF_ERROR(EnqueueLayer(l, a, pend1, pend2, cold, exchange_x));
+  }
+  pending1_ = hot_out_;
+  pending2_ = nullptr;
+  if (!cold) return Ok();
+  return FinishCold(l, a, exchange_x, exchange_out, exchange_active);
+}
+
+BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float* pend1,
+                                        const float* pend2, bool cold, float* exchange_x) {
   const ModelDims& c = dims_;
   const DeviceLayer& L = layers_[l];
   const int n = a.n, H = c.hidden, F = c.ffn;
   const int64_t nh = static_cast<int64_t>(n) * H;
   const int qdim = c.n_heads * c.head_dim, kvdim = c.n_kv_heads * c.head_dim;
-  if (L.ffn == FfnPlacement::kNone) {
-    return Error(Code::kFailedPrecondition, "layer " + std::to_string(l) + " is not on the GPU");
-  }
   const ActKind act = static_cast<ActKind>(c.activation);
 
   // Attention block; new keys and values go straight into the cache.
   const size_t slot = (static_cast<size_t>(L.kv_index) * max_seqs_ + a.seq) * max_ctx_;
   float* k_seq = k_cache_ + slot * kvdim;  // [max_ctx, kv_dim]
   float* v_seq = v_cache_ + slot * kvdim;
-  float* k_new = k_seq + static_cast<size_t>(a.pos0) * kvdim;
-  float* v_new = v_seq + static_cast<size_t>(a.pos0) * kvdim;
   // The previous layer's FFN output joins the residual inside this norm.
-  if (pending1_ != nullptr) {
-    CUDA_RETURN_IF_ERROR(ResidualRmsNorm(x_, pending1_, pending2_, L.attn_norm, n, H, c.norm_eps,
-                                         xb_, stream_));
-    pending1_ = pending2_ = nullptr;
+  if (pend1 != nullptr) {
+    CUDA_RETURN_IF_ERROR(ResidualRmsNorm(x_, pend1, pend2, L.attn_norm, n, H, c.norm_eps, xb_,
+                                         stream_));
   } else {
     CUDA_RETURN_IF_ERROR(RmsNorm(x_, L.attn_norm, n, H, c.norm_eps, xb_, stream_));
   }
   BACKEND_RETURN_IF_ERROR(Proj(L.wqkv, xb_, n, qkv_, qdim + 2 * kvdim));  // [n, q + 2 kv]
   CUDA_RETURN_IF_ERROR(RopeQkvToCache(qkv_, n, c.n_heads, c.n_kv_heads, c.head_dim,
-                                      positions_dev_, inv_freq_, c.rope_interleaved, q_, k_new,
-                                      v_new, stream_));  // q: [n, q_dim]; k, v into the cache
-  CUDA_RETURN_IF_ERROR(Attention(q_, k_seq, v_seq, n, a.pos0, c.n_heads, c.n_kv_heads,
-                                 c.head_dim, att_, stream_));  // att: [n, q_dim]
+                                      positions_dev_, inv_freq_, c.rope_interleaved, q_, k_seq,
+                                      v_seq, stream_));  // q: [n, q_dim]; k, v into the cache
+  CUDA_RETURN_IF_ERROR(AttentionAt(q_, k_seq, v_seq, n, positions_dev_, max_ctx_, c.n_heads,
+                                   c.n_kv_heads, c.head_dim, att_, stream_));  // [n, q_dim]
   BACKEND_RETURN_IF_ERROR(Proj(L.wo, att_, n, xb_, H));         // xb: [n, hidden]
 
   // FFN block: x += attention output, xb = the FFN input.
@@ -553,21 +642,16 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
     CUDA_RETURN_IF_ERROR(GatedActivationPacked(act, gate_, n, F, up_, stream_));  // [n, ffn]
     BACKEND_RETURN_IF_ERROR(Proj(L.down, up_, n, hot_out_, H));  // [n, hidden]
     if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_hot1_[l], stream_));
-    pending1_ = hot_out_;
     return Ok();
   }
 
-  const bool cold = a.cold != nullptr && !L.cold_ids_host.empty();
   const int n_hot = L.n_hot, n_cold = static_cast<int>(L.cold_ids_host.size());
   const bool small = n <= kSmallBatch;
   int32_t* hot_count = hot_list_;
   int32_t* hot_idx_ = hot_list_ + 1;
   int32_t* cold_count = cold_list_;
   int32_t* cold_idx_ = cold_list_ + 1;
-  FfnMode mode = a.mode == FfnMode::kDense ? FfnMode::kExact : a.mode;
-  if (mode == FfnMode::kPredicted && L.fc1.data == nullptr) {
-    return Error(Code::kFailedPrecondition, "layer " + std::to_string(l) + " has no predictor");
-  }
+  const FfnMode mode = EffectiveMode(a);
 
   // Predictors: scores: [n, ffn] = fc2(relu(fc1(x))).
   if (L.fc1.data != nullptr &&
@@ -591,19 +675,9 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
                                            cudaMemcpyDeviceToHost, stream_));
     }
   } else if (mode == FfnMode::kGiven && n_hot > 0) {
-    if (a.given_hot == nullptr || static_cast<int>(a.given_hot->size()) <= l) {
-      return Error(Code::kInvalidArgument, "kGiven needs given_hot for every layer");
-    }
-    const std::vector<int32_t>& g = (*a.given_hot)[l];
-    if (static_cast<int>(g.size()) > n_hot) {
-      return Error(Code::kInvalidArgument, "given_hot lists more rows than the layer holds");
-    }
-    int32_t* stage = given_host_ + static_cast<size_t>(l) * (F + 1);
-    stage[0] = static_cast<int32_t>(g.size());
-    std::memcpy(stage + 1, g.data(), g.size() * 4);
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(hot_list_, stage, (g.size() + 1) * 4,
+    const int32_t* stage = given_host_ + static_cast<size_t>(l) * (F + 1);
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(hot_list_, stage, (static_cast<size_t>(n_hot) + 1) * 4,
                                          cudaMemcpyHostToDevice, stream_));
-    counts_host_[2 * l] = static_cast<int32_t>(g.size());
   }
 
   // Publish the FFN input for the cold side before the hot work, so both run at once.
@@ -655,20 +729,21 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
                                            stream_));
       rc = GemmAW(cublas_, L.down_t, gate_, n_hot, n, hot_out_, 0.f, gemm_, stream_);
       if (rc != 0) return Error(Code::kInternal, std::string("cuBLAS: ") + GemmErrorString(rc));
-      counts_host_[2 * l] = n_hot;
     }
   } else {
     CUDA_RETURN_IF_ERROR(cudaMemsetAsync(hot_out_, 0, nh * 4, stream_));
-    counts_host_[2 * l] = 0;
   }
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_hot1_[l], stream_));
+  return Ok();
+}
 
-  if (!cold) {
-    pending1_ = hot_out_;
-    return Ok();
-  }
-
+BackendStatus CudaBackend::FinishCold(int l, const ForwardArgs& a, float* exchange_x,
+                                      float* exchange_out, int32_t* exchange_active) {
   // The cold side runs while the GPU works on the hot rows.
+  const DeviceLayer& L = layers_[l];
+  const int n = a.n;
+  const int64_t nh = static_cast<int64_t>(n) * dims_.hidden;
+  const FfnMode mode = EffectiveMode(a);
   double t0 = Now();
   CUDA_RETURN_IF_ERROR(cudaEventSynchronize(ev_x_[l]));
   double t1 = Now();
@@ -684,9 +759,6 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
     req.active = exchange_active;
     req.n_active = count;
   } else if (mode == FfnMode::kGiven) {
-    if (a.given_cold == nullptr || static_cast<int>(a.given_cold->size()) <= l) {
-      return Error(Code::kInvalidArgument, "kGiven needs given_cold for every layer");
-    }
     req.active = (*a.given_cold)[l].data();
     req.n_active = static_cast<int>((*a.given_cold)[l].size());
   }
@@ -696,7 +768,6 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
   if (!st.ok()) return st;
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cold_in_, exchange_out, nh * 4, cudaMemcpyHostToDevice,
                                        stream_));
-  pending1_ = hot_out_;
   pending2_ = cold_in_;
   return Ok();
 }

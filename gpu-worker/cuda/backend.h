@@ -178,6 +178,9 @@ class Backend {
   virtual const ForwardStats& last_stats() const = 0;
   // Records GPU event timings per Forward (costs a little; off by default).
   virtual void set_collect_gpu_times(bool on) = 0;
+  // Single-token steps replay one CUDA graph per layer (captured on first use per layer,
+  // sequence slot and mode); on by default, or off with PINFER_CUDA_GRAPHS=0.
+  virtual void set_use_graphs(bool on) = 0;
 };
 
 }  // namespace cuda

@@ -61,8 +61,8 @@ cudaError_t Rope(float* x, int n, int n_heads, int head_dim, const int32_t* posi
                  const float* inv_freq, bool interleaved, cudaStream_t stream);
 
 // The fused projection's tail: qkv: [n, q_dim + 2 kv_dim] (rows of wq, wk, wv stacked) ->
-// q: [n, q_dim] rotated; k_cache, v_cache rows 0..n-1 (each [n, kv_dim], the cache at the first
-// new position) receive the rotated keys and the values.
+// q: [n, q_dim] rotated; rows positions[t] of k_cache, v_cache ([ctx, kv_dim], the sequence's
+// cache) receive the rotated keys and the values.
 cudaError_t RopeQkvToCache(const float* qkv, int n, int n_heads, int n_kv_heads, int head_dim,
                            const int32_t* positions, const float* inv_freq, bool interleaved,
                            float* q, float* k_cache, float* v_cache, cudaStream_t stream);
@@ -73,6 +73,12 @@ cudaError_t RopeQkvToCache(const float* qkv, int n, int n_heads, int n_kv_heads,
 cudaError_t Attention(const float* q, const float* k, const float* v, int n, int pos0,
                       int n_heads, int n_kv_heads, int head_dim, float* out, cudaStream_t stream);
 int MaxAttentionContext();
+// The same with the first position read from positions[0] (device memory), so that a decode
+// step does not depend on host values and can be captured in a CUDA graph; shared memory is
+// sized for max_ctx.
+cudaError_t AttentionAt(const float* q, const float* k, const float* v, int n,
+                        const int32_t* positions, int max_ctx, int n_heads, int n_kv_heads,
+                        int head_dim, float* out, cudaStream_t stream);
 
 // y[t * ldy + i] = w.row(rows ? rows[i] : i) . x[t]   for i < count, t < n,
 // count = dev_count ? *dev_count : n_rows (n_rows is the upper bound). x: [n, w.cols].

@@ -221,10 +221,10 @@ TEST_F(CudaOpsTest, ResidualRmsNormMatchesReference) {
 }
 
 // The stacked q/k/v projection's output rotated and scattered: q to its buffer, k and v to the
-// cache rows of the new positions.
+// cache rows of the new positions (other cache rows untouched).
 TEST_F(CudaOpsTest, RopeQkvToCacheMatchesReference) {
   for (bool interleaved : {false, true}) {
-    const int n = 4, heads = 8, kv_heads = 2, hd = 64, pos0 = 21;
+    const int n = 4, heads = 8, kv_heads = 2, hd = 64, pos0 = 21, ctx = 32;
     const int qd = heads * hd, kvd = kv_heads * hd;
     std::vector<float> inv(hd / 2);
     for (int i = 0; i < hd / 2; ++i) inv[i] = static_cast<float>(1.0 / std::pow(10000.0, 2.0 * i / hd));
@@ -240,13 +240,21 @@ TEST_F(CudaOpsTest, RopeQkvToCacheMatchesReference) {
     }
     ref_->Rope(q.data(), n, heads, hd, pos.data(), inv.data(), interleaved);
     ref_->Rope(k.data(), n, kv_heads, hd, pos.data(), inv.data(), interleaved);
-    DevBuf<float> dqkv(qkv), dinv(inv), dq(q.size()), dk(k.size()), dv(v.size());
+    DevBuf<float> dqkv(qkv), dinv(inv), dq(q.size()), dk(ctx * kvd), dv(ctx * kvd);
     DevBuf<int32_t> dpos(pos);
     CUDA_OK(cuda::RopeQkvToCache(dqkv.get(), n, heads, kv_heads, hd, dpos.get(), dinv.get(),
                                  interleaved, dq.get(), dk.get(), dv.get(), nullptr));
     EXPECT_LE(Nmse(dq.Download(), q), kFp32Limit);
-    EXPECT_LE(Nmse(dk.Download(), k), kFp32Limit);
-    EXPECT_EQ(dv.Download(), v);
+    std::vector<float> kc = dk.Download(), vc = dv.Download();
+    std::vector<float> k_new(kc.begin() + pos0 * kvd, kc.begin() + (pos0 + n) * kvd);
+    std::vector<float> v_new(vc.begin() + pos0 * kvd, vc.begin() + (pos0 + n) * kvd);
+    EXPECT_LE(Nmse(k_new, k), kFp32Limit);
+    EXPECT_EQ(v_new, v);
+    for (int i = 0; i < ctx * kvd; ++i) {
+      if (i < pos0 * kvd || i >= (pos0 + n) * kvd) {
+        ASSERT_TRUE(std::isnan(kc[i]) && std::isnan(vc[i])) << "cache row " << i / kvd;
+      }
+    }
     EXPECT_TRUE(dq.GuardsIntact() && dk.GuardsIntact() && dv.GuardsIntact());
   }
 }
@@ -300,6 +308,15 @@ TEST_F(CudaOpsTest, AttentionDecodeAndPromptMatchReference) {
     EXPECT_FALSE(AnyNan(out));
     EXPECT_LE(Nmse(out, ref), kFp32Limit) << "n " << c.n << " pos0 " << c.pos0;
     EXPECT_TRUE(dout.GuardsIntact());
+    // The graph-friendly variant: the first position from device memory.
+    std::vector<int32_t> positions(c.n);
+    for (int t = 0; t < c.n; ++t) positions[t] = c.pos0 + t;
+    DevBuf<int32_t> dpos(positions);
+    DevBuf<float> dout2(q.size());
+    CUDA_OK(cuda::AttentionAt(dq.get(), dk.get(), dv.get(), c.n, dpos.get(), ctx + 7, c.heads,
+                              c.kv_heads, c.head_dim, dout2.get(), nullptr));
+    EXPECT_EQ(dout2.Download(), out);
+    EXPECT_TRUE(dout2.GuardsIntact());
   }
 }
 
@@ -357,7 +374,7 @@ TEST_F(CudaOpsTest, MatVecRowsMatchesReferenceForEveryType) {
 
 // The output head: a wide vocabulary against the final hidden state.
 TEST_F(CudaOpsTest, OutputHeadMatchesReference) {
-  for (DType type : {DType::kF16, DType::kQ4_0}) {
+  for (DType type : {DType::kF32, DType::kF16, DType::kBF16, DType::kQ4_0}) {
     const int64_t vocab = 32000, hidden = 512;
     HostWeights w = RandomWeights(type, vocab, hidden);
     DevBuf<uint8_t> dw(w.bytes.size());
@@ -370,6 +387,20 @@ TEST_F(CudaOpsTest, OutputHeadMatchesReference) {
     EXPECT_FALSE(AnyNan(out));
     EXPECT_LE(Nmse(out, ref), kFp32Limit) << DTypeName(type);
     EXPECT_TRUE(dy.GuardsIntact());
+    // A tall listed set (the warp-per-row kernel for 16-byte types) with a device count.
+    const int bound = 13000, count = 12500;
+    std::vector<int32_t> ids = RandomRows(vocab, bound);
+    std::vector<float> ref2(count);
+    ref_->MatMulRows(w.view(), ids.data(), count, x.data(), 1, ref2.data());
+    DevBuf<int32_t> dids(ids), dcount(std::vector<int32_t>{count});
+    DevBuf<float> dy2(bound);
+    CUDA_OK(cuda::MatVecRows(m, dids.get(), bound, dcount.get(), dx.get(), 1, dy2.get(), bound,
+                             nullptr));
+    std::vector<float> out2 = dy2.Download();
+    for (int i = count; i < bound; ++i) ASSERT_TRUE(std::isnan(out2[i])) << i;
+    out2.resize(count);
+    EXPECT_FALSE(AnyNan(out2));
+    EXPECT_LE(Nmse(out2, ref2), kFp32Limit) << DTypeName(type) << " listed";
   }
 }
 
