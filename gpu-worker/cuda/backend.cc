@@ -181,6 +181,7 @@ class CudaBackend : public Backend {
   static FfnMode EffectiveMode(const ForwardArgs& a) {
     return a.mode == FfnMode::kDense ? FfnMode::kExact : a.mode;
   }
+  cudaError_t RecordEvent(cudaEvent_t e);
   // Host-side checks and staging of one layer (never captured in a graph).
   BackendStatus PrepareLayer(int l, const ForwardArgs& a);
   // The layer's GPU work up to the hot FFN output (capturable: no host waits, fixed sizes).
@@ -529,6 +530,12 @@ BackendStatus CudaBackend::Proj(const DeviceMatrix& w, const float* x, int n, fl
   return Ok();
 }
 
+// Inside a stream capture a plain cudaEventRecord only orders streams; the External flag makes it
+// a node that records the event on every replay, so the host can wait on it.
+cudaError_t CudaBackend::RecordEvent(cudaEvent_t e) {
+  return cudaEventRecordWithFlags(e, stream_, cudaEventRecordExternal);
+}
+
 BackendStatus CudaBackend::PrepareLayer(int l, const ForwardArgs& a) {
   const DeviceLayer& L = layers_[l];
   if (L.ffn == FfnPlacement::kNone) {
@@ -637,11 +644,11 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
   CUDA_RETURN_IF_ERROR(ResidualRmsNorm(x_, xb_, nullptr, L.ffn_norm, n, H, c.norm_eps, xb_,
                                        stream_));
   if (L.ffn == FfnPlacement::kDense) {
-    if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_hot0_[l], stream_));
+    if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot0_[l]));
     BACKEND_RETURN_IF_ERROR(Proj(L.gate_up, xb_, n, gate_, 2 * F));  // [n, 2 ffn]: gate | up
     CUDA_RETURN_IF_ERROR(GatedActivationPacked(act, gate_, n, F, up_, stream_));  // [n, ffn]
     BACKEND_RETURN_IF_ERROR(Proj(L.down, up_, n, hot_out_, H));  // [n, hidden]
-    if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_hot1_[l], stream_));
+    if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot1_[l]));
     return Ok();
   }
 
@@ -683,11 +690,11 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
   // Publish the FFN input for the cold side before the hot work, so both run at once.
   if (cold) {
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(exchange_x, xb_, nh * 4, cudaMemcpyDeviceToHost, stream_));
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_x_[l], stream_));
+    CUDA_RETURN_IF_ERROR(RecordEvent(ev_x_[l]));
   }
 
   // Hot rows.
-  if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_hot0_[l], stream_));
+  if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot0_[l]));
   if (n_hot > 0) {
     if (small) {
       float* coef = nullptr;  // [n, n_hot] activations of the listed rows
@@ -733,7 +740,7 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
   } else {
     CUDA_RETURN_IF_ERROR(cudaMemsetAsync(hot_out_, 0, nh * 4, stream_));
   }
-  if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_hot1_[l], stream_));
+  if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot1_[l]));
   return Ok();
 }
 
