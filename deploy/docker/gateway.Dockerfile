@@ -5,7 +5,7 @@
 # from an existing build (PINFER_BUILD=prebuilt, see build.sh and bundle.sh); the runtime stage is
 # slim Debian with the binary, its libraries and nothing else, running as an unprivileged user.
 # The base images are build arguments so that machines without a registry can substitute their
-# own (tests/deploy/container_e2e_test.sh uses a debootstrapped Debian).
+# own (tests/deploy/container_e2e_test.py uses a debootstrapped Debian).
 #
 #   podman build -f deploy/docker/gateway.Dockerfile -t pinfer/gateway .
 ARG BUILDER_IMAGE=debian:bookworm
