@@ -18,6 +18,21 @@ namespace {
 
 using LoadFn = Processor* (*)(const std::string*, std::string*);
 
+// AddressSanitizer refuses RTLD_DEEPBIND (google/sanitizers#611). Sanitizer builds (the fuzzers,
+// PINFER_ASAN) therefore load the module without it; they are only safe in processes that do not
+// also link the system protobuf.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr int kDeepBind = 0;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr int kDeepBind = 0;
+#else
+constexpr int kDeepBind = RTLD_DEEPBIND;
+#endif
+#else
+constexpr int kDeepBind = RTLD_DEEPBIND;
+#endif
+
 LoadFn FindModule(std::string* error) {
   static std::once_flag once;
   static LoadFn fn = nullptr;
@@ -40,7 +55,7 @@ LoadFn FindModule(std::string* error) {
     candidates.push_back("libpinfer_spm.so");
     for (const std::string& path : candidates) {
       if (path.find('/') != std::string::npos && ::access(path.c_str(), R_OK) != 0) continue;
-      void* h = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
+      void* h = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | kDeepBind);
       if (h == nullptr) {
         load_error += std::string(load_error.empty() ? "" : "; ") + ::dlerror();
         continue;
