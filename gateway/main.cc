@@ -243,14 +243,22 @@ class Pool {
     cv_.notify_all();
   }
 
-  // A worker failed a request in a way that says it is gone: stop routing to it until the next
-  // health check says otherwise.
-  void MarkUnhealthy(Worker* w, const std::string& why) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (w->healthy) Log("gpu-worker %s: %s", w->address.c_str(), why.c_str());
-    w->healthy = false;
-    w->problem = why;
+  // A worker failed a request with UNAVAILABLE: re-check health now instead of at the next
+  // interval, so that routing and the health service follow quickly.
+  void RequestCheck() {
+    {
+      std::lock_guard<std::mutex> lock(check_mu_);
+      check_requested_ = true;
+    }
+    check_cv_.notify_all();
   }
+  // Sleeps until the next health check is due (or requested, or `stop`).
+  void WaitForCheck(std::chrono::milliseconds interval, const std::atomic<bool>& stop) {
+    std::unique_lock<std::mutex> lock(check_mu_);
+    check_cv_.wait_for(lock, interval, [&] { return check_requested_ || stop.load(); });
+    check_requested_ = false;
+  }
+  void WakeChecker() { check_cv_.notify_all(); }
 
   Worker* AnyHealthy() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -317,6 +325,9 @@ class Pool {
   uint64_t next_ticket_ = 0;
   int running_ = 0;
   bool draining_ = false;
+  std::mutex check_mu_;
+  std::condition_variable check_cv_;
+  bool check_requested_ = false;
 };
 
 struct Metrics {
@@ -555,9 +566,7 @@ class InferenceService final : public v1::Inference::Service {
     grpc::Status st = reader->Finish();
     if (!st.ok()) {
       if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
-      if (st.error_code() == grpc::StatusCode::UNAVAILABLE) {
-        pool_->MarkUnhealthy(w, st.error_message());
-      }
+      if (st.error_code() == grpc::StatusCode::UNAVAILABLE) pool_->RequestCheck();
       return st;
     }
     if (finish == v1::FINISH_REASON_UNSPECIFIED) {
@@ -632,9 +641,7 @@ int Main(const std::vector<std::string>& args) {
       if (!stop_health.load()) set_serving(serving);
       if (serving != last) Log("health: %s", serving ? "SERVING" : "NOT_SERVING");
       last = serving;
-      for (int64_t t = 0; t < o.health_interval_ms && !stop_health.load(); t += 10) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
+      pool.WaitForCheck(std::chrono::milliseconds(o.health_interval_ms), stop_health);
     }
   });
 
@@ -642,6 +649,7 @@ int Main(const std::vector<std::string>& args) {
   Log("shutting down: draining %d running and %d waiting request(s) (up to %lld ms)",
       pool.running(), pool.waiting(), static_cast<long long>(o.drain_timeout_ms));
   stop_health.store(true);
+  pool.WakeChecker();
   health_thread.join();
   set_serving(false);
   pool.StartDraining();

@@ -525,17 +525,19 @@ TEST(ServiceQueueTest, FullQueueGivesResourceExhaustedAndSigtermDrains) {
 
   // SIGTERM while a request runs: it completes, new ones are refused, then the gateway exits.
   grpc::ClientContext dctx;
-  auto running = d.stub().Generate(&dctx, GreedyRequest("The meaning of life is", 200));
+  auto running = d.stub().Generate(&dctx, GreedyRequest("The meaning of life is", 800));
   ASSERT_TRUE(running->Read(&resp));
   int tokens = resp.tokens_size();
   ::kill(d.gateway_pid(), SIGTERM);
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  EXPECT_EQ(d.Health(""), "NOT_SERVING");
+  const auto t1 = Clock::now();
+  std::string health = "SERVING";
+  while (health == "SERVING" && Since(t1) < 5) health = d.Health("");
+  EXPECT_EQ(health, "NOT_SERVING");
   GenerateResult refused = RunGenerate(d.stub(), GreedyRequest("Hello", 5));
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
   while (running->Read(&resp)) tokens += resp.tokens_size();
   EXPECT_TRUE(running->Finish().ok());
-  EXPECT_EQ(tokens, 200);
+  EXPECT_EQ(tokens, 800);
   const int status = d.WaitGateway(std::chrono::seconds(10));
   ASSERT_NE(status, -1) << "the gateway did not exit after draining";
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
