@@ -533,7 +533,13 @@ BackendStatus CudaBackend::Proj(const DeviceMatrix& w, const float* x, int n, fl
 // Inside a stream capture a plain cudaEventRecord only orders streams; the External flag makes it
 // a node that records the event on every replay, so the host can wait on it.
 cudaError_t CudaBackend::RecordEvent(cudaEvent_t e) {
-  return cudaEventRecordWithFlags(e, stream_, cudaEventRecordExternal);
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  cudaError_t err = cudaStreamIsCapturing(stream_, &capturing);
+  if (err != cudaSuccess) return err;
+  if (capturing == cudaStreamCaptureStatusActive) {
+    return cudaEventRecordWithFlags(e, stream_, cudaEventRecordExternal);
+  }
+  return cudaEventRecord(e, stream_);
 }
 
 BackendStatus CudaBackend::PrepareLayer(int l, const ForwardArgs& a) {

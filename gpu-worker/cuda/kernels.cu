@@ -519,6 +519,90 @@ __global__ void __launch_bounds__(kMvThreads)
   }
 }
 
+// Block formats, four rows per block: the rows are staged in shared memory with 16-byte loads,
+// and each thread keeps a 32-value slice of x in registers for all four rows. Reading x costs
+// 128 bytes per 18-byte Q4_0 block, so without this reuse the kernel is bound by x, not weights.
+constexpr int kQuantRows = 4;
+
+template <WType T>
+__global__ void __launch_bounds__(kMvThreads)
+    MatVecQuantKernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t cols,
+                      const int32_t* __restrict__ rows, int n_rows,
+                      const int32_t* __restrict__ dev_count, const float* __restrict__ x, int n,
+                      float* __restrict__ y, int ldy) {
+  extern __shared__ uint4 staged[];
+  __shared__ float red[kQuantRows][kMaxTok][kMvThreads / kWarp];
+  const int count = dev_count != nullptr ? *dev_count : n_rows;
+  const int i0 = blockIdx.x * kQuantRows;
+  if (i0 >= count) return;
+  const int nr = min(kQuantRows, count - i0);
+  const int n16 = static_cast<int>(row_bytes / 16);
+  for (int r = 0; r < nr; ++r) {
+    const int64_t rid = rows != nullptr ? rows[i0 + r] : i0 + r;
+    const uint4* src = reinterpret_cast<const uint4*>(w + static_cast<size_t>(rid) * row_bytes);
+    for (int k = threadIdx.x; k < n16; k += kMvThreads) staged[r * n16 + k] = LoadStream(src + k);
+  }
+  __syncthreads();
+  constexpr int kUnitBytes = T == WType::kQ8_0 ? 34 : 18;
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(staged);
+  const int64_t units = cols / 32;
+  float acc[kQuantRows][kMaxTok];
+#pragma unroll
+  for (int r = 0; r < kQuantRows; ++r) {
+#pragma unroll
+    for (int t = 0; t < kMaxTok; ++t) acc[r][t] = 0.f;
+  }
+  for (int64_t u = threadIdx.x; u < units; u += kMvThreads) {
+#pragma unroll
+    for (int t = 0; t < kMaxTok; ++t) {
+      if (t >= n) break;
+      float xs[32];
+      const float4* xp = reinterpret_cast<const float4*>(x + t * cols + u * 32);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float4 v = xp[k];
+        xs[4 * k] = v.x;
+        xs[4 * k + 1] = v.y;
+        xs[4 * k + 2] = v.z;
+        xs[4 * k + 3] = v.w;
+      }
+#pragma unroll
+      for (int r = 0; r < kQuantRows; ++r) {
+        if (r < nr) {
+          float wv[32];
+          const uint8_t* blk = base + static_cast<size_t>(r) * n16 * 16 + u * kUnitBytes;
+          if constexpr (T == WType::kQ8_0) DequantQ8Block(blk, wv); else DequantQ4Block(blk, wv);
+          float s = 0.f;
+#pragma unroll
+          for (int e = 0; e < 32; ++e) s += wv[e] * xs[e];
+          acc[r][t] += s;
+        }
+      }
+    }
+  }
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+#pragma unroll
+  for (int r = 0; r < kQuantRows; ++r) {
+#pragma unroll
+    for (int t = 0; t < kMaxTok; ++t) {
+      if (t < n && r < nr) {
+        const float v = WarpSum(acc[r][t]);
+        if (lane == 0) red[r][t][warp] = v;
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < kQuantRows * kMaxTok) {
+    const int r = threadIdx.x / kMaxTok, t = threadIdx.x % kMaxTok;
+    if (r < nr && t < n) {
+      float v = 0.f;
+#pragma unroll
+      for (int k = 0; k < kMvThreads / kWarp; ++k) v += red[r][t][k];
+      y[static_cast<int64_t>(t) * ldy + i0 + r] = v;
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Row accumulation (sparse down projection): threads own column units, blocks along y split the
 // active rows, blockIdx.z is the token. Each block sums its rows in registers and adds its
@@ -929,6 +1013,8 @@ cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
   const size_t smem = stage ? w.row_bytes() : 0;
   // Tall matrices of 16-byte types: one warp per row (see MatVecWarpKernel).
   const bool warp_rows = !quant && n_rows >= kWarpRowsMin;
+  // Block formats: four rows per block when four rows fit the shared-memory stage.
+  const bool quad = stage && kQuantRows * w.row_bytes() <= kMaxStageBytes;
   for (int t0 = 0; t0 < n; t0 += kMaxTok) {
     const int nt = n - t0 < kMaxTok ? n - t0 : kMaxTok;
     const float* xt = x + static_cast<int64_t>(t0) * w.cols;
@@ -948,6 +1034,20 @@ cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
           MatVecWarpKernel<WType::kBF16><<<blocks, kRowWarps * kWarp, 0, stream>>>(
               base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);
           break;
+      }
+      e = cudaGetLastError();
+      if (e != cudaSuccess) return e;
+      continue;
+    }
+    if (quad) {
+      const int blocks = (n_rows + kQuantRows - 1) / kQuantRows;
+      const size_t qsmem = kQuantRows * w.row_bytes();
+      if (w.type == WType::kQ8_0) {
+        MatVecQuantKernel<WType::kQ8_0><<<blocks, kMvThreads, qsmem, stream>>>(
+            base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);
+      } else {
+        MatVecQuantKernel<WType::kQ4_0><<<blocks, kMvThreads, qsmem, stream>>>(
+            base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);
       }
       e = cudaGetLastError();
       if (e != cudaSuccess) return e;
