@@ -109,6 +109,15 @@ int main(int argc, char** argv) {
   to.negative_weight = static_cast<float>(num("nw", to.negative_weight));
   to.batch = static_cast<int>(num("batch", to.batch));
   to.weighted_regression = num("weighted", 1) != 0;
+  to.closed_form_init = num("closed", 1) != 0;
+  to.lr_decay = num("decay", 1) != 0;
+  if (kv.count("layers")) {
+    for (absl::string_view r : absl::StrSplit(kv["layers"], ',')) {
+      int v;
+      (void)absl::SimpleAtoi(r, &v);
+      to.layers.push_back(v);
+    }
+  }
   auto t0 = std::chrono::steady_clock::now();
   auto trained = TrainPredictors(m, *ops, samples, to, [](const std::string& s) {
     std::fprintf(stderr, "%s\n", s.c_str());
@@ -121,6 +130,7 @@ int main(int argc, char** argv) {
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 
   const int windows = static_cast<int>(num("windows", 16));
+  if (windows == 0) return 0;
   auto bytes = ReadFileToString(argv[3]);
   std::vector<int32_t> tokens(bytes->size() / 4);
   std::memcpy(tokens.data(), bytes->data(), tokens.size() * 4);

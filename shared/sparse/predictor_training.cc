@@ -300,6 +300,19 @@ Mlp ClosedFormInit(const Model& model, const LayerData& d, int layer, int r,
   return m;
 }
 
+// He-initialised MLP for comparison with the closed-form start.
+Mlp RandomInit(int H, int F, int r, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Mlp m;
+  m.r = r;
+  m.w1.resize(static_cast<size_t>(r) * H);
+  m.w2.resize(static_cast<size_t>(F) * r);
+  std::normal_distribution<float> n1(0.f, std::sqrt(2.f / H)), n2(0.f, std::sqrt(1.f / r));
+  for (float& v : m.w1) v = n1(rng);
+  for (float& v : m.w2) v = n2(rng);
+  return m;
+}
+
 inline float Sigmoid(float s) { return 1.f / (1.f + std::exp(-s)); }
 
 // Adam on weighted BCE over the training pairs.
@@ -327,6 +340,7 @@ void FineTune(const CpuOps& ops, const LayerData& d, int H, int F, Mlp& m,
   };
   const float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
   int64_t step = 0;
+  const int64_t total_steps = std::max<int64_t>(1, o.epochs * (d.n_train / B));
   double t_fwd = 0, t_loss = 0, t_bwd = 0;
   const auto t_start = std::chrono::steady_clock::now();
   for (int epoch = 0; epoch < o.epochs; ++epoch) {
@@ -373,7 +387,9 @@ void FineTune(const CpuOps& ops, const LayerData& d, int H, int F, Mlp& m,
       ++step;
       const float c1 = 1.f - std::pow(beta1, static_cast<float>(step));
       const float c2 = 1.f - std::pow(beta2, static_cast<float>(step));
-      const float lr = o.learning_rate * std::sqrt(c2) / c1;
+      // Linear decay to zero over the run: large steps first, then settle.
+      const float decay = o.lr_decay ? 1.f - static_cast<float>(step - 1) / total_steps : 1.f;
+      const float lr = o.learning_rate * decay * std::sqrt(c2) / c1;
       auto adam = [&](std::vector<float>& w, std::vector<float>& mm, std::vector<float>& vv,
                       const std::vector<float>& grad) {
         for (size_t i = 0; i < w.size(); ++i) {
@@ -415,7 +431,7 @@ struct Evaluation {
 
 // Scores the held-back pairs, picks the threshold and measures recall, precision and sparsity.
 Evaluation Calibrate(const CpuOps& ops, const LayerData& d, int H, int F, const Mlp& m,
-                     double target) {
+                     double target, const float* fixed_threshold = nullptr) {
   const int64_t n_hold = d.n - d.n_train;
   constexpr int kChunk = 512;
   std::vector<float> z(static_cast<size_t>(kChunk) * m.r), s(static_cast<size_t>(kChunk) * F);
@@ -440,7 +456,8 @@ Evaluation Calibrate(const CpuOps& ops, const LayerData& d, int H, int F, const 
   PredictorCandidate& c = e.candidate;
   c.rank = m.r;
   const int64_t n_active = static_cast<int64_t>(active.size());
-  c.threshold = ThresholdForWeightedRecall(active, target);
+  c.threshold = fixed_threshold != nullptr ? *fixed_threshold
+                                           : ThresholdForWeightedRecall(active, target);
   int64_t selected = 0, hits = 0;
   double mag_total = 0, mag_hit = 0;
   for (float sc : all_scores) selected += sc >= c.threshold;
@@ -509,6 +526,23 @@ absl::StatusOr<TrainedPredictors> TrainPredictors(
   const int H = c.hidden_size, F = c.ffn_size;
   TrainedPredictors out;
   for (int l = 0; l < c.n_layers; ++l) {
+    if (!o.layers.empty() && std::find(o.layers.begin(), o.layers.end(), l) == o.layers.end()) {
+      auto w1 = std::make_shared<std::vector<uint8_t>>(RowBytes(o.dtype, H) * 2, 0);
+      auto w2 = std::make_shared<std::vector<uint8_t>>(RowBytes(o.dtype, 2) * F, 0);
+      LayerPredictor p;
+      p.fc1 = TensorView{absl::StrCat("blk.", l, ".fc1.weight"), o.dtype, {2, H}, w1->data()};
+      p.fc2 = TensorView{absl::StrCat("blk.", l, ".fc2.weight"), o.dtype, {F, 2}, w2->data()};
+      p.threshold = kFoldedThreshold;  // all-zero scores >= -1: every neuron selected
+      out.predictors.layers.push_back(p);
+      out.predictors.owned.push_back(w1);
+      out.predictors.owned.push_back(w2);
+      LayerPredictorReport report;
+      report.layer = l;
+      report.rank = 2;
+      report.recall = report.magnitude_recall = 1;
+      out.reports.push_back(report);
+      continue;
+    }
     const auto t0 = std::chrono::steady_clock::now();
     ASSIGN_OR_RETURN(LayerData d, PrepareLayer(model, ops, samples, l, o));
     LayerPredictorReport report;
@@ -516,13 +550,13 @@ absl::StatusOr<TrainedPredictors> TrainPredictors(
     report.train_pairs = d.n_train;
     report.heldout_pairs = d.n - d.n_train;
     double best_cost = std::numeric_limits<double>::infinity();
-    std::vector<uint8_t> best_w1, best_w2;
+    Mlp best;
     for (int r : o.ranks) {
-      Mlp m = ClosedFormInit(model, d, l, r, o);
+      Mlp m = o.closed_form_init ? ClosedFormInit(model, d, l, r, o) : RandomInit(H, F, r, o.seed + l);
       if (o.epochs > 0) FineTune(ops, d, H, F, m, o, o.seed + 31 * l + r);
-      std::vector<uint8_t> w1_stored, w2_stored;
-      m.w1 = RoundTrip(m.w1, H, o.dtype, &w1_stored);
-      m.w2 = RoundTrip(m.w2, m.r, o.dtype, &w2_stored);
+      std::vector<uint8_t> unused;
+      m.w1 = RoundTrip(m.w1, H, o.dtype, &unused);
+      m.w2 = RoundTrip(m.w2, m.r, o.dtype, &unused);
       Evaluation e = Calibrate(ops, d, H, F, m, o.target_recall);
       report.candidates.push_back(e.candidate);
       if (log) {
@@ -534,27 +568,32 @@ absl::StatusOr<TrainedPredictors> TrainPredictors(
       }
       if (e.candidate.cost < best_cost) {
         best_cost = e.candidate.cost;
-        report.rank = r;
         report.threshold = e.candidate.threshold;
-        report.true_active_rate = e.true_active_rate;
-        report.recall = e.candidate.recall;
-        report.magnitude_recall = e.candidate.magnitude_recall;
-        report.precision = e.candidate.precision;
-        report.sparsity = e.candidate.sparsity;
-        report.predictor_cost = static_cast<double>(r) * (H + F) / (3.0 * F * H);
-        best_w1 = std::move(w1_stored);
-        best_w2 = std::move(w2_stored);
+        best = std::move(m);
       }
     }
-    auto w1 = std::make_shared<std::vector<uint8_t>>(std::move(best_w1));
-    auto w2 = std::make_shared<std::vector<uint8_t>>(std::move(best_w2));
-    LayerPredictor p;
-    p.fc1 = TensorView{absl::StrCat("blk.", l, ".fc1.weight"), o.dtype, {report.rank, H}, w1->data()};
-    p.fc2 = TensorView{absl::StrCat("blk.", l, ".fc2.weight"), o.dtype, {F, report.rank}, w2->data()};
-    p.threshold = report.threshold;
-    out.predictors.layers.push_back(p);
-    out.predictors.owned.push_back(w1);
-    out.predictors.owned.push_back(w2);
+    // Fold the threshold into fc2's scale so that every layer uses kFoldedThreshold, the single
+    // value PowerInfer's file format has room for: s >= t  <=>  s / |t| >= -1 for t < 0.
+    // (Calibrated thresholds are negative: a neuron is kept unless the predictor is confident.)
+    float threshold = report.threshold;
+    if (std::isfinite(threshold) && threshold < 0) {
+      const float scale = 1.f / -threshold;
+      for (float& v : best.w2) v *= scale;
+      threshold = kFoldedThreshold;
+    }
+    std::vector<uint8_t> best_w1, best_w2;
+    best.w1 = RoundTrip(best.w1, H, o.dtype, &best_w1);
+    best.w2 = RoundTrip(best.w2, best.r, o.dtype, &best_w2);
+    // The final numbers are measured on exactly the stored weights and threshold.
+    Evaluation e = Calibrate(ops, d, H, F, best, o.target_recall, &threshold);
+    report.rank = best.r;
+    report.threshold = threshold;
+    report.true_active_rate = e.true_active_rate;
+    report.recall = e.candidate.recall;
+    report.magnitude_recall = e.candidate.magnitude_recall;
+    report.precision = e.candidate.precision;
+    report.sparsity = e.candidate.sparsity;
+    report.predictor_cost = static_cast<double>(best.r) * (H + F) / (3.0 * F * H);
     report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     out.reports.push_back(std::move(report));
   }

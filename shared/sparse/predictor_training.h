@@ -31,6 +31,9 @@
 
 namespace pinfer {
 
+// Every trained layer's threshold after folding it into fc2's scale (see TrainPredictors).
+inline constexpr float kFoldedThreshold = -1.f;
+
 struct PredictorTrainingOptions {
   // Candidate hidden sizes of the MLP (even: the closed-form start uses rank / 2).
   std::vector<int> ranks = {64, 128};
@@ -39,18 +42,22 @@ struct PredictorTrainingOptions {
   double holdout_fraction = 0.1;  // the last part of the samples, never trained on
   int epochs = 1;                 // fine-tuning passes over the training pairs (0: closed form)
   int batch = 1024;
-  float learning_rate = 1e-3f;
+  float learning_rate = 1e-2f;
+  bool lr_decay = true;  // linear decay to zero
   // BCE weights: a truly active neuron weighs (contribution / mean contribution)^power, clipped
   // to [min, max]; an inactive one weighs negative_weight.
   float positive_weight_power = 0.5f;
   float positive_weight_min = 0.05f;
   float positive_weight_max = 20.f;
   float negative_weight = 1.f;
+  // Start from the closed-form linear predictor (else a random start).
+  bool closed_form_init = true;
   // Weight the closed-form regression by each neuron's typical contribution.
   bool weighted_regression = true;
   DType dtype = DType::kF16;  // storage of fc1/fc2; thresholds are calibrated after rounding
   uint32_t seed = 1;
-  // Restrict training to these layers (empty: all); others get no predictor (tests, experiments).
+  // Restrict training to these layers (empty: all). The others get a predictor that selects every
+  // neuron (rank 2, all zero, threshold 0), i.e. they run exactly (tests, experiments).
   std::vector<int> layers;
 };
 

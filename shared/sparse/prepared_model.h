@@ -1,0 +1,98 @@
+// PowerInfer-compatible prepared models: writing and reading the GGUF (magic "PWRI") that carries
+// the predictors and the transposed down projections, and the `.gpuidx` neuron index beside it.
+//
+// Prepared model (FILE.gguf), as PowerInfer's converter writes it:
+//  - every tensor and key of the source GGUF model; the file's magic is "PWRI";
+//  - blk.N.ffn_down_t.weight [ffn, hidden] instead of blk.N.ffn_down.weight;
+//  - blk.N.fc1.weight [rank, hidden] and blk.N.fc2.weight [ffn, rank]: the predictor, a neuron
+//    being active when fc2(relu(fc1(x))) >= powerinfer.sparse_threshold (one float for all layers;
+//    pinfer folds its per-layer thresholds into fc2's scale so that one value serves them all);
+//  - pinfer's own keys, which other readers ignore: pinfer.sparse.thresholds (per layer, on the
+//    stored scores), pinfer.sparse.profile_tokens and pinfer.sparse.blk.N.activation_frequency
+//    (the profile, so that placement can be redone for another budget without profiling).
+// Split-aware storage: neurons are renumbered per layer from most to least frequently active (the
+// FFN is invariant under this permutation of gate/up rows, down columns and fc2 rows). Every
+// placement then puts a prefix of each layer on the GPU, so the hot rows and the cold rows of
+// every FFN tensor are each one contiguous byte range, and a process that holds one part only
+// touches (maps) that part; SplitByteRanges gives the ranges.
+//
+// GPU index (FILE.gguf.generated.gpuidx), as PowerInfer's export_split.py writes it: magic "PWRI",
+// general.architecture "generic.gpu_index", generic.gpu_index.block_count, split.vram_capacity
+// (u64, the budget the index was made for), and per layer blk.N.gpu_idx (I32 [ffn], 1 = on the
+// GPU) and blk.N.gpu_bucket (I32, the sorted ids of the GPU neurons). PowerInfer's ggml numbers
+// I32 as type 18; see gguf_reader.cc.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "shared/model/gguf.h"
+#include "shared/model/model.h"
+#include "shared/sparse/placement.h"
+#include "shared/sparse/profiler.h"
+#include "shared/sparse/sparse_ffn.h"
+
+namespace pinfer {
+
+inline constexpr char kSparseThresholdKey[] = "powerinfer.sparse_threshold";
+inline constexpr char kGpuIndexArchitecture[] = "generic.gpu_index";
+
+// What `pinfer prepare` adds to a model.
+struct PreparedContents {
+  ActivationProfile profile;   // in the source model's neuron numbering
+  PredictorSet predictors;     // in the source model's neuron numbering, per-layer thresholds
+};
+
+// Writes the prepared model from a source GGUF model file (llama architecture, with ffn_down or
+// already with ffn_down_t). Down projections of quantized models are re-quantized after the
+// transpose, as PowerInfer's converter does; float ones are transposed exactly.
+absl::Status WritePreparedModel(const GgufFile& source, const PreparedContents& contents,
+                                const std::string& out_path);
+
+// A prepared model, loaded for sparse execution. Views point into the mapped file.
+struct PreparedModel {
+  std::unique_ptr<GgufFile> file;
+  std::unique_ptr<Model> model;
+  std::vector<TensorView> down_t;  // [ffn, hidden] per layer
+  PredictorSet predictors;         // thresholds per layer
+  float sparse_threshold = 0;      // powerinfer.sparse_threshold (0 when absent, as in PowerInfer)
+  // From pinfer's keys; empty for files pinfer did not prepare.
+  int64_t profile_tokens = 0;
+  std::vector<std::vector<float>> activation_frequency;  // [layer][ffn]
+};
+
+// Loads a PWRI model (pinfer's or PowerInfer's). Errors name the missing or malformed tensor.
+absl::StatusOr<PreparedModel> LoadPreparedModel(const std::string& path);
+
+// The profile stored in a prepared model (frequencies times profile_tokens), for placement.
+absl::StatusOr<ActivationProfile> StoredProfile(const PreparedModel& prepared);
+
+struct GpuIndex {
+  uint64_t vram_capacity = 0;
+  std::vector<std::vector<int32_t>> gpu_idx;     // [layer][ffn], 0 or 1
+  std::vector<std::vector<int32_t>> gpu_bucket;  // [layer]: sorted GPU neuron ids
+};
+
+std::string GpuIndexPath(const std::string& model_path);  // model_path + ".generated.gpuidx"
+GpuIndex GpuIndexFromPlan(const PlacementPlan& plan, int ffn);
+// Fails (FailedPrecondition) for a CPU-only plan or a layer without GPU neurons: PowerInfer's
+// index cannot express an empty GPU share.
+absl::Status WriteGpuIndex(const GpuIndex& index, const std::string& path);
+// Checks everything: magic, architecture, block count, shapes, types, 0/1 values, and that each
+// bucket lists exactly the neurons its gpu_idx marks, in ascending order.
+absl::StatusOr<GpuIndex> ReadGpuIndex(const std::string& path, int n_layers, int ffn);
+
+// Byte ranges [begin, end) in the prepared file of one layer's hot rows (the first `hot` rows)
+// and cold rows of ffn_gate, ffn_up and ffn_down_t, in that order.
+struct ByteRange {
+  uint64_t begin = 0, end = 0;
+};
+struct LayerSplitRanges {
+  ByteRange hot[3], cold[3];
+};
+absl::StatusOr<LayerSplitRanges> SplitByteRanges(const GgufFile& file, int layer, int64_t hot);
+
+}  // namespace pinfer
