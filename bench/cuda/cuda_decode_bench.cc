@@ -507,6 +507,57 @@ Bandwidths MeasureBandwidths(DType dtype, ThreadPool& pool) {
   return bw;
 }
 
+// Matrix-vector throughput per layer shape and kernel choice (one warp per row against one block
+// per row), to see where a decode step loses bandwidth.
+void MeasureShapes(DType dtype, ThreadPool& pool) {
+  struct Shape {
+    const char* name;
+    int64_t rows, cols;
+  };
+  const Shape shapes[] = {{"wqkv", 15360, 5120}, {"wo", 5120, 5120}, {"gate_up", 27648, 5120},
+                          {"down", 5120, 13824}, {"output", 32000, 5120}};
+  const int saved = cuda::MatVecWarpRowsMin();
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  std::printf("matvec %s GB/s by shape:", DTypeName(dtype).data());
+  for (const Shape& sh : shapes) {
+    Buffer host(RowBytes(dtype, sh.cols) * sh.rows);
+    FillRandom(dtype, host.p, host.n, 5, pool);
+    void* w = nullptr;
+    float *x = nullptr, *y = nullptr;
+    CHECK_CUDA(cudaMalloc(&w, host.n));
+    CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&x), sh.cols * 4));
+    CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&y), sh.rows * 4));
+    CHECK_CUDA(cudaMemcpy(w, host.p, host.n, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemset(x, 0, sh.cols * 4));
+    cuda::DeviceMatrix m{static_cast<cuda::WType>(dtype), sh.rows, sh.cols, w};
+    std::printf(" %s", sh.name);
+    for (int variant = 0; variant < 2; ++variant) {
+      cuda::SetMatVecWarpRowsMin(variant == 0 ? 1 : 1 << 30);  // warp rows, block rows
+      std::vector<double> t;
+      for (int i = 0; i < 25; ++i) {
+        CHECK_CUDA(cudaEventRecord(e0));
+        CHECK_CUDA(cuda::MatVecRows(m, nullptr, static_cast<int>(sh.rows), nullptr, x, 1, y,
+                                    static_cast<int>(sh.rows), nullptr));
+        CHECK_CUDA(cudaEventRecord(e1));
+        CHECK_CUDA(cudaEventSynchronize(e1));
+        float ms;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+        if (i >= 5) t.push_back(ms * 1e-3);
+      }
+      std::printf(" %s %.0f", variant == 0 ? "warp" : "block", host.n / MedianOf(t) / 1e9);
+    }
+    cudaFree(w);
+    cudaFree(x);
+    cudaFree(y);
+  }
+  std::printf("\n");
+  cuda::SetMatVecWarpRowsMin(saved);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+}
+
 // ---------------------------------------------------------------------------------------------
 
 struct Backend {
@@ -687,6 +738,12 @@ int Main(int argc, char** argv) {
               bw.gpu_copy / 1e9, DTypeName(m.dtype).data(), bw.gpu_gemv / 1e9,
               DTypeName(m.dtype).data(), threads, bw.cpu_gemv / 1e9, bw.h2d / 1e9, bw.launch_us,
               bw.kernel_us);
+
+  MeasureShapes(m.dtype, pool);
+  if (const char* v = std::getenv("PINFER_MATVEC_WARP_ROWS")) {
+    cuda::SetMatVecWarpRowsMin(std::atoi(v));
+    std::printf("warp-per-row from %d rows\n", cuda::MatVecWarpRowsMin());
+  }
 
   const int max_ctx = o.warmup + o.steps + 8;
   const int total_steps = o.warmup + o.steps;

@@ -337,92 +337,6 @@ __global__ void AttentionKernel(const float* __restrict__ q, const float* __rest
 // warp streaming a whole row keeps more bytes in flight than the block-per-row kernel below
 // (measured on the H200: 4.2 TB/s against 3.0 TB/s over a 2 GB F16 matrix). Short matrices
 // use the block-per-row kernel, whose five-odd waves of blocks avoid this one's 1.2-wave tail.
-constexpr int kRowWarps = 8;
-
-template <WType T>
-__global__ void __launch_bounds__(kRowWarps * kWarp)
-    MatVecWarpKernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t cols,
-                     const int32_t* __restrict__ rows, int n_rows,
-                     const int32_t* __restrict__ dev_count, const float* __restrict__ x, int n,
-                     float* __restrict__ y, int ldy) {
-  const int count = dev_count != nullptr ? *dev_count : n_rows;
-  const int i = blockIdx.x * kRowWarps + threadIdx.x / kWarp;
-  if (i >= count) return;
-  const int lane = threadIdx.x % kWarp;
-  const int64_t r = rows != nullptr ? rows[i] : i;
-  const uint8_t* row = w + static_cast<size_t>(r) * row_bytes;
-  constexpr int E = Unit<T>::kElems;
-  const int64_t units = cols / E;
-  float acc[kMaxTok];
-#pragma unroll
-  for (int t = 0; t < kMaxTok; ++t) acc[t] = 0.f;
-
-  // Two units per lane per iteration keep two independent loads in flight before first use.
-  int64_t u = lane;
-  for (; u + kWarp < units; u += 2 * kWarp) {
-    float w0[E], w1[E];
-    LoadUnit<T>(row, u, w0);
-    LoadUnit<T>(row, u + kWarp, w1);
-#pragma unroll
-    for (int t = 0; t < kMaxTok; ++t) {
-      if (t < n) {
-        const float* x0 = x + t * cols + u * E;
-        const float* x1 = x0 + kWarp * E;
-        float s = 0.f;
-#pragma unroll
-        for (int e = 0; e < E; e += 4) {
-          const float4 a = *reinterpret_cast<const float4*>(x0 + e);
-          const float4 b = *reinterpret_cast<const float4*>(x1 + e);
-          s += w0[e] * a.x + w0[e + 1] * a.y + w0[e + 2] * a.z + w0[e + 3] * a.w;
-          s += w1[e] * b.x + w1[e + 1] * b.y + w1[e + 2] * b.z + w1[e + 3] * b.w;
-        }
-        acc[t] += s;
-      }
-    }
-  }
-  for (; u < units; u += kWarp) {
-    float w0[E];
-    LoadUnit<T>(row, u, w0);
-#pragma unroll
-    for (int t = 0; t < kMaxTok; ++t) {
-      if (t < n) {
-        const float* x0 = x + t * cols + u * E;
-        float s = 0.f;
-#pragma unroll
-        for (int e = 0; e < E; e += 4) {
-          const float4 a = *reinterpret_cast<const float4*>(x0 + e);
-          s += w0[e] * a.x + w0[e + 1] * a.y + w0[e + 2] * a.z + w0[e + 3] * a.w;
-        }
-        acc[t] += s;
-      }
-    }
-  }
-#pragma unroll
-  for (int t = 0; t < kMaxTok; ++t) {
-    if (t < n) {
-      const float s = WarpSum(acc[t]);
-      if (lane == 0) y[static_cast<int64_t>(t) * ldy + i] = s;
-    }
-  }
-}
-
-
-// ---------------------------------------------------------------------------------------------
-// Row dot products: one block of 128 threads per row (a whole row is 2-27 KB), every token of the
-// (small) batch sharing each weight load. One row per block rather than per warp keeps the last
-// wave short: a layer's 5120-row matrix is about five waves of blocks instead of 1.2 waves of
-// warps. Block formats are first copied into shared memory with 16-byte loads (their 18/34-byte
-// blocks are only 2-byte aligned in global memory), then dequantized from there.
-
-constexpr int kMvThreads = 128;
-// Rows from which a 16-byte-type matrix takes the warp-per-row kernel: about three waves of
-// warps on a 132-SM H200 (32 resident warps per SM).
-constexpr int kWarpRowsMin = 12288;
-constexpr int kMaxStageBytes = 48 * 1024;
-
-template <WType T>
-constexpr bool kVec16 = T == WType::kF32 || T == WType::kF16 || T == WType::kBF16;
-
 template <int E>
 __device__ __forceinline__ float DotUnit(const float* w, const float* x) {
   float s = 0.f;
@@ -434,14 +348,86 @@ __device__ __forceinline__ float DotUnit(const float* w, const float* x) {
   return s;
 }
 
+constexpr int kRowWarps = 8;
+
+template <WType T, int NT>
+__global__ void __launch_bounds__(kRowWarps * kWarp)
+    MatVecWarpKernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t cols,
+                     const int32_t* __restrict__ rows, int n_rows,
+                     const int32_t* __restrict__ dev_count, const float* __restrict__ x, int n,
+                     float* __restrict__ y, int ldy) {
+  // NT: tokens per pass, a compile-time bound so that single-token decode keeps one
+  // accumulator (fewer registers, more resident warps, more loads in flight).
+  const int count = dev_count != nullptr ? *dev_count : n_rows;
+  const int i = blockIdx.x * kRowWarps + threadIdx.x / kWarp;
+  if (i >= count) return;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t r = rows != nullptr ? rows[i] : i;
+  const uint8_t* row = w + static_cast<size_t>(r) * row_bytes;
+  constexpr int E = Unit<T>::kElems;
+  const int64_t units = cols / E;
+  float acc[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = 0.f;
+  // Four units per lane per iteration: four independent 16-byte loads in flight.
+  int64_t u = lane;
+  for (; u + 3 * kWarp < units; u += 4 * kWarp) {
+    float w0[E], w1[E], w2[E], w3[E];
+    LoadUnit<T>(row, u, w0);
+    LoadUnit<T>(row, u + kWarp, w1);
+    LoadUnit<T>(row, u + 2 * kWarp, w2);
+    LoadUnit<T>(row, u + 3 * kWarp, w3);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t < n) {
+        const float* xt = x + t * cols + u * E;
+        acc[t] += DotUnit<E>(w0, xt) + DotUnit<E>(w1, xt + kWarp * E) +
+                  DotUnit<E>(w2, xt + 2 * kWarp * E) + DotUnit<E>(w3, xt + 3 * kWarp * E);
+      }
+    }
+  }
+  for (; u < units; u += kWarp) {
+    float w0[E];
+    LoadUnit<T>(row, u, w0);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t < n) acc[t] += DotUnit<E>(w0, x + t * cols + u * E);
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    if (t < n) {
+      const float v = WarpSum(acc[t]);
+      if (lane == 0) y[static_cast<int64_t>(t) * ldy + i] = v;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row dot products: one block of 128 threads per row (a whole row is 2-27 KB), every token of the
+// (small) batch sharing each weight load. One row per block rather than per warp keeps the last
+// wave short: a layer's 5120-row matrix is about five waves of blocks instead of 1.2 waves of
+// warps. Block formats are first copied into shared memory with 16-byte loads (their 18/34-byte
+// blocks are only 2-byte aligned in global memory), then dequantized from there.
+
+constexpr int kMvThreads = 128;
+// Rows from which a 16-byte-type matrix takes the warp-per-row kernel: about three waves of
+// warps on a 132-SM H200 (32 resident warps per SM).
+int g_warp_rows_min = 12288;
+constexpr int kMaxStageBytes = 48 * 1024;
+
 template <WType T>
+constexpr bool kVec16 = T == WType::kF32 || T == WType::kF16 || T == WType::kBF16;
+
+
+template <WType T, int NT>
 __global__ void __launch_bounds__(kMvThreads)
     MatVecRowsKernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t cols,
                      const int32_t* __restrict__ rows, int n_rows,
                      const int32_t* __restrict__ dev_count, const float* __restrict__ x, int n,
                      float* __restrict__ y, int ldy, bool stage) {
   extern __shared__ uint4 staged[];
-  __shared__ float red[kMaxTok][kMvThreads / kWarp];
+  __shared__ float red[NT][kMvThreads / kWarp];
   const int count = dev_count != nullptr ? *dev_count : n_rows;
   const int i = blockIdx.x;
   if (i >= count) return;
@@ -449,9 +435,9 @@ __global__ void __launch_bounds__(kMvThreads)
   const uint8_t* row = w + static_cast<size_t>(r) * row_bytes;
   constexpr int E = Unit<T>::kElems;
   const int64_t units = cols / E;
-  float acc[kMaxTok];
+  float acc[NT];
 #pragma unroll
-  for (int t = 0; t < kMaxTok; ++t) acc[t] = 0.f;
+  for (int t = 0; t < NT; ++t) acc[t] = 0.f;
 
   if constexpr (kVec16<T>) {
     // Four independent 16-byte loads in flight per thread before their first use.
@@ -463,7 +449,7 @@ __global__ void __launch_bounds__(kMvThreads)
       LoadUnit<T>(row, u + 2 * kMvThreads, w2);
       LoadUnit<T>(row, u + 3 * kMvThreads, w3);
 #pragma unroll
-      for (int t = 0; t < kMaxTok; ++t) {
+      for (int t = 0; t < NT; ++t) {
         if (t < n) {
           const float* xt = x + t * cols + u * E;
           acc[t] += DotUnit<E>(w0, xt) + DotUnit<E>(w1, xt + kMvThreads * E) +
@@ -476,7 +462,7 @@ __global__ void __launch_bounds__(kMvThreads)
       float w0[E];
       LoadUnit<T>(row, u, w0);
 #pragma unroll
-      for (int t = 0; t < kMaxTok; ++t) {
+      for (int t = 0; t < NT; ++t) {
         if (t < n) acc[t] += DotUnit<E>(w0, x + t * cols + u * E);
       }
     }
@@ -497,14 +483,14 @@ __global__ void __launch_bounds__(kMvThreads)
         DequantQ4Block(base + u * 18, w0);
       }
 #pragma unroll
-      for (int t = 0; t < kMaxTok; ++t) {
+      for (int t = 0; t < NT; ++t) {
         if (t < n) acc[t] += DotUnit<E>(w0, x + t * cols + u * E);
       }
     }
   }
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
 #pragma unroll
-  for (int t = 0; t < kMaxTok; ++t) {
+  for (int t = 0; t < NT; ++t) {
     if (t < n) {
       const float s = WarpSum(acc[t]);
       if (lane == 0) red[t][warp] = s;
@@ -889,6 +875,9 @@ int SmCount() {
 
 }  // namespace
 
+void SetMatVecWarpRowsMin(int rows) { g_warp_rows_min = rows; }
+int MatVecWarpRowsMin() { return g_warp_rows_min; }
+
 size_t WRowBytes(WType t, int64_t cols) {
   switch (t) {
     case WType::kF32: return 4 * static_cast<size_t>(cols);
@@ -1012,7 +1001,7 @@ cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
   const bool stage = quant && w.row_bytes() % 16 == 0 && w.row_bytes() <= kMaxStageBytes;
   const size_t smem = stage ? w.row_bytes() : 0;
   // Tall matrices of 16-byte types: one warp per row (see MatVecWarpKernel).
-  const bool warp_rows = !quant && n_rows >= kWarpRowsMin;
+  const bool warp_rows = !quant && n_rows >= g_warp_rows_min;
   // Block formats: four rows per block when four rows fit the shared-memory stage.
   const bool quad = stage && kQuantRows * w.row_bytes() <= kMaxStageBytes;
   for (int t0 = 0; t0 < n; t0 += kMaxTok) {
@@ -1022,18 +1011,24 @@ cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
     if (warp_rows) {
       const int blocks = (n_rows + kRowWarps - 1) / kRowWarps;
       switch (w.type) {
+#define PINFER_WARP(T)                                                                  \
+  if (nt == 1) {                                                                        \
+    MatVecWarpKernel<T, 1><<<blocks, kRowWarps * kWarp, 0, stream>>>(                   \
+        base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);         \
+  } else {                                                                              \
+    MatVecWarpKernel<T, kMaxTok><<<blocks, kRowWarps * kWarp, 0, stream>>>(             \
+        base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);         \
+  }
         case WType::kF32:
-          MatVecWarpKernel<WType::kF32><<<blocks, kRowWarps * kWarp, 0, stream>>>(
-              base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);
+          PINFER_WARP(WType::kF32)
           break;
         case WType::kF16:
-          MatVecWarpKernel<WType::kF16><<<blocks, kRowWarps * kWarp, 0, stream>>>(
-              base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);
+          PINFER_WARP(WType::kF16)
           break;
         default:
-          MatVecWarpKernel<WType::kBF16><<<blocks, kRowWarps * kWarp, 0, stream>>>(
-              base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);
+          PINFER_WARP(WType::kBF16)
           break;
+#undef PINFER_WARP
       }
       e = cudaGetLastError();
       if (e != cudaSuccess) return e;
@@ -1056,8 +1051,13 @@ cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
     switch (w.type) {
 #define PINFER_LAUNCH(T)                                                                   \
   case T:                                                                                  \
-    MatVecRowsKernel<T><<<n_rows, kMvThreads, smem, stream>>>(                             \
-        base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, stage);     \
+    if (nt == 1) {                                                                         \
+      MatVecRowsKernel<T, 1><<<n_rows, kMvThreads, smem, stream>>>(                        \
+          base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, stage);   \
+    } else {                                                                               \
+      MatVecRowsKernel<T, kMaxTok><<<n_rows, kMvThreads, smem, stream>>>(                  \
+          base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, stage);   \
+    }                                                                                      \
     break;
       PINFER_LAUNCH(WType::kF32)
       PINFER_LAUNCH(WType::kF16)

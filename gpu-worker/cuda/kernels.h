@@ -87,6 +87,11 @@ cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
                        const int32_t* dev_count, const float* x, int n, float* y, int ldy,
                        cudaStream_t stream);
 
+// Tuning knob (benchmarks): matrices of 16-byte types with at least this many rows use one warp
+// per row, shorter ones one block per row. Not thread-safe; set before use.
+void SetMatVecWarpRowsMin(int rows);
+int MatVecWarpRowsMin();
+
 // y[t, :] += sum_i a[t * lda + i] * w.row(rows ? rows[i] : i)   for i < count, t < n.
 // The sparse down projection: w is the transposed down matrix [ffn, hidden], so each active
 // neuron is one contiguous row. Zero coefficients are skipped. y: [n, w.cols].
