@@ -62,4 +62,16 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCpuBackend(const Model& model
                                                               const Placement& placement,
                                                               shm::ExchangeClient* exchange);
 
+struct CudaBackendOptions {
+  int slots = 8;        // KV cache slots (concurrent sequences) on the device
+  int max_ctx = 2048;   // positions per slot
+  int device = 0;
+};
+
+// The CUDA implementation, from the module at `module_path` (gpu-worker/cuda). Fails with the
+// module's status (no device, out of memory) so that the caller can fall back to the CPU.
+absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(
+    const Model& model, const Placement& placement, shm::ExchangeClient* exchange,
+    const std::string& module_path, const CudaBackendOptions& options);
+
 }  // namespace pinfer::gpuworker

@@ -46,10 +46,12 @@ constexpr char kUsage[] =
     "         [--metrics-port P] [--metrics-port-file FILE] [--threads N] [--hot-fraction F]\n"
     "         [--max-batch-tokens N] [--max-sequences N] [--max-new-tokens-limit N]\n"
     "         [--exchange-timeout-ms MS] [--liveness-ms MS] [--backend auto|cpu|cuda]\n"
-    "         [--cuda-module PATH] [--sparse] [--drain-timeout-ms MS]\n"
+    "         [--cuda-module PATH] [--gpu-slots N] [--max-context N] [--cuda-device N]\n"
+    "         [--sparse] [--drain-timeout-ms MS]\n"
     "  --listen: host:port (port 0 picks one; see --port-file) or unix:/path\n"
     "  --segment: POSIX shared-memory name for the activation exchange (default: a fresh\n"
-    "             unique name, printed in the log); give the cpu-worker the same name\n";
+    "             unique name, printed in the log); give the cpu-worker the same name\n"
+    "  --gpu-slots / --max-context: KV cache slots and positions per slot on the GPU\n";
 
 struct Options {
   std::string model, listen = "127.0.0.1:0", port_file, segment, metrics_port, metrics_port_file;
@@ -59,6 +61,7 @@ struct Options {
   int max_batch_tokens = 128;
   int max_sequences = 64;
   int max_new_tokens_limit = 4096;
+  int gpu_slots = 8, max_context = 0, cuda_device = 0;
   int64_t exchange_timeout_ms = 30000, liveness_ms = 2000, drain_timeout_ms = 30000;
   bool sparse = false;
 };
@@ -70,7 +73,8 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
                                       "metrics-port-file", "threads", "hot-fraction",
                                       "max-batch-tokens", "max-sequences", "max-new-tokens-limit",
                                       "exchange-timeout-ms", "liveness-ms", "backend",
-                                      "cuda-module", "drain-timeout-ms"},
+                                      "cuda-module", "drain-timeout-ms", "gpu-slots", "max-context",
+                                      "cuda-device"},
                                      {"sparse"}));
   Options o;
   ASSIGN_OR_RETURN(o.model, f.Required("model"));
@@ -89,6 +93,16 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(o.exchange_timeout_ms, f.Int("exchange-timeout-ms", 30000));
   ASSIGN_OR_RETURN(o.liveness_ms, f.Int("liveness-ms", 2000));
   ASSIGN_OR_RETURN(o.drain_timeout_ms, f.Int("drain-timeout-ms", 30000));
+  ASSIGN_OR_RETURN(int64_t slots, f.Int("gpu-slots", 8));
+  ASSIGN_OR_RETURN(int64_t max_context, f.Int("max-context", 0));
+  ASSIGN_OR_RETURN(int64_t device, f.Int("cuda-device", 0));
+  if (slots < 1 || slots > 4096) return absl::InvalidArgumentError("--gpu-slots out of range");
+  if (max_context < 0 || max_context > (1 << 24)) {
+    return absl::InvalidArgumentError("--max-context out of range");
+  }
+  o.gpu_slots = static_cast<int>(slots);
+  o.max_context = static_cast<int>(max_context);
+  o.cuda_device = static_cast<int>(device);
   if (threads < 1 || threads > 1024) return absl::InvalidArgumentError("--threads out of range");
   if (!(o.hot_fraction >= 0 && o.hot_fraction <= 1)) {
     return absl::InvalidArgumentError("--hot-fraction must be in [0, 1]");
@@ -115,6 +129,7 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
 struct GpuProbe {
   bool available = false;
   std::string reason;
+  std::string module;
 };
 
 GpuProbe ProbeGpu(const Options& o) {
@@ -147,9 +162,8 @@ GpuProbe ProbeGpu(const Options& o) {
     const int n = count != nullptr ? count() : 0;
     if (n > 0) {
       p.available = true;
+      p.module = path;
       p.reason = absl::StrCat(n, " CUDA device(s) via ", path);
-      // The CUDA compute path is wired in by the CUDA backend work; until then even with a
-      // device the worker computes on the CPU (reported as such below).
     } else {
       p.reason = absl::StrCat(path, " loaded but reports no CUDA device");
     }
@@ -416,10 +430,7 @@ int Main(const std::vector<std::string>& args) {
     Log("--backend cuda but no usable GPU: %s", s.gpu.reason.c_str());
     return 1;
   }
-  Log("no usable GPU (%s): computing the gpu-worker's share on the CPU with %d thread(s)",
-      s.gpu.available ? "the CUDA compute path is not wired into this build yet"
-                      : s.gpu.reason.c_str(),
-      o.threads);
+  if (o.max_context > 0) s.model->config.max_context = std::min(c.max_context, o.max_context);
 
   s.placement = Placement::FixedFraction(c, o.hot_fraction);
   shm::Geometry g;
@@ -446,12 +457,33 @@ int Main(const std::vector<std::string>& args) {
 
   s.pool = std::make_unique<ThreadPool>(o.threads);
   s.ops = NewSimdOps(s.pool.get());
-  auto backend = NewCpuBackend(*s.model, *s.ops, s.placement, s.exchange.get());
-  if (!backend.ok()) {
-    Log("cannot build the backend: %s", backend.status().ToString().c_str());
-    return 1;
+  if (s.gpu.available) {
+    CudaBackendOptions cbo;
+    cbo.slots = o.gpu_slots;
+    cbo.max_ctx = c.max_context;
+    cbo.device = o.cuda_device;
+    auto cuda = NewCudaBackend(*s.model, s.placement, s.exchange.get(), s.gpu.module, cbo);
+    if (cuda.ok()) {
+      s.backend = std::move(*cuda);
+      Log("computing the gpu-worker's share on the GPU (%s)", s.gpu.reason.c_str());
+    } else if (o.backend == "cuda") {
+      Log("cannot start the CUDA backend: %s", cuda.status().ToString().c_str());
+      return 1;
+    } else {
+      s.gpu.available = false;
+      s.gpu.reason = absl::StrCat("the CUDA backend failed: ", cuda.status().ToString());
+    }
   }
-  s.backend = std::move(*backend);
+  if (s.backend == nullptr) {
+    Log("no usable GPU (%s): computing the gpu-worker's share on the CPU with %d thread(s)",
+        s.gpu.reason.c_str(), o.threads);
+    auto backend = NewCpuBackend(*s.model, *s.ops, s.placement, s.exchange.get());
+    if (!backend.ok()) {
+      Log("cannot build the backend: %s", backend.status().ToString().c_str());
+      return 1;
+    }
+    s.backend = std::move(*backend);
+  }
   // Building the hot rows read the whole down matrices; drop those pages, what we use comes back.
   ReleaseMappedPages(*s.model);
   {
@@ -505,14 +537,14 @@ int Main(const std::vector<std::string>& args) {
       .Name("pinfer_worker_backend_info")
       .Help("The backend computing this worker's share (value 1)")
       .Register(*registry)
-      .Add({{"role", "gpu-worker"}, {"backend", "cpu"}})
+      .Add({{"role", "gpu-worker"}, {"backend", s.backend->name()}})
       .Set(1);
   prometheus::BuildGauge()
       .Name("pinfer_worker_gpu_available")
       .Help("1 if the gpu-worker computes on a GPU, 0 if it runs its share on the CPU")
       .Register(*registry)
       .Add({})
-      .Set(0);
+      .Set(s.backend->name() == "cuda" ? 1 : 0);
   prometheus::BuildGauge()
       .Name("pinfer_worker_ffn_row_bytes")
       .Help("Bytes of FFN rows this worker holds")

@@ -169,6 +169,7 @@ void Scheduler::Step(Sequence* s) {
   if (s->slot_ < 0) {
     const int ctx = static_cast<int>(prompt.size()) + s->opts_.gen.max_new_tokens;
     absl::StatusOr<int> slot = backend_->AcquireSlot(ctx);
+    if (absl::IsResourceExhausted(slot.status())) return;  // every slot busy: next round
     if (!slot.ok()) {
       Fail(s, slot.status());
       return;

@@ -96,6 +96,10 @@ class ServeTest(unittest.TestCase):
             cls.serve.kill()
             cls.serve.wait()
         cls.log.close()
+        # ctest shows this only when the test fails.
+        with open(cls.files["serve.log"]) as f:
+            tail = f.read().splitlines()[-60:]
+        print("--- pinfer serve log (tail) ---\n" + "\n".join(tail), file=sys.stderr)
         cls.tmp.cleanup()
 
     @classmethod

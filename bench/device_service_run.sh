@@ -1,0 +1,50 @@
+#!/bin/bash
+# The service benchmark on a quiet machine (a GPU host): the CPU service against the in-process
+# engine at 1 and 4 threads per process, then, with a CUDA bundle, the service with the gpu-worker
+# on the GPU (greedy tokens against reference.json, then decode speed). Run from the repository
+# root with bundles from bench/make_service_bundle.sh and gpu-worker/cuda/make_bundle.sh:
+#
+#   bench/device_service_run.sh SERVICE_BUNDLE [CUDA_BUNDLE]      # results in $OUT (./service-results)
+set -uo pipefail
+b=$(realpath "${1:?service bundle}")
+cb=${2:+$(realpath "$2")}
+out=${OUT:-./service-results}
+mkdir -p "$out"
+model=models/relu-llama-tiny
+nproc; grep -m1 'model name' /proc/cpuinfo
+rc=0
+for t in ${THREADS:-1 4}; do
+  LD_LIBRARY_PATH="$b/lib" timeout 300 "$b/bin/service_bench" --pinfer "$b/bin/pinfer" \
+    --model $model --tokens "${TOKENS:-256}" --threads "$t" --repeats "${REPEATS:-3}" \
+    2>&1 | tee "$out/bench_cpu_t$t.md" || rc=1
+done
+if [[ -n $cb ]]; then
+  cublas=""
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu; do
+    if [[ -e $d/libcublas.so.13 ]]; then cublas=$d; break; fi
+  done
+  [[ -z $cublas ]] && cublas=$(dirname "$(find / -name 'libcublas.so.13' -not -path '/proc/*' 2>/dev/null | head -1)")
+  export LD_LIBRARY_PATH="$b/lib:$cb/lib:$cublas"
+  dir=$(mktemp -d)
+  seg=/pinfer-device-$$
+  PINFER_CUDA_MODULE="$cb/bin/libpinfer_cuda.so" "$b/bin/pinfer-gpu-worker" --model $model \
+    --segment $seg --listen 127.0.0.1:0 --port-file "$dir/gpu.port" --backend cuda \
+    --metrics-port 127.0.0.1:0 --metrics-port-file "$dir/gpu.mport" > "$out/gpu-worker.log" 2>&1 &
+  gp=$!
+  "$b/bin/pinfer-cpu-worker" --model $model --segment $seg --threads "${CPU_THREADS:-4}" \
+    > "$out/cpu-worker.log" 2>&1 &
+  cp=$!
+  for i in $(seq 600); do [[ -s $dir/gpu.port ]] && break; sleep 0.1; done
+  "$b/bin/pinfer-gateway" --workers "127.0.0.1:$(cat "$dir/gpu.port")" --listen 127.0.0.1:0 \
+    --port-file "$dir/gw.port" > "$out/gateway.log" 2>&1 &
+  gw=$!
+  for i in $(seq 600); do [[ -s $dir/gw.port ]] && break; sleep 0.1; done
+  timeout 300 "$b/bin/service_bench" --address "127.0.0.1:$(cat "$dir/gw.port")" \
+    --reference $model/reference.json --tokens "${TOKENS:-256}" --repeats "${REPEATS:-3}" \
+    2>&1 | tee "$out/bench_cuda_service.md" || rc=1
+  curl -s "http://127.0.0.1:$(cat "$dir/gpu.mport")/metrics" > "$out/gpu-worker.metrics" 2>/dev/null || true
+  kill $gw $gp $cp 2>/dev/null
+  wait $gw $gp $cp 2>/dev/null
+  cat "$out/gpu-worker.log"
+fi
+exit $rc

@@ -1,0 +1,225 @@
+// The gpu-worker's CUDA backend: the ComputeBackend interface over the CUDA module
+// (gpu-worker/cuda, libpinfer_cuda.so, loaded with dlopen so that cuBLAS/CUDA never link into
+// this process). The module computes embeddings, attention, the KV caches, norms, the hot FFN
+// rows and the output head on the GPU; for each layer it calls back ExchangeColdFfn with the FFN
+// input while the GPU works on the hot rows, and this callback runs the same shared-memory
+// exchange with the cpu-worker as the CPU backend does.
+#include <dlfcn.h>
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gpu-worker/backend.h"
+#include "gpu-worker/cuda/backend.h"
+#include "shared/engine/transformer.h"
+#include "shared/service/log.h"
+#include "shared/sparse/sparse_ffn.h"
+
+namespace pinfer::gpuworker {
+namespace {
+
+absl::Status ToStatus(const cuda::BackendStatus& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.code), s.message);
+}
+
+cuda::HostMatrix FromView(const TensorView& t, bool vector = false) {
+  cuda::HostMatrix m;
+  m.type = static_cast<cuda::HostType>(t.dtype);
+  m.rows = vector ? 1 : t.rows();
+  m.cols = t.cols();
+  m.data = t.data;
+  return m;
+}
+
+// The cold side of every layer: the cpu-worker, through the segment.
+class ExchangeColdFfn : public cuda::ColdFfn {
+ public:
+  ExchangeColdFfn(shm::ExchangeClient* exchange, BackendStats* stats, int ffn)
+      : exchange_(exchange), stats_(stats), ffn_(ffn) {}
+
+  cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
+    const int H = exchange_->segment().geometry().hidden;
+    const int W = exchange_->segment().geometry().words_per_mask();
+    const uint64_t* masks = nullptr;
+    if (r.active != nullptr) {
+      // The module gives the union over the batch; every token gets it.
+      masks_.assign(static_cast<size_t>(r.n) * W, 0);
+      for (int i = 0; i < r.n_active; ++i) {
+        const int32_t j = r.active[i];
+        for (int t = 0; t < r.n; ++t) masks_[static_cast<size_t>(t) * W + (j >> 6)] |= 1ull << (j & 63);
+      }
+      masks = masks_.data();
+    }
+    absl::StatusOr<uint32_t> seq = exchange_->Post(r.layer, r.x, r.n, masks);
+    if (!seq.ok()) return Fail(seq.status());
+    std::memset(r.out, 0, sizeof(float) * static_cast<size_t>(r.n) * H);
+    shm::ExchangeStats xs;
+    const uint64_t t0 = shm::MonotonicNanos();
+    absl::Status st = exchange_->AwaitAndAdd(*seq, r.n, r.out, &xs);
+    const uint64_t waited = shm::MonotonicNanos() - t0;
+    stats_->exchange_wait_ns += waited;
+    stats_->wait_samples.push_back(waited * 1e-9);
+    stats_->exchanges += 1;
+    stats_->cold_neurons += xs.cold_neurons;
+    if (!st.ok()) return Fail(st);
+    return {};
+  }
+
+ private:
+  cuda::BackendStatus Fail(const absl::Status& st) {
+    cuda::BackendStatus s;
+    s.code = static_cast<cuda::Code>(st.code());
+    s.message = std::string(st.message());
+    return s;
+  }
+  shm::ExchangeClient* exchange_;
+  BackendStats* stats_;
+  int ffn_;
+  std::vector<uint64_t> masks_;
+};
+
+class CudaBackend : public ComputeBackend {
+ public:
+  CudaBackend(const Model& model, void* handle, cuda::Backend* backend, PinferCudaDestroyFn destroy,
+              shm::ExchangeClient* exchange, int slots, int max_ctx, uint64_t hot_neurons,
+              uint64_t hot_bytes)
+      : model_(model),
+        handle_(handle),
+        backend_(backend),
+        destroy_(destroy),
+        cold_(exchange, &stats_, model.config.ffn_size),
+        free_(slots, true),
+        max_ctx_(max_ctx),
+        hot_neurons_(hot_neurons),
+        hot_bytes_(hot_bytes) {}
+  ~CudaBackend() override { destroy_(backend_); }  // the module stays loaded (CUDA at exit)
+
+  std::string name() const override { return "cuda"; }
+
+  absl::StatusOr<int> AcquireSlot(int max_ctx) override {
+    if (max_ctx > max_ctx_) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "context of ", max_ctx, " positions; the gpu-worker's KV caches hold ", max_ctx_));
+    }
+    for (size_t i = 0; i < free_.size(); ++i) {
+      if (free_[i]) {
+        free_[i] = false;
+        return static_cast<int>(i);
+      }
+    }
+    return absl::ResourceExhaustedError("every KV cache slot is in use");
+  }
+
+  void ReleaseSlot(int slot) override { free_[slot] = true; }
+
+  absl::Status Forward(int slot, std::span<const int32_t> tokens, int pos0,
+                       float* logits) override {
+    cuda::ForwardArgs a;
+    a.seq = slot;
+    a.tokens = tokens.data();
+    a.n = static_cast<int>(tokens.size());
+    a.pos0 = pos0;
+    a.mode = cuda::FfnMode::kExact;
+    a.cold = &cold_;
+    a.logits_mode = logits != nullptr ? cuda::LogitsMode::kLast : cuda::LogitsMode::kNone;
+    a.logits = logits;
+    absl::Status st = ToStatus(backend_->Forward(a));
+    const cuda::ForwardStats& fs = backend_->last_stats();
+    stats_.forward_ns += static_cast<uint64_t>(fs.total * 1e9);
+    stats_.hot_ffn_ns += static_cast<uint64_t>(fs.gpu_hot_ffn * 1e9);
+    stats_.hot_neurons += static_cast<uint64_t>(fs.hot_rows_computed);
+    const uint64_t hot_per_layer = hot_neurons_ / std::max(1, model_.config.n_layers);
+    stats_.hot_candidates += hot_per_layer * model_.config.n_layers * tokens.size();
+    stats_.cold_candidates += (static_cast<uint64_t>(model_.config.ffn_size) *
+                                   model_.config.n_layers - hot_neurons_) * tokens.size();
+    return st;
+  }
+
+  uint64_t ffn_bytes() const override { return hot_bytes_; }
+  uint64_t ffn_neurons() const override { return hot_neurons_; }
+  uint64_t dense_bytes() const override {
+    return backend_->WeightBytes() > hot_bytes_ ? backend_->WeightBytes() - hot_bytes_ : 0;
+  }
+  BackendStats TakeStats() override { return std::exchange(stats_, BackendStats{}); }
+
+ private:
+  const Model& model_;
+  void* handle_;
+  cuda::Backend* backend_;
+  PinferCudaDestroyFn destroy_;
+  BackendStats stats_;
+  ExchangeColdFfn cold_;
+  std::vector<bool> free_;
+  int max_ctx_;
+  uint64_t hot_neurons_, hot_bytes_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(
+    const Model& model, const Placement& placement, shm::ExchangeClient* exchange,
+    const std::string& module_path, const CudaBackendOptions& o) {
+  void* h = ::dlopen(module_path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (h == nullptr) return absl::UnavailableError(absl::StrCat("dlopen: ", ::dlerror()));
+  auto create = reinterpret_cast<PinferCudaCreateFn>(::dlsym(h, PINFER_CUDA_CREATE_SYMBOL));
+  auto destroy = reinterpret_cast<PinferCudaDestroyFn>(::dlsym(h, PINFER_CUDA_DESTROY_SYMBOL));
+  if (create == nullptr || destroy == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(module_path, " lacks the pinfer CUDA entry points"));
+  }
+  const ModelConfig& c = model.config;
+  // The module takes hot rows of gate, up and of the transposed down projection.
+  auto down_t = TransposeDownProjections(model);
+  if (!down_t.ok()) return down_t.status();
+  cuda::ModelUpload u;
+  u.dims.vocab = c.vocab_size;
+  u.dims.hidden = c.hidden_size;
+  u.dims.n_layers = c.n_layers;
+  u.dims.n_heads = c.n_heads;
+  u.dims.n_kv_heads = c.n_kv_heads;
+  u.dims.head_dim = c.head_dim;
+  u.dims.ffn = c.ffn_size;
+  u.dims.norm_eps = c.norm_eps;
+  u.dims.activation = static_cast<int>(c.activation);
+  u.dims.rope_interleaved = c.rope_interleaved;
+  u.dims.inv_freq = RopeInverseFrequencies(c);
+  u.tok_embeddings = FromView(model.tok_embeddings);
+  u.output_norm = FromView(model.output_norm, true);
+  u.output = FromView(model.output);
+  u.max_ctx = o.max_ctx;
+  u.max_seqs = o.slots;
+  u.max_batch = exchange->segment().geometry().max_tokens;
+  u.device = o.device;
+  uint64_t hot_neurons = 0, hot_bytes = 0;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights& L = model.layers[l];
+    cuda::LayerUpload lu;
+    lu.attn_norm = FromView(L.attn_norm, true);
+    lu.ffn_norm = FromView(L.ffn_norm, true);
+    lu.wq = FromView(L.wq);
+    lu.wk = FromView(L.wk);
+    lu.wv = FromView(L.wv);
+    lu.wo = FromView(L.wo);
+    lu.ffn = cuda::FfnPlacement::kHot;
+    lu.gate = FromView(L.gate);
+    lu.up = FromView(L.up);
+    lu.down_t = FromView(down_t->layers[l]);
+    lu.hot_ids = placement.hot[l];
+    hot_neurons += lu.hot_ids.size();
+    hot_bytes += lu.hot_ids.size() *
+                 (L.gate.row_bytes() + L.up.row_bytes() + down_t->layers[l].row_bytes());
+    u.layers.push_back(std::move(lu));
+  }
+  cuda::Backend* b = nullptr;
+  char err[1024] = {0};
+  const int rc = create(&u, &b, err, sizeof(err));
+  if (rc != 0) return absl::Status(static_cast<absl::StatusCode>(rc), err);
+  Log("CUDA backend on %s: %.1f MiB on the device", b->DeviceName().c_str(),
+      b->DeviceBytes() / 1048576.0);
+  return std::unique_ptr<ComputeBackend>(new CudaBackend(model, h, b, destroy, exchange, o.slots,
+                                                         o.max_ctx, hot_neurons, hot_bytes));
+}
+
+}  // namespace pinfer::gpuworker
