@@ -1,7 +1,9 @@
 // `pinfer convert`: a Hugging Face LlamaForCausalLM directory to a GGUF v3 `llama` file that
-// pinfer and llama.cpp both load (the conversion itself is ConvertHuggingFaceToGguf).
+// pinfer and llama.cpp both load (ConvertHuggingFaceToGguf), or a GGUF file to another weight type
+// (ConvertGgufToGguf, like llama-quantize).
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 
 #include "cli/commands.h"
 #include "cli/flags.h"
@@ -11,7 +13,8 @@ namespace pinfer::cli {
 namespace {
 
 constexpr char kUsage[] =
-    "usage: pinfer convert --model HF_DIR --out FILE.gguf [--type f16|q8_0|q4_0|f32] [--name NAME]\n";
+    "usage: pinfer convert --model HF_DIR|FILE.gguf --out FILE.gguf [--type f16|q8_0|q4_0|f32]\n"
+    "         [--name NAME]\n";
 
 }  // namespace
 
@@ -38,7 +41,10 @@ int ConvertCommand(const std::vector<std::string>& args) {
   }
   opts.name = flags->Get("name").value_or("");
   const auto start = std::chrono::steady_clock::now();
-  absl::Status st = ConvertHuggingFaceToGguf(*model, *out, opts);
+  std::error_code ec;
+  absl::Status st = std::filesystem::is_regular_file(*model, ec)
+                        ? ConvertGgufToGguf(*model, *out, opts)
+                        : ConvertHuggingFaceToGguf(*model, *out, opts);
   if (!st.ok()) return RuntimeError(st);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::fprintf(stderr, "wrote %s (%s) in %.1f s\n", out->c_str(), type.c_str(), s);

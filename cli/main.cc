@@ -17,7 +17,7 @@ constexpr char kUsage[] =
     "              [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--stop S]\n"
     "              [--threads N] [--json] [--logits] [--reference]\n"
     "  perplexity  --model PATH --tokens FILE.u32 --window W [--threads N] [--json]\n"
-    "  convert     --model HF_DIR --out FILE.gguf [--type f16|q8_0|q4_0|f32] [--name NAME]\n"
+    "  convert     --model HF_DIR|FILE.gguf --out FILE.gguf [--type f16|q8_0|q4_0|f32] [--name N]\n"
     "  serve       --model PATH [--port P] [--metrics-port M] [--threads N] [--cpu-threads N]\n"
     "              [--hot-fraction F] (gateway + gpu-worker + cpu-worker; --help for more)\n";
 

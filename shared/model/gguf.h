@@ -272,5 +272,9 @@ struct GgufConvertOptions {
 // GGUF v3 `llama` file in llama.cpp's conventions (`pinfer convert`; see gguf_convert.cc).
 absl::Status ConvertHuggingFaceToGguf(const std::string& hf_dir, const std::string& out_path,
                                       const GgufConvertOptions& opts);
+// Re-stores the weight matrices of a GGUF file in another type (like llama-quantize; F32/F16/
+// BF16/Q8_0/Q4_0 sources), with the same rules; vectors and other tensors are copied unchanged.
+absl::Status ConvertGgufToGguf(const std::string& in_path, const std::string& out_path,
+                               const GgufConvertOptions& opts);
 
 }  // namespace pinfer

@@ -155,15 +155,59 @@ std::function<int64_t(int64_t)> RopePermutation(int head_dim) {
   };
 }
 
+// The storage type of a weight: norms (1-D) stay F32; with q4_0 the output matrix (token_embd
+// when tied) is Q8_0; rows that are not whole quantization blocks fall back to F16.
+GgmlType WeightType(GgmlType wanted, const std::vector<int64_t>& shape, bool is_output) {
+  if (shape.size() == 1 || (shape.size() == 2 && shape[0] == 1)) return GgmlType::kF32;
+  GgmlType type = wanted;
+  if (is_output && wanted == GgmlType::kQ4_0) type = GgmlType::kQ8_0;
+  if ((type == GgmlType::kQ8_0 || type == GgmlType::kQ4_0) && shape.back() % kQuantBlock != 0) {
+    type = GgmlType::kF16;
+  }
+  return type;
+}
+
+absl::Status CheckOutputType(GgmlType t) {
+  if (t != GgmlType::kF32 && t != GgmlType::kF16 && t != GgmlType::kQ8_0 && t != GgmlType::kQ4_0) {
+    return absl::InvalidArgumentError("output type must be f32, f16, q8_0 or q4_0");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::Status ConvertGgufToGguf(const std::string& in_path, const std::string& out_path,
+                               const GgufConvertOptions& opts) {
+  RETURN_IF_ERROR(CheckOutputType(opts.type));
+  ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> in, GgufFile::Open(in_path, {kGgufMagic, kPowerInferMagic}));
+  if (std::filesystem::weakly_canonical(in_path) == std::filesystem::weakly_canonical(out_path)) {
+    return absl::InvalidArgumentError("the output file must differ from the input file");
+  }
+  GgufWriter w(in->magic());
+  for (const GgufKeyValue& kv : in->metadata()) w.SetValue(kv.key, kv.value);
+  w.SetU32("general.file_type", FileType(opts.type));
+  if (!opts.name.empty()) w.SetString("general.name", opts.name);
+  const bool tied = in->FindTensor("output.weight") == nullptr;
+  for (const GgufTensorInfo& t : in->tensors()) {
+    auto view = GgufFile::ToTensorView(t);
+    const bool is_matrix = t.ne.size() == 2 && t.ne[1] > 1;
+    if (!view.ok() || !is_matrix) {  // other types (index tensors...) and vectors: copied as they are
+      RETURN_IF_ERROR(w.AddTensor(t.name, static_cast<GgmlType>(t.type), t.shape(),
+                                  std::string(reinterpret_cast<const char*>(t.data), t.nbytes)));
+      continue;
+    }
+    const bool is_output = t.name == "output.weight" || (tied && t.name == "token_embd.weight");
+    const GgmlType type = WeightType(opts.type, view->shape, is_output);
+    ASSIGN_OR_RETURN(DType dtype, DTypeFromGgmlType(static_cast<uint32_t>(type)));
+    RETURN_IF_ERROR(w.AddTensor(t.name, type, view->shape, Converter(*view, dtype, nullptr)));
+  }
+  return w.WriteFile(out_path);
+}
 
 absl::Status ConvertHuggingFaceToGguf(const std::string& hf_dir, const std::string& out_path,
                                       const GgufConvertOptions& opts) {
   namespace fs = std::filesystem;
-  if (opts.type != GgmlType::kF32 && opts.type != GgmlType::kF16 && opts.type != GgmlType::kQ8_0 &&
-      opts.type != GgmlType::kQ4_0) {
-    return absl::InvalidArgumentError("output type must be f32, f16, q8_0 or q4_0");
-  }
+  RETURN_IF_ERROR(CheckOutputType(opts.type));
   ASSIGN_OR_RETURN(std::unique_ptr<Model> model, LoadHuggingFaceModel(hf_dir));
   const ModelConfig& c = model->config;
   const fs::path spm_path = fs::path(hf_dir) / "tokenizer.model";
@@ -236,15 +280,7 @@ absl::Status ConvertHuggingFaceToGguf(const std::string& hf_dir, const std::stri
 
   auto add = [&](const std::string& gguf_name, const TensorView& t, bool is_output,
                  std::function<int64_t(int64_t)> row_of = nullptr) -> absl::Status {
-    GgmlType type = opts.type;
-    if (t.shape.size() == 1 || (t.shape.size() == 2 && t.shape[0] == 1)) {
-      type = GgmlType::kF32;  // norms
-    } else if (is_output && opts.type == GgmlType::kQ4_0) {
-      type = GgmlType::kQ8_0;
-    }
-    if ((type == GgmlType::kQ8_0 || type == GgmlType::kQ4_0) && t.cols() % kQuantBlock != 0) {
-      type = GgmlType::kF16;
-    }
+    const GgmlType type = WeightType(opts.type, t.shape, is_output);
     ASSIGN_OR_RETURN(DType dtype, DTypeFromGgmlType(static_cast<uint32_t>(type)));
     std::vector<int64_t> shape = t.shape;
     if (shape.size() == 2 && shape[0] == 1) shape.erase(shape.begin());

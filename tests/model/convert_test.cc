@@ -299,6 +299,7 @@ int RunPinfer(const std::string& args) {
 
 TEST(ConvertTest, CommandLine) {
   const std::string out = TempDir() + "/cli.gguf";
+  fs::remove(out);
   EXPECT_EQ(RunPinfer(""), 2);
   EXPECT_EQ(RunPinfer("--model " + kHfDir), 2);                          // no --out
   EXPECT_EQ(RunPinfer("--model " + kHfDir + " --out " + out + " --type q5_k"), 2);
@@ -309,6 +310,36 @@ TEST(ConvertTest, CommandLine) {
   auto model = LoadModel(out);
   ASSERT_TRUE(model.ok()) << model.status();
   EXPECT_EQ(model->get()->layers[0].wq.dtype, DType::kQ8_0);
+}
+
+// GGUF -> GGUF (like llama-quantize): weights re-stored, everything else copied.
+TEST(ConvertTest, RequantizesGgufFiles) {
+  const std::string in = std::string(PINFER_MODELS_DIR) + "/stories260K/stories260K.gguf";
+  const std::string out = TempDir() + "/stories-q4_0.gguf";
+  GgufConvertOptions opts;
+  opts.type = GgmlType::kQ4_0;
+  ASSERT_TRUE(ConvertGgufToGguf(in, out, opts).ok());
+  auto src = GgufFile::Open(in);
+  auto dst = GgufFile::Open(out);
+  ASSERT_TRUE(src.ok() && dst.ok());
+  EXPECT_EQ(*(*dst)->GetU32("general.file_type"), 2u);
+  EXPECT_EQ(*(*dst)->GetStringArray("tokenizer.ggml.tokens"),
+            *(*src)->GetStringArray("tokenizer.ggml.tokens"));
+  ASSERT_EQ((*dst)->tensors().size(), (*src)->tensors().size());
+  for (const GgufTensorInfo& t : (*dst)->tensors()) {
+    // ffn_down rows (172) are not whole Q4_0 blocks: F16, as llama.cpp falls back.
+    const std::string want = t.ne.size() == 1             ? "F32"
+                             : t.name == "output.weight"   ? "Q8_0"
+                             : t.ne[0] % 32 != 0           ? "F16"
+                                                           : "Q4_0";
+    EXPECT_EQ(GgmlTypeName(t.type), want) << t.name;
+    EXPECT_EQ(t.ne, (*src)->FindTensor(t.name)->ne);
+  }
+  auto model = LoadModel(out);
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(model->get()->layers[0].wq.dtype, DType::kQ4_0);
+  EXPECT_THAT(std::string(ConvertGgufToGguf(out, out, opts).message()),
+              HasSubstr("must differ from the input"));
 }
 
 TEST(ConvertTest, RejectsDirectoriesItCannotConvert) {

@@ -1,0 +1,119 @@
+#!/usr/bin/python3
+"""Checks that llama.cpp loads what `pinfer convert` writes and computes what pinfer computes.
+
+llama.cpp (the npm package node-llama-cpp that bench/llama_cpp installs) and pinfer each load the
+same GGUF files, tokenize the same prompt with BOS, and decode greedily; prompt ids and generated
+ids must be equal. Files: a random-weight SiLU Llama (grouped-query attention) converted from a
+Hugging Face directory to F32, F16 and Q8_0, and llama.cpp's own stories260K re-stored as Q8_0
+and Q4_0 by `pinfer convert`. Q4_0 of the random model is only loaded and tokenized: its top
+logits are within llama.cpp's activation-quantization noise of each other, so greedy tokens may
+legitimately differ. Exits 77 (skipped) when node-llama-cpp is not installed.
+
+usage: llama_cpp_compat_test.py PINFER_BINARY SOURCE_DIR
+"""
+import json
+import os
+import random
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+
+PINFER, SOURCE = sys.argv[1], sys.argv[2]
+NODE_MODULES = os.path.join(SOURCE, "bench", "llama_cpp", "node_modules")
+PROMPTS = {"random": "The quick brown fox jumps over the lazy dog", "stories": "Once upon a time"}
+
+
+def random_llama(out):
+    """A small random SiLU Llama: hidden 128, 4 query / 2 key-value heads, 2 layers, F16."""
+    rng = random.Random(0)
+    H, F, V, L, heads, kv = 128, 256, 4096, 2, 4, 2
+    hd = H // heads
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
+    for l in range(L):
+        p = "model.layers.%d." % l
+        shapes.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                       p + "self_attn.q_proj.weight": (heads * hd, H), p + "self_attn.k_proj.weight": (kv * hd, H),
+                       p + "self_attn.v_proj.weight": (kv * hd, H), p + "self_attn.o_proj.weight": (H, heads * hd),
+                       p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
+                       p + "mlp.down_proj.weight": (H, F)})
+    header, blobs, off = {}, [], 0
+    for name, shape in shapes.items():
+        n = 1
+        for d in shape:
+            n *= d
+        if len(shape) == 1:
+            vals = [1.0 + rng.gauss(0, 0.1) for _ in range(n)]
+        else:
+            vals = [rng.gauss(0, 1.0 if "embed" in name else 0.08) for _ in range(n)]
+        raw = struct.pack("<%de" % n, *vals)
+        header[name] = {"dtype": "F16", "shape": list(shape), "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    h = json.dumps(header).encode()
+    h += b" " * ((-len(h)) % 8)
+    os.makedirs(out)
+    with open(os.path.join(out, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+    tiny = os.path.join(SOURCE, "models", "relu-llama-tiny")
+    with open(os.path.join(tiny, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(hidden_act="silu", hidden_size=H, intermediate_size=F, num_hidden_layers=L,
+               num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    shutil.copy(os.path.join(tiny, "tokenizer.model"), out)
+
+
+def run(cmd):
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        sys.exit("FAILED: %s\n%s" % (" ".join(cmd), r.stderr))
+    return r.stdout
+
+
+def main():
+    if not os.path.isdir(os.path.join(NODE_MODULES, "node-llama-cpp")) or shutil.which("node") is None:
+        print("node-llama-cpp is not installed (bench/llama_cpp): skipped")
+        return 77
+    tmp = tempfile.mkdtemp(prefix="pinfer-llama-cpp-")
+    try:
+        # ES modules resolve packages next to the script: give it a node_modules beside it.
+        script = os.path.join(tmp, "llama_cpp_greedy.mjs")
+        shutil.copy(os.path.join(SOURCE, "tests", "model", "llama_cpp_greedy.mjs"), script)
+        os.symlink(NODE_MODULES, os.path.join(tmp, "node_modules"))
+        hf = os.path.join(tmp, "random-hf")
+        random_llama(hf)
+        cases = []  # (gguf, prompt kind, tokens to compare; 0 = prompt ids only)
+        for t, n in (("f32", 32), ("f16", 32), ("q8_0", 32), ("q4_0", 0)):
+            out = os.path.join(tmp, "random-%s.gguf" % t)
+            run([PINFER, "convert", "--model", hf, "--out", out, "--type", t])
+            cases.append((out, "random", n))
+        for t in ("q8_0", "q4_0"):
+            out = os.path.join(tmp, "stories-%s.gguf" % t)
+            run([PINFER, "convert", "--model", os.path.join(SOURCE, "models", "stories260K", "stories260K.gguf"),
+                 "--out", out, "--type", t])
+            cases.append((out, "stories", 40))
+        failed = False
+        for path, kind, n in cases:
+            prompt = PROMPTS[kind]
+            ref = json.loads(run(["node", script, path, prompt, str(max(n, 4))]).strip().splitlines()[-1])
+            got = json.loads(run([PINFER, "generate", "--model", path, "--prompt", prompt,
+                                  "--max-tokens", str(max(n, 4)), "--json"]))
+            ok = ref["prompt_ids"] == got["prompt_ids"] and ref["generated_ids"][:n] == got["generated_ids"][:n]
+            print("%-4s %s: prompt ids %s, %d greedy tokens %s" % (
+                "ok" if ok else "FAIL", os.path.basename(path),
+                "equal" if ref["prompt_ids"] == got["prompt_ids"] else "differ", n,
+                "equal" if ref["generated_ids"][:n] == got["generated_ids"][:n] else "differ"))
+            if not ok:
+                print("  llama.cpp:", ref)
+                print("  pinfer:   ", {k: got[k] for k in ("prompt_ids", "generated_ids")})
+                failed = True
+        return 1 if failed else 0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
