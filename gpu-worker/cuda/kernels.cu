@@ -332,11 +332,10 @@ __global__ void AttentionKernel(const float* __restrict__ q, const float* __rest
   }
 }
 
-// One warp per row (eight rows per block): for tall matrices (the stacked q/k/v and gate/up
-// projections, the output head), where rows outnumber the resident warps several times over and a
-// warp streaming a whole row keeps more bytes in flight than the block-per-row kernel below
-// (measured on the H200: 4.2 TB/s against 3.0 TB/s over a 2 GB F16 matrix). Short matrices
-// use the block-per-row kernel, whose five-odd waves of blocks avoid this one's 1.2-wave tail.
+// One warp per row (eight rows per block): the alternative to the block-per-row kernel below,
+// chosen by row count (SetMatVecWarpRowsMin). With single-token specialisations of both, the
+// block-per-row kernel measured as fast or faster on every decode shape of a 13B model on the
+// H200 (docs/benchmarks.md, run 7), so it is the default and this kernel stays for tuning.
 template <int E>
 __device__ __forceinline__ float DotUnit(const float* w, const float* x) {
   float s = 0.f;
@@ -411,9 +410,8 @@ __global__ void __launch_bounds__(kRowWarps * kWarp)
 // blocks are only 2-byte aligned in global memory), then dequantized from there.
 
 constexpr int kMvThreads = 128;
-// Rows from which a 16-byte-type matrix takes the warp-per-row kernel: about three waves of
-// warps on a 132-SM H200 (32 resident warps per SM).
-int g_warp_rows_min = 12288;
+// Rows from which a 16-byte-type matrix takes the warp-per-row kernel (off by default).
+int g_warp_rows_min = 1 << 30;
 constexpr int kMaxStageBytes = 48 * 1024;
 
 template <WType T>

@@ -392,7 +392,17 @@ TEST_F(CudaOpsTest, OutputHeadMatchesReference) {
     EXPECT_FALSE(AnyNan(out));
     EXPECT_LE(Nmse(out, ref), kFp32Limit) << DTypeName(type);
     EXPECT_TRUE(dy.GuardsIntact());
-    // A tall listed set (the warp-per-row kernel for 16-byte types) with a device count.
+    // The warp-per-row kernel (a tuning alternative) on the same matrix.
+    const int saved = cuda::MatVecWarpRowsMin();
+    cuda::SetMatVecWarpRowsMin(1);
+    DevBuf<float> dyw(vocab);
+    CUDA_OK(cuda::MatVecRows(m, nullptr, vocab, nullptr, dx.get(), 1, dyw.get(), vocab, nullptr));
+    cuda::SetMatVecWarpRowsMin(saved);
+    std::vector<float> outw = dyw.Download();
+    EXPECT_FALSE(AnyNan(outw));
+    EXPECT_LE(Nmse(outw, ref), kFp32Limit) << DTypeName(type) << " warp per row";
+    EXPECT_TRUE(dyw.GuardsIntact());
+    // A tall listed set with a device count.
     const int bound = 13000, count = 12500;
     std::vector<int32_t> ids = RandomRows(vocab, bound);
     std::vector<float> ref2(count);
