@@ -130,9 +130,9 @@ struct GgufKeyValue {
 
 struct GgufTensorInfo {
   std::string name;
-  uint32_t type = 0;         // ggml type id
-  std::vector<int64_t> ne;   // innermost first, as stored
-  uint64_t offset = 0;       // relative to the data section
+  uint32_t type = 0;        // ggml type id
+  std::vector<int64_t> ne;  // innermost first, as stored
+  uint64_t offset = 0;      // relative to the data section
   uint64_t nbytes = 0;
   const uint8_t* data = nullptr;
 

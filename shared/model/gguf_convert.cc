@@ -28,11 +28,16 @@ namespace {
 // llama.cpp's llama_ftype values for general.file_type.
 uint32_t FileType(GgmlType t) {
   switch (t) {
-    case GgmlType::kF32: return 0;   // LLAMA_FTYPE_ALL_F32
-    case GgmlType::kF16: return 1;   // LLAMA_FTYPE_MOSTLY_F16
-    case GgmlType::kQ4_0: return 2;  // LLAMA_FTYPE_MOSTLY_Q4_0
-    case GgmlType::kQ8_0: return 7;  // LLAMA_FTYPE_MOSTLY_Q8_0
-    default: return 0;
+    case GgmlType::kF32:
+      return 0;  // LLAMA_FTYPE_ALL_F32
+    case GgmlType::kF16:
+      return 1;  // LLAMA_FTYPE_MOSTLY_F16
+    case GgmlType::kQ4_0:
+      return 2;  // LLAMA_FTYPE_MOSTLY_Q4_0
+    case GgmlType::kQ8_0:
+      return 7;  // LLAMA_FTYPE_MOSTLY_Q8_0
+    default:
+      return 0;
   }
 }
 
@@ -56,9 +61,12 @@ class WireReader {
     *field = static_cast<int>(key >> 3);
     *wire_type = static_cast<int>(key & 7);
     switch (*wire_type) {
-      case 0: return Varint(value);
-      case 1: return Fixed(8, value);
-      case 5: return Fixed(4, value);
+      case 0:
+        return Varint(value);
+      case 1:
+        return Fixed(8, value);
+      case 5:
+        return Fixed(4, value);
       case 2: {
         uint64_t len;
         if (!Varint(&len) || len > static_cast<uint64_t>(end_ - p_)) return false;
@@ -66,7 +74,8 @@ class WireReader {
         p_ += len;
         return true;
       }
-      default: return false;
+      default:
+        return false;
     }
   }
 
@@ -94,7 +103,9 @@ class WireReader {
 
 absl::StatusOr<SentencePieceVocab> ReadSentencePieceVocab(const std::string& path) {
   ASSIGN_OR_RETURN(std::string proto, ReadFileToString(path));
-  auto bad = [&]() { return absl::InvalidArgumentError(absl::StrCat(path, ": malformed sentencepiece model")); };
+  auto bad = [&]() {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": malformed sentencepiece model"));
+  };
   SentencePieceVocab v;
   WireReader top(proto);
   int field, wt;
@@ -179,7 +190,8 @@ absl::Status CheckOutputType(GgmlType t) {
 absl::Status ConvertGgufToGguf(const std::string& in_path, const std::string& out_path,
                                const GgufConvertOptions& opts) {
   RETURN_IF_ERROR(CheckOutputType(opts.type));
-  ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> in, GgufFile::Open(in_path, {kGgufMagic, kPowerInferMagic}));
+  ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> in,
+                   GgufFile::Open(in_path, {kGgufMagic, kPowerInferMagic}));
   if (std::filesystem::weakly_canonical(in_path) == std::filesystem::weakly_canonical(out_path)) {
     return absl::InvalidArgumentError("the output file must differ from the input file");
   }
@@ -191,7 +203,8 @@ absl::Status ConvertGgufToGguf(const std::string& in_path, const std::string& ou
   for (const GgufTensorInfo& t : in->tensors()) {
     auto view = GgufFile::ToTensorView(t);
     const bool is_matrix = t.ne.size() == 2 && t.ne[1] > 1;
-    if (!view.ok() || !is_matrix) {  // other types (index tensors...) and vectors: copied as they are
+    if (!view.ok() ||
+        !is_matrix) {  // other types (index tensors...) and vectors: copied as they are
       RETURN_IF_ERROR(w.AddTensor(t.name, static_cast<GgmlType>(t.type), t.shape(),
                                   std::string(reinterpret_cast<const char*>(t.data), t.nbytes)));
       continue;
@@ -239,9 +252,12 @@ absl::Status ConvertHuggingFaceToGguf(const std::string& hf_dir, const std::stri
   if (auto tc = ReadFileToString((fs::path(hf_dir) / "tokenizer_config.json").string()); tc.ok()) {
     nlohmann::json j = nlohmann::json::parse(*tc, nullptr, false);
     if (j.is_object()) {
-      if (j.contains("add_bos_token") && j["add_bos_token"].is_boolean()) add_bos = j["add_bos_token"];
-      if (j.contains("add_eos_token") && j["add_eos_token"].is_boolean()) add_eos = j["add_eos_token"];
-      if (j.contains("chat_template") && j["chat_template"].is_string()) chat_template = j["chat_template"];
+      if (j.contains("add_bos_token") && j["add_bos_token"].is_boolean())
+        add_bos = j["add_bos_token"];
+      if (j.contains("add_eos_token") && j["add_eos_token"].is_boolean())
+        add_eos = j["add_eos_token"];
+      if (j.contains("chat_template") && j["chat_template"].is_string())
+        chat_template = j["chat_template"];
     }
   }
 

@@ -48,13 +48,14 @@ absl::StatusOr<RopeScaling> RopeScalingFromFactors(const std::vector<float>& fac
                                                    const ModelConfig& c, int original_context) {
   const int half = c.head_dim / 2;
   if (static_cast<int>(factors.size()) != half) {
-    return absl::InvalidArgumentError(absl::StrCat("rope_freqs has ", factors.size(),
-                                                   " values, expected head_dim/2 = ", half));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rope_freqs has ", factors.size(), " values, expected head_dim/2 = ", half));
   }
   std::vector<double> wavelen(half);
   for (int i = 0; i < half; ++i) {
-    wavelen[i] = 2 * std::numbers::pi * std::pow(static_cast<double>(c.rope_theta),
-                                                 static_cast<double>(2 * i) / c.head_dim);
+    wavelen[i] =
+        2 * std::numbers::pi *
+        std::pow(static_cast<double>(c.rope_theta), static_cast<double>(2 * i) / c.head_dim);
   }
   RopeScaling s;
   double factor = 1;
@@ -110,8 +111,8 @@ absl::StatusOr<RopeScaling> RopeScalingFromFactors(const std::vector<float>& fac
       r = 1 / ((1 - sm) / s.factor + sm);
     }
     if (std::fabs(r - factors[i]) > 1e-4 * factors[i]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "rope_freqs value ", i, " (", factors[i], ") does not follow Llama-3 scaling"));
+      return absl::InvalidArgumentError(absl::StrCat("rope_freqs value ", i, " (", factors[i],
+                                                     ") does not follow Llama-3 scaling"));
     }
   }
   return s;
@@ -177,8 +178,8 @@ absl::StatusOr<ModelConfig> ConfigFromGguf(const GgufFile& f) {
   ModelConfig c;
   ASSIGN_OR_RETURN(c.architecture, f.GetString("general.architecture"));
   if (c.architecture != "llama") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        f.name(), ": unsupported architecture '", c.architecture, "' (pinfer loads llama)"));
+    return absl::InvalidArgumentError(absl::StrCat(f.name(), ": unsupported architecture '",
+                                                   c.architecture, "' (pinfer loads llama)"));
   }
   const std::string a = "llama.";
   if (f.HasKey(a + "expert_count")) {
@@ -199,9 +200,9 @@ absl::StatusOr<ModelConfig> ConfigFromGguf(const GgufFile& f) {
   ASSIGN_OR_RETURN(c.head_dim, GetInt(f, a + "attention.key_length", c.hidden_size / c.n_heads));
   ASSIGN_OR_RETURN(int value_dim, GetInt(f, a + "attention.value_length", c.head_dim));
   if (value_dim != c.head_dim) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(f.name(), ": attention.value_length ", value_dim,
-                     " differs from attention.key_length ", c.head_dim));
+    return absl::InvalidArgumentError(absl::StrCat(f.name(), ": attention.value_length ", value_dim,
+                                                   " differs from attention.key_length ",
+                                                   c.head_dim));
   }
   ASSIGN_OR_RETURN(int rope_dim, GetInt(f, a + "rope.dimension_count", c.head_dim));
   if (rope_dim != c.head_dim) {
@@ -263,8 +264,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const GgufFile& f) 
   if (f.HasKey(t + "token_type")) {
     ASSIGN_OR_RETURN(types, f.GetI32Array(t + "token_type"));
     if (types.size() != tokens.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          f.name(), ": ", tokens.size(), " tokens but ", types.size(), " token types"));
+      return absl::InvalidArgumentError(absl::StrCat(f.name(), ": ", tokens.size(), " tokens but ",
+                                                     types.size(), " token types"));
     }
   }
   absl::StatusOr<std::unique_ptr<Tokenizer>> tok;
@@ -310,15 +311,16 @@ absl::StatusOr<std::unique_ptr<Model>> LoadGgufModelFrom(const GgufFile& f) {
 
   ASSIGN_OR_RETURN(model->tok_embeddings, Weight(f, "token_embd.weight", model.get()));
   if (model->tok_embeddings.shape.size() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(f.name(), ": token_embd.weight is not a matrix"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(f.name(), ": token_embd.weight is not a matrix"));
   }
   c.vocab_size = static_cast<int>(std::min<int64_t>(model->tok_embeddings.shape[0], INT32_MAX));
   if (f.HasKey("llama.vocab_size")) {
     ASSIGN_OR_RETURN(int v, GetInt(f, "llama.vocab_size"));
     if (v != c.vocab_size) {
       return absl::InvalidArgumentError(absl::StrCat(f.name(), ": llama.vocab_size ", v,
-                                                     " but token_embd.weight has ",
-                                                     c.vocab_size, " rows"));
+                                                     " but token_embd.weight has ", c.vocab_size,
+                                                     " rows"));
     }
   }
   ASSIGN_OR_RETURN(model->output_norm, Weight(f, "output_norm.weight", model.get()));

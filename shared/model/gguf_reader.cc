@@ -12,7 +12,8 @@
 namespace pinfer {
 namespace {
 
-static_assert(std::endian::native == std::endian::little, "GGUF parsing assumes a little-endian host");
+static_assert(std::endian::native == std::endian::little,
+              "GGUF parsing assumes a little-endian host");
 
 constexpr uint32_t kMaxDims = 4;  // GGML_MAX_DIMS
 
@@ -21,17 +22,22 @@ size_t ValueSize(GgufType t) {
   switch (t) {
     case GgufType::kUint8:
     case GgufType::kInt8:
-    case GgufType::kBool: return 1;
+    case GgufType::kBool:
+      return 1;
     case GgufType::kUint16:
-    case GgufType::kInt16: return 2;
+    case GgufType::kInt16:
+      return 2;
     case GgufType::kUint32:
     case GgufType::kInt32:
-    case GgufType::kFloat32: return 4;
+    case GgufType::kFloat32:
+      return 4;
     case GgufType::kUint64:
     case GgufType::kInt64:
-    case GgufType::kFloat64: return 8;
+    case GgufType::kFloat64:
+      return 8;
     case GgufType::kString:
-    case GgufType::kArray: return 0;
+    case GgufType::kArray:
+      return 0;
   }
   return 0;
 }
@@ -206,15 +212,36 @@ void ArrayInt(const GgufArray& a, uint64_t i, bool* neg, uint64_t* mag) {
   bool is_signed = true;
   const uint8_t* p = a.data + i * ValueSize(a.elem_type);
   switch (a.elem_type) {
-    case GgufType::kInt8: s = Load<int8_t>(p); break;
-    case GgufType::kInt16: s = Load<int16_t>(p); break;
-    case GgufType::kInt32: s = Load<int32_t>(p); break;
-    case GgufType::kInt64: s = Load<int64_t>(p); break;
-    case GgufType::kUint8: u = Load<uint8_t>(p); is_signed = false; break;
-    case GgufType::kUint16: u = Load<uint16_t>(p); is_signed = false; break;
-    case GgufType::kUint32: u = Load<uint32_t>(p); is_signed = false; break;
-    case GgufType::kUint64: u = Load<uint64_t>(p); is_signed = false; break;
-    default: break;
+    case GgufType::kInt8:
+      s = Load<int8_t>(p);
+      break;
+    case GgufType::kInt16:
+      s = Load<int16_t>(p);
+      break;
+    case GgufType::kInt32:
+      s = Load<int32_t>(p);
+      break;
+    case GgufType::kInt64:
+      s = Load<int64_t>(p);
+      break;
+    case GgufType::kUint8:
+      u = Load<uint8_t>(p);
+      is_signed = false;
+      break;
+    case GgufType::kUint16:
+      u = Load<uint16_t>(p);
+      is_signed = false;
+      break;
+    case GgufType::kUint32:
+      u = Load<uint32_t>(p);
+      is_signed = false;
+      break;
+    case GgufType::kUint64:
+      u = Load<uint64_t>(p);
+      is_signed = false;
+      break;
+    default:
+      break;
   }
   if (is_signed) {
     *neg = s < 0;
@@ -234,8 +261,10 @@ bool IsIntegerType(GgufType t) {
     case GgufType::kUint32:
     case GgufType::kInt32:
     case GgufType::kUint64:
-    case GgufType::kInt64: return true;
-    default: return false;
+    case GgufType::kInt64:
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -266,19 +295,32 @@ constexpr TypeEntry kGgmlTypes[] = {
 
 absl::string_view GgufTypeName(GgufType t) {
   switch (t) {
-    case GgufType::kUint8: return "uint8";
-    case GgufType::kInt8: return "int8";
-    case GgufType::kUint16: return "uint16";
-    case GgufType::kInt16: return "int16";
-    case GgufType::kUint32: return "uint32";
-    case GgufType::kInt32: return "int32";
-    case GgufType::kFloat32: return "float32";
-    case GgufType::kBool: return "bool";
-    case GgufType::kString: return "string";
-    case GgufType::kArray: return "array";
-    case GgufType::kUint64: return "uint64";
-    case GgufType::kInt64: return "int64";
-    case GgufType::kFloat64: return "float64";
+    case GgufType::kUint8:
+      return "uint8";
+    case GgufType::kInt8:
+      return "int8";
+    case GgufType::kUint16:
+      return "uint16";
+    case GgufType::kInt16:
+      return "int16";
+    case GgufType::kUint32:
+      return "uint32";
+    case GgufType::kInt32:
+      return "int32";
+    case GgufType::kFloat32:
+      return "float32";
+    case GgufType::kBool:
+      return "bool";
+    case GgufType::kString:
+      return "string";
+    case GgufType::kArray:
+      return "array";
+    case GgufType::kUint64:
+      return "uint64";
+    case GgufType::kInt64:
+      return "int64";
+    case GgufType::kFloat64:
+      return "float64";
   }
   return "unknown";
 }
@@ -297,26 +339,38 @@ std::string GgmlTypeName(uint32_t type) {
 
 absl::StatusOr<GgmlType> GgmlTypeFromDType(DType t) {
   switch (t) {
-    case DType::kF32: return GgmlType::kF32;
-    case DType::kF16: return GgmlType::kF16;
-    case DType::kBF16: return GgmlType::kBF16;
-    case DType::kQ8_0: return GgmlType::kQ8_0;
-    case DType::kQ4_0: return GgmlType::kQ4_0;
+    case DType::kF32:
+      return GgmlType::kF32;
+    case DType::kF16:
+      return GgmlType::kF16;
+    case DType::kBF16:
+      return GgmlType::kBF16;
+    case DType::kQ8_0:
+      return GgmlType::kQ8_0;
+    case DType::kQ4_0:
+      return GgmlType::kQ4_0;
   }
   return absl::InvalidArgumentError("dtype has no ggml equivalent");
 }
 
 absl::StatusOr<DType> DTypeFromGgmlType(uint32_t type) {
   switch (static_cast<GgmlType>(type)) {
-    case GgmlType::kF32: return DType::kF32;
-    case GgmlType::kF16: return DType::kF16;
-    case GgmlType::kBF16: return DType::kBF16;
-    case GgmlType::kQ8_0: return DType::kQ8_0;
-    case GgmlType::kQ4_0: return DType::kQ4_0;
-    default: break;
+    case GgmlType::kF32:
+      return DType::kF32;
+    case GgmlType::kF16:
+      return DType::kF16;
+    case GgmlType::kBF16:
+      return DType::kBF16;
+    case GgmlType::kQ8_0:
+      return DType::kQ8_0;
+    case GgmlType::kQ4_0:
+      return DType::kQ4_0;
+    default:
+      break;
   }
-  return absl::InvalidArgumentError(absl::StrCat("unsupported tensor type ", GgmlTypeName(type),
-                                                 " (pinfer computes with F32, F16, BF16, Q8_0 and Q4_0)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unsupported tensor type ", GgmlTypeName(type),
+                   " (pinfer computes with F32, F16, BF16, Q8_0 and Q4_0)"));
 }
 
 bool GgufValue::is_integer() const { return IsIntegerType(type); }
@@ -371,7 +425,8 @@ absl::Status GgufFile::ParseAll(const uint8_t* data, size_t size,
     if (version_ != 0 && (version_ & 0xffff) == 0) {
       return in.Error("big-endian GGUF files are not supported");
     }
-    return in.Error(absl::StrCat("unsupported GGUF version ", version_, " (2 and 3 are supported)"));
+    return in.Error(
+        absl::StrCat("unsupported GGUF version ", version_, " (2 and 3 are supported)"));
   }
   ASSIGN_OR_RETURN(uint64_t n_tensors, in.Read<uint64_t>("tensor count"));
   ASSIGN_OR_RETURN(uint64_t n_kv, in.Read<uint64_t>("metadata count"));
@@ -407,8 +462,8 @@ absl::Status GgufFile::ParseAll(const uint8_t* data, size_t size,
   alignment_ = kGgufDefaultAlignment;
   if (const GgufValue* a = FindKey("general.alignment"); a != nullptr) {
     if (a->type != GgufType::kUint32) {
-      return in.Error(absl::StrCat("general.alignment has type ", GgufTypeName(a->type),
-                                   ", expected uint32"));
+      return in.Error(
+          absl::StrCat("general.alignment has type ", GgufTypeName(a->type), ", expected uint32"));
     }
     if (a->u64 == 0 || (a->u64 & (a->u64 - 1)) != 0) {
       return in.Error(absl::StrCat("general.alignment ", a->u64, " is not a power of two"));
@@ -425,8 +480,8 @@ absl::Status GgufFile::ParseAll(const uint8_t* data, size_t size,
     const std::string what = absl::StrCat("tensor '", t.name, "'");
     ASSIGN_OR_RETURN(uint32_t n_dims, in.Read<uint32_t>(absl::StrCat(what, " dimension count")));
     if (n_dims == 0 || n_dims > kMaxDims) {
-      return in.Error(absl::StrCat(what, " has ", n_dims, " dimensions (1 to ", kMaxDims,
-                                   " are supported)"));
+      return in.Error(
+          absl::StrCat(what, " has ", n_dims, " dimensions (1 to ", kMaxDims, " are supported)"));
     }
     uint64_t numel = 1;
     for (uint32_t d = 0; d < n_dims; ++d) {
@@ -599,7 +654,8 @@ absl::StatusOr<std::vector<float>> GgufFile::GetF32Array(absl::string_view key) 
   if (a->elem_type == GgufType::kFloat32) {
     if (a->count > 0) std::memcpy(out.data(), a->data, a->count * 4);
   } else if (a->elem_type == GgufType::kFloat64) {
-    for (uint64_t i = 0; i < a->count; ++i) out[i] = static_cast<float>(Load<double>(a->data + 8 * i));
+    for (uint64_t i = 0; i < a->count; ++i)
+      out[i] = static_cast<float>(Load<double>(a->data + 8 * i));
   } else {
     return WrongType(name_, key, *FindKey(key), "array of float32");
   }
@@ -663,9 +719,9 @@ absl::StatusOr<const GgufTensorInfo*> GgufFile::GetTensorOfType(absl::string_vie
     return absl::NotFoundError(absl::StrCat(name_, ": missing tensor '", name, "'"));
   }
   if (info->type != static_cast<uint32_t>(type)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name_, ": tensor '", name, "' has type ", GgmlTypeName(info->type), ", expected ",
-        GgmlTypeName(static_cast<uint32_t>(type))));
+    return absl::InvalidArgumentError(absl::StrCat(name_, ": tensor '", name, "' has type ",
+                                                   GgmlTypeName(info->type), ", expected ",
+                                                   GgmlTypeName(static_cast<uint32_t>(type))));
   }
   return info;
 }

@@ -31,16 +31,21 @@ size_t FixedSize(GgufType t) {
   switch (t) {
     case GgufType::kUint8:
     case GgufType::kInt8:
-    case GgufType::kBool: return 1;
+    case GgufType::kBool:
+      return 1;
     case GgufType::kUint16:
-    case GgufType::kInt16: return 2;
+    case GgufType::kInt16:
+      return 2;
     case GgufType::kUint32:
     case GgufType::kInt32:
-    case GgufType::kFloat32: return 4;
+    case GgufType::kFloat32:
+      return 4;
     case GgufType::kUint64:
     case GgufType::kInt64:
-    case GgufType::kFloat64: return 8;
-    default: return 0;
+    case GgufType::kFloat64:
+      return 8;
+    default:
+      return 0;
   }
 }
 
@@ -153,17 +158,38 @@ void GgufWriter::SetValue(const std::string& key, const GgufValue& v) {
   auto scalar = [&](GgufType t, uint64_t u, int64_t i, double f) {
     switch (t) {
       case GgufType::kUint8:
-      case GgufType::kBool: Append<uint8_t>(&p, static_cast<uint8_t>(u)); break;
-      case GgufType::kInt8: Append<int8_t>(&p, static_cast<int8_t>(i)); break;
-      case GgufType::kUint16: Append<uint16_t>(&p, static_cast<uint16_t>(u)); break;
-      case GgufType::kInt16: Append<int16_t>(&p, static_cast<int16_t>(i)); break;
-      case GgufType::kUint32: Append<uint32_t>(&p, static_cast<uint32_t>(u)); break;
-      case GgufType::kInt32: Append<int32_t>(&p, static_cast<int32_t>(i)); break;
-      case GgufType::kUint64: Append<uint64_t>(&p, u); break;
-      case GgufType::kInt64: Append<int64_t>(&p, i); break;
-      case GgufType::kFloat32: Append<float>(&p, static_cast<float>(f)); break;
-      case GgufType::kFloat64: Append<double>(&p, f); break;
-      default: break;
+      case GgufType::kBool:
+        Append<uint8_t>(&p, static_cast<uint8_t>(u));
+        break;
+      case GgufType::kInt8:
+        Append<int8_t>(&p, static_cast<int8_t>(i));
+        break;
+      case GgufType::kUint16:
+        Append<uint16_t>(&p, static_cast<uint16_t>(u));
+        break;
+      case GgufType::kInt16:
+        Append<int16_t>(&p, static_cast<int16_t>(i));
+        break;
+      case GgufType::kUint32:
+        Append<uint32_t>(&p, static_cast<uint32_t>(u));
+        break;
+      case GgufType::kInt32:
+        Append<int32_t>(&p, static_cast<int32_t>(i));
+        break;
+      case GgufType::kUint64:
+        Append<uint64_t>(&p, u);
+        break;
+      case GgufType::kInt64:
+        Append<int64_t>(&p, i);
+        break;
+      case GgufType::kFloat32:
+        Append<float>(&p, static_cast<float>(f));
+        break;
+      case GgufType::kFloat64:
+        Append<double>(&p, f);
+        break;
+      default:
+        break;
     }
   };
   if (v.type == GgufType::kString) {
@@ -200,16 +226,14 @@ absl::Status GgufWriter::AddTensor(const std::string& name, GgmlType type,
                                    const std::vector<int64_t>& shape, std::string data) {
   const size_t size = data.size();
   auto shared = std::make_shared<std::string>(std::move(data));
-  RETURN_IF_ERROR(AddTensor(name, type, shape, [shared]() -> absl::StatusOr<std::string> {
-    return *shared;
-  }));
+  RETURN_IF_ERROR(
+      AddTensor(name, type, shape, [shared]() -> absl::StatusOr<std::string> { return *shared; }));
   const uint64_t want = tensors_.back().nbytes;
   if (size != want) {
     tensors_.pop_back();
     tensor_index_.erase(name);
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': ", size,
-                                                   " bytes of data for a tensor of ", want,
-                                                   " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", name, "': ", size, " bytes of data for a tensor of ", want, " bytes"));
   }
   return absl::OkStatus();
 }
@@ -298,7 +322,8 @@ absl::Status GgufWriter::WriteFile(const std::string& path) const {
   const std::string tmp = path + ".tmp";
   std::FILE* f = std::fopen(tmp.c_str(), "wb");
   if (f == nullptr) {
-    return absl::PermissionDeniedError(absl::StrCat("cannot create ", tmp, ": ", std::strerror(errno)));
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot create ", tmp, ": ", std::strerror(errno)));
   }
   FileSink sink(f, tmp);
   absl::Status st = WriteTo(sink);
@@ -311,7 +336,8 @@ absl::Status GgufWriter::WriteFile(const std::string& path) const {
     return st;
   }
   std::filesystem::rename(tmp, path, ec);
-  if (ec) return absl::InternalError(absl::StrCat("renaming ", tmp, " to ", path, ": ", ec.message()));
+  if (ec)
+    return absl::InternalError(absl::StrCat("renaming ", tmp, " to ", path, ": ", ec.message()));
   return absl::OkStatus();
 }
 

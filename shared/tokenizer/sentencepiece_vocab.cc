@@ -68,11 +68,13 @@ constexpr int kTypeByte = 6;
 class SpecialTokenSentencePiece : public Tokenizer {
  public:
   SpecialTokenSentencePiece(std::unique_ptr<Tokenizer> inner,
-                            std::vector<std::pair<std::string, int32_t>> specials)
-      : inner_(std::move(inner)), specials_(std::move(specials)) {
-    std::stable_sort(specials_.begin(), specials_.end(), [](const auto& a, const auto& b) {
-      return a.first.size() > b.first.size();
-    });
+                            std::vector<std::pair<std::string, int32_t>> specials,
+                            bool add_dummy_prefix)
+      : inner_(std::move(inner)),
+        specials_(std::move(specials)),
+        add_dummy_prefix_(add_dummy_prefix) {
+    std::stable_sort(specials_.begin(), specials_.end(),
+                     [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
   }
 
   absl::StatusOr<std::vector<int32_t>> Encode(absl::string_view text) const override {
@@ -113,11 +115,12 @@ class SpecialTokenSentencePiece : public Tokenizer {
   std::string TokenBytes(int32_t id) const override { return inner_->TokenBytes(id); }
   int vocab_size() const override { return inner_->vocab_size(); }
   bool IsControl(int32_t id) const override { return inner_->IsControl(id); }
-  bool adds_dummy_prefix() const override { return inner_->adds_dummy_prefix(); }
+  bool adds_dummy_prefix() const override { return add_dummy_prefix_; }
 
  private:
   std::unique_ptr<Tokenizer> inner_;
   std::vector<std::pair<std::string, int32_t>> specials_;
+  bool add_dummy_prefix_;
 };
 
 void PutVarint(std::string* out, uint64_t v) {
@@ -155,8 +158,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> NewSentencePieceTokenizerFromVocab(
   const size_t n = tokens.size();
   if (n == 0) return absl::InvalidArgumentError("sentencepiece vocabulary is empty");
   if (!scores.empty() && scores.size() != n) {
-    return absl::InvalidArgumentError(absl::StrCat("sentencepiece vocabulary has ", n,
-                                                   " tokens but ", scores.size(), " scores"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sentencepiece vocabulary has ", n, " tokens but ", scores.size(), " scores"));
   }
   if (!types.empty() && types.size() != n) {
     return absl::InvalidArgumentError(absl::StrCat("sentencepiece vocabulary has ", n,
@@ -228,7 +231,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> NewSentencePieceTokenizerFromVocab(
   PutBytes(&model, field::kNormalizerSpec, normalizer);
 
   ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> inner, NewSentencePieceTokenizer(model));
-  return std::unique_ptr<Tokenizer>(new SpecialTokenSentencePiece(std::move(inner), std::move(specials)));
+  return std::unique_ptr<Tokenizer>(
+      new SpecialTokenSentencePiece(std::move(inner), std::move(specials), add_dummy_prefix));
 }
 
 }  // namespace pinfer

@@ -6,8 +6,7 @@
 #include "shared/model/huggingface.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  auto c = pinfer::ParseHuggingFaceConfig(
-      std::string(reinterpret_cast<const char*>(data), size));
+  auto c = pinfer::ParseHuggingFaceConfig(std::string(reinterpret_cast<const char*>(data), size));
   if (c.ok() && !c->Validate().ok()) std::abort();
   return 0;
 }

@@ -59,8 +59,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const pinfer::Model& m = **model;
     std::vector<const pinfer::TensorView*> all = {&m.tok_embeddings, &m.output_norm, &m.output};
     for (const pinfer::LayerWeights& l : m.layers) {
-      for (const pinfer::TensorView* t : {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm,
-                                          &l.gate, &l.up, &l.down}) {
+      for (const pinfer::TensorView* t :
+           {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm, &l.gate, &l.up, &l.down}) {
         all.push_back(t);
       }
     }

@@ -157,7 +157,8 @@ TEST(ConvertTest, WritesLlamaCppConventions) {
   for (const char* which : {"attn_q", "attn_k"}) {
     auto t = f.GetTensor(std::string("blk.3.") + which + ".weight");
     ASSERT_TRUE(t.ok());
-    const TensorView& src = std::string(which) == "attn_q" ? (*hf)->layers[3].wq : (*hf)->layers[3].wk;
+    const TensorView& src =
+        std::string(which) == "attn_q" ? (*hf)->layers[3].wq : (*hf)->layers[3].wk;
     ASSERT_EQ(t->shape, src.shape);
     for (int64_t r = 0; r < t->rows(); ++r) {
       const int64_t head = r / 64, i = r % 64;
@@ -204,8 +205,8 @@ void ExpectPerplexityWithin(GgmlType type, const std::string& name, double toler
   ASSERT_TRUE(r.ok()) << r.status();
   const double want = Reference()["heldout_ppl_512"];
   EXPECT_EQ(r->tokens_scored, Reference()["heldout_tokens"].get<int64_t>());
-  std::printf("%s: perplexity %.4f, reference %.4f (%+.3f%%), %.1f s\n", name.c_str(), r->perplexity,
-              want, 100 * (r->perplexity / want - 1), r->seconds);
+  std::printf("%s: perplexity %.4f, reference %.4f (%+.3f%%), %.1f s\n", name.c_str(),
+              r->perplexity, want, 100 * (r->perplexity / want - 1), r->seconds);
   EXPECT_LE(std::fabs(r->perplexity / want - 1), tolerance);
 }
 
@@ -245,7 +246,8 @@ void ExpectSameLogits(const std::string& hf_dir, const std::string& gguf_path) {
 }
 
 TEST(ConvertTest, TiedEmbeddingsRoundTrip) {
-  const std::string dir = VariantDir("tied", [](nlohmann::json& c) { c["tie_word_embeddings"] = true; });
+  const std::string dir =
+      VariantDir("tied", [](nlohmann::json& c) { c["tie_word_embeddings"] = true; });
   const std::string path = Convert(GgmlType::kF32, "tied.gguf", dir);
   auto file = GgufFile::Open(path);
   ASSERT_TRUE(file.ok());
@@ -301,7 +303,7 @@ TEST(ConvertTest, CommandLine) {
   const std::string out = TempDir() + "/cli.gguf";
   fs::remove(out);
   EXPECT_EQ(RunPinfer(""), 2);
-  EXPECT_EQ(RunPinfer("--model " + kHfDir), 2);                          // no --out
+  EXPECT_EQ(RunPinfer("--model " + kHfDir), 2);  // no --out
   EXPECT_EQ(RunPinfer("--model " + kHfDir + " --out " + out + " --type q5_k"), 2);
   EXPECT_EQ(RunPinfer("--model " + kHfDir + " --out " + out + " --bogus 1"), 2);
   EXPECT_EQ(RunPinfer("--model /nonexistent --out " + out), 1);
@@ -328,10 +330,10 @@ TEST(ConvertTest, RequantizesGgufFiles) {
   ASSERT_EQ((*dst)->tensors().size(), (*src)->tensors().size());
   for (const GgufTensorInfo& t : (*dst)->tensors()) {
     // ffn_down rows (172) are not whole Q4_0 blocks: F16, as llama.cpp falls back.
-    const std::string want = t.ne.size() == 1             ? "F32"
-                             : t.name == "output.weight"   ? "Q8_0"
-                             : t.ne[0] % 32 != 0           ? "F16"
-                                                           : "Q4_0";
+    const std::string want = t.ne.size() == 1            ? "F32"
+                             : t.name == "output.weight" ? "Q8_0"
+                             : t.ne[0] % 32 != 0         ? "F16"
+                                                         : "Q4_0";
     EXPECT_EQ(GgmlTypeName(t.type), want) << t.name;
     EXPECT_EQ(t.ne, (*src)->FindTensor(t.name)->ne);
   }

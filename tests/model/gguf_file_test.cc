@@ -231,8 +231,9 @@ TEST(GgufWriterTest, RejectsInvalidTensors) {
               HasSubstr("5 bytes of data for a tensor of 24 bytes"));
   EXPECT_THAT(w.AddTensor("q", GgmlType::kQ4_0, {2, 33}, std::string()).message(),
               HasSubstr("not a multiple of 32"));
-  EXPECT_THAT(w.AddTensor(std::string(64, 'n'), GgmlType::kF32, {1}, std::string(4, '\0')).message(),
-              HasSubstr("name must have 1 to 63 bytes"));
+  EXPECT_THAT(
+      w.AddTensor(std::string(64, 'n'), GgmlType::kF32, {1}, std::string(4, '\0')).message(),
+      HasSubstr("name must have 1 to 63 bytes"));
   ASSERT_TRUE(w.AddTensor("x", GgmlType::kF32, {1}, std::string(4, '\0')).ok());
   EXPECT_THAT(w.AddTensor("x", GgmlType::kF32, {1}, std::string(4, '\0')).message(),
               HasSubstr("added twice"));
@@ -281,7 +282,8 @@ TEST(GgufMalformedTest, BadMagic) {
 TEST(GgufMalformedTest, UnsupportedVersion) {
   ExpectParseError(RawGguf().Header(0, 0, 1).str(), "unsupported GGUF version 1");
   ExpectParseError(RawGguf().Header(0, 0, 4).str(), "unsupported GGUF version 4");
-  ExpectParseError(RawGguf().Header(0, 0, 0x03000000).str(), "big-endian GGUF files are not supported");
+  ExpectParseError(RawGguf().Header(0, 0, 0x03000000).str(),
+                   "big-endian GGUF files are not supported");
   EXPECT_TRUE(ParseString(RawGguf().Header(0, 0, 2).str()).ok());
 }
 
@@ -305,8 +307,10 @@ TEST(GgufMalformedTest, TruncatedAtEveryOffset) {
 }
 
 TEST(GgufMalformedTest, HugeCountsAreRejectedBeforeAllocating) {
-  ExpectParseError(RawGguf().Header(0, 1ull << 60).str(), "metadata count 1152921504606846976 is more than");
-  ExpectParseError(RawGguf().Header(~0ull, 0).str(), "tensor count 18446744073709551615 is more than");
+  ExpectParseError(RawGguf().Header(0, 1ull << 60).str(),
+                   "metadata count 1152921504606846976 is more than");
+  ExpectParseError(RawGguf().Header(~0ull, 0).str(),
+                   "tensor count 18446744073709551615 is more than");
   // A string claiming more bytes than the file has.
   ExpectParseError(RawGguf().Header(0, 1).U64(1ull << 62).Zeros(16).str(),
                    "has length 4611686018427387904");

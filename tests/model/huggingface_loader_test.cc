@@ -23,11 +23,10 @@ using ::testing::HasSubstr;
 using json = nlohmann::json;
 
 json TinyConfig() {
-  return {{"model_type", "llama"},        {"vocab_size", 40},
-          {"hidden_size", 32},            {"num_hidden_layers", 2},
-          {"num_attention_heads", 4},     {"num_key_value_heads", 2},
-          {"intermediate_size", 64},      {"rms_norm_eps", 1e-5},
-          {"hidden_act", "silu"},         {"tie_word_embeddings", false}};
+  return {{"model_type", "llama"},       {"vocab_size", 40},         {"hidden_size", 32},
+          {"num_hidden_layers", 2},      {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+          {"intermediate_size", 64},     {"rms_norm_eps", 1e-5},     {"hidden_act", "silu"},
+          {"tie_word_embeddings", false}};
 }
 
 struct Tensor {
@@ -256,7 +255,8 @@ TEST(HuggingFaceLoaderTest, MissingOrMisshapenTensors) {
   auto tensors = TinyTensors();
   tensors.erase("model.layers.1.mlp.up_proj.weight");
   ExpectLoadError(MakeDir("missing", TinyConfig(), Safetensors(tensors)),
-                  absl::StatusCode::kNotFound, "missing tensor 'model.layers.1.mlp.up_proj.weight'");
+                  absl::StatusCode::kNotFound,
+                  "missing tensor 'model.layers.1.mlp.up_proj.weight'");
   tensors = TinyTensors();
   tensors.erase("lm_head.weight");
   ExpectLoadError(MakeDir("no_head", TinyConfig(), Safetensors(tensors)),
@@ -268,13 +268,14 @@ TEST(HuggingFaceLoaderTest, MissingOrMisshapenTensors) {
   EXPECT_EQ((*m)->output.data, (*m)->tok_embeddings.data);
   tensors = TinyTensors();
   tensors["model.layers.0.self_attn.k_proj.weight"].shape = {32, 32};
-  ExpectLoadError(MakeDir("shape", TinyConfig(), Safetensors(tensors)),
-                  absl::StatusCode::kInvalidArgument,
-                  "tensor 'model.layers.0.self_attn.k_proj.weight' has shape [32,32], expected [16,32]");
+  ExpectLoadError(
+      MakeDir("shape", TinyConfig(), Safetensors(tensors)), absl::StatusCode::kInvalidArgument,
+      "tensor 'model.layers.0.self_attn.k_proj.weight' has shape [32,32], expected [16,32]");
   json more_layers = TinyConfig();
   more_layers["num_hidden_layers"] = 3;
   ExpectLoadError(MakeDir("layers", more_layers, Safetensors(TinyTensors())),
-                  absl::StatusCode::kNotFound, "missing tensor 'model.layers.2.input_layernorm.weight'");
+                  absl::StatusCode::kNotFound,
+                  "missing tensor 'model.layers.2.input_layernorm.weight'");
 }
 
 TEST(HuggingFaceLoaderTest, ShardedIndex) {
@@ -285,7 +286,8 @@ TEST(HuggingFaceLoaderTest, ShardedIndex) {
   for (const auto& [name, t] : all) {
     const bool first = i++ % 2 == 0;
     (first ? a : b)[name] = t;
-    weight_map[name] = first ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
+    weight_map[name] =
+        first ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
   }
   const std::string dir = TempDir("sharded");
   Write(dir + "/config.json", TinyConfig().dump());
