@@ -41,6 +41,7 @@ constexpr char kUsage[] =
     "         [--hot-fraction F] [--max-batch-tokens N] [--max-running N] [--max-queue N]\n"
     "         [--max-new-tokens-limit N] [--drain-timeout-ms MS] [--bin-dir DIR]\n"
     "         [--port-file FILE] [--metrics-port-file FILE] [--status-file FILE] [--sparse]\n"
+    "         [--placement FILE.gpuidx]\n"
     "  --port: public gRPC port of the gateway (default 50051; 0 picks one, see --port-file)\n"
     "  --metrics-port: the gateway's /metrics (off unless given); the workers default to M+1\n"
     "                  and M+2 (or 0 = any free port, when M is 0)\n"
@@ -137,7 +138,7 @@ int ServeCommand(const std::vector<std::string>& args) {
       {"model", "port", "host", "metrics-port", "gpu-metrics-port", "cpu-metrics-port", "threads",
        "cpu-threads", "hot-fraction", "max-batch-tokens", "max-running", "max-queue",
        "max-new-tokens-limit", "drain-timeout-ms", "bin-dir", "port-file", "metrics-port-file",
-       "status-file"},
+       "status-file", "placement"},
       {"sparse"});
   if (!parsed.ok()) return UsageError(kUsage, parsed.status());
   const Flags& f = *parsed;
@@ -194,6 +195,7 @@ int ServeCommand(const std::vector<std::string>& args) {
               "--segment", segment};
   pass(&gpu.argv, "threads");
   pass(&gpu.argv, "hot-fraction");
+  pass(&gpu.argv, "placement");
   pass(&gpu.argv, "max-batch-tokens");
   pass(&gpu.argv, "max-new-tokens-limit");
   if (f.Has("sparse")) gpu.argv.push_back("--sparse");

@@ -33,6 +33,7 @@
 #include "shared/service/grpc_convert.h"
 #include "shared/service/log.h"
 #include "shared/shm/activation_channel.h"
+#include "shared/sparse/prepared_model.h"
 #include "shared/util/status_macros.h"
 #include "shared/util/thread_pool.h"
 
@@ -47,15 +48,18 @@ constexpr char kUsage[] =
     "         [--max-batch-tokens N] [--max-sequences N] [--max-new-tokens-limit N]\n"
     "         [--exchange-timeout-ms MS] [--liveness-ms MS] [--backend auto|cpu|cuda]\n"
     "         [--cuda-module PATH] [--gpu-slots N] [--max-context N] [--cuda-device N]\n"
-    "         [--sparse] [--drain-timeout-ms MS]\n"
+    "         [--placement FILE.gpuidx] [--sparse] [--drain-timeout-ms MS]\n"
     "  --listen: host:port (port 0 picks one; see --port-file) or unix:/path\n"
     "  --segment: POSIX shared-memory name for the activation exchange (default: a fresh\n"
     "             unique name, printed in the log); give the cpu-worker the same name\n"
-    "  --gpu-slots / --max-context: KV cache slots and positions per slot on the GPU\n";
+    "  --gpu-slots / --max-context: KV cache slots and positions per slot on the GPU\n"
+    "  --placement: PowerInfer GPU index (FILE.gpuidx) choosing the hot neurons; by default\n"
+    "               MODEL.generated.gpuidx when it exists, else --hot-fraction (0.5)\n";
 
 struct Options {
   std::string model, listen = "127.0.0.1:0", port_file, segment, metrics_port, metrics_port_file;
-  std::string backend = "auto", cuda_module;
+  std::string backend = "auto", cuda_module, placement;
+  bool hot_fraction_given = false;
   int threads = 1;
   double hot_fraction = 0.5;
   int max_batch_tokens = 128;
@@ -74,7 +78,7 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
                                       "max-batch-tokens", "max-sequences", "max-new-tokens-limit",
                                       "exchange-timeout-ms", "liveness-ms", "backend",
                                       "cuda-module", "drain-timeout-ms", "gpu-slots", "max-context",
-                                      "cuda-device"},
+                                      "cuda-device", "placement"},
                                      {"sparse"}));
   Options o;
   ASSIGN_OR_RETURN(o.model, f.Required("model"));
@@ -85,6 +89,11 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   if (auto v = f.Get("metrics-port-file")) o.metrics_port_file = *v;
   if (auto v = f.Get("backend")) o.backend = *v;
   if (auto v = f.Get("cuda-module")) o.cuda_module = *v;
+  if (auto v = f.Get("placement")) o.placement = *v;
+  o.hot_fraction_given = f.Has("hot-fraction");
+  if (o.hot_fraction_given && !o.placement.empty()) {
+    return absl::InvalidArgumentError("--placement and --hot-fraction exclude each other");
+  }
   ASSIGN_OR_RETURN(int64_t threads, f.Int("threads", 1));
   ASSIGN_OR_RETURN(o.hot_fraction, f.Double("hot-fraction", 0.5));
   ASSIGN_OR_RETURN(int64_t mbt, f.Int("max-batch-tokens", 128));
@@ -432,7 +441,24 @@ int Main(const std::vector<std::string>& args) {
   }
   if (o.max_context > 0) s.model->config.max_context = std::min(c.max_context, o.max_context);
 
-  s.placement = Placement::FixedFraction(c, o.hot_fraction);
+  // Placement: a PowerInfer GPU index (given, or beside the model as `pinfer prepare` and
+  // PowerInfer write it), else a fixed fraction of every layer.
+  std::string index_path = o.placement;
+  if (index_path.empty() && !o.hot_fraction_given) {
+    const std::string beside = GpuIndexPath(o.model);
+    if (::access(beside.c_str(), R_OK) == 0) index_path = beside;
+  }
+  if (!index_path.empty()) {
+    auto index = ReadGpuIndex(index_path, c.n_layers, c.ffn_size);
+    if (!index.ok()) {
+      Log("cannot use the placement %s: %s", index_path.c_str(), index.status().ToString().c_str());
+      return 1;
+    }
+    s.placement.hot = index->gpu_bucket;
+    Log("placement from %s", index_path.c_str());
+  } else {
+    s.placement = Placement::FixedFraction(c, o.hot_fraction);
+  }
   shm::Geometry g;
   g.n_layers = c.n_layers;
   g.hidden = c.hidden_size;

@@ -154,8 +154,10 @@ absl::Status Deployment::StartGpuWorker() {
                                    "--listen", "127.0.0.1:0", "--port-file", port_file,
                                    "--segment", segment_, "--metrics-port", "127.0.0.1:0",
                                    "--metrics-port-file", mport_file,
-                                   "--hot-fraction", absl::StrCat(o_.hot_fraction),
                                    "--liveness-ms", absl::StrCat(o_.liveness_ms)};
+  if (o_.hot_fraction >= 0) {
+    argv.insert(argv.end(), {"--hot-fraction", absl::StrCat(o_.hot_fraction)});
+  }
   argv.insert(argv.end(), o_.gpu_flags.begin(), o_.gpu_flags.end());
   gpu_pid_ = Spawn("gpu-worker", argv);
   auto port = WaitPortFile(port_file, gpu_pid_);

@@ -21,7 +21,7 @@ namespace pinfer::testing {
 
 struct DeploymentOptions {
   std::string model;  // path
-  double hot_fraction = 0.5;
+  double hot_fraction = 0.5;  // negative: no --hot-fraction flag
   std::vector<std::string> gateway_flags, gpu_flags, cpu_flags;
   int liveness_ms = 1000;
 };

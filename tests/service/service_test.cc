@@ -20,6 +20,7 @@
 #include "shared/engine/generator.h"
 #include "shared/engine/ops.h"
 #include "shared/model/model.h"
+#include "shared/sparse/prepared_model.h"
 #include "tests/service/deployment.h"
 
 namespace pinfer::testing {
@@ -566,6 +567,52 @@ TEST(ServiceModelFamilyTest, SiluGgufModelMatchesLlamaCpp) {
   ASSERT_TRUE(d.stub().GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
   EXPECT_EQ(info.activation(), "silu");
   EXPECT_EQ(info.weight_dtype(), "F32");
+}
+
+TEST(ServicePlacementTest, GpuIndexPlacementIsUsedAndExact) {
+  // A PowerInfer GPU index with a scattered, uneven hot set per layer (layer l: every (l+2)-th
+  // neuron): the workers follow it and the output stays exact.
+  const int layers = 6, ffn = 1536;
+  GpuIndex index;
+  index.vram_capacity = 1 << 20;
+  size_t hot = 0;
+  for (int l = 0; l < layers; ++l) {
+    std::vector<int32_t> idx(ffn, 0), bucket;
+    for (int j = 0; j < ffn; j += l + 2) {
+      idx[j] = 1;
+      bucket.push_back(j);
+    }
+    hot += bucket.size();
+    index.gpu_idx.push_back(idx);
+    index.gpu_bucket.push_back(bucket);
+  }
+  char dir[] = "/tmp/pinfer-gpuidx-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  const std::string path = std::string(dir) + "/tiny.gpuidx";
+  ASSERT_TRUE(WriteGpuIndex(index, path).ok());
+  DeploymentOptions o;
+  o.model = kTiny;
+  o.hot_fraction = -1;  // no --hot-fraction
+  o.gpu_flags = {"--placement", path};
+  Deployment d(o);
+  ASSERT_TRUE(d.Start().ok()) << d.Logs();
+  grpc::ClientContext ctx;
+  v1::ModelInfo info;
+  ASSERT_TRUE(d.stub().GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
+  EXPECT_EQ(info.placement().gpu_neurons(), hot);
+  EXPECT_EQ(info.placement().cpu_neurons(), 6u * ffn - hot);
+  const auto ref = ReadJson(kTiny + "/reference.json");
+  for (int i : {2, 7, 11}) {
+    const auto& p = ref["prompts"][i];
+    GenerateResult r = RunGenerate(d.stub(), GreedyRequest(p["prompt"], 48));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.ids, U32(p["greedy_ids"]));
+  }
+  auto cpu = ScrapeMetrics(d.cpu_metrics_port());
+  ASSERT_TRUE(cpu.ok());
+  EXPECT_EQ(MetricSum(*cpu, "pinfer_worker_ffn_row_bytes"), (6.0 * ffn - hot) * 3 * 384 * 2);
+  std::remove(path.c_str());
+  ::rmdir(dir);
 }
 
 }  // namespace
