@@ -532,6 +532,23 @@ TEST(GgufModelErrorsTest, UnalignedDataGivesTheSameModel) {
   EXPECT_TRUE(tested);
 }
 
+// Linear RoPE scaling divides every frequency by the factor.
+TEST(GgufModelErrorsTest, LinearRopeScaling) {
+  TinyLlama m;
+  m.extra = [](GgufWriter& w) {
+    w.SetString("llama.rope.scaling.type", "linear");
+    w.SetF32("llama.rope.scaling.factor", 4.f);
+    w.SetF32("llama.rope.freq_base", 500.f);
+  };
+  auto model = LoadModel(*WriteTinyLlama("linear.gguf", m));
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::vector<float> inv = RopeInverseFrequencies((*model)->config);
+  ASSERT_EQ(inv.size(), 4u);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_FLOAT_EQ(inv[i], static_cast<float>(std::pow(500.0, -2.0 * i / 8) / 4)) << i;
+  }
+}
+
 TEST(GgufModelErrorsTest, MissingTensor) {
   TinyLlama m;
   m.skip_tensors = {"blk.1.ffn_up.weight"};
