@@ -532,6 +532,59 @@ TEST(GgufModelErrorsTest, UnalignedDataGivesTheSameModel) {
   EXPECT_TRUE(tested);
 }
 
+// PowerInfer's files: magic PWRI, ReLU FFN, down projection stored transposed (ffn_down_t).
+TEST(GgufModelErrorsTest, PowerInferTransposedDownProjection) {
+  TinyLlama m;
+  m.extra = [](GgufWriter& w) { w.SetString("pinfer.hidden_act", "relu"); };
+  auto plain_path = WriteTinyLlama("plain-relu.gguf", m);
+  ASSERT_TRUE(plain_path.ok());
+  auto plain_file = GgufFile::Open(*plain_path);
+  ASSERT_TRUE(plain_file.ok());
+  GgufWriter w(kPowerInferMagic);
+  for (const GgufKeyValue& kv : (*plain_file)->metadata()) {
+    if (kv.key != "pinfer.hidden_act") w.SetValue(kv.key, kv.value);
+  }
+  w.SetF32("powerinfer.sparse_threshold", 0.f);
+  for (const GgufTensorInfo& t : (*plain_file)->tensors()) {
+    std::string bytes(reinterpret_cast<const char*>(t.data), t.nbytes);
+    std::string name = t.name;
+    std::vector<int64_t> shape = t.shape();
+    if (name.find("ffn_down") != std::string::npos) {
+      // [hidden, ffn] -> [ffn, hidden]
+      const int64_t rows = shape[0], cols = shape[1];
+      std::string tr(bytes.size(), '\0');
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          std::memcpy(&tr[(c * rows + r) * 4], &bytes[(r * cols + c) * 4], 4);
+        }
+      }
+      bytes = tr;
+      shape = {cols, rows};
+      name = name.substr(0, name.find("ffn_down")) + "ffn_down_t.weight";
+    }
+    ASSERT_TRUE(w.AddTensor(name, static_cast<GgmlType>(t.type), shape, bytes).ok());
+  }
+  const std::string pwri_path = TempPath("powerinfer.gguf");
+  ASSERT_TRUE(w.WriteFile(pwri_path).ok());
+
+  auto plain = LoadModel(*plain_path);
+  auto pwri = LoadModel(pwri_path);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  ASSERT_TRUE(pwri.ok()) << pwri.status();
+  EXPECT_EQ((*pwri)->config.activation, Activation::kRelu);
+  EXPECT_EQ((*pwri)->layers[1].down.shape, (std::vector<int64_t>{32, 64}));
+  auto ops = NewReferenceOps();
+  auto logits = [&](const Model& model) {
+    Transformer t(model, *ops);
+    KvCache cache(model.config, 4);
+    std::vector<float> out(model.config.vocab_size);
+    std::vector<int32_t> ids = {2, 7, 1};
+    EXPECT_TRUE(t.Forward(ids, 0, &cache, LogitsMode::kLast, out.data()).ok());
+    return out;
+  };
+  EXPECT_EQ(logits(**plain), logits(**pwri));
+}
+
 // Linear RoPE scaling divides every frequency by the factor.
 TEST(GgufModelErrorsTest, LinearRopeScaling) {
   TinyLlama m;
