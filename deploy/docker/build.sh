@@ -33,12 +33,13 @@ case "$mode" in
   source)
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    # GoogleTest only because the top-level CMakeLists configures the tests; none is built here.
+    # GoogleTest and python3 only because the top-level CMakeLists configures the tests; none is
+    # built here.
     apt-get install -y -qq --no-install-recommends \
       build-essential cmake ninja-build pkg-config ca-certificates wget \
       libabsl-dev libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
       prometheus-cpp-dev libsentencepiece-dev libre2-dev nlohmann-json3-dev \
-      libgtest-dev libgmock-dev >/dev/null
+      libgtest-dev libgmock-dev python3 >/dev/null
     cuda_flag=-DPINFER_CUDA=OFF
     targets="$* pinfer_spm"
     if [ "${PINFER_CUDA:-0}" = 1 ]; then

@@ -24,9 +24,11 @@ gpu-worker (CPU mode), cpu-worker and Prometheus through docker-compose v1 again
 
 Podman runs with runc (crun fails on these machines' cgroup layout), cgroupfs, the ulimits
 below, and all its storage, run state and network configuration in the temporary folder, which
-is removed at the end. Needs root and these Debian packages: podman runc catatonit debootstrap
-docker-compose containernetworking-plugins golang-github-containernetworking-plugin-dnsname
-iptables prometheus python3-yaml python3-grpcio protobuf-compiler protobuf-compiler-grpc.
+is removed at the end; podman uses CNI networks (containernetworking-plugins, with the dnsname
+plugin resolving compose service names). Needs root, network access to the Debian mirror, and
+these Debian packages: podman runc catatonit debootstrap docker-compose
+containernetworking-plugins golang-github-containernetworking-plugin-dnsname iptables prometheus
+python3-yaml python3-grpcio protobuf-compiler protobuf-compiler-grpc.
 
 usage: container_e2e_test.py BIN_DIR
 env:   PINFER_E2E_BASE_TAR=FILE  reuse (or create) a tarball of the debootstrapped base
@@ -78,6 +80,7 @@ events_logger = "file"
 events_logfile_path = "{self.tmp}/run/events.log"
 tmp_dir = "{self.tmp}/tmp"
 [network]
+network_backend = "cni"
 network_config_dir = "{self.tmp}/cni"
 """)
         storage = self.tmp / "storage.conf"
