@@ -14,11 +14,13 @@ model=models/relu-llama-tiny
 nproc; grep -m1 'model name' /proc/cpuinfo
 rc=0
 for t in ${THREADS:-1 4}; do
+  [[ $t == none ]] && continue
   LD_LIBRARY_PATH="$b/lib" timeout 300 "$b/bin/service_bench" --pinfer "$b/bin/pinfer" \
     --model $model --tokens "${TOKENS:-256}" --threads "$t" --repeats "${REPEATS:-3}" \
     2>&1 | tee "$out/bench_cpu_t$t.md" || rc=1
 done
 if [[ -n $cb ]]; then
+  ls -la "$cb" "$cb/bin"
   cublas=""
   for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu; do
     if [[ -e $d/libcublas.so.13 ]]; then cublas=$d; break; fi

@@ -199,6 +199,10 @@ int main(int argc, char** argv) {
       th.emplace_back([&, i] { ts[i] = Stream(*stub, kPrompts[i % 4], tokens); });
     }
     for (auto& t : th) t.join();
+    if (std::any_of(ts.begin(), ts.end(), [](const auto& t) { return t.size() < 2; })) {
+      std::fprintf(stderr, "a concurrent stream failed\n");
+      return 1;
+    }
     Clock::time_point start = ts[0].front(), end = ts[0].back();
     for (auto& t : ts) {
       start = std::max(start, t.front());
