@@ -47,6 +47,22 @@ class ComputeBackend {
   // token, or null when not needed (earlier prefill chunks).
   virtual absl::Status Forward(int slot, std::span<const int32_t> tokens, int pos0,
                                float* logits) = 0;
+  // One decode step for several sequences: each feeds `token` at `pos` and gets the next
+  // logits. Backends that can batch read the weights once for all of them (continuous
+  // batching); results must equal Forward's for each sequence. A failure fails the whole batch.
+  struct DecodeItem {
+    int slot;
+    int32_t token;
+    int pos;
+    float* logits;  // [vocab]
+  };
+  virtual absl::Status DecodeBatch(std::span<const DecodeItem> items) {
+    for (const DecodeItem& it : items) {
+      absl::Status st = Forward(it.slot, std::span<const int32_t>(&it.token, 1), it.pos, it.logits);
+      if (!st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
   // Bytes of FFN rows held here, and of everything else (attention, embeddings, head).
   virtual uint64_t ffn_bytes() const = 0;
   virtual uint64_t dense_bytes() const = 0;

@@ -101,6 +101,28 @@ class CpuBackend : public ComputeBackend {
     return st;
   }
 
+  absl::Status DecodeBatch(std::span<const DecodeItem> items) override {
+    // Chunks small enough that the split FFN computes every token as it would alone, so the
+    // batch never changes a sequence's output (Transformer::ForwardDecodeBatch, PartialFfn).
+    const uint64_t t0 = Now();
+    absl::Status st;
+    for (size_t b = 0; b < items.size() && st.ok();
+         b += PartialFfn::kBatchInvariantTokens) {
+      steps_.clear();
+      const size_t e = std::min(items.size(), b + PartialFfn::kBatchInvariantTokens);
+      for (size_t i = b; i < e; ++i) {
+        auto it = caches_.find(items[i].slot);
+        if (it == caches_.end()) {
+          return absl::InternalError(absl::StrCat("no sequence slot ", items[i].slot));
+        }
+        steps_.push_back({items[i].token, items[i].pos, it->second.get(), items[i].logits});
+      }
+      st = transformer_.ForwardDecodeBatch(steps_);
+    }
+    stats_.forward_ns += Now() - t0;
+    return st;
+  }
+
   uint64_t ffn_bytes() const override { return ffn_.bytes(); }
   uint64_t ffn_neurons() const override { return ffn_.neurons(); }
   uint64_t dense_bytes() const override {
@@ -122,6 +144,7 @@ class CpuBackend : public ComputeBackend {
   SplitFfn ffn_;
   Transformer transformer_;
   std::map<int, std::unique_ptr<KvCache>> caches_;
+  std::vector<Transformer::DecodeStep> steps_;
   int next_slot_ = 0;
 };
 

@@ -554,6 +554,11 @@ int Main(const std::vector<std::string>& args) {
                      .Help("Tokens sampled by this gpu-worker")
                      .Register(*registry)
                      .Add({});
+  auto& batch_hist = prometheus::BuildHistogram()
+                         .Name("pinfer_worker_decode_batch_size")
+                         .Help("Sequences whose decode steps ran together in one forward pass")
+                         .Register(*registry)
+                         .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64});
   auto& running = prometheus::BuildGauge()
                       .Name("pinfer_worker_sequences_running")
                       .Help("Sequences in the gpu-worker's schedule")
@@ -613,6 +618,7 @@ int Main(const std::vector<std::string>& args) {
   };
   hooks.on_running = [&](int n) { running.Set(n); };
   hooks.on_tokens = [&](int n) { tokens.Increment(n); };
+  hooks.on_decode_batch = [&](int n) { batch_hist.Observe(n); };
   s.scheduler = std::make_unique<Scheduler>(
       s.backend.get(), *s.model, so, [&s] { return s.exchange->PeerProblem(); }, hooks);
 

@@ -114,8 +114,13 @@ void Scheduler::Loop() {
     }
     running_.store(static_cast<int>(active_.size()));
     if (hooks_.on_running) hooks_.on_running(static_cast<int>(active_.size()));
-    // One step for every active sequence per round: fair interleaving.
-    for (auto& s : active_) Step(s.get());
+    // One step for every active sequence per round: prefill chunks one by one, then the decode
+    // steps of all sequences that are generating as one batch.
+    std::vector<Sequence*> decoding;
+    for (auto& s : active_) {
+      if (Step(s.get())) decoding.push_back(s.get());
+    }
+    if (!decoding.empty()) DecodeBatch(decoding);
     if (hooks_.on_stats) hooks_.on_stats(backend_->TakeStats());
     std::vector<std::shared_ptr<Sequence>> finished;
     for (auto& s : active_) {
@@ -153,26 +158,26 @@ void Scheduler::Fail(Sequence* s, absl::Status st) {
   Finish(s);
 }
 
-void Scheduler::Step(Sequence* s) {
-  if (s->done_) return;
+bool Scheduler::Step(Sequence* s) {
+  if (s->done_) return false;
   if (s->cancelled()) {
     // The handler has gone (client cancelled or deadline): nobody reads events any more.
     Finish(s);
-    return;
+    return false;
   }
   if (Clock::now() > s->opts_.deadline) {
     Fail(s, absl::DeadlineExceededError("deadline exceeded while generating"));
-    return;
+    return false;
   }
   const ModelConfig& c = model_.config;
   const std::vector<int32_t>& prompt = s->opts_.prompt;
   if (s->slot_ < 0) {
     const int ctx = static_cast<int>(prompt.size()) + s->opts_.gen.max_new_tokens;
     absl::StatusOr<int> slot = backend_->AcquireSlot(ctx);
-    if (absl::IsResourceExhausted(slot.status())) return;  // every slot busy: next round
+    if (absl::IsResourceExhausted(slot.status())) return false;  // every slot busy: next round
     if (!slot.ok()) {
       Fail(s, slot.status());
-      return;
+      return false;
     }
     s->slot_ = *slot;
     s->sampler_.emplace(s->opts_.gen.sampling);
@@ -191,10 +196,10 @@ void Scheduler::Step(Sequence* s) {
         static_cast<int>(s->prefilled_), last ? s->logits_.data() : nullptr);
     if (!st.ok()) {
       Fail(s, st);
-      return;
+      return false;
     }
     s->prefilled_ += n;
-    if (!last) return;
+    if (!last) return false;
     s->next_pos_ = static_cast<int>(prompt.size());
     const double prefill_seconds = std::chrono::duration<double>(Clock::now() - s->start_).count();
     if (s->opts_.gen.max_new_tokens == 0) {
@@ -205,21 +210,29 @@ void Scheduler::Step(Sequence* s) {
       e.prefill_seconds = prefill_seconds;
       s->Push(std::move(e));
       Finish(s);
-      return;
+      return false;
     }
     SampleAndEmit(s, prefill_seconds);
-    return;
+    return false;
   }
-  // Decode: feed the last sampled token, then sample the next.
-  int32_t last = s->history_.back();
-  absl::Status st = backend_->Forward(s->slot_, std::span<const int32_t>(&last, 1),
-                                      s->next_pos_, s->logits_.data());
-  if (!st.ok()) {
-    Fail(s, st);
-    return;
+  return true;  // decode: feed the last sampled token, then sample the next
+}
+
+void Scheduler::DecodeBatch(const std::vector<Sequence*>& seqs) {
+  std::vector<ComputeBackend::DecodeItem> items;
+  for (Sequence* s : seqs) {
+    items.push_back({s->slot_, s->history_.back(), s->next_pos_, s->logits_.data()});
   }
-  s->next_pos_ += 1;
-  SampleAndEmit(s, -1);
+  if (hooks_.on_decode_batch) hooks_.on_decode_batch(static_cast<int>(seqs.size()));
+  absl::Status st = backend_->DecodeBatch(items);
+  for (Sequence* s : seqs) {
+    if (!st.ok()) {
+      Fail(s, st);
+      continue;
+    }
+    s->next_pos_ += 1;
+    SampleAndEmit(s, -1);
+  }
 }
 
 void Scheduler::SampleAndEmit(Sequence* s, double prefill_seconds) {

@@ -93,6 +93,7 @@ struct SchedulerHooks {
   std::function<void(const BackendStats&)> on_stats;
   std::function<void(int running)> on_running;
   std::function<void(int tokens)> on_tokens;
+  std::function<void(int sequences)> on_decode_batch;
 };
 
 class Scheduler {
@@ -113,8 +114,11 @@ class Scheduler {
 
  private:
   void Loop();
-  // One step of one sequence; returns false when the sequence is finished.
-  void Step(Sequence* s);
+  // Advances one sequence by a prefill chunk (or finishes it: cancelled, deadline, error).
+  // Returns true when it instead needs a decode step, which the caller batches with the other
+  // sequences' decode steps.
+  bool Step(Sequence* s);
+  void DecodeBatch(const std::vector<Sequence*>& seqs);
   void SampleAndEmit(Sequence* s, double prefill_seconds);
   void Fail(Sequence* s, absl::Status st);
   void Finish(Sequence* s);

@@ -1,6 +1,7 @@
 // See transformer.h. The pass reads top to bottom like llama2.c's, batched over n tokens.
 #include "shared/engine/transformer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 
@@ -129,6 +130,86 @@ absl::Status Transformer::Forward(std::span<const int32_t> tokens, int pos0, KvC
   ops_.RmsNorm(&x_[static_cast<size_t>(first) * H], out_norm_.data(), count, H, c.norm_eps,
                xb_.data());
   ops_.MatMul(model_.output, xb_.data(), count, logits);  // logits: [count, vocab]
+  return absl::OkStatus();
+}
+
+absl::Status Transformer::ForwardDecodeBatch(std::span<const DecodeStep> steps) {
+  const ModelConfig& c = model_.config;
+  const int n = static_cast<int>(steps.size());
+  const int H = c.hidden_size, V = c.vocab_size, KV = c.kv_dim(), Q = c.q_dim();
+  if (n == 0) return absl::InvalidArgumentError("no sequences to step");
+  for (const DecodeStep& s : steps) {
+    if (s.token < 0 || s.token >= V) {
+      return absl::InvalidArgumentError(absl::StrCat("token id ", s.token, " out of range"));
+    }
+    if (s.pos < 0 || s.pos >= s.cache->max_ctx) {
+      return absl::OutOfRangeError(absl::StrCat("position ", s.pos, " exceeds the context of ",
+                                                s.cache->max_ctx));
+    }
+  }
+  const size_t nh = static_cast<size_t>(n) * H;
+  if (x_.size() < nh) {
+    x_.resize(nh);
+    xb_.resize(nh);
+    ffn_out_.resize(nh);
+  }
+  if (q_.size() < static_cast<size_t>(n) * Q) {
+    q_.resize(static_cast<size_t>(n) * Q);
+    att_.resize(static_cast<size_t>(n) * Q);
+  }
+  k_.resize(static_cast<size_t>(n) * KV);
+  v_.resize(static_cast<size_t>(n) * KV);
+  const int max_rows = std::max({V, Q, H, KV});
+  if (static_cast<int>(all_rows_.size()) < max_rows) {
+    all_rows_.resize(max_rows);
+    for (int i = 0; i < max_rows; ++i) all_rows_[i] = i;
+  }
+  const int32_t* rows = all_rows_.data();
+  if (keep_ffn_inputs_) ffn_inputs_.assign(c.n_layers, {});
+  std::vector<int32_t> positions(n);
+  for (int b = 0; b < n; ++b) positions[b] = steps[b].pos;
+
+  // x: [n, hidden], one row per sequence
+  for (int b = 0; b < n; ++b) {
+    DequantizeRow(model_.tok_embeddings.dtype, model_.tok_embeddings.row(steps[b].token),
+                  &x_[static_cast<size_t>(b) * H], H);
+  }
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights& L = model_.layers[l];
+    ops_.RmsNorm(x_.data(), attn_norm_[l].data(), n, H, c.norm_eps, xb_.data());
+    ops_.MatMulRows(L.wq, rows, Q, xb_.data(), n, q_.data());  // q: [n, q_dim]
+    ops_.MatMulRows(L.wk, rows, KV, xb_.data(), n, k_.data());  // k, v: [n, kv_dim]
+    ops_.MatMulRows(L.wv, rows, KV, xb_.data(), n, v_.data());
+    ops_.Rope(q_.data(), n, c.n_heads, c.head_dim, positions.data(), inv_freq_.data(),
+              c.rope_interleaved);
+    ops_.Rope(k_.data(), n, c.n_kv_heads, c.head_dim, positions.data(), inv_freq_.data(),
+              c.rope_interleaved);
+    for (int b = 0; b < n; ++b) {
+      KvCache* cache = steps[b].cache;
+      std::copy_n(&k_[static_cast<size_t>(b) * KV], KV, cache->k_at(l, steps[b].pos));
+      std::copy_n(&v_[static_cast<size_t>(b) * KV], KV, cache->v_at(l, steps[b].pos));
+      ops_.Attention(&q_[static_cast<size_t>(b) * Q], cache->k_at(l, 0), cache->v_at(l, 0), 1,
+                     steps[b].pos, c.n_heads, c.n_kv_heads, c.head_dim,
+                     &att_[static_cast<size_t>(b) * Q]);  // att: [n, q_dim]
+    }
+    ops_.MatMulRows(L.wo, rows, H, att_.data(), n, xb_.data());  // xb: [n, hidden]
+    for (size_t i = 0; i < nh; ++i) x_[i] += xb_[i];
+
+    ops_.RmsNorm(x_.data(), ffn_norm_[l].data(), n, H, c.norm_eps, xb_.data());
+    if (keep_ffn_inputs_) ffn_inputs_[l].assign(xb_.begin(), xb_.begin() + nh);
+    absl::Status st = ffn_->Forward(l, xb_.data(), n, ffn_out_.data());
+    if (!st.ok()) return st;
+    for (size_t i = 0; i < nh; ++i) x_[i] += ffn_out_[i];
+  }
+
+  ops_.RmsNorm(x_.data(), out_norm_.data(), n, H, c.norm_eps, xb_.data());
+  batch_logits_.resize(static_cast<size_t>(n) * V);
+  ops_.MatMulRows(model_.output, rows, V, xb_.data(), n, batch_logits_.data());  // [n, vocab]
+  for (int b = 0; b < n; ++b) {
+    if (steps[b].logits != nullptr) {
+      std::copy_n(&batch_logits_[static_cast<size_t>(b) * V], V, steps[b].logits);
+    }
+  }
   return absl::OkStatus();
 }
 

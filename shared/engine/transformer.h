@@ -66,6 +66,20 @@ class Transformer {
   absl::Status Forward(std::span<const int32_t> tokens, int pos0, KvCache* cache,
                        LogitsMode mode, float* logits);
 
+  // One decode step (one new token) for each of several sequences at once, so that every weight
+  // is read once for the whole batch (continuous batching in the gpu-worker). Every projection
+  // runs row by row (CpuOps::MatMulRows, the kernel Forward uses for a single token) and attention
+  // runs per sequence, so each sequence's logits are bit-identical to its own one-token Forward,
+  // whatever else is in the batch (the FFN block must keep that property too; DenseFfn batches
+  // with MatMul and does not). logits may be null for a step.
+  struct DecodeStep {
+    int32_t token;
+    int pos;
+    KvCache* cache;
+    float* logits;  // [vocab] or null
+  };
+  absl::Status ForwardDecodeBatch(std::span<const DecodeStep> steps);
+
   // The FFN input of the last Forward, per layer: [n, hidden] (profiling and predictor training
   // read it). Only kept when `keep_ffn_inputs` is set.
   void set_keep_ffn_inputs(bool keep) { keep_ffn_inputs_ = keep; }
@@ -86,6 +100,8 @@ class Transformer {
   std::vector<std::vector<float>> ffn_inputs_;
   // Scratch, grown to the largest batch seen.
   std::vector<float> x_, xb_, q_, k_, v_, att_, ffn_out_;
+  std::vector<float> batch_logits_;      // ForwardDecodeBatch: [batch, vocab]
+  std::vector<int32_t> all_rows_;        // 0, 1, 2, ... for MatMulRows over whole matrices
 };
 
 // RoPE inverse frequencies, including Llama-3 scaling.

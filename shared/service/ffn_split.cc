@@ -177,9 +177,19 @@ uint64_t PartialFfn::Accumulate(int layer, const float* x, int n, const uint64_t
   // sel: the local rows computed for at least one token; g: [n, |sel|] their gate values.
   sel_.clear();
   if (masks == nullptr && gate_decides) {
-    // Exact mode: the gate of every row, then keep rows positive for some token.
+    // Exact mode: the gate of every row, then keep rows positive for some token. Small batches
+    // (decode steps of several sequences) go row by row like a single token does, so a
+    // sequence's result never depends on what else is in the batch; prompts use the tiled MatMul.
     gate_.resize(static_cast<size_t>(n) * k);
-    ops_.MatMul(L.gate, x, n, gate_.data());  // gate: [n, k]
+    if (n <= kBatchInvariantTokens) {
+      if (static_cast<int>(iota_.size()) < k) {
+        iota_.resize(k);
+        for (int i = 0; i < k; ++i) iota_[i] = i;
+      }
+      ops_.MatMulRows(L.gate, iota_.data(), k, x, n, gate_.data());  // gate: [n, k]
+    } else {
+      ops_.MatMul(L.gate, x, n, gate_.data());  // gate: [n, k]
+    }
     for (int i = 0; i < k; ++i) {
       for (int t = 0; t < n; ++t) {
         if (gate_[static_cast<size_t>(t) * k + i] > 0) {

@@ -76,6 +76,9 @@ void ReleaseMappedPages(const Model& model);
 // computation to the listed neurons per token.
 class PartialFfn {
  public:
+  // Batches of up to this many tokens are computed exactly as single tokens are (bit for bit).
+  static constexpr int kBatchInvariantTokens = 16;
+
   PartialFfn(const FfnRowStore& rows, Activation act, const CpuOps& ops)
       : rows_(rows), act_(act), ops_(ops) {}
   // out: [n, hidden] += this side's contribution for x: [n, hidden]. Returns the number of
@@ -88,7 +91,7 @@ class PartialFfn {
   Activation act_;
   const CpuOps& ops_;
   std::vector<float> gate_, sel_gate_, up_;
-  std::vector<int32_t> sel_;
+  std::vector<int32_t> sel_, iota_;
 };
 
 }  // namespace pinfer

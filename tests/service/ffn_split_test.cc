@@ -12,6 +12,7 @@
 #include "shared/model/model.h"
 #include "shared/service/ffn_split.h"
 #include "shared/service/log.h"
+#include "shared/util/thread_pool.h"
 
 namespace pinfer {
 namespace {
@@ -150,6 +151,90 @@ TEST(FfnSplitTest, StoreHoldsOnlyItsRowsAndRejectsBadPlacements) {
               ::testing::HasSubstr("ascending"));
   EXPECT_EQ(FfnRowStore::Build(*m, {{1}}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(ModelFingerprint(*m), 0u);
+}
+
+}  // namespace
+}  // namespace pinfer
+
+namespace pinfer {
+namespace {
+
+// The service's FFN as one block: hot and cold PartialFfn contributions summed, as the two
+// workers do.
+class SplitBlock : public FfnBlock {
+ public:
+  SplitBlock(const Model& m, const CpuOps& ops, double hot_fraction) {
+    Placement p = Placement::FixedFraction(m.config, hot_fraction);
+    std::vector<std::vector<int32_t>> cold(m.config.n_layers);
+    for (int l = 0; l < m.config.n_layers; ++l) cold[l] = p.Cold(l, m.config.ffn_size);
+    hot_rows_ = std::move(*FfnRowStore::Build(m, p.hot));
+    cold_rows_ = std::move(*FfnRowStore::Build(m, cold));
+    hot_ = std::make_unique<PartialFfn>(*hot_rows_, m.config.activation, ops);
+    cold_ = std::make_unique<PartialFfn>(*cold_rows_, m.config.activation, ops);
+    hidden_ = m.config.hidden_size;
+  }
+  absl::Status Forward(int layer, const float* x, int n, float* out) override {
+    std::fill(out, out + static_cast<size_t>(n) * hidden_, 0.f);
+    hot_->Accumulate(layer, x, n, nullptr, 0, out);
+    cold_->Accumulate(layer, x, n, nullptr, 0, out);
+    return absl::OkStatus();
+  }
+
+ private:
+  std::unique_ptr<FfnRowStore> hot_rows_, cold_rows_;
+  std::unique_ptr<PartialFfn> hot_, cold_;
+  int hidden_ = 0;
+};
+
+// Continuous batching must not change any sequence's output: a batched decode step gives
+// bit-identical logits to each sequence's own one-token Forward.
+TEST(DecodeBatchTest, BatchedDecodeIsBitIdenticalToSingleSteps) {
+  auto m = Load("relu-llama-tiny");
+  ASSERT_NE(m, nullptr);
+  ThreadPool pool(2);
+  auto ops = NewSimdOps(&pool);
+  SplitBlock ffn_a(*m, *ops, 0.5), ffn_b(*m, *ops, 0.5);
+  Transformer single(*m, *ops), batched(*m, *ops);
+  single.set_ffn(&ffn_a);
+  batched.set_ffn(&ffn_b);
+  const int V = m->config.vocab_size;
+  const std::vector<std::vector<int32_t>> prompts = {{1, 385, 753, 2587}, {1, 9, 27}, {1, 600}};
+  const int S = static_cast<int>(prompts.size());
+  std::vector<std::unique_ptr<KvCache>> ca, cb;
+  std::vector<std::vector<float>> la(S, std::vector<float>(V)), lb(S, std::vector<float>(V));
+  std::vector<int32_t> next(S);
+  std::vector<int> pos(S);
+  for (int s = 0; s < S; ++s) {
+    ca.push_back(std::make_unique<KvCache>(m->config, 64));
+    cb.push_back(std::make_unique<KvCache>(m->config, 64));
+    ASSERT_TRUE(single.Forward(prompts[s], 0, ca[s].get(), LogitsMode::kLast, la[s].data()).ok());
+    ASSERT_TRUE(batched.Forward(prompts[s], 0, cb[s].get(), LogitsMode::kLast, lb[s].data()).ok());
+    pos[s] = static_cast<int>(prompts[s].size());
+  }
+  for (int step = 0; step < 12; ++step) {
+    std::vector<Transformer::DecodeStep> batch;
+    for (int s = 0; s < S; ++s) {
+      ASSERT_EQ(la[s], lb[s]) << "sequence " << s << " step " << step;
+      next[s] = static_cast<int32_t>(std::max_element(la[s].begin(), la[s].end()) - la[s].begin());
+      ASSERT_TRUE(single.Forward({&next[s], 1}, pos[s], ca[s].get(), LogitsMode::kLast,
+                                 la[s].data())
+                      .ok());
+      batch.push_back({next[s], pos[s], cb[s].get(), lb[s].data()});
+      pos[s] += 1;
+    }
+    // Sequences join and leave: the batch is every sequence, or all but the first on odd steps.
+    std::span<const Transformer::DecodeStep> span(batch);
+    if (step % 2 == 1) {
+      ASSERT_TRUE(batched.ForwardDecodeBatch(span.subspan(0, 1)).ok());
+      span = span.subspan(1);
+    }
+    ASSERT_TRUE(batched.ForwardDecodeBatch(span).ok());
+  }
+  for (int s = 0; s < S; ++s) EXPECT_EQ(la[s], lb[s]);
+  std::vector<Transformer::DecodeStep> bad = {{4096, 0, cb[0].get(), nullptr}};
+  EXPECT_EQ(batched.ForwardDecodeBatch(bad).code(), absl::StatusCode::kInvalidArgument);
+  bad = {{5, 64, cb[0].get(), nullptr}};
+  EXPECT_EQ(batched.ForwardDecodeBatch(bad).code(), absl::StatusCode::kOutOfRange);
 }
 
 }  // namespace

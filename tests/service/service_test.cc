@@ -177,6 +177,13 @@ TEST_F(ServiceTest, SixteenConcurrentStreamsAreAllCorrect) {
     ASSERT_TRUE(results[i].status.ok()) << results[i].status.error_message();
     EXPECT_EQ(results[i].ids, U32(prompts[i % 12]["greedy_ids"]));
   }
+  // The streams' decode steps were batched (continuous batching), yet every output is exact.
+  auto m = ScrapeMetrics(d_->gpu_metrics_port());
+  ASSERT_TRUE(m.ok());
+  const double batches = MetricSum(*m, "pinfer_worker_decode_batch_size_count");
+  const double seqs = MetricSum(*m, "pinfer_worker_decode_batch_size_sum");
+  EXPECT_GT(batches, 0);
+  EXPECT_GT(seqs / batches, 1.5) << "decode steps were not batched";
 }
 
 TEST_F(ServiceTest, InvalidRequestsGetInvalidArgument) {
