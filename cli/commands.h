@@ -11,6 +11,7 @@ namespace pinfer::cli {
 
 int GenerateCommand(const std::vector<std::string>& args);
 int PerplexityCommand(const std::vector<std::string>& args);
+int PrepareCommand(const std::vector<std::string>& args);
 int ConvertCommand(const std::vector<std::string>& args);
 int ServeCommand(const std::vector<std::string>& args);
 

@@ -9,6 +9,7 @@
 #include "shared/engine/generator.h"
 #include "shared/engine/ops.h"
 #include "shared/model/model.h"
+#include "shared/sparse/sparse_runtime.h"
 #include "shared/util/status_macros.h"
 
 namespace pinfer::cli {
@@ -17,13 +18,15 @@ namespace {
 constexpr char kUsage[] =
     "usage: pinfer generate --model PATH --prompt TEXT [--max-tokens N] [--temperature T]\n"
     "         [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S]\n"
-    "         [--stop STRING] [--threads N] [--json] [--logits] [--reference]\n";
+    "         [--stop STRING] [--threads N] [--json] [--logits] [--reference]\n"
+    "         [--sparse | --exact-sparse]\n";
 
 struct Options {
   std::string model, prompt;
   GenerateOptions gen;
   int threads = 1;
   bool json = false, logits = false, reference = false;
+  bool sparse = false, exact_sparse = false;
 };
 
 absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
@@ -31,7 +34,7 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
                                          {"model", "prompt", "max-tokens", "temperature", "top-k",
                                           "top-p", "min-p", "repetition-penalty", "seed", "stop",
                                           "threads"},
-                                         {"json", "logits", "reference"}));
+                                         {"json", "logits", "reference", "sparse", "exact-sparse"}));
   Options o;
   ASSIGN_OR_RETURN(o.model, f.Required("model"));
   ASSIGN_OR_RETURN(o.prompt, f.Required("prompt"));
@@ -61,6 +64,11 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   o.json = f.Has("json");
   o.logits = f.Has("logits");
   o.reference = f.Has("reference");
+  o.sparse = f.Has("sparse");
+  o.exact_sparse = f.Has("exact-sparse");
+  if (o.sparse && o.exact_sparse) {
+    return absl::InvalidArgumentError("--sparse and --exact-sparse exclude each other");
+  }
   return o;
 }
 
@@ -70,9 +78,23 @@ int GenerateCommand(const std::vector<std::string>& args) {
   auto opts = ParseOptions(args);
   if (!opts.ok()) return UsageError(kUsage, opts.status());
   const Options& o = *opts;
-  auto model = LoadModel(o.model);
-  if (!model.ok()) return RuntimeError(model.status());
-  const Model& m = **model;
+  ThreadPool pool(o.threads);
+  std::unique_ptr<CpuOps> ops = o.reference ? NewReferenceOps() : NewSimdOps(&pool);
+  std::unique_ptr<Model> dense_model;
+  std::unique_ptr<SparseSession> session;
+  if (o.sparse || o.exact_sparse) {
+    auto s = OpenSparseSession(o.model, o.sparse ? SparseMode::kPredicted : SparseMode::kExact,
+                               *ops, [](const std::string& line) {
+                                 std::fprintf(stderr, "%s\n", line.c_str());
+                               });
+    if (!s.ok()) return RuntimeError(s.status());
+    session = std::move(*s);
+  } else {
+    auto model = LoadModel(o.model);
+    if (!model.ok()) return RuntimeError(model.status());
+    dense_model = std::move(*model);
+  }
+  const Model& m = session != nullptr ? session->model() : *dense_model;
   if (m.tokenizer == nullptr) return RuntimeError(absl::FailedPreconditionError("model has no tokenizer"));
   auto ids = m.tokenizer->Encode(o.prompt);
   if (!ids.ok()) return RuntimeError(ids.status());
@@ -80,9 +102,8 @@ int GenerateCommand(const std::vector<std::string>& args) {
   if (m.config.add_bos) prompt.push_back(m.config.bos_id);
   prompt.insert(prompt.end(), ids->begin(), ids->end());
 
-  ThreadPool pool(o.threads);
-  std::unique_ptr<CpuOps> ops = o.reference ? NewReferenceOps() : NewSimdOps(&pool);
   Transformer transformer(m, *ops);
+  if (session != nullptr) transformer.set_ffn(session->ffn());
   std::vector<float> last_logits;
   auto on_token = [&](const GeneratedToken& t) {
     if (!o.json) {
@@ -104,6 +125,7 @@ int GenerateCommand(const std::vector<std::string>& args) {
     j["finish_reason"] = FinishReasonName(result->finish);
     j["prompt_tokens_per_second"] = prompt_tps;
     j["generation_tokens_per_second"] = gen_tps;
+    if (session != nullptr) j["ffn_sparsity"] = session->stats().Sparsity();
     if (o.logits) j["last_prompt_logits"] = last_logits;
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   } else {

@@ -15,8 +15,11 @@ constexpr char kUsage[] =
     "commands:\n"
     "  generate    --model PATH --prompt TEXT [--max-tokens N] [--temperature T] [--top-k K]\n"
     "              [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--stop S]\n"
-    "              [--threads N] [--json] [--logits] [--reference]\n"
+    "              [--threads N] [--json] [--logits] [--reference] [--sparse|--exact-sparse]\n"
     "  perplexity  --model PATH --tokens FILE.u32 --window W [--threads N] [--json]\n"
+    "              [--sparse|--exact-sparse]\n"
+    "  prepare     --model PATH --calibration TEXT --out FILE.gguf [--vram-budget SIZE]\n"
+    "              [--context N] [--target-recall R] [--report FILE.svg] (predictors, placement)\n"
     "  convert     --model HF_DIR|FILE.gguf --out FILE.gguf [--type f16|q8_0|q4_0|f32] [--name N]\n"
     "  serve       --model PATH [--port P] [--metrics-port M] [--threads N] [--cpu-threads N]\n"
     "              [--hot-fraction F] (gateway + gpu-worker + cpu-worker; --help for more)\n";
@@ -28,6 +31,7 @@ int main(int argc, char** argv) {
   const std::map<std::string, Command> commands = {
       {"generate", pinfer::cli::GenerateCommand},
       {"perplexity", pinfer::cli::PerplexityCommand},
+      {"prepare", pinfer::cli::PrepareCommand},
       {"convert", pinfer::cli::ConvertCommand},
       {"serve", pinfer::cli::ServeCommand},
   };

@@ -110,7 +110,8 @@ int main(int argc, char** argv) {
   to.batch = static_cast<int>(num("batch", to.batch));
   to.weighted_regression = num("weighted", 1) != 0;
   to.closed_form_init = num("closed", 1) != 0;
-  to.lr_decay = num("decay", 1) != 0;
+  to.lr_decay = num("decay", 0) != 0;
+  to.per_neuron_thresholds = num("per_neuron", 1) != 0;
   if (kv.count("layers")) {
     for (absl::string_view r : absl::StrSplit(kv["layers"], ',')) {
       int v;

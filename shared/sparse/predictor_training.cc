@@ -109,6 +109,7 @@ struct LayerData {
   std::vector<float> importance;  // [n, ffn]: contribution of truly active neurons, else 0
   std::vector<float> unit_contribution;  // [ffn]: contribution per unit of relu(gate)
   std::vector<float> second_moment;      // [hidden, hidden]: E[x x^T] over the training pairs
+  std::vector<float> mean_active_importance;  // [ffn]: mean contribution when active (training)
   double mean_positive_importance = 0;
 };
 
@@ -176,6 +177,25 @@ absl::StatusOr<LayerData> PrepareLayer(const Model& model, const CpuOps& ops,
     }
   }
   d.mean_positive_importance = pos_count > 0 ? pos_sum / pos_count : 1.0;
+  {
+    std::vector<double> sum(F, 0.0);
+    std::vector<int64_t> count(F, 0);
+    for (int64_t t = 0; t < d.n_train; ++t) {
+      const float* imp = d.importance.data() + t * F;
+      for (int j = 0; j < F; ++j) {
+        if (imp[j] > 0) {
+          sum[j] += imp[j];
+          ++count[j];
+        }
+      }
+    }
+    d.mean_active_importance.resize(F);
+    for (int j = 0; j < F; ++j) {
+      d.mean_active_importance[j] = count[j] > 0
+                                        ? static_cast<float>(sum[j] / count[j])
+                                        : static_cast<float>(d.mean_positive_importance * 1e-3);
+    }
+  }
 
   // second_moment = X^T X / n_train, chunk by chunk through the SIMD MatMul.
   std::vector<double> acc(static_cast<size_t>(H) * H, 0.0);
@@ -483,6 +503,52 @@ Evaluation Calibrate(const CpuOps& ops, const LayerData& d, int H, int F, const 
   return e;
 }
 
+// Per-neuron thresholds, folded into fc2's rows. The score is a logit of P(active); the expected
+// contribution of a pair is about sigmoid(s) * m_j (m_j: neuron j's mean contribution when
+// active), so the best pairs to keep are those with the largest sigmoid(s) * m_j. One cut
+// lambda on that key reaches the target on the held-back pairs; neuron j's threshold on s is then
+// logit(lambda / m_j), and scaling row j of fc2 by 1 / |threshold_j| makes every threshold -1.
+// Thresholds that would be >= 0 (p >= 1/2 needed: unimportant neurons) are clamped just below
+// zero, which keeps a little more than necessary.
+void FoldPerNeuronThresholds(const CpuOps& ops, const LayerData& d, int H, int F, Mlp& m,
+                             double target) {
+  const int64_t n_hold = d.n - d.n_train;
+  constexpr int kChunk = 512;
+  std::vector<float> z(static_cast<size_t>(kChunk) * m.r), s(static_cast<size_t>(kChunk) * F);
+  std::vector<float> log_m(F);
+  for (int j = 0; j < F; ++j) log_m[j] = std::log(std::max(d.mean_active_importance[j], 1e-30f));
+  std::vector<std::pair<float, float>> active;
+  active.reserve(static_cast<size_t>(n_hold) * F / 4);
+  for (int64_t b0 = d.n_train; b0 < d.n; b0 += kChunk) {
+    const int nb = static_cast<int>(std::min<int64_t>(kChunk, d.n - b0));
+    MatMulF32(ops, m.w1.data(), m.r, H, d.x.data() + b0 * H, nb, z.data());
+    for (size_t i = 0; i < static_cast<size_t>(nb) * m.r; ++i) z[i] = std::max(z[i], 0.f);
+    MatMulF32(ops, m.w2.data(), F, m.r, z.data(), nb, s.data());
+    for (int t = 0; t < nb; ++t) {
+      const float* imp = d.importance.data() + (b0 + t) * F;
+      for (int j = 0; j < F; ++j) {
+        if (imp[j] <= 0) continue;
+        const float sc = s[static_cast<size_t>(t) * F + j];
+        const float log_sigmoid = sc >= 0 ? -std::log1p(std::exp(-sc)) : sc - std::log1p(std::exp(sc));
+        active.emplace_back(log_sigmoid + log_m[j], imp[j]);
+      }
+    }
+  }
+  const float lambda = ThresholdForWeightedRecall(active, target);  // on log(sigmoid(s) m_j)
+  for (int j = 0; j < F; ++j) {
+    float thr;
+    if (!std::isfinite(lambda)) {
+      thr = lambda > 0 ? 1e30f : -1e30f;
+    } else {
+      const double q = std::exp(static_cast<double>(lambda) - log_m[j]);  // sigmoid(s) needed
+      thr = q >= 0.499 ? -0.004f : static_cast<float>(std::log(q / (1 - q)));
+    }
+    // (target > 0 is checked up front, so lambda is never +inf; -inf means keep everything.)
+    const float scale = thr <= -1e29f ? 0.f : 1.f / -std::min(thr, -0.004f);
+    for (int i = 0; i < m.r; ++i) m.w2[static_cast<size_t>(j) * m.r + i] *= scale;
+  }
+}
+
 }  // namespace
 
 float ThresholdForWeightedRecall(std::vector<std::pair<float, float>> score_weight, double target) {
@@ -576,7 +642,10 @@ absl::StatusOr<TrainedPredictors> TrainPredictors(
     // value PowerInfer's file format has room for: s >= t  <=>  s / |t| >= -1 for t < 0.
     // (Calibrated thresholds are negative: a neuron is kept unless the predictor is confident.)
     float threshold = report.threshold;
-    if (std::isfinite(threshold) && threshold < 0) {
+    if (o.per_neuron_thresholds) {
+      FoldPerNeuronThresholds(ops, d, H, F, best, o.target_recall);
+      threshold = kFoldedThreshold;
+    } else if (std::isfinite(threshold) && threshold < 0) {
       const float scale = 1.f / -threshold;
       for (float& v : best.w2) v *= scale;
       threshold = kFoldedThreshold;
@@ -594,6 +663,15 @@ absl::StatusOr<TrainedPredictors> TrainPredictors(
     report.precision = e.candidate.precision;
     report.sparsity = e.candidate.sparsity;
     report.predictor_cost = static_cast<double>(best.r) * (H + F) / (3.0 * F * H);
+    auto w1 = std::make_shared<std::vector<uint8_t>>(std::move(best_w1));
+    auto w2 = std::make_shared<std::vector<uint8_t>>(std::move(best_w2));
+    LayerPredictor p;
+    p.fc1 = TensorView{absl::StrCat("blk.", l, ".fc1.weight"), o.dtype, {best.r, H}, w1->data()};
+    p.fc2 = TensorView{absl::StrCat("blk.", l, ".fc2.weight"), o.dtype, {F, best.r}, w2->data()};
+    p.threshold = threshold;
+    out.predictors.layers.push_back(p);
+    out.predictors.owned.push_back(w1);
+    out.predictors.owned.push_back(w2);
     report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     out.reports.push_back(std::move(report));
   }

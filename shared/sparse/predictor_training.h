@@ -40,10 +40,13 @@ struct PredictorTrainingOptions {
   // Magnitude-weighted recall each layer's threshold is set to reach on held-back pairs.
   double target_recall = 0.95;
   double holdout_fraction = 0.1;  // the last part of the samples, never trained on
-  int epochs = 1;                 // fine-tuning passes over the training pairs (0: closed form)
+  int epochs = 4;                 // fine-tuning passes over the training pairs (0: closed form)
   int batch = 1024;
   float learning_rate = 1e-2f;
-  bool lr_decay = true;  // linear decay to zero
+  bool lr_decay = false;  // linear decay to zero
+  // Thresholds per neuron (from its typical contribution) rather than one per layer; both are
+  // folded into fc2 so that the stored threshold is kFoldedThreshold.
+  bool per_neuron_thresholds = true;
   // BCE weights: a truly active neuron weighs (contribution / mean contribution)^power, clipped
   // to [min, max]; an inactive one weighs negative_weight.
   float positive_weight_power = 0.5f;

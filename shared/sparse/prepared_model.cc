@@ -140,6 +140,7 @@ absl::Status WritePreparedModel(const GgufFile& src, const PreparedContents& con
   w.SetF32(kSparseThresholdKey, thresholds.empty() ? 0.f : thresholds[0]);
   w.SetF32Array("pinfer.sparse.thresholds", thresholds);
   w.SetU64("pinfer.sparse.profile_tokens", static_cast<uint64_t>(prof.tokens));
+  for (const auto& [key, value] : contents.string_keys) w.SetString(key, value);
   for (int l = 0; l < n_layers; ++l) {
     std::vector<float> freq(ffn);
     for (int i = 0; i < ffn; ++i) freq[i] = static_cast<float>(prof.Frequency(l, order[l][i]));
@@ -239,6 +240,9 @@ absl::StatusOr<PreparedModel> LoadPreparedModel(const std::string& path) {
       return absl::NotFoundError(absl::StrCat(path, ": missing tensor '", p, "ffn_down_t.weight'"));
     }
     pm.down_t.push_back(dt);
+  }
+  if (f.HasKey("pinfer.sparse.source")) {
+    ASSIGN_OR_RETURN(pm.source_fingerprint, f.GetString("pinfer.sparse.source"));
   }
   if (f.HasKey("pinfer.sparse.profile_tokens")) {
     ASSIGN_OR_RETURN(uint64_t tokens, f.GetU64("pinfer.sparse.profile_tokens"));

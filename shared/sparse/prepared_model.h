@@ -44,6 +44,7 @@ inline constexpr char kGpuIndexArchitecture[] = "generic.gpu_index";
 struct PreparedContents {
   ActivationProfile profile;   // in the source model's neuron numbering
   PredictorSet predictors;     // in the source model's neuron numbering, per-layer thresholds
+  std::vector<std::pair<std::string, std::string>> string_keys;  // extra metadata (pinfer.*)
 };
 
 // Writes the prepared model from a source GGUF model file (llama architecture, with ffn_down or
@@ -62,6 +63,7 @@ struct PreparedModel {
   // From pinfer's keys; empty for files pinfer did not prepare.
   int64_t profile_tokens = 0;
   std::vector<std::vector<float>> activation_frequency;  // [layer][ffn]
+  std::string source_fingerprint;  // pinfer.sparse.source: what it was prepared from
 };
 
 // Loads a PWRI model (pinfer's or PowerInfer's). Errors name the missing or malformed tensor.
