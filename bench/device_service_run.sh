@@ -17,6 +17,7 @@ for t in ${THREADS:-1 4}; do
   [[ $t == none ]] && continue
   LD_LIBRARY_PATH="$b/lib" timeout 300 "$b/bin/service_bench" --pinfer "$b/bin/pinfer" \
     --model $model --tokens "${TOKENS:-256}" --threads "$t" --repeats "${REPEATS:-3}" \
+    --streams "${STREAMS:-4}" \
     2>&1 | tee "$out/bench_cpu_t$t.md" || rc=1
 done
 if [[ -n $cb ]]; then
