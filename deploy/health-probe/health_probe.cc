@@ -117,11 +117,16 @@ grpc::Status Call(grpc::GenericStub* stub, const std::string& method, const std:
 
 const char* StatusName(int s) {
   switch (s) {
-    case 0: return "UNKNOWN";
-    case 1: return "SERVING";
-    case 2: return "NOT_SERVING";
-    case 3: return "SERVICE_UNKNOWN";
-    default: return "INVALID";
+    case 0:
+      return "UNKNOWN";
+    case 1:
+      return "SERVING";
+    case 2:
+      return "NOT_SERVING";
+    case 3:
+      return "SERVICE_UNKNOWN";
+    default:
+      return "INVALID";
   }
 }
 
