@@ -9,8 +9,11 @@ PACKAGES=(
   libabsl-dev libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   prometheus-cpp-dev libsentencepiece-dev libre2-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev
-  python3 python3-grpcio python3-grpc-tools python3-numpy
+  python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy python3-yaml
   clang libclang-rt-14-dev
+  # monitoring and containerised end-to-end tests (deploy/)
+  prometheus podman runc catatonit debootstrap docker-compose containernetworking-plugins
+  golang-github-containernetworking-plugin-dnsname iptables
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

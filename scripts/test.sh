@@ -5,6 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
+# llama.cpp (node-llama-cpp's prebuilt CPU build, pinned in bench/llama_cpp) for the test that it
+# loads pinfer-converted GGUF files; that test skips when npm cannot provide it.
+if command -v npm >/dev/null && [ ! -d bench/llama_cpp/node_modules/node-llama-cpp ]; then
+  (cd bench/llama_cpp && npm ci --omit=optional --no-audit --no-fund --ignore-scripts >/dev/null) ||
+    echo "warning: could not install node-llama-cpp; the llama.cpp compatibility test will skip"
+fi
 scripts/build.sh
 
 echo "== full test suite"
