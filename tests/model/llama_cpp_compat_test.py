@@ -74,7 +74,8 @@ def run(cmd):
 
 
 def main():
-    if not os.path.isdir(os.path.join(NODE_MODULES, "node-llama-cpp")) or shutil.which("node") is None:
+    if not os.path.isfile(os.path.join(NODE_MODULES, "node-llama-cpp", "package.json")) or \
+            shutil.which("node") is None:
         print("node-llama-cpp is not installed (bench/llama_cpp): skipped")
         return 77
     tmp = tempfile.mkdtemp(prefix="pinfer-llama-cpp-")
