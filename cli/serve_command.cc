@@ -28,7 +28,11 @@
 #include "absl/strings/str_join.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
+#include "shared/engine/ops.h"
 #include "shared/service/log.h"
+#include "shared/service/service_model.h"
+#include "shared/sparse/auto_prepare.h"
+#include "shared/util/thread_pool.h"
 #include "shared/shm/segment.h"
 #include "shared/util/status_macros.h"
 
@@ -46,7 +50,9 @@ constexpr char kUsage[] =
     "  --metrics-port: the gateway's /metrics (off unless given); the workers default to M+1\n"
     "                  and M+2 (or 0 = any free port, when M is 0)\n"
     "  --threads / --cpu-threads: compute threads of the gpu-worker / cpu-worker (default 1)\n"
-    "  --status-file: JSON with the children's pids and the segment name, rewritten on restart\n";
+    "  --status-file: JSON with the children's pids and the segment name, rewritten on restart\n"
+    "  --sparse: predictor-driven FFN sparsity; an unprepared model is prepared (and cached)\n"
+    "            first, as `pinfer generate --sparse` does\n";
 
 struct Child {
   std::string role;
@@ -186,12 +192,26 @@ int ServeCommand(const std::vector<std::string>& args) {
   if (auto v = f.Get("gpu-metrics-port")) gpu_metrics = *v;
   if (auto v = f.Get("cpu-metrics-port")) cpu_metrics = *v;
 
+  // --sparse needs predictors: serve a prepared model, preparing (and caching) it first when the
+  // given one is not, so that both workers load the same prepared file.
+  std::string served_model = *model;
+  if (f.Has("sparse") && !IsPreparedModelFile(served_model)) {
+    ThreadPool pool(2);
+    auto ops = NewSimdOps(&pool);
+    auto prepared = EnsurePrepared(served_model, *ops, [](const std::string& line) {
+      Log("%s", line.c_str());
+    });
+    if (!prepared.ok()) return RuntimeError(prepared.status());
+    served_model = *prepared;
+    Log("serving the prepared model %s", served_model.c_str());
+  }
+
   std::vector<Child> children(3);
   Child& gpu = children[0];
   Child& cpu = children[1];
   Child& gw = children[2];
   gpu.role = "gpu_worker";
-  gpu.argv = {FindBinary(bin_dir, "pinfer-gpu-worker"), "--model", *model, "--listen", gpu_addr,
+  gpu.argv = {FindBinary(bin_dir, "pinfer-gpu-worker"), "--model", served_model, "--listen", gpu_addr,
               "--segment", segment};
   pass(&gpu.argv, "threads");
   pass(&gpu.argv, "hot-fraction");
@@ -204,7 +224,7 @@ int ServeCommand(const std::vector<std::string>& args) {
                                      dir + "/gpu-worker.metrics-port"});
   }
   cpu.role = "cpu_worker";
-  cpu.argv = {FindBinary(bin_dir, "pinfer-cpu-worker"), "--model", *model, "--listen", cpu_addr,
+  cpu.argv = {FindBinary(bin_dir, "pinfer-cpu-worker"), "--model", served_model, "--listen", cpu_addr,
               "--segment", segment};
   pass(&cpu.argv, "cpu-threads", "threads");
   if (!cpu_metrics.empty()) {

@@ -33,6 +33,7 @@
 #include "shared/service/ffn_split.h"
 #include "shared/service/grpc_convert.h"
 #include "shared/service/log.h"
+#include "shared/service/service_model.h"
 #include "shared/shm/activation_channel.h"
 #include "shared/util/status_macros.h"
 #include "shared/util/thread_pool.h"
@@ -225,18 +226,21 @@ int Main(const std::vector<std::string>& args) {
                }});
   if (endpoint != nullptr) endpoint->Add(gauges);
 
-  auto model = LoadModel(o.model);
+  auto model = LoadServiceModel(o.model);
   if (!model.ok()) {
     Log("cannot load %s: %s", o.model.c_str(), model.status().ToString().c_str());
     return 1;
   }
-  const Model& m = **model;
+  ServiceModel sm = std::move(*model);
+  const Model& m = sm.model();
   const ModelConfig& c = m.config;
   shm::Geometry expected;
   expected.n_layers = c.n_layers;
   expected.hidden = c.hidden_size;
   expected.ffn = c.ffn_size;
-  expected.fingerprint = ModelFingerprint(m);
+  expected.fingerprint = ModelFingerprint(m, sm.down_t());
+  // Only the cold rows are used from here on (copied out of the file's mapping).
+  DropRebuiltDown(&sm);
   ReleaseMappedPages(m);
 
   std::atomic<bool> draining{false};
@@ -296,7 +300,7 @@ int Main(const std::vector<std::string>& args) {
         std::vector<std::vector<int32_t>> cold(c.n_layers);
         for (int l = 0; l < c.n_layers; ++l) cold[l] = placement.Cold(l, c.ffn_size);
         rows.reset();
-        auto built = FfnRowStore::Build(m, cold);
+        auto built = FfnRowStore::Build(m, cold, sm.down_t());
         if (!built.ok()) {
           Log("cannot build the cold rows: %s", built.status().ToString().c_str());
           exit_code = 1;

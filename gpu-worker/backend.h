@@ -18,6 +18,7 @@
 #include "shared/engine/ops.h"
 #include "shared/model/model.h"
 #include "shared/service/ffn_split.h"
+#include "shared/sparse/sparse_ffn.h"
 #include "shared/shm/activation_channel.h"
 
 namespace pinfer::gpuworker {
@@ -73,10 +74,13 @@ class ComputeBackend {
 
 // The CPU implementation. `model`, `ops` and `exchange` must outlive it; `placement` chooses the
 // hot neurons (the rest are computed by the cpu-worker through `exchange`).
-absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCpuBackend(const Model& model,
-                                                              const CpuOps& ops,
-                                                              const Placement& placement,
-                                                              shm::ExchangeClient* exchange);
+// down_t: a prepared model's transposed down projections (rows copied from there), or null.
+// predictors: --sparse mode (the predictors choose each token's neurons, on both sides), or null
+// for exact mode.
+absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCpuBackend(
+    const Model& model, const CpuOps& ops, const Placement& placement,
+    shm::ExchangeClient* exchange, const std::vector<TensorView>* down_t = nullptr,
+    const PredictorSet* predictors = nullptr);
 
 struct CudaBackendOptions {
   int slots = 8;        // KV cache slots (concurrent sequences) on the device

@@ -16,27 +16,32 @@ uint64_t Now() { return shm::MonotonicNanos(); }
 class SplitFfn : public FfnBlock {
  public:
   SplitFfn(const Model& model, std::unique_ptr<FfnRowStore> hot_rows, const CpuOps& ops,
-           shm::ExchangeClient* exchange, BackendStats* stats)
+           shm::ExchangeClient* exchange, BackendStats* stats, const PredictorSet* predictors)
       : model_(model),
         hot_rows_(std::move(hot_rows)),
         hot_(*hot_rows_, model.config.activation, ops),
+        ops_(ops),
         exchange_(exchange),
-        stats_(stats) {}
+        stats_(stats),
+        predictors_(predictors) {}
 
   absl::Status Forward(int layer, const float* x, int n, float* out) override {
     const int H = model_.config.hidden_size;
     const int max_tokens = exchange_->segment().geometry().max_tokens;
+    const int W = exchange_->segment().geometry().words_per_mask();
     const uint64_t hot_k = hot_rows_->layer(layer).neurons.size();
     for (int t0 = 0; t0 < n; t0 += max_tokens) {
       const int m = std::min(max_tokens, n - t0);
       const float* xc = x + static_cast<size_t>(t0) * H;
       float* oc = out + static_cast<size_t>(t0) * H;
+      // Sparse mode: the predictor picks each token's neurons, for both sides.
+      const uint64_t* masks = predictors_ != nullptr ? Predict(layer, xc, m, W) : nullptr;
       // x: [m, hidden] goes to the cpu-worker first, so that it computes while we do.
-      absl::StatusOr<uint32_t> seq = exchange_->Post(layer, xc, m, nullptr);
+      absl::StatusOr<uint32_t> seq = exchange_->Post(layer, xc, m, masks);
       if (!seq.ok()) return seq.status();
       std::fill(oc, oc + static_cast<size_t>(m) * H, 0.f);
       const uint64_t a = Now();
-      stats_->hot_neurons += hot_.Accumulate(layer, xc, m, nullptr, 0, oc);  // out: [m, hidden]
+      stats_->hot_neurons += hot_.Accumulate(layer, xc, m, masks, W, oc);  // out: [m, hidden]
       const uint64_t b = Now();
       shm::ExchangeStats xs;
       absl::Status st = exchange_->AwaitAndAdd(*seq, m, oc, &xs);
@@ -57,19 +62,59 @@ class SplitFfn : public FfnBlock {
   uint64_t neurons() const { return hot_rows_->neurons(); }
 
  private:
+  // masks: [n][W], bit j set when fc2(relu(fc1(x))) >= the layer's threshold (PowerInfer's
+  // rule, as shared/sparse's PredictedSparseFfn applies it). Small batches go row by row so that
+  // a token's decision never depends on the rest of the batch.
+  const uint64_t* Predict(int layer, const float* x, int n, int W) {
+    const LayerPredictor& P = predictors_->layers[layer];
+    const int F = model_.config.ffn_size, R = P.rank();
+    hidden_.resize(static_cast<size_t>(n) * R);
+    score_.resize(static_cast<size_t>(n) * F);
+    if (static_cast<int>(iota_.size()) < std::max(F, R)) {
+      iota_.resize(std::max(F, R));
+      for (size_t i = 0; i < iota_.size(); ++i) iota_[i] = static_cast<int32_t>(i);
+    }
+    const bool rowwise = n <= PartialFfn::kBatchInvariantTokens;
+    if (rowwise) {
+      ops_.MatMulRows(P.fc1, iota_.data(), R, x, n, hidden_.data());  // hidden: [n, rank]
+    } else {
+      ops_.MatMul(P.fc1, x, n, hidden_.data());
+    }
+    for (float& h : hidden_) h = std::max(h, 0.f);
+    if (rowwise) {
+      ops_.MatMulRows(P.fc2, iota_.data(), F, hidden_.data(), n, score_.data());  // [n, ffn]
+    } else {
+      ops_.MatMul(P.fc2, hidden_.data(), n, score_.data());
+    }
+    masks_.assign(static_cast<size_t>(n) * W, 0);
+    for (int t = 0; t < n; ++t) {
+      const float* s = &score_[static_cast<size_t>(t) * F];
+      uint64_t* mk = &masks_[static_cast<size_t>(t) * W];
+      for (int j = 0; j < F; ++j) {
+        if (s[j] >= P.threshold) mk[j >> 6] |= 1ull << (j & 63);
+      }
+    }
+    return masks_.data();
+  }
+
   const Model& model_;
   std::unique_ptr<FfnRowStore> hot_rows_;
   PartialFfn hot_;
+  const CpuOps& ops_;
   shm::ExchangeClient* exchange_;
   BackendStats* stats_;
+  const PredictorSet* predictors_;
+  std::vector<float> hidden_, score_;
+  std::vector<int32_t> iota_;
+  std::vector<uint64_t> masks_;
 };
 
 class CpuBackend : public ComputeBackend {
  public:
   CpuBackend(const Model& model, const CpuOps& ops, std::unique_ptr<FfnRowStore> hot,
-             shm::ExchangeClient* exchange)
+             shm::ExchangeClient* exchange, const PredictorSet* predictors)
       : model_(model),
-        ffn_(model, std::move(hot), ops, exchange, &stats_),
+        ffn_(model, std::move(hot), ops, exchange, &stats_, predictors),
         transformer_(model, ops) {
     transformer_.set_ffn(&ffn_);
   }
@@ -150,14 +195,14 @@ class CpuBackend : public ComputeBackend {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCpuBackend(const Model& model,
-                                                              const CpuOps& ops,
-                                                              const Placement& placement,
-                                                              shm::ExchangeClient* exchange) {
-  auto hot = FfnRowStore::Build(model, placement.hot);
+absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCpuBackend(
+    const Model& model, const CpuOps& ops, const Placement& placement,
+    shm::ExchangeClient* exchange, const std::vector<TensorView>* down_t,
+    const PredictorSet* predictors) {
+  auto hot = FfnRowStore::Build(model, placement.hot, down_t);
   if (!hot.ok()) return hot.status();
   return std::unique_ptr<ComputeBackend>(
-      new CpuBackend(model, ops, std::move(*hot), exchange));
+      new CpuBackend(model, ops, std::move(*hot), exchange, predictors));
 }
 
 }  // namespace pinfer::gpuworker

@@ -32,6 +32,7 @@
 #include "shared/service/ffn_split.h"
 #include "shared/service/grpc_convert.h"
 #include "shared/service/log.h"
+#include "shared/service/service_model.h"
 #include "shared/shm/activation_channel.h"
 #include "shared/sparse/prepared_model.h"
 #include "shared/util/status_macros.h"
@@ -195,7 +196,8 @@ std::string ActivationLabel(Activation a) {
 // Everything the worker serves, built at start-up.
 struct State {
   Options options;
-  std::unique_ptr<Model> model;
+  ServiceModel service_model;
+  Model* model = nullptr;
   std::unique_ptr<ThreadPool> pool;
   std::unique_ptr<CpuOps> ops;
   std::unique_ptr<shm::ExchangeClient> exchange;
@@ -405,11 +407,6 @@ int Main(const std::vector<std::string>& args) {
   State s;
   s.options = *parsed;
   const Options& o = s.options;
-  if (o.sparse) {
-    Log("--sparse needs predictors from a prepared model (pinfer prepare), which this worker "
-        "cannot load yet; refusing to start rather than silently running exact");
-    return 2;
-  }
 
   auto registry = std::make_shared<prometheus::Registry>();
   std::unique_ptr<metrics::Endpoint> endpoint;
@@ -423,12 +420,19 @@ int Main(const std::vector<std::string>& args) {
     }
   }
 
-  auto model = LoadModel(o.model);
+  auto model = LoadServiceModel(o.model);
   if (!model.ok()) {
     Log("cannot load %s: %s", o.model.c_str(), model.status().ToString().c_str());
     return 1;
   }
-  s.model = std::move(*model);
+  s.service_model = std::move(*model);
+  s.model = &s.service_model.mutable_model();
+  if (o.sparse && s.service_model.predictors() == nullptr) {
+    Log("--sparse needs a prepared model with predictors (pinfer prepare --model %s ..., then "
+        "serve the prepared file; pinfer serve --sparse prepares it automatically)",
+        o.model.c_str());
+    return 2;
+  }
   const ModelConfig& c = s.model->config;
   if (s.model->tokenizer == nullptr) {
     Log("%s has no tokenizer", o.model.c_str());
@@ -464,7 +468,7 @@ int Main(const std::vector<std::string>& args) {
   g.hidden = c.hidden_size;
   g.ffn = c.ffn_size;
   g.max_tokens = o.max_batch_tokens;
-  g.fingerprint = ModelFingerprint(*s.model);
+  g.fingerprint = ModelFingerprint(*s.model, s.service_model.down_t());
   const std::string segment_name = o.segment.empty() ? shm::UniqueSegmentName() : o.segment;
   auto segment = shm::Segment::Create(segment_name, g);
   if (!segment.ok()) {
@@ -483,6 +487,11 @@ int Main(const std::vector<std::string>& args) {
 
   s.pool = std::make_unique<ThreadPool>(o.threads);
   s.ops = NewSimdOps(s.pool.get());
+  if (s.gpu.available && o.sparse) {
+    // The CUDA module's predictor path is not wired to the service yet.
+    s.gpu.available = false;
+    s.gpu.reason = "--sparse runs on the CPU backend for now";
+  }
   if (s.gpu.available) {
     CudaBackendOptions cbo;
     cbo.slots = o.gpu_slots;
@@ -503,7 +512,9 @@ int Main(const std::vector<std::string>& args) {
   if (s.backend == nullptr) {
     Log("no usable GPU (%s): computing the gpu-worker's share on the CPU with %d thread(s)",
         s.gpu.reason.c_str(), o.threads);
-    auto backend = NewCpuBackend(*s.model, *s.ops, s.placement, s.exchange.get());
+    auto backend =
+        NewCpuBackend(*s.model, *s.ops, s.placement, s.exchange.get(), s.service_model.down_t(),
+                      o.sparse ? s.service_model.predictors() : nullptr);
     if (!backend.ok()) {
       Log("cannot build the backend: %s", backend.status().ToString().c_str());
       return 1;
@@ -511,6 +522,7 @@ int Main(const std::vector<std::string>& args) {
     s.backend = std::move(*backend);
   }
   // Building the hot rows read the whole down matrices; drop those pages, what we use comes back.
+  DropRebuiltDown(&s.service_model);
   ReleaseMappedPages(*s.model);
   {
     const uint64_t total = static_cast<uint64_t>(c.n_layers) * c.ffn_size;
@@ -519,9 +531,10 @@ int Main(const std::vector<std::string>& args) {
                                     : 3 * RowBytes(s.model->layers[0].gate.dtype, c.hidden_size);
     s.cold_bytes_estimate = (total - s.backend->ffn_neurons()) * per_neuron;
   }
-  Log("placement: %zu of %zu FFN neurons hot (%.1f MiB of rows here), exact mode",
+  Log("placement: %zu of %zu FFN neurons hot (%.1f MiB of rows here), %s mode",
       static_cast<size_t>(s.backend->ffn_neurons()),
-      static_cast<size_t>(c.n_layers) * c.ffn_size, s.backend->ffn_bytes() / 1048576.0);
+      static_cast<size_t>(c.n_layers) * c.ffn_size, s.backend->ffn_bytes() / 1048576.0,
+      o.sparse ? "sparse (predictors)" : "exact");
 
   // Metrics.
   auto& compute = prometheus::BuildCounter()

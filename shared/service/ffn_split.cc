@@ -73,15 +73,17 @@ struct Fnv {
 };
 }  // namespace
 
-uint64_t ModelFingerprint(const Model& model) {
+uint64_t ModelFingerprint(const Model& model, const std::vector<TensorView>* down_t) {
   const ModelConfig& c = model.config;
   Fnv f;
   for (int v : {c.vocab_size, c.hidden_size, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim,
                 c.ffn_size, static_cast<int>(c.activation)}) {
     f.Add(v);
   }
-  for (const LayerWeights& L : model.layers) {
-    for (const TensorView* t : {&L.gate, &L.up, &L.down}) {
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    const LayerWeights& L = model.layers[l];
+    const TensorView* down = down_t != nullptr ? &(*down_t)[l] : &L.down;
+    for (const TensorView* t : {&L.gate, &L.up, down}) {
       f.Add(static_cast<uint8_t>(t->dtype));
       for (int64_t d : t->shape) f.Add(d);
       const size_t n = std::min<size_t>(64, t->nbytes());
@@ -93,7 +95,8 @@ uint64_t ModelFingerprint(const Model& model) {
 }
 
 absl::StatusOr<std::unique_ptr<FfnRowStore>> FfnRowStore::Build(
-    const Model& model, const std::vector<std::vector<int32_t>>& neurons) {
+    const Model& model, const std::vector<std::vector<int32_t>>& neurons,
+    const std::vector<TensorView>* down_t) {
   const ModelConfig& c = model.config;
   if (static_cast<int>(neurons.size()) != c.n_layers) {
     return absl::InvalidArgumentError(absl::StrCat("placement has ", neurons.size(),
@@ -125,6 +128,25 @@ absl::StatusOr<std::unique_ptr<FfnRowStore>> FfnRowStore::Build(
       dst->data = buf.data();
       store->bytes_ += rb * k;
       store->storage_.push_back(std::move(buf));
+    }
+    if (down_t != nullptr) {
+      // Already transposed: copy the selected rows as stored.
+      const TensorView& src = (*down_t)[l];
+      if (src.rows() != F || src.cols() != H) {
+        return absl::InvalidArgumentError(absl::StrCat("layer ", l, ": down_t must be [", F,
+                                                       ", ", H, "]"));
+      }
+      const size_t rb = src.row_bytes();
+      std::vector<uint8_t> buf(std::max<size_t>(1, rb * k));
+      for (int64_t i = 0; i < k; ++i) std::memcpy(buf.data() + i * rb, src.row(ids[i]), rb);
+      layer.down_t.name = absl::StrCat("blk.", l, ".ffn_down_t");
+      layer.down_t.dtype = src.dtype;
+      layer.down_t.shape = {k, H};
+      layer.down_t.data = buf.data();
+      store->bytes_ += rb * k;
+      store->storage_.push_back(std::move(buf));
+      store->layers_.push_back(std::move(layer));
+      continue;
     }
     // down: [hidden, ffn] -> down_t: [k, hidden], columns of the selected neurons.
     const DType dt = (L.down.dtype == DType::kF16 || L.down.dtype == DType::kBF16) ? L.down.dtype

@@ -39,8 +39,8 @@ struct Placement {
 
 // A hash of what both workers must agree on before exchanging activations: the configuration and
 // the FFN weights' layout and a sample of their bytes (so two different checkpoints of one
-// architecture do not match).
-uint64_t ModelFingerprint(const Model& model);
+// architecture do not match). down_t as in FfnRowStore::Build (hashed instead of down).
+uint64_t ModelFingerprint(const Model& model, const std::vector<TensorView>* down_t = nullptr);
 
 // The FFN rows of a subset of neurons per layer, in private memory. gate/up keep the stored
 // dtype; down_t is F16/BF16 when down is (exact copy), otherwise F32 (exact for quantized data).
@@ -51,9 +51,11 @@ class FfnRowStore {
     TensorView gate, up;           // [k, hidden]
     TensorView down_t;             // [k, hidden]
   };
-  // neurons[l]: the subset of layer l.
+  // neurons[l]: the subset of layer l. down_t ([ffn, hidden] per layer, e.g. a prepared model's
+  // ffn_down_t): copy the down rows from there (stored dtype) instead of transposing down.
   static absl::StatusOr<std::unique_ptr<FfnRowStore>> Build(
-      const Model& model, const std::vector<std::vector<int32_t>>& neurons);
+      const Model& model, const std::vector<std::vector<int32_t>>& neurons,
+      const std::vector<TensorView>* down_t = nullptr);
 
   const Layer& layer(int l) const { return layers_[l]; }
   int n_layers() const { return static_cast<int>(layers_.size()); }

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -21,6 +22,7 @@
 #include "shared/engine/ops.h"
 #include "shared/model/model.h"
 #include "shared/sparse/prepared_model.h"
+#include "shared/sparse/sparse_runtime.h"
 #include "tests/service/deployment.h"
 
 namespace pinfer::testing {
@@ -620,6 +622,101 @@ TEST(ServicePlacementTest, GpuIndexPlacementIsUsedAndExact) {
   EXPECT_EQ(MetricSum(*cpu, "pinfer_worker_ffn_row_bytes"), (6.0 * ffn - hot) * 3 * 384 * 2);
   std::remove(path.c_str());
   ::rmdir(dir);
+}
+
+// Greedy tokens of the in-process engine with a given FFN block, the prompt fed one token at a
+// time (so every matrix product takes the single-token path, as the service's decode does).
+std::vector<uint32_t> GreedyOneByOne(const Model& m, FfnBlock* ffn, std::vector<int32_t> ids,
+                                     int n) {
+  auto ops = NewSimdOps(nullptr);
+  Transformer t(m, *ops);
+  t.set_ffn(ffn);
+  const size_t prompt = ids.size();
+  KvCache cache(m.config, static_cast<int>(prompt) + n);
+  std::vector<float> logits(m.config.vocab_size);
+  std::vector<uint32_t> out;
+  for (size_t i = 0; i + 1 < prompt + n; ++i) {
+    const int32_t tok = ids[i];
+    EXPECT_TRUE(t.Forward({&tok, 1}, static_cast<int>(i), &cache, LogitsMode::kLast,
+                          logits.data()).ok());
+    if (i + 1 >= prompt) {
+      const int32_t next =
+          static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      ids.push_back(next);
+      out.push_back(static_cast<uint32_t>(next));
+    }
+  }
+  return out;
+}
+
+TEST(ServiceSparseTest, PreparedModelServesExactAndPredictorSparse) {
+  // A quickly prepared relu-llama-tiny (small calibration, rank-16 predictors): PWRI file with
+  // renumbered neurons, predictors and ffn_down_t.
+  char dir[] = "/tmp/pinfer-prepared-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  const std::string cal = std::string(dir) + "/cal.txt", prepared = std::string(dir) + "/tiny.gguf";
+  {
+    std::ifstream in(kTiny + "/calibration.txt");
+    std::string text(20000, '\0');
+    in.read(text.data(), text.size());
+    std::ofstream(cal) << text.substr(0, in.gcount());
+  }
+  const std::string cmd = std::string(PINFER_BINARY_DIR) + "/cli/pinfer prepare --model " + kTiny +
+                          " --calibration " + cal + " --out " + prepared +
+                          " --max-tokens 4000 --epochs 1 --ranks 16 --threads 2 > " + dir +
+                          "/prepare.log 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  const auto ref = ReadJson(kTiny + "/reference.json");
+
+  // Exact mode on the prepared file: the neuron permutation and the stored ffn_down_t change
+  // nothing, so the tokens are transformers' again.
+  double exact_sparsity = 0;
+  {
+    DeploymentOptions o;
+    o.model = prepared;
+    Deployment d(o);
+    ASSERT_TRUE(d.Start().ok()) << d.Logs();
+    for (int i : {0, 4, 9}) {
+      const auto& p = ref["prompts"][i];
+      GenerateResult r = RunGenerate(d.stub(), GreedyRequest(p["prompt"], 48));
+      ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+      EXPECT_EQ(r.ids, U32(p["greedy_ids"]));
+    }
+    auto m = ScrapeMetrics(d.gpu_metrics_port());
+    ASSERT_TRUE(m.ok());
+    exact_sparsity = MetricSum(*m, "pinfer_worker_ffn_sparsity");
+  }
+
+  // Sparse mode: the predictors pick the neurons on both workers. Same tokens as the in-process
+  // engine with shared/sparse's PredictedSparseFfn, and more neurons skipped than exact mode.
+  DeploymentOptions o;
+  o.model = prepared;
+  o.gpu_flags = {"--sparse"};
+  Deployment d(o);
+  ASSERT_TRUE(d.Start().ok()) << d.Logs();
+  grpc::ClientContext ctx;
+  v1::ModelInfo info;
+  ASSERT_TRUE(d.stub().GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
+  EXPECT_EQ(info.placement().mode(), "sparse");
+  auto ops = NewSimdOps(nullptr);
+  auto session = OpenSparseSession(prepared, SparseMode::kPredicted, *ops);
+  ASSERT_TRUE(session.ok()) << session.status();
+  for (int i : {0, 4, 9}) {
+    const auto& p = ref["prompts"][i];
+    SCOPED_TRACE(p["prompt"].get<std::string>());
+    GenerateResult r = RunGenerate(d.stub(), GreedyRequest(p["prompt"], 24));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    std::vector<int32_t> ids;
+    for (uint32_t id : U32(p["input_ids"])) ids.push_back(static_cast<int32_t>(id));
+    EXPECT_EQ(r.ids, GreedyOneByOne((*session)->model(), (*session)->ffn(), ids, 24));
+  }
+  auto m = ScrapeMetrics(d.gpu_metrics_port());
+  ASSERT_TRUE(m.ok());
+  EXPECT_GT(MetricSum(*m, "pinfer_worker_ffn_sparsity"), exact_sparsity);
+  auto cm = ScrapeMetrics(d.cpu_metrics_port());
+  ASSERT_TRUE(cm.ok());
+  EXPECT_GT(MetricSum(*cm, "pinfer_worker_neurons_computed_total"), 0);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -1,0 +1,40 @@
+// Loading the model a worker serves: any model LoadModel reads, or a prepared PowerInfer-style
+// model (magic "PWRI", from `pinfer prepare`), whose predictors drive --sparse mode and whose
+// transposed down projection (ffn_down_t) the workers copy their rows from directly.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "shared/model/model.h"
+#include "shared/sparse/prepared_model.h"
+
+namespace pinfer {
+
+struct ServiceModel {
+  std::unique_ptr<Model> owned;             // plain models
+  std::unique_ptr<PreparedModel> prepared;  // PWRI models
+  const Model& model() const { return prepared != nullptr ? *prepared->model : *owned; }
+  Model& mutable_model() { return prepared != nullptr ? *prepared->model : *owned; }
+  // [ffn, hidden] per layer for prepared models, else null.
+  const std::vector<TensorView>* down_t() const {
+    return prepared != nullptr ? &prepared->down_t : nullptr;
+  }
+  const PredictorSet* predictors() const {
+    return prepared != nullptr ? &prepared->predictors : nullptr;
+  }
+};
+
+// True when the file at `path` starts with the PWRI magic.
+bool IsPreparedModelFile(const std::string& path);
+
+absl::StatusOr<ServiceModel> LoadServiceModel(const std::string& path);
+
+// A PWRI file stores only ffn_down_t; the model loader rebuilt down: [hidden, ffn] in memory for
+// the dense path. A worker that computes from its own row store never uses it: this frees it
+// (the views are cleared), so that it does not count in the worker's resident memory.
+void DropRebuiltDown(ServiceModel* m);
+
+}  // namespace pinfer
