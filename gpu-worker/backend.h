@@ -86,6 +86,7 @@ struct CudaBackendOptions {
   int slots = 8;        // KV cache slots (concurrent sequences) on the device
   int max_ctx = 2048;   // positions per slot
   int device = 0;
+  bool gpu_timing = false;  // per-layer GPU event timings into the metrics (costs a little)
 };
 
 // The CUDA implementation, from the module at `module_path` (gpu-worker/cuda). Fails with the

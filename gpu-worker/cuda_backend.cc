@@ -216,6 +216,7 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(
   char err[1024] = {0};
   const int rc = create(&u, &b, err, sizeof(err));
   if (rc != 0) return absl::Status(static_cast<absl::StatusCode>(rc), err);
+  b->set_collect_gpu_times(o.gpu_timing);
   Log("CUDA backend on %s: %.1f MiB on the device", b->DeviceName().c_str(),
       b->DeviceBytes() / 1048576.0);
   return std::unique_ptr<ComputeBackend>(new CudaBackend(model, h, b, destroy, exchange, o.slots,

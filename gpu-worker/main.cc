@@ -49,7 +49,7 @@ constexpr char kUsage[] =
     "         [--max-batch-tokens N] [--max-sequences N] [--max-new-tokens-limit N]\n"
     "         [--exchange-timeout-ms MS] [--liveness-ms MS] [--backend auto|cpu|cuda]\n"
     "         [--cuda-module PATH] [--gpu-slots N] [--max-context N] [--cuda-device N]\n"
-    "         [--placement FILE.gpuidx] [--sparse] [--drain-timeout-ms MS]\n"
+    "         [--placement FILE.gpuidx] [--sparse] [--gpu-timing] [--drain-timeout-ms MS]\n"
     "  --listen: host:port (port 0 picks one; see --port-file) or unix:/path\n"
     "  --segment: POSIX shared-memory name for the activation exchange (default: a fresh\n"
     "             unique name, printed in the log); give the cpu-worker the same name\n"
@@ -69,6 +69,7 @@ struct Options {
   int gpu_slots = 8, max_context = 0, cuda_device = 0;
   int64_t exchange_timeout_ms = 30000, liveness_ms = 2000, drain_timeout_ms = 30000;
   bool sparse = false;
+  bool gpu_timing = false;
 };
 
 absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
@@ -80,7 +81,7 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
                                       "exchange-timeout-ms", "liveness-ms", "backend",
                                       "cuda-module", "drain-timeout-ms", "gpu-slots", "max-context",
                                       "cuda-device", "placement"},
-                                     {"sparse"}));
+                                     {"sparse", "gpu-timing"}));
   Options o;
   ASSIGN_OR_RETURN(o.model, f.Required("model"));
   if (auto v = f.Get("listen")) o.listen = *v;
@@ -131,6 +132,7 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   o.max_sequences = static_cast<int>(ms);
   o.max_new_tokens_limit = static_cast<int>(mnt);
   o.sparse = f.Has("sparse");
+  o.gpu_timing = f.Has("gpu-timing");
   return o;
 }
 
@@ -497,6 +499,7 @@ int Main(const std::vector<std::string>& args) {
     cbo.slots = o.gpu_slots;
     cbo.max_ctx = c.max_context;
     cbo.device = o.cuda_device;
+    cbo.gpu_timing = o.gpu_timing;
     auto cuda = NewCudaBackend(*s.model, s.placement, s.exchange.get(), s.gpu.module, cbo);
     if (cuda.ok()) {
       s.backend = std::move(*cuda);
