@@ -131,7 +131,13 @@ int main(int argc, char** argv) {
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 
   const int windows = static_cast<int>(num("windows", 16));
-  if (windows == 0) return 0;
+  if (windows == 0) {
+    for (const auto& r : trained->reports) {
+      std::printf("layer %d rank %3d | heldout-pairs: active %.3f recall %.3f mag %.4f precision %.3f sparsity %.3f\n",
+                  r.layer, r.rank, r.true_active_rate, r.recall, r.magnitude_recall, r.precision, r.sparsity);
+    }
+    return 0;
+  }
   auto bytes = ReadFileToString(argv[3]);
   std::vector<int32_t> tokens(bytes->size() / 4);
   std::memcpy(tokens.data(), bytes->data(), tokens.size() * 4);

@@ -535,6 +535,7 @@ void FoldPerNeuronThresholds(const CpuOps& ops, const LayerData& d, int H, int F
     }
   }
   const float lambda = ThresholdForWeightedRecall(active, target);  // on log(sigmoid(s) m_j)
+  std::vector<float> thrs;
   for (int j = 0; j < F; ++j) {
     float thr;
     if (!std::isfinite(lambda)) {
@@ -544,8 +545,14 @@ void FoldPerNeuronThresholds(const CpuOps& ops, const LayerData& d, int H, int F
       thr = q >= 0.499 ? -0.004f : static_cast<float>(std::log(q / (1 - q)));
     }
     // (target > 0 is checked up front, so lambda is never +inf; -inf means keep everything.)
+    thrs.push_back(thr);
     const float scale = thr <= -1e29f ? 0.f : 1.f / -std::min(thr, -0.004f);
     for (int i = 0; i < m.r; ++i) m.w2[static_cast<size_t>(j) * m.r + i] *= scale;
+  }
+  if (std::getenv("PINFER_TRAIN_TIMING") != nullptr) {
+    std::sort(thrs.begin(), thrs.end());
+    std::fprintf(stderr, "per-neuron thresholds: lambda %.3f min %.3f p10 %.3f median %.3f p90 %.3f max %.3f\n",
+                 lambda, thrs.front(), thrs[F / 10], thrs[F / 2], thrs[9 * F / 10], thrs.back());
   }
 }
 
