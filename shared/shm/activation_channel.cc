@@ -126,15 +126,22 @@ absl::Status ExchangeClient::AwaitAndAdd(uint32_t seq, int n, float* out, Exchan
 // ---------------------------------------------------------------------------------------------
 // cpu-worker side.
 
+namespace {
+// Takes the segment over for a new cpu-worker. Runs before its heartbeat starts: a fresh
+// heartbeat next to the `ready` flag a dead predecessor left set would let the gpu-worker post
+// a request before this worker has loaded its rows.
+uint32_t ClaimSegment(Header* h) {
+  h->cpu_ready.store(0);
+  h->cpu_pid.store(static_cast<int32_t>(::getpid()));
+  return h->cpu_owner.fetch_add(1) + 1;
+}
+}  // namespace
+
 ExchangeServer::ExchangeServer(std::unique_ptr<Segment> segment, const ChannelOptions& options)
     : segment_(std::move(segment)),
       options_(options),
-      owner_(segment_->header()->cpu_owner.fetch_add(1) + 1),
-      heartbeat_(&segment_->header()->cpu_heartbeat_ns, options.heartbeat_interval_ns) {
-  Header* h = segment_->header();
-  h->cpu_pid.store(static_cast<int32_t>(::getpid()));
-  h->cpu_ready.store(0);
-}
+      owner_(ClaimSegment(segment_->header())),
+      heartbeat_(&segment_->header()->cpu_heartbeat_ns, options.heartbeat_interval_ns) {}
 
 ExchangeServer::~ExchangeServer() {
   Header* h = segment_->header();

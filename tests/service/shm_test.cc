@@ -311,6 +311,26 @@ TEST(ExchangeTest, KilledPeerFailsWithinBoundedTimeAndRestartRecovers) {
   ::waitpid(child, nullptr, 0);
 }
 
+TEST(ExchangeTest, RestartedPeerIsNotReadyBeforeItHasLoaded) {
+  // A killed cpu-worker leaves `ready` set; its successor's fresh heartbeat must not make the
+  // gpu-worker post before the successor has loaded its rows and called MarkReady.
+  const std::string name = UniqueSegmentName();
+  auto seg = Segment::Create(name, TestGeometry());
+  ASSERT_TRUE(seg.ok());
+  ExchangeClient client(std::move(*seg), FastOptions());
+  Header* h = client.segment().header();
+  h->cpu_ready.store(1);
+  h->cpu_heartbeat_ns.store(MonotonicNanos() - 10'000'000'000ull);
+  EXPECT_FALSE(client.PeerReady());
+  auto att = Segment::Attach(name, TestGeometry());
+  ASSERT_TRUE(att.ok());
+  ExchangeServer successor(std::move(*att), FastOptions());
+  EXPECT_FALSE(client.PeerReady());
+  EXPECT_THAT(client.PeerProblem(), HasSubstr("still loading"));
+  successor.MarkReady(0);
+  EXPECT_TRUE(client.PeerReady());
+}
+
 TEST(ExchangeTest, StalledPeerFailsWithUnavailableAndLivePeerTimesOut) {
   const std::string name = UniqueSegmentName();
   auto seg = Segment::Create(name, TestGeometry());
