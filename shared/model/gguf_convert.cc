@@ -9,12 +9,15 @@
 //    precision: llama.cpp uses Q6_K there, pinfer Q8_0 (the closest type it computes with).
 //    Matrices whose rows are not a multiple of 32 fall back to F16, as in llama.cpp;
 //  - Llama-3 RoPE scaling as the `rope_freqs` tensor of per-frequency divisors;
-//  - the vocabulary of tokenizer.model (tokens, scores, types) as tokenizer.ggml.* keys.
+//  - the vocabulary as tokenizer.ggml.* keys: tokens, scores and types of a sentencepiece
+//    tokenizer.model ("llama"), or tokens, types, merges and the pre-tokenizer of a byte-level BPE
+//    tokenizer.json ("gpt2", Llama-3 style) when there is no tokenizer.model.
 // pinfer adds one key of its own, `pinfer.hidden_act`, because GGUF has no standard way to say
 // that a `llama` model's FFN is ReLU- rather than SiLU-gated (llama.cpp ignores the key).
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
@@ -142,6 +145,76 @@ absl::StatusOr<SentencePieceVocab> ReadSentencePieceVocab(const std::string& pat
   return v;
 }
 
+struct BpeVocab {
+  std::vector<std::string> tokens;
+  std::vector<int32_t> types;
+  std::vector<std::string> merges;
+  std::string pre;  // llama.cpp's pre-tokenizer name
+};
+
+// The byte-level BPE vocabulary of a tokenizer.json, laid out as llama.cpp's converter does:
+// added special tokens are CONTROL (3), other added tokens USER_DEFINED (4), ids without a token
+// "[PADn]" (USER_DEFINED), up to `vocab_size` entries.
+absl::StatusOr<BpeVocab> ReadByteLevelBpeVocab(const std::string& path, int vocab_size) {
+  using nlohmann::json;
+  ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+  auto bad = [&](absl::string_view msg) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", msg));
+  };
+  json j = json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return bad("not a JSON object");
+  if (!j.contains("model") || !j["model"].is_object() || j["model"].value("type", "") != "BPE" ||
+      !j["model"].contains("vocab") || !j["model"]["vocab"].is_object() ||
+      !j["model"].contains("merges") || !j["model"]["merges"].is_array()) {
+    return absl::UnimplementedError(
+        absl::StrCat(path, ": only BPE models with vocab and merges are converted"));
+  }
+  BpeVocab v;
+  // Pre-tokenizer: LoadHuggingFaceModel has already accepted this file, whose pre-tokenizer is
+  // then either Llama-3's (a Split with its regex, then ByteLevel) or GPT-2's (ByteLevel alone).
+  const std::string dump = j.value("pre_tokenizer", json()).dump();
+  v.pre = dump.find("\"Split\"") != std::string::npos ? "llama-bpe" : "gpt2";
+  v.tokens.assign(vocab_size, "");
+  v.types.assign(vocab_size, 1);
+  std::vector<bool> seen(vocab_size, false);
+  auto put = [&](const std::string& token, const json& id, int type) -> absl::Status {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab_size) {
+      return bad(absl::StrCat("token '", token, "' has an id outside the model's ", vocab_size,
+                              " embeddings"));
+    }
+    v.tokens[id.get<int64_t>()] = token;
+    v.types[id.get<int64_t>()] = type;
+    seen[id.get<int64_t>()] = true;
+    return absl::OkStatus();
+  };
+  for (const auto& [token, id] : j["model"]["vocab"].items()) RETURN_IF_ERROR(put(token, id, 1));
+  if (j.contains("added_tokens") && j["added_tokens"].is_array()) {
+    for (const json& a : j["added_tokens"]) {
+      if (!a.is_object() || !a.contains("content") || !a["content"].is_string() ||
+          !a.contains("id")) {
+        return bad("malformed added_tokens entry");
+      }
+      RETURN_IF_ERROR(put(a["content"], a["id"], a.value("special", false) ? 3 : 4));
+    }
+  }
+  for (int i = 0; i < vocab_size; ++i) {
+    if (!seen[i]) {
+      v.tokens[i] = absl::StrCat("[PAD", i, "]");
+      v.types[i] = 4;
+    }
+  }
+  for (const json& m : j["model"]["merges"]) {
+    if (m.is_string()) {
+      v.merges.push_back(m);
+    } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
+      v.merges.push_back(m[0].get<std::string>() + " " + m[1].get<std::string>());
+    } else {
+      return bad("malformed merge");
+    }
+  }
+  return v;
+}
+
 // Converts (and row-permutes) one tensor into `type` when the Producer runs.
 GgufWriter::Producer Converter(TensorView src, DType type, std::function<int64_t(int64_t)> row_of) {
   return [src, type, row_of]() -> absl::StatusOr<std::string> {
@@ -224,18 +297,24 @@ absl::Status ConvertHuggingFaceToGguf(const std::string& hf_dir, const std::stri
   ASSIGN_OR_RETURN(std::unique_ptr<Model> model, LoadHuggingFaceModel(hf_dir));
   const ModelConfig& c = model->config;
   const fs::path spm_path = fs::path(hf_dir) / "tokenizer.model";
-  if (!fs::exists(spm_path)) {
-    return absl::UnimplementedError(absl::StrCat(
-        hf_dir, ": no tokenizer.model (only sentencepiece vocabularies are converted)"));
+  const fs::path json_path = fs::path(hf_dir) / "tokenizer.json";
+  std::optional<BpeVocab> bpe;
+  SentencePieceVocab vocab;
+  if (fs::exists(spm_path)) {
+    ASSIGN_OR_RETURN(vocab, ReadSentencePieceVocab(spm_path.string()));
+  } else if (fs::exists(json_path)) {
+    ASSIGN_OR_RETURN(bpe, ReadByteLevelBpeVocab(json_path.string(), c.vocab_size));
+  } else {
+    return absl::UnimplementedError(
+        absl::StrCat(hf_dir, ": no tokenizer.model or tokenizer.json to take the vocabulary from"));
   }
-  ASSIGN_OR_RETURN(SentencePieceVocab vocab, ReadSentencePieceVocab(spm_path.string()));
-  if (static_cast<int>(vocab.tokens.size()) > c.vocab_size) {
+  if (!bpe && static_cast<int>(vocab.tokens.size()) > c.vocab_size) {
     return absl::InvalidArgumentError(absl::StrCat("tokenizer.model has ", vocab.tokens.size(),
                                                    " pieces but the model only ", c.vocab_size,
                                                    " embeddings"));
   }
   // Embedding rows beyond the tokenizer are padding (llama.cpp names them [PADn], unused).
-  for (int i = static_cast<int>(vocab.tokens.size()); i < c.vocab_size; ++i) {
+  for (int i = static_cast<int>(vocab.tokens.size()); !bpe && i < c.vocab_size; ++i) {
     vocab.tokens.push_back(absl::StrCat("[PAD", i, "]"));
     vocab.scores.push_back(-1000.f);
     vocab.types.push_back(5);
@@ -282,16 +361,24 @@ absl::Status ConvertHuggingFaceToGguf(const std::string& hf_dir, const std::stri
   w.SetF32("llama.attention.layer_norm_rms_epsilon", c.norm_eps);
   w.SetF32("llama.rope.freq_base", c.rope_theta);
   w.SetString("pinfer.hidden_act", ActivationName(c.activation));
-  w.SetString("tokenizer.ggml.model", "llama");
-  w.SetStringArray("tokenizer.ggml.tokens", vocab.tokens);
-  w.SetF32Array("tokenizer.ggml.scores", vocab.scores);
-  w.SetI32Array("tokenizer.ggml.token_type", vocab.types);
+  if (bpe) {
+    w.SetString("tokenizer.ggml.model", "gpt2");
+    w.SetString("tokenizer.ggml.pre", bpe->pre);
+    w.SetStringArray("tokenizer.ggml.tokens", bpe->tokens);
+    w.SetI32Array("tokenizer.ggml.token_type", bpe->types);
+    w.SetStringArray("tokenizer.ggml.merges", bpe->merges);
+  } else {
+    w.SetString("tokenizer.ggml.model", "llama");
+    w.SetStringArray("tokenizer.ggml.tokens", vocab.tokens);
+    w.SetF32Array("tokenizer.ggml.scores", vocab.scores);
+    w.SetI32Array("tokenizer.ggml.token_type", vocab.types);
+  }
   w.SetU32("tokenizer.ggml.bos_token_id", static_cast<uint32_t>(c.bos_id));
   w.SetU32("tokenizer.ggml.eos_token_id", static_cast<uint32_t>(c.eos_id));
-  w.SetU32("tokenizer.ggml.unknown_token_id", static_cast<uint32_t>(unk_id));
+  if (!bpe) w.SetU32("tokenizer.ggml.unknown_token_id", static_cast<uint32_t>(unk_id));
   w.SetBool("tokenizer.ggml.add_bos_token", add_bos);
   w.SetBool("tokenizer.ggml.add_eos_token", add_eos);
-  w.SetBool("tokenizer.ggml.add_space_prefix", vocab.add_dummy_prefix);
+  if (!bpe) w.SetBool("tokenizer.ggml.add_space_prefix", vocab.add_dummy_prefix);
   if (!chat_template.empty()) w.SetString("tokenizer.chat_template", chat_template);
 
   auto add = [&](const std::string& gguf_name, const TensorView& t, bool is_output,

@@ -314,6 +314,115 @@ TEST(ConvertTest, CommandLine) {
   EXPECT_EQ(model->get()->layers[0].wq.dtype, DType::kQ8_0);
 }
 
+// A Llama-3 style directory (byte-level BPE tokenizer.json, no tokenizer.model) converts to a
+// `gpt2` GGUF vocabulary that tokenizes exactly like llama.cpp. The tokenizer.json is rebuilt
+// from llama.cpp's own Llama-3 vocabulary; the weights are small and random (tied embeddings).
+TEST(ConvertTest, Llama3TokenizerJsonBecomesGpt2Vocabulary) {
+  const std::string models = PINFER_MODELS_DIR;
+  auto ref = GgufFile::Open(models + "/llama3-vocab/ggml-vocab-llama-bpe.gguf");
+  ASSERT_TRUE(ref.ok());
+  const std::vector<std::string> tokens = *(*ref)->GetStringArray("tokenizer.ggml.tokens");
+  const std::vector<int32_t> types = *(*ref)->GetI32Array("tokenizer.ggml.token_type");
+  const std::vector<std::string> merges = *(*ref)->GetStringArray("tokenizer.ggml.merges");
+  const int V = static_cast<int>(tokens.size());
+  nlohmann::json vocab = nlohmann::json::object(), added = nlohmann::json::array();
+  for (int i = 0; i < V; ++i) {
+    if (types[i] == 1) {
+      vocab[tokens[i]] = i;
+    } else {
+      added.push_back({{"id", i}, {"content", tokens[i]}, {"special", types[i] == 3}});
+    }
+  }
+  const std::string regex =
+      "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| "
+      "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+  nlohmann::json tokenizer = {
+      {"version", "1.0"},
+      {"added_tokens", added},
+      {"normalizer", nullptr},
+      {"pre_tokenizer",
+       {{"type", "Sequence"},
+        {"pretokenizers",
+         {{{"type", "Split"},
+           {"pattern", {{"Regex", regex}}},
+           {"behavior", "Isolated"},
+           {"invert", false}},
+          {{"type", "ByteLevel"},
+           {"add_prefix_space", false},
+           {"trim_offsets", true},
+           {"use_regex", false}}}}}},
+      {"model", {{"type", "BPE"}, {"ignore_merges", true}, {"vocab", vocab}, {"merges", merges}}}};
+
+  const std::string dir = TempDir() + "/llama3-hf";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::ofstream(dir + "/tokenizer.json") << tokenizer.dump();
+  nlohmann::json config = {{"model_type", "llama"},       {"vocab_size", V},
+                           {"hidden_size", 32},           {"num_hidden_layers", 1},
+                           {"num_attention_heads", 4},    {"num_key_value_heads", 2},
+                           {"intermediate_size", 64},     {"rms_norm_eps", 1e-5},
+                           {"rope_theta", 500000.0},      {"hidden_act", "silu"},
+                           {"tie_word_embeddings", true}, {"bos_token_id", 128000},
+                           {"eos_token_id", 128001}};
+  std::ofstream(dir + "/config.json") << config.dump();
+  // Random F16 weights.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes = {
+      {"model.embed_tokens.weight", {V, 32}},
+      {"model.norm.weight", {32}},
+      {"model.layers.0.input_layernorm.weight", {32}},
+      {"model.layers.0.self_attn.q_proj.weight", {32, 32}},
+      {"model.layers.0.self_attn.k_proj.weight", {16, 32}},
+      {"model.layers.0.self_attn.v_proj.weight", {16, 32}},
+      {"model.layers.0.self_attn.o_proj.weight", {32, 32}},
+      {"model.layers.0.post_attention_layernorm.weight", {32}},
+      {"model.layers.0.mlp.gate_proj.weight", {64, 32}},
+      {"model.layers.0.mlp.up_proj.weight", {64, 32}},
+      {"model.layers.0.mlp.down_proj.weight", {32, 64}}};
+  nlohmann::json header = nlohmann::json::object();
+  std::string data;
+  uint32_t seed = 1;
+  for (const auto& [name, shape] : shapes) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    const size_t begin = data.size();
+    for (int64_t i = 0; i < n; ++i) {
+      seed = seed * 1664525u + 1013904223u;
+      const uint16_t h = Fp32ToFp16((static_cast<float>(seed >> 8) / (1 << 24) - 0.5f) * 0.2f);
+      data.append(reinterpret_cast<const char*>(&h), 2);
+    }
+    header[name] = {{"dtype", "F16"}, {"shape", shape}, {"data_offsets", {begin, data.size()}}};
+  }
+  std::string h = header.dump();
+  h.append((8 - h.size() % 8) % 8, ' ');
+  const uint64_t len = h.size();
+  std::ofstream st(dir + "/model.safetensors", std::ios::binary);
+  st.write(reinterpret_cast<const char*>(&len), 8);
+  st << h << data;
+  st.close();
+
+  const std::string path = Convert(GgmlType::kF16, "llama3.gguf", dir);
+  auto file = GgufFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ(*(*file)->GetString("tokenizer.ggml.model"), "gpt2");
+  EXPECT_EQ(*(*file)->GetString("tokenizer.ggml.pre"), "llama-bpe");
+  EXPECT_EQ(*(*file)->GetStringArray("tokenizer.ggml.tokens"), tokens);
+  EXPECT_EQ(*(*file)->GetI32Array("tokenizer.ggml.token_type"), types);
+  EXPECT_EQ(*(*file)->GetStringArray("tokenizer.ggml.merges"), merges);
+  EXPECT_EQ((*file)->FindTensor("output.weight"), nullptr);
+  auto model = LoadModel(path);
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ((*model)->config.bos_id, 128000);
+  std::ifstream in(models + "/llama3-vocab/tokenizer-vectors.json");
+  const nlohmann::json cases = nlohmann::json::parse(in);
+  ASSERT_GE(cases.size(), 60u);
+  for (const auto& c : cases) {
+    auto ids = (*model)->tokenizer->Encode(c["text"].get<std::string>());
+    ASSERT_TRUE(ids.ok());
+    ids->insert(ids->begin(), 128000);
+    EXPECT_EQ(*ids, c["ids_with_bos"].get<std::vector<int32_t>>()) << c["text"];
+  }
+}
+
 // GGUF -> GGUF (like llama-quantize): weights re-stored, everything else copied.
 TEST(ConvertTest, RequantizesGgufFiles) {
   const std::string in = std::string(PINFER_MODELS_DIR) + "/stories260K/stories260K.gguf";
@@ -352,7 +461,7 @@ TEST(ConvertTest, RejectsDirectoriesItCannotConvert) {
   fs::create_symlink(fs::absolute(kHfDir + "/model.safetensors"), dir + "/model.safetensors");
   absl::Status st = ConvertHuggingFaceToGguf(dir, TempDir() + "/x.gguf", {});
   EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(std::string(st.message()), HasSubstr("no tokenizer.model"));
+  EXPECT_THAT(std::string(st.message()), HasSubstr("no tokenizer.model or tokenizer.json"));
   GgufConvertOptions bf16;
   bf16.type = GgmlType::kBF16;
   EXPECT_THAT(std::string(ConvertHuggingFaceToGguf(kHfDir, TempDir() + "/x.gguf", bf16).message()),
