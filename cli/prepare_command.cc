@@ -21,9 +21,14 @@ namespace {
 constexpr char kUsage[] =
     "usage: pinfer prepare --model PATH --calibration TEXT_FILE --out FILE.gguf\n"
     "         [--vram-budget SIZE] [--context N] [--target-recall R] [--ranks R1,R2,...]\n"
-    "         [--epochs N] [--max-tokens N] [--threads N] [--report FILE.svg] [--json]\n"
+    "         [--min-sparsity S] [--target-sparsity S] [--epochs N] [--max-tokens N]\n"
+    "         [--threads N] [--report FILE.svg] [--json]\n"
     "  SIZE: bytes or with a unit (8MiB, 24GiB, 500MB). --target-recall: the fraction of the\n"
-    "  activation magnitude each layer's predictor must keep on held-back tokens (default 0.97).\n";
+    "  activation magnitude each layer's predictor must keep on held-back tokens (default 0.96).\n"
+    "  --ranks: candidate predictor sizes (default 128,192); per layer the smallest that skips\n"
+    "  --min-sparsity of the neurons (default 0.7) at that recall, else the cheapest overall.\n"
+    "  SiLU models get training-free magnitude sparsity instead: --target-sparsity S (default 0.5)\n"
+    "  is the fraction of neurons each layer skips; the perplexity cost is measured and printed.\n";
 
 struct Options {
   PrepareOptions prepare;
@@ -36,7 +41,8 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(Flags f, Flags::Parse(args,
                                          {"model", "calibration", "out", "vram-budget", "context",
                                           "target-recall", "ranks", "epochs", "max-tokens",
-                                          "threads", "report"},
+                                          "threads", "report", "target-sparsity",
+                                          "min-sparsity"},
                                          {"json"}));
   Options o;
   ASSIGN_OR_RETURN(o.prepare.model_path, f.Required("model"));
@@ -61,6 +67,15 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
       }
       o.prepare.training.ranks.push_back(v);
     }
+  }
+  ASSIGN_OR_RETURN(o.prepare.training.min_sparsity,
+                   f.Double("min-sparsity", o.prepare.training.min_sparsity));
+  if (!(o.prepare.training.min_sparsity >= 0 && o.prepare.training.min_sparsity < 1)) {
+    return absl::InvalidArgumentError("--min-sparsity must be in [0, 1)");
+  }
+  ASSIGN_OR_RETURN(o.prepare.target_sparsity, f.Double("target-sparsity", 0.5));
+  if (!(o.prepare.target_sparsity >= 0 && o.prepare.target_sparsity < 1)) {
+    return absl::InvalidArgumentError("--target-sparsity must be in [0, 1)");
   }
   ASSIGN_OR_RETURN(int64_t epochs, f.Int("epochs", o.prepare.training.epochs));
   if (epochs < 0 || epochs > 1000) return absl::InvalidArgumentError("--epochs out of range");
@@ -120,6 +135,11 @@ int PrepareCommand(const std::vector<std::string>& args) {
     j["gpu_index"] = result->gpu_index_path;
     j["profile_tokens"] = result->profile.tokens;
     j["seconds"] = result->total_seconds;
+    if (!result->magnitude_thresholds.empty()) {
+      j["magnitude_thresholds"] = result->magnitude_thresholds;
+      j["heldout_dense_perplexity"] = result->heldout_dense_perplexity;
+      j["heldout_sparse_perplexity"] = result->heldout_sparse_perplexity;
+    }
     for (const LayerPredictorReport& r : result->reports) {
       j["layers"].push_back({{"layer", r.layer},
                              {"rank", r.rank},

@@ -111,6 +111,7 @@ int main(int argc, char** argv) {
   to.weighted_regression = num("weighted", 1) != 0;
   to.closed_form_init = num("closed", 1) != 0;
   to.lr_decay = num("decay", 0) != 0;
+  to.min_sparsity = num("min_sparsity", to.min_sparsity);
   to.per_neuron_thresholds = num("per_neuron", 1) != 0;
   if (kv.count("layers")) {
     for (absl::string_view r : absl::StrSplit(kv["layers"], ',')) {

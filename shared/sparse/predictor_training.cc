@@ -622,9 +622,14 @@ absl::StatusOr<TrainedPredictors> TrainPredictors(
     report.layer = l;
     report.train_pairs = d.n_train;
     report.heldout_pairs = d.n - d.n_train;
+    // Ranks in increasing order: the first that reaches min_sparsity at the target recall wins
+    // (later ones are not even trained); if none does, the cheapest in total cost.
+    std::vector<int> ranks = o.ranks;
+    std::sort(ranks.begin(), ranks.end());
     double best_cost = std::numeric_limits<double>::infinity();
+    bool reached = false;
     Mlp best;
-    for (int r : o.ranks) {
+    for (int r : ranks) {
       Mlp m = o.closed_form_init ? ClosedFormInit(model, d, l, r, o) : RandomInit(H, F, r, o.seed + l);
       if (o.epochs > 0) FineTune(ops, d, H, F, m, o, o.seed + 31 * l + r);
       std::vector<uint8_t> unused;
@@ -639,11 +644,13 @@ absl::StatusOr<TrainedPredictors> TrainPredictors(
             l, r, e.candidate.recall, e.candidate.magnitude_recall, e.candidate.precision,
             e.candidate.sparsity, e.candidate.cost));
       }
-      if (e.candidate.cost < best_cost) {
+      reached = o.min_sparsity > 0 && e.candidate.sparsity >= o.min_sparsity;
+      if (e.candidate.cost < best_cost || reached) {
         best_cost = e.candidate.cost;
         report.threshold = e.candidate.threshold;
         best = std::move(m);
       }
+      if (reached) break;
     }
     // Fold the threshold into fc2's scale so that every layer uses kFoldedThreshold, the single
     // value PowerInfer's file format has room for: s >= t  <=>  s / |t| >= -1 for t < 0.

@@ -27,6 +27,8 @@ struct PrepareOptions {
   int context = 2048;
   int max_batch = 32;
   bool allow_cpu_only = true;  // a budget below the dense parts gives a CPU-only plan (no index)
+  // SiLU models: the fraction of neurons each layer's magnitude threshold skips.
+  double target_sparsity = 0.5;
   // Stored in the prepared file so that a cached preparation can be recognised.
   std::string source_fingerprint;
 };
@@ -44,6 +46,10 @@ struct PrepareResult {
   std::optional<PlacementPlan> plan;  // in the prepared file's neuron numbering
   std::string gpu_index_path;         // empty when none was written
   double profile_seconds = 0, train_seconds = 0, total_seconds = 0;
+  // SiLU models: per-layer magnitude thresholds and their measured quality cost (perplexity on
+  // the last calibration windows, dense and sparse).
+  std::vector<float> magnitude_thresholds;
+  double heldout_dense_perplexity = 0, heldout_sparse_perplexity = 0;
 };
 
 absl::StatusOr<PrepareResult> PrepareModel(const PrepareOptions& options, const CpuOps& ops,

@@ -198,6 +198,30 @@ absl::Status WritePreparedModel(const GgufFile& src, const PreparedContents& con
   return w.WriteFile(out_path);
 }
 
+absl::Status WriteMagnitudeSparseModel(
+    const GgufFile& src, const ActivationProfile& prof, const std::vector<float>& thresholds,
+    const std::vector<std::pair<std::string, std::string>>& string_keys,
+    const std::string& out_path) {
+  GgufWriter w;
+  for (const GgufKeyValue& kv : src.metadata()) {
+    if (absl::StartsWith(kv.key, "pinfer.sparse.")) continue;
+    RETURN_IF_ERROR(CopyKey(kv, &w));
+  }
+  w.SetF32Array(kMagnitudeThresholdsKey, thresholds);
+  w.SetU64("pinfer.sparse.profile_tokens", static_cast<uint64_t>(prof.tokens));
+  for (int l = 0; l < prof.n_layers; ++l) {
+    std::vector<float> freq(prof.ffn_size);
+    for (int i = 0; i < prof.ffn_size; ++i) freq[i] = static_cast<float>(prof.Frequency(l, i));
+    w.SetF32Array(absl::StrCat("pinfer.sparse.blk.", l, ".activation_frequency"), freq);
+  }
+  for (const auto& [key, value] : string_keys) w.SetString(key, value);
+  for (const GgufTensorInfo& info : src.tensors()) {
+    RETURN_IF_ERROR(w.AddTensor(info.name, static_cast<GgmlType>(info.type), info.shape(),
+                                RawBytes(&info)));
+  }
+  return w.WriteFile(out_path);
+}
+
 absl::StatusOr<PreparedModel> LoadPreparedModel(const std::string& path) {
   PreparedModel pm;
   ASSIGN_OR_RETURN(pm.file, GgufFile::Open(path, {kPowerInferMagic, kGgufMagic}));

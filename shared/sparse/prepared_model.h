@@ -47,6 +47,15 @@ struct PreparedContents {
   std::vector<std::pair<std::string, std::string>> string_keys;  // extra metadata (pinfer.*)
 };
 
+// SiLU models (training-free magnitude sparsity): a plain GGUF copy of the source (ffn_down
+// kept, llama.cpp still loads it) plus pinfer.sparse.magnitude_thresholds (per layer: neurons
+// with |silu(gate)| at or below it are skipped), the profile keys and string_keys.
+inline constexpr char kMagnitudeThresholdsKey[] = "pinfer.sparse.magnitude_thresholds";
+absl::Status WriteMagnitudeSparseModel(const GgufFile& source, const ActivationProfile& profile,
+                                       const std::vector<float>& thresholds,
+                                       const std::vector<std::pair<std::string, std::string>>& string_keys,
+                                       const std::string& out_path);
+
 // Writes the prepared model from a source GGUF model file (llama architecture, with ffn_down or
 // already with ffn_down_t). Down projections of quantized models are re-quantized after the
 // transpose, as PowerInfer's converter does; float ones are transposed exactly.

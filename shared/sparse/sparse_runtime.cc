@@ -16,6 +16,19 @@ bool HasPowerInferMagic(const std::string& path) {
   return in.read(magic, 4) && std::string(magic, 4) == kPowerInferMagic;
 }
 
+// A GGUF prepared for magnitude sparsity (SiLU) carries per-layer thresholds.
+bool MagnitudeThresholds(const std::string& path, std::vector<float>* out) {
+  std::ifstream in(path, std::ios::binary);
+  char magic[4] = {};
+  if (!in.read(magic, 4) || std::string(magic, 4) != kGgufMagic) return false;
+  auto f = GgufFile::Open(path);
+  if (!f.ok() || !(*f)->HasKey(kMagnitudeThresholdsKey)) return false;
+  auto t = (*f)->GetF32Array(kMagnitudeThresholdsKey);
+  if (!t.ok()) return false;
+  *out = std::move(*t);
+  return !out->empty();
+}
+
 }  // namespace
 
 const SparseFfnStats& SparseSession::stats() const {
@@ -37,13 +50,27 @@ absl::StatusOr<std::unique_ptr<SparseSession>> OpenSparseSession(
   auto s = std::unique_ptr<SparseSession>(new SparseSession());
   s->mode_ = mode;
   std::string prepared_path;
-  if (HasPowerInferMagic(path)) {
+  std::vector<float> magnitude_thresholds;
+  if (HasPowerInferMagic(path) || MagnitudeThresholds(path, &magnitude_thresholds)) {
     prepared_path = path;
   } else if (mode == SparseMode::kPredicted) {
     ASSIGN_OR_RETURN(prepared_path, EnsurePrepared(path, ops, log));
+    MagnitudeThresholds(prepared_path, &magnitude_thresholds);
   }
 
   std::vector<TensorView> down_t;
+  if (!magnitude_thresholds.empty()) {
+    // A SiLU model prepared for magnitude sparsity: no predictors, thresholds on |silu(gate)|.
+    ASSIGN_OR_RETURN(s->owned_model_, LoadModel(prepared_path));
+    s->model_ = s->owned_model_.get();
+    ASSIGN_OR_RETURN(s->transposed_, TransposeDownProjections(*s->model_));
+    ASSIGN_OR_RETURN(s->exact_, GateSparseFfn::Create(*s->model_, ops, s->transposed_.layers,
+                                                      magnitude_thresholds));
+    s->ffn_ = s->exact_.get();
+    s->mode_ = SparseMode::kExact;  // no predictor to measure
+    s->description_ = absl::StrCat("model ", prepared_path, ", magnitude-threshold sparse FFN");
+    return s;
+  }
   if (!prepared_path.empty()) {
     ASSIGN_OR_RETURN(PreparedModel pm, LoadPreparedModel(prepared_path));
     s->prepared_ = std::make_unique<PreparedModel>(std::move(pm));

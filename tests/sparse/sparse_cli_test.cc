@@ -147,6 +147,37 @@ TEST_F(SparseCliTest, PrepareWritesModelIndexAndReportAndTheModelGenerates) {
   EXPECT_FALSE(fs::exists(small + ".generated.gpuidx"));
 }
 
+TEST_F(SparseCliTest, SiluModelGetsMagnitudeSparsityWithItsQualityCostReported) {
+  const std::string stories = std::string(PINFER_MODELS_DIR) + "/stories260K/stories260K.gguf";
+  const std::string out = (*dir_ / "stories-sparse.gguf").string();
+  RunResult r = RunPinfer("prepare --model " + stories + " --calibration " + kModel +
+                          "/calibration.txt --out " + out +
+                          " --max-tokens 4096 --target-sparsity 0.5 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("magnitude sparsity 50% (SiLU, training-free): perplexity"));
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["magnitude_thresholds"].size(), 5u);
+  const double dense = j["heldout_dense_perplexity"], sparse = j["heldout_sparse_perplexity"];
+  EXPECT_GT(sparse, dense * 0.999);  // skipping neurons does not help
+  EXPECT_LT(sparse, dense * 1.5);
+
+  // The prepared SiLU model runs --sparse at about the calibrated sparsity, and still loads as a
+  // plain GGUF model.
+  const std::string tokens = (*dir_ / "stories.u32").string();
+  {
+    std::vector<uint32_t> ids;
+    for (int i = 0; i < 256; ++i) ids.push_back(static_cast<uint32_t>((i * 37 + 11) % 512));
+    std::ofstream(tokens, std::ios::binary)
+        .write(reinterpret_cast<const char*>(ids.data()), ids.size() * 4);
+  }
+  r = RunPinfer("perplexity --model " + out + " --tokens " + tokens + " --window 128 --sparse --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  nlohmann::json p = nlohmann::json::parse(r.out);
+  EXPECT_NEAR(p["ffn_sparsity"].get<double>(), 0.5, 0.15);
+  r = RunPinfer("perplexity --model " + out + " --tokens " + tokens + " --window 128 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+}
+
 TEST_F(SparseCliTest, ExactSparseEqualsDenseAndBadFlagsAreUsageErrors) {
   const std::string two_windows = (*dir_ / "exact.u32").string();
   {
