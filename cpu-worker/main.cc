@@ -23,6 +23,7 @@
 #include "cli/flags.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
 #include "pinfer/worker/v1/worker.grpc.pb.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
@@ -245,6 +246,9 @@ int Main(const std::vector<std::string>& args) {
 
   std::atomic<bool> draining{false};
   CpuWorkerService service(o, m, &status, &draining);
+  // The standard health service too (container healthchecks, Kubernetes gRPC probes): SERVING
+  // while attached to a live gpu-worker with the cold rows loaded.
+  grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
@@ -359,10 +363,23 @@ int Main(const std::vector<std::string>& args) {
     }
   });
 
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  bool last_serving = true;
   while (!ShutdownRequested() && !stop.load() && !draining.load()) {
+    bool serving;
+    {
+      std::lock_guard<std::mutex> lock(status.mu);
+      serving = status.state == wv1::WORKER_STATE_READY;
+    }
+    if (serving != last_serving) {
+      health->SetServingStatus("", serving);
+      health->SetServingStatus("pinfer.worker.v1.CpuWorker", serving);
+      last_serving = serving;
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    // Keep the health view of the gpu-worker current for Check.
   }
+  health->SetServingStatus("", false);
+  health->SetServingStatus("pinfer.worker.v1.CpuWorker", false);
   Log("shutting down");
   stop.store(true);
   exchange_thread.join();

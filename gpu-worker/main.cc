@@ -22,6 +22,7 @@
 #include "gpu-worker/scheduler.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
 #include "pinfer/worker/v1/worker.grpc.pb.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
@@ -639,6 +640,9 @@ int Main(const std::vector<std::string>& args) {
       s.backend.get(), *s.model, so, [&s] { return s.exchange->PeerProblem(); }, hooks);
 
   GpuWorkerService service(&s);
+  // The standard health service too, for container healthchecks and Kubernetes gRPC probes:
+  // SERVING while the worker can take sequences (its cpu-worker attached and alive).
+  grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
@@ -656,7 +660,21 @@ int Main(const std::vector<std::string>& args) {
     }
   }
 
-  WaitForShutdown();
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  bool last_serving = false;
+  health->SetServingStatus("", false);
+  health->SetServingStatus("pinfer.worker.v1.GpuWorker", false);
+  while (!ShutdownRequested()) {
+    const bool serving = s.exchange->PeerReady() && !s.scheduler->draining();
+    if (serving != last_serving) {
+      health->SetServingStatus("", serving);
+      health->SetServingStatus("pinfer.worker.v1.GpuWorker", serving);
+      last_serving = serving;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  health->SetServingStatus("", false);
+  health->SetServingStatus("pinfer.worker.v1.GpuWorker", false);
   Log("shutting down: draining %d running sequence(s)", s.scheduler->running());
   s.scheduler->Drain();
   const auto drain_end = Clock::now() + std::chrono::milliseconds(o.drain_timeout_ms);

@@ -242,6 +242,18 @@ std::string Deployment::Health(const std::string& service) {
   return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
 }
 
+std::string Deployment::GpuWorkerHealth(const std::string& service) {
+  auto stub = grpc::health::v1::Health::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", gpu_port_), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  grpc::health::v1::HealthCheckResponse resp;
+  if (!stub->Check(&ctx, req, &resp).ok()) return "";
+  return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
+}
+
 absl::Status Deployment::WaitHealth(const std::string& want, std::chrono::milliseconds timeout) {
   const auto end = Clock::now() + timeout;
   std::string got;

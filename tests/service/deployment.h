@@ -50,6 +50,8 @@ class Deployment {
 
   // SERVING / NOT_SERVING / "" (unreachable) of the gateway's health service for `service`.
   std::string Health(const std::string& service = "");
+  // The same, asked of the gpu-worker's own health service.
+  std::string GpuWorkerHealth(const std::string& service = "");
   absl::Status WaitHealth(const std::string& want, std::chrono::milliseconds timeout);
 
   pinfer::v1::Inference::Stub& stub() { return *stub_; }

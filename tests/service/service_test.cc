@@ -40,6 +40,16 @@ nlohmann::json ReadJson(const std::string& path) {
 
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+// Polls `pred` for up to two seconds.
+bool Eventually(const std::function<bool()>& pred) {
+  const auto t0 = Clock::now();
+  while (Since(t0) < 2.0) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
 v1::GenerateRequest GreedyRequest(const std::string& prompt, int n) {
   v1::GenerateRequest req;
   req.set_prompt(prompt);
@@ -317,6 +327,10 @@ TEST_F(ServiceTest, ModelInfoHealthAndReflection) {
 
   EXPECT_EQ(d_->Health(""), "SERVING");
   EXPECT_EQ(d_->Health("pinfer.v1.Inference"), "SERVING");
+  // The workers serve the standard health service as well (container and Kubernetes probes).
+  // (It follows the worker's state every 100 ms.)
+  EXPECT_TRUE(Eventually([&] { return d_->GpuWorkerHealth("") == "SERVING"; }));
+  EXPECT_EQ(d_->GpuWorkerHealth("pinfer.worker.v1.GpuWorker"), "SERVING");
 
   auto refl = grpc::reflection::v1alpha::ServerReflection::NewStub(d_->channel());
   grpc::ClientContext rctx;
@@ -463,6 +477,7 @@ TEST(ServiceFailureTest, KilledCpuWorkerFailsFastAndServiceRecovers) {
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_LT(Since(t1), 3.0);
   ASSERT_TRUE(d.WaitHealth("NOT_SERVING", std::chrono::seconds(5)).ok());
+  EXPECT_TRUE(Eventually([&] { return d.GpuWorkerHealth("") == "NOT_SERVING"; }));
 
   // A restarted cpu-worker brings it back, with correct output.
   ASSERT_TRUE(d.StartCpuWorker().ok());
