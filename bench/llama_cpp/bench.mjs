@@ -12,9 +12,9 @@ const model = await llama.loadModel({modelPath, gpuLayers: 0, useMmap: true});
 const context = await model.createContext({contextSize: 1024, batchSize: 512,
                                            threads: {ideal: Number(threads), min: Number(threads)}});
 // The same deterministic prompt ids pinfer's bench uses: BOS, then (i * 7919) % (vocab - 3) + 3.
-const vocab = model.tokens.bos !== undefined ? model.fileInsights.tensorInfo.find(t => t.name === "token_embd.weight").dimensions[1] : 0;
+const vocab = Number(model.fileInfo.tensorInfo.find(t => t.name === "token_embd.weight").dimensions[1]);
 const prompt = [model.tokens.bos];
-for (let i = 1; i < Number(promptN); i++) prompt.push((i * 7919) % (Number(vocab) - 3) + 3);
+for (let i = 1; i < Number(promptN); i++) prompt.push((i * 7919) % (vocab - 3) + 3);
 
 const promptTps = [], decodeTps = [];
 for (let r = 0; r < Number(reps); r++) {
