@@ -5,7 +5,7 @@
 #include <filesystem>
 #include <system_error>
 
-#include "absl/hash/hash.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "shared/sparse/prepare.h"
@@ -70,9 +70,10 @@ absl::StatusOr<std::string> CachedPreparedPath(const std::string& model_path) {
   const fs::path canonical = fs::canonical(model_path, ec);
   if (ec) return absl::NotFoundError(absl::StrCat(model_path, ": ", ec.message()));
   const std::string stem = canonical.filename().string();
-  return (dir / absl::StrFormat("%s-%016x.pwri.gguf", stem,
-                                absl::Hash<std::string>()(canonical.string())))
-      .string();
+  // FNV-1a: stable across processes and builds (absl::Hash is seeded per process).
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char ch : canonical.string()) h = (h ^ ch) * 1099511628211ull;
+  return (dir / absl::StrFormat("%s-%016x.pwri.gguf", stem, h)).string();
 }
 
 absl::StatusOr<std::string> EnsurePrepared(const std::string& model_path, const CpuOps& ops,
@@ -81,6 +82,15 @@ absl::StatusOr<std::string> EnsurePrepared(const std::string& model_path, const 
     if (log) log(s);
   };
   ASSIGN_OR_RETURN(std::string fingerprint, SourceFingerprint(model_path));
+  // PINFER_AUTO_PREPARE_MAX_TOKENS limits the calibration tokens (quick trials, tests); part of
+  // the fingerprint so that a quick preparation is not mistaken for a full one.
+  int64_t max_tokens = 0;
+  if (const char* v = std::getenv("PINFER_AUTO_PREPARE_MAX_TOKENS"); v != nullptr && *v) {
+    if (!absl::SimpleAtoi(v, &max_tokens) || max_tokens < 0) {
+      return absl::InvalidArgumentError("PINFER_AUTO_PREPARE_MAX_TOKENS must be a token count");
+    }
+    absl::StrAppend(&fingerprint, " max_tokens=", max_tokens);
+  }
   ASSIGN_OR_RETURN(std::string cached, CachedPreparedPath(model_path));
   if (fs::exists(cached)) {
     auto pm = LoadPreparedModel(cached);
@@ -107,6 +117,7 @@ absl::StatusOr<std::string> EnsurePrepared(const std::string& model_path, const 
   po.calibration_text = std::string(BundledCalibrationText());
   po.out_path = cached + ".tmp";
   po.source_fingerprint = fingerprint;
+  po.max_calibration_tokens = max_tokens;
   PrepareProgress pg;
   pg.log = say;
   ASSIGN_OR_RETURN(PrepareResult r, PrepareModel(po, ops, pg));

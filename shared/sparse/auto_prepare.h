@@ -6,6 +6,7 @@
 // named after a hash of the model's canonical path. It records a fingerprint of the source (path,
 // size and modification time of every weight file, and the preparation recipe version) in the key
 // pinfer.sparse.source; a mismatch means the model changed and it is prepared again.
+// PINFER_AUTO_PREPARE_MAX_TOKENS=N uses only the first N calibration tokens (quick trials).
 #pragma once
 
 #include <functional>
