@@ -145,8 +145,8 @@ int main(int argc, char** argv) {
       ::dup2(fileno(lf), 2);
       const std::string t = std::to_string(threads);
       ::execl(pinfer.c_str(), pinfer.c_str(), "serve", "--model", path.c_str(), "--host",
-              "127.0.0.1", "--port", "0", "--port-file", port_file.c_str(), "--threads",
-              t.c_str(), "--cpu-threads", t.c_str(), "--hot-fraction", hot.c_str(), nullptr);
+              "127.0.0.1", "--port", "0", "--port-file", port_file.c_str(), "--threads", t.c_str(),
+              "--cpu-threads", t.c_str(), "--hot-fraction", hot.c_str(), nullptr);
       ::_exit(127);
     }
     std::string port;
@@ -157,8 +157,8 @@ int main(int argc, char** argv) {
     }
     target = "127.0.0.1:" + port;
   }
-  auto stub = v1::Inference::NewStub(
-      grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  auto stub =
+      v1::Inference::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
   for (int i = 0; i < 200 && Stream(*stub, "warm up", 4).size() != 4; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
@@ -209,7 +209,8 @@ int main(int argc, char** argv) {
       end = std::min(end, t.back());
     }
     size_t n = 0;
-    for (auto& t : ts) n += std::count_if(t.begin(), t.end(), [&](auto x) { return x > start && x <= end; });
+    for (auto& t : ts)
+      n += std::count_if(t.begin(), t.end(), [&](auto x) { return x > start && x <= end; });
     concurrent.push_back(n / std::chrono::duration<double>(end - start).count());
   }
   if (pid > 0) {
@@ -222,9 +223,10 @@ int main(int argc, char** argv) {
     const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
     std::printf("| %s | %.1f (%.1f-%.1f) | %.2f |\n", name, Median(v), *lo, *hi, Median(v) / d);
   };
-  std::printf("model %s, %d new tokens, %d thread(s) per process, hot fraction %s, %d x 4 "
-              "prompts; median (min-max)\n\n",
-              path.c_str(), tokens, threads, hot.c_str(), repeats);
+  std::printf(
+      "model %s, %d new tokens, %d thread(s) per process, hot fraction %s, %d x 4 "
+      "prompts; median (min-max)\n\n",
+      path.c_str(), tokens, threads, hot.c_str(), repeats);
   std::printf("| path | decode tokens/s | vs in-process dense |\n|---|---|---|\n");
   if (!dense.empty()) {
     row("in-process, dense FFN (`pinfer generate`)", dense);

@@ -31,10 +31,10 @@
 #include "shared/engine/ops.h"
 #include "shared/service/log.h"
 #include "shared/service/service_model.h"
-#include "shared/sparse/auto_prepare.h"
-#include "shared/util/thread_pool.h"
 #include "shared/shm/segment.h"
+#include "shared/sparse/auto_prepare.h"
 #include "shared/util/status_macros.h"
+#include "shared/util/thread_pool.h"
 
 namespace pinfer::cli {
 namespace {
@@ -139,13 +139,13 @@ bool WaitExit(std::vector<Child*> cs, int ms) {
 }  // namespace
 
 int ServeCommand(const std::vector<std::string>& args) {
-  auto parsed = Flags::Parse(
-      args,
-      {"model", "port", "host", "metrics-port", "gpu-metrics-port", "cpu-metrics-port", "threads",
-       "cpu-threads", "hot-fraction", "max-batch-tokens", "max-running", "max-queue",
-       "max-new-tokens-limit", "drain-timeout-ms", "bin-dir", "port-file", "metrics-port-file",
-       "status-file", "placement"},
-      {"sparse"});
+  auto parsed =
+      Flags::Parse(args,
+                   {"model", "port", "host", "metrics-port", "gpu-metrics-port", "cpu-metrics-port",
+                    "threads", "cpu-threads", "hot-fraction", "max-batch-tokens", "max-running",
+                    "max-queue", "max-new-tokens-limit", "drain-timeout-ms", "bin-dir", "port-file",
+                    "metrics-port-file", "status-file", "placement"},
+                   {"sparse"});
   if (!parsed.ok()) return UsageError(kUsage, parsed.status());
   const Flags& f = *parsed;
   auto model = f.Required("model");
@@ -198,9 +198,8 @@ int ServeCommand(const std::vector<std::string>& args) {
   if (f.Has("sparse") && !IsPreparedModelFile(served_model)) {
     ThreadPool pool(2);
     auto ops = NewSimdOps(&pool);
-    auto prepared = EnsurePrepared(served_model, *ops, [](const std::string& line) {
-      Log("%s", line.c_str());
-    });
+    auto prepared = EnsurePrepared(served_model, *ops,
+                                   [](const std::string& line) { Log("%s", line.c_str()); });
     if (!prepared.ok()) return RuntimeError(prepared.status());
     served_model = *prepared;
     Log("serving the prepared model %s", served_model.c_str());
@@ -211,8 +210,13 @@ int ServeCommand(const std::vector<std::string>& args) {
   Child& cpu = children[1];
   Child& gw = children[2];
   gpu.role = "gpu_worker";
-  gpu.argv = {FindBinary(bin_dir, "pinfer-gpu-worker"), "--model", served_model, "--listen", gpu_addr,
-              "--segment", segment};
+  gpu.argv = {FindBinary(bin_dir, "pinfer-gpu-worker"),
+              "--model",
+              served_model,
+              "--listen",
+              gpu_addr,
+              "--segment",
+              segment};
   pass(&gpu.argv, "threads");
   pass(&gpu.argv, "hot-fraction");
   pass(&gpu.argv, "placement");
@@ -224,8 +228,13 @@ int ServeCommand(const std::vector<std::string>& args) {
                                      dir + "/gpu-worker.metrics-port"});
   }
   cpu.role = "cpu_worker";
-  cpu.argv = {FindBinary(bin_dir, "pinfer-cpu-worker"), "--model", served_model, "--listen", cpu_addr,
-              "--segment", segment};
+  cpu.argv = {FindBinary(bin_dir, "pinfer-cpu-worker"),
+              "--model",
+              served_model,
+              "--listen",
+              cpu_addr,
+              "--segment",
+              segment};
   pass(&cpu.argv, "cpu-threads", "threads");
   if (!cpu_metrics.empty()) {
     cpu.argv.insert(cpu.argv.end(), {"--metrics-port", cpu_metrics, "--metrics-port-file",
@@ -265,8 +274,7 @@ int ServeCommand(const std::vector<std::string>& args) {
                                     : absl::StrCat("exited with status ", WEXITSTATUS(status));
         // A child that ran for a while gets a fresh back-off; a crash loop backs off to 5 s.
         if (now - c.started > std::chrono::seconds(30)) c.backoff_ms = 200;
-        Log("%s (pid %d) %s; restarting in %d ms", c.role.c_str(), pid, how.c_str(),
-            c.backoff_ms);
+        Log("%s (pid %d) %s; restarting in %d ms", c.role.c_str(), pid, how.c_str(), c.backoff_ms);
         if (&c == &gpu) {
           // The dead gpu-worker could not unlink its segment; free the name for its successor
           // (the cpu-worker notices the heartbeat stop and re-attaches to the new one).

@@ -120,8 +120,7 @@ class CpuWorkerService final : public wv1::CpuWorker::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Drain(grpc::ServerContext*, const wv1::DrainRequest*,
-                     wv1::DrainResponse*) override {
+  grpc::Status Drain(grpc::ServerContext*, const wv1::DrainRequest*, wv1::DrainResponse*) override {
     // The cpu-worker holds no sequences; draining means finishing the exchange in progress and
     // stopping, which the supervisor or the orchestrator triggers with SIGTERM.
     draining_->store(true);
@@ -174,8 +173,9 @@ int Main(const std::vector<std::string>& args) {
   }
   auto& compute = prometheus::BuildCounter()
                       .Name("pinfer_worker_compute_seconds_total")
-                      .Help("Compute time by kind of layer work: ffn (this worker's cold FFN "
-                            "neurons)")
+                      .Help(
+                          "Compute time by kind of layer work: ffn (this worker's cold FFN "
+                          "neurons)")
                       .Register(*registry)
                       .Add({{"kind", "ffn"}});
   auto& exchanges = prometheus::BuildHistogram()
@@ -211,17 +211,22 @@ int Main(const std::vector<std::string>& args) {
                               .Add({{"side", "cpu"}});
   Status status;
   auto gauges = std::make_shared<metrics::ScrapeGauges>();
-  gauges->Add({"pinfer_worker_resident_bytes", "Resident memory of this worker process",
-               {{"role", "cpu-worker"}}, [] { return static_cast<double>(ResidentBytes()); }});
+  gauges->Add({"pinfer_worker_resident_bytes",
+               "Resident memory of this worker process",
+               {{"role", "cpu-worker"}},
+               [] { return static_cast<double>(ResidentBytes()); }});
   gauges->Add({"pinfer_worker_peer_alive",
-               "1 while attached to a live gpu-worker's segment", {}, [&status] {
+               "1 while attached to a live gpu-worker's segment",
+               {},
+               [&status] {
                  std::lock_guard<std::mutex> lock(status.mu);
                  return status.gpu_alive ? 1.0 : 0.0;
                }});
   gauges->Add({"pinfer_worker_ffn_sparsity",
                "Fraction of this worker's (token, neuron) pairs skipped because their "
                "activation was zero, over the worker's lifetime",
-               {}, [&] {
+               {},
+               [&] {
                  const double c = candidates.Value();
                  return c > 0 ? 1.0 - neurons.Value() / c : 0.0;
                }});

@@ -61,13 +61,13 @@ struct Options {
 };
 
 absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(cli::Flags f,
-                   cli::Flags::Parse(args,
-                                     {"workers", "listen", "port-file", "metrics-port",
-                                      "metrics-port-file", "max-running", "max-queue",
-                                      "max-new-tokens-limit", "default-max-new-tokens",
-                                      "drain-timeout-ms", "health-interval-ms"},
-                                     {}));
+  ASSIGN_OR_RETURN(
+      cli::Flags f,
+      cli::Flags::Parse(args,
+                        {"workers", "listen", "port-file", "metrics-port", "metrics-port-file",
+                         "max-running", "max-queue", "max-new-tokens-limit",
+                         "default-max-new-tokens", "drain-timeout-ms", "health-interval-ms"},
+                        {}));
   Options o;
   ASSIGN_OR_RETURN(std::string workers, f.Required("workers"));
   for (absl::string_view w : absl::StrSplit(workers, ',', absl::SkipEmpty())) {
@@ -86,9 +86,12 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(o.health_interval_ms, f.Int("health-interval-ms", 200));
   if (mr < 1 || mr > 100000) return absl::InvalidArgumentError("--max-running out of range");
   if (mq < 0 || mq > 1000000) return absl::InvalidArgumentError("--max-queue out of range");
-  if (lim < 1 || lim > (1 << 24)) return absl::InvalidArgumentError("--max-new-tokens-limit out of range");
-  if (def < 1 || def > lim) return absl::InvalidArgumentError("--default-max-new-tokens out of range");
-  if (o.health_interval_ms < 10) return absl::InvalidArgumentError("--health-interval-ms too small");
+  if (lim < 1 || lim > (1 << 24))
+    return absl::InvalidArgumentError("--max-new-tokens-limit out of range");
+  if (def < 1 || def > lim)
+    return absl::InvalidArgumentError("--default-max-new-tokens out of range");
+  if (o.health_interval_ms < 10)
+    return absl::InvalidArgumentError("--health-interval-ms too small");
   o.max_running = static_cast<int>(mr);
   o.max_queue = static_cast<int>(mq);
   o.max_new_tokens_limit = static_cast<int>(lim);
@@ -96,7 +99,9 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   return o;
 }
 
-double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double Since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 // One gpu-worker (with its cpu-worker behind it).
 struct Worker {
@@ -141,8 +146,8 @@ class Pool {
       if (!st.ok()) {
         problem = absl::StrCat("gpu-worker ", w->address, " unreachable: ", st.error_message());
       } else if (resp.state() != wv1::WORKER_STATE_READY || !resp.peer_alive()) {
-        problem = absl::StrCat("gpu-worker ", w->address, " not ready: ",
-                               wv1::WorkerState_Name(resp.state()),
+        problem = absl::StrCat("gpu-worker ", w->address,
+                               " not ready: ", wv1::WorkerState_Name(resp.state()),
                                resp.message().empty() ? "" : ": ", resp.message());
       } else {
         healthy = true;
@@ -196,8 +201,8 @@ class Pool {
       return w;
     }
     if (static_cast<int>(queue_.size()) >= o_.max_queue) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the queue is full (", queue_.size(), " waiting, ", running_, " running)"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the queue is full (", queue_.size(), " waiting, ", running_, " running)"));
     }
     const uint64_t ticket = next_ticket_++;
     queue_.push_back(ticket);
@@ -456,9 +461,9 @@ class InferenceService final : public v1::Inference::Service {
                                        " is over the limit of ", o_.max_new_tokens_limit));
     }
     if (req.sampling().temperature() < 0) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("temperature must not be negative, got ",
-                                       req.sampling().temperature()));
+      return grpc::Status(
+          grpc::StatusCode::INVALID_ARGUMENT,
+          absl::StrCat("temperature must not be negative, got ", req.sampling().temperature()));
     }
     if (absl::Status st = SamplingFromProto(req.sampling()).Validate(); !st.ok()) {
       return ToGrpcStatus(st);
@@ -466,12 +471,14 @@ class InferenceService final : public v1::Inference::Service {
     v1::ModelInfo info;
     if (has_ids && pool_->ModelInfo(&info)) {
       const size_t n = static_cast<size_t>(req.token_ids().ids().size());
-      const size_t want = n + (req.max_new_tokens() == 0 ? o_.default_max_new_tokens
-                                                          : req.max_new_tokens());
+      const size_t want =
+          n + (req.max_new_tokens() == 0 ? o_.default_max_new_tokens : req.max_new_tokens());
       if (want > info.context_length()) {
         return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                            absl::StrCat("prompt (", n, " tokens) plus max_new_tokens exceeds "
-                                         "the context length of ", info.context_length()));
+                            absl::StrCat("prompt (", n,
+                                         " tokens) plus max_new_tokens exceeds "
+                                         "the context length of ",
+                                         info.context_length()));
       }
       for (uint32_t id : req.token_ids().ids()) {
         if (id >= info.vocab_size()) {
@@ -607,8 +614,9 @@ int Main(const std::vector<std::string>& args) {
   }
   Pool pool(o);
   auto gauges = std::make_shared<metrics::ScrapeGauges>();
-  gauges->Add({"pinfer_gateway_resident_bytes", "Resident memory of the gateway process", {},
-               [] { return static_cast<double>(ResidentBytes()); }});
+  gauges->Add({"pinfer_gateway_resident_bytes", "Resident memory of the gateway process", {}, [] {
+                 return static_cast<double>(ResidentBytes());
+               }});
   if (endpoint != nullptr) endpoint->Add(gauges);
 
   InferenceService service(o, &pool, &m);
@@ -629,8 +637,8 @@ int Main(const std::vector<std::string>& args) {
     health->SetServingStatus("pinfer.v1.Inference", serving);
   };
   set_serving(pool.CheckAll());
-  Log("serving pinfer.v1.Inference on %s (port %d) for %zu worker pair(s)", o.listen.c_str(),
-      port, o.workers.size());
+  Log("serving pinfer.v1.Inference on %s (port %d) for %zu worker pair(s)", o.listen.c_str(), port,
+      o.workers.size());
   if (!o.port_file.empty()) (void)WriteFileAtomically(o.port_file, absl::StrCat(port, "\n"));
 
   std::atomic<bool> stop_health{false};

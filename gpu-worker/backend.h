@@ -18,20 +18,20 @@
 #include "shared/engine/ops.h"
 #include "shared/model/model.h"
 #include "shared/service/ffn_split.h"
-#include "shared/sparse/sparse_ffn.h"
 #include "shared/shm/activation_channel.h"
+#include "shared/sparse/sparse_ffn.h"
 
 namespace pinfer::gpuworker {
 
 // Counters the backend accumulates for metrics; read and reset by the caller.
 struct BackendStats {
-  uint64_t forward_ns = 0;       // whole forward passes
-  uint64_t hot_ffn_ns = 0;       // this side's FFN share
-  uint64_t exchange_wait_ns = 0; // waiting for the cold share after the hot share was done
+  uint64_t forward_ns = 0;        // whole forward passes
+  uint64_t hot_ffn_ns = 0;        // this side's FFN share
+  uint64_t exchange_wait_ns = 0;  // waiting for the cold share after the hot share was done
   uint64_t exchanges = 0;
-  uint64_t hot_neurons = 0;      // (token, neuron) pairs computed here
-  uint64_t cold_neurons = 0;     // ... and by the cpu-worker
-  uint64_t hot_candidates = 0;   // (token, neuron) pairs that could have been computed here
+  uint64_t hot_neurons = 0;     // (token, neuron) pairs computed here
+  uint64_t cold_neurons = 0;    // ... and by the cpu-worker
+  uint64_t hot_candidates = 0;  // (token, neuron) pairs that could have been computed here
   uint64_t cold_candidates = 0;
   std::vector<double> wait_samples;  // per exchange, seconds (for the wait histogram)
 };
@@ -83,16 +83,18 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCpuBackend(
     const PredictorSet* predictors = nullptr);
 
 struct CudaBackendOptions {
-  int slots = 8;        // KV cache slots (concurrent sequences) on the device
-  int max_ctx = 2048;   // positions per slot
+  int slots = 8;       // KV cache slots (concurrent sequences) on the device
+  int max_ctx = 2048;  // positions per slot
   int device = 0;
   bool gpu_timing = false;  // per-layer GPU event timings into the metrics (costs a little)
 };
 
 // The CUDA implementation, from the module at `module_path` (gpu-worker/cuda). Fails with the
 // module's status (no device, out of memory) so that the caller can fall back to the CPU.
-absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(
-    const Model& model, const Placement& placement, shm::ExchangeClient* exchange,
-    const std::string& module_path, const CudaBackendOptions& options);
+absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& model,
+                                                               const Placement& placement,
+                                                               shm::ExchangeClient* exchange,
+                                                               const std::string& module_path,
+                                                               const CudaBackendOptions& options);
 
 }  // namespace pinfer::gpuworker

@@ -123,9 +123,8 @@ class CpuBackend : public ComputeBackend {
 
   absl::StatusOr<int> AcquireSlot(int max_ctx) override {
     if (max_ctx <= 0 || max_ctx > model_.config.max_context) {
-      return absl::InvalidArgumentError(absl::StrCat("context of ", max_ctx,
-                                                     " positions; the model supports ",
-                                                     model_.config.max_context));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "context of ", max_ctx, " positions; the model supports ", model_.config.max_context));
     }
     const int slot = next_slot_++;
     caches_.emplace(slot, std::make_unique<KvCache>(model_.config, max_ctx));
@@ -139,9 +138,9 @@ class CpuBackend : public ComputeBackend {
     auto it = caches_.find(slot);
     if (it == caches_.end()) return absl::InternalError(absl::StrCat("no sequence slot ", slot));
     const uint64_t t0 = Now();
-    absl::Status st = transformer_.Forward(
-        tokens, pos0, it->second.get(), logits != nullptr ? LogitsMode::kLast : LogitsMode::kNone,
-        logits);
+    absl::Status st =
+        transformer_.Forward(tokens, pos0, it->second.get(),
+                             logits != nullptr ? LogitsMode::kLast : LogitsMode::kNone, logits);
     stats_.forward_ns += Now() - t0;
     return st;
   }
@@ -151,8 +150,7 @@ class CpuBackend : public ComputeBackend {
     // batch never changes a sequence's output (Transformer::ForwardDecodeBatch, PartialFfn).
     const uint64_t t0 = Now();
     absl::Status st;
-    for (size_t b = 0; b < items.size() && st.ok();
-         b += PartialFfn::kBatchInvariantTokens) {
+    for (size_t b = 0; b < items.size() && st.ok(); b += PartialFfn::kBatchInvariantTokens) {
       steps_.clear();
       const size_t e = std::min(items.size(), b + PartialFfn::kBatchInvariantTokens);
       for (size_t i = b; i < e; ++i) {
@@ -195,10 +193,11 @@ class CpuBackend : public ComputeBackend {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCpuBackend(
-    const Model& model, const CpuOps& ops, const Placement& placement,
-    shm::ExchangeClient* exchange, const std::vector<TensorView>* down_t,
-    const PredictorSet* predictors) {
+absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCpuBackend(const Model& model, const CpuOps& ops,
+                                                              const Placement& placement,
+                                                              shm::ExchangeClient* exchange,
+                                                              const std::vector<TensorView>* down_t,
+                                                              const PredictorSet* predictors) {
   auto hot = FfnRowStore::Build(model, placement.hot, down_t);
   if (!hot.ok()) return hot.status();
   return std::unique_ptr<ComputeBackend>(

@@ -48,7 +48,8 @@ class ExchangeColdFfn : public cuda::ColdFfn {
       masks_.assign(static_cast<size_t>(r.n) * W, 0);
       for (int i = 0; i < r.n_active; ++i) {
         const int32_t j = r.active[i];
-        for (int t = 0; t < r.n; ++t) masks_[static_cast<size_t>(t) * W + (j >> 6)] |= 1ull << (j & 63);
+        for (int t = 0; t < r.n; ++t)
+          masks_[static_cast<size_t>(t) * W + (j >> 6)] |= 1ull << (j & 63);
       }
       masks = masks_.data();
     }
@@ -132,8 +133,9 @@ class CudaBackend : public ComputeBackend {
     stats_.hot_neurons += static_cast<uint64_t>(fs.hot_rows_computed);
     const uint64_t hot_per_layer = hot_neurons_ / std::max(1, model_.config.n_layers);
     stats_.hot_candidates += hot_per_layer * model_.config.n_layers * tokens.size();
-    stats_.cold_candidates += (static_cast<uint64_t>(model_.config.ffn_size) *
-                                   model_.config.n_layers - hot_neurons_) * tokens.size();
+    stats_.cold_candidates +=
+        (static_cast<uint64_t>(model_.config.ffn_size) * model_.config.n_layers - hot_neurons_) *
+        tokens.size();
     return st;
   }
 
@@ -158,9 +160,11 @@ class CudaBackend : public ComputeBackend {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(
-    const Model& model, const Placement& placement, shm::ExchangeClient* exchange,
-    const std::string& module_path, const CudaBackendOptions& o) {
+absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& model,
+                                                               const Placement& placement,
+                                                               shm::ExchangeClient* exchange,
+                                                               const std::string& module_path,
+                                                               const CudaBackendOptions& o) {
   void* h = ::dlopen(module_path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (h == nullptr) return absl::UnavailableError(absl::StrCat("dlopen: ", ::dlerror()));
   auto create = reinterpret_cast<PinferCudaCreateFn>(::dlsym(h, PINFER_CUDA_CREATE_SYMBOL));
@@ -208,8 +212,8 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(
     lu.down_t = FromView(down_t->layers[l]);
     lu.hot_ids = placement.hot[l];
     hot_neurons += lu.hot_ids.size();
-    hot_bytes += lu.hot_ids.size() *
-                 (L.gate.row_bytes() + L.up.row_bytes() + down_t->layers[l].row_bytes());
+    hot_bytes +=
+        lu.hot_ids.size() * (L.gate.row_bytes() + L.up.row_bytes() + down_t->layers[l].row_bytes());
     u.layers.push_back(std::move(lu));
   }
   cuda::Backend* b = nullptr;
@@ -219,8 +223,8 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(
   b->set_collect_gpu_times(o.gpu_timing);
   Log("CUDA backend on %s: %.1f MiB on the device", b->DeviceName().c_str(),
       b->DeviceBytes() / 1048576.0);
-  return std::unique_ptr<ComputeBackend>(new CudaBackend(model, h, b, destroy, exchange, o.slots,
-                                                         o.max_ctx, hot_neurons, hot_bytes));
+  return std::unique_ptr<ComputeBackend>(
+      new CudaBackend(model, h, b, destroy, exchange, o.slots, o.max_ctx, hot_neurons, hot_bytes));
 }
 
 }  // namespace pinfer::gpuworker

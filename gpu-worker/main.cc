@@ -74,15 +74,28 @@ struct Options {
 };
 
 absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(cli::Flags f,
-                   cli::Flags::Parse(args,
-                                     {"model", "listen", "port-file", "segment", "metrics-port",
-                                      "metrics-port-file", "threads", "hot-fraction",
-                                      "max-batch-tokens", "max-sequences", "max-new-tokens-limit",
-                                      "exchange-timeout-ms", "liveness-ms", "backend",
-                                      "cuda-module", "drain-timeout-ms", "gpu-slots", "max-context",
-                                      "cuda-device", "placement"},
-                                     {"sparse", "gpu-timing"}));
+  ASSIGN_OR_RETURN(cli::Flags f, cli::Flags::Parse(args,
+                                                   {"model",
+                                                    "listen",
+                                                    "port-file",
+                                                    "segment",
+                                                    "metrics-port",
+                                                    "metrics-port-file",
+                                                    "threads",
+                                                    "hot-fraction",
+                                                    "max-batch-tokens",
+                                                    "max-sequences",
+                                                    "max-new-tokens-limit",
+                                                    "exchange-timeout-ms",
+                                                    "liveness-ms",
+                                                    "backend",
+                                                    "cuda-module",
+                                                    "drain-timeout-ms",
+                                                    "gpu-slots",
+                                                    "max-context",
+                                                    "cuda-device",
+                                                    "placement"},
+                                                   {"sparse", "gpu-timing"}));
   Options o;
   ASSIGN_OR_RETURN(o.model, f.Required("model"));
   if (auto v = f.Get("listen")) o.listen = *v;
@@ -121,7 +134,8 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   }
   if (mbt < 1 || mbt > 65536) return absl::InvalidArgumentError("--max-batch-tokens out of range");
   if (ms < 1 || ms > 100000) return absl::InvalidArgumentError("--max-sequences out of range");
-  if (mnt < 1 || mnt > (1 << 24)) return absl::InvalidArgumentError("--max-new-tokens-limit out of range");
+  if (mnt < 1 || mnt > (1 << 24))
+    return absl::InvalidArgumentError("--max-new-tokens-limit out of range");
   if (o.exchange_timeout_ms < 1 || o.liveness_ms < 1) {
     return absl::InvalidArgumentError("timeouts must be positive");
   }
@@ -189,9 +203,12 @@ GpuProbe ProbeGpu(const Options& o) {
 
 std::string ActivationLabel(Activation a) {
   switch (a) {
-    case Activation::kRelu: return "relu";
-    case Activation::kSilu: return "silu";
-    case Activation::kDRelu: return "drelu";
+    case Activation::kRelu:
+      return "relu";
+    case Activation::kSilu:
+      return "silu";
+    case Activation::kDRelu:
+      return "drelu";
   }
   return "?";
 }
@@ -403,8 +420,8 @@ int Main(const std::vector<std::string>& args) {
   InstallShutdownHandlers();
   auto parsed = ParseOptions(args);
   if (!parsed.ok()) {
-    std::fprintf(stderr, "pinfer-gpu-worker: %s\n%s", std::string(parsed.status().message()).c_str(),
-                 kUsage);
+    std::fprintf(stderr, "pinfer-gpu-worker: %s\n%s",
+                 std::string(parsed.status().message()).c_str(), kUsage);
     return 2;
   }
   State s;
@@ -536,22 +553,23 @@ int Main(const std::vector<std::string>& args) {
     s.cold_bytes_estimate = (total - s.backend->ffn_neurons()) * per_neuron;
   }
   Log("placement: %zu of %zu FFN neurons hot (%.1f MiB of rows here), %s mode",
-      static_cast<size_t>(s.backend->ffn_neurons()),
-      static_cast<size_t>(c.n_layers) * c.ffn_size, s.backend->ffn_bytes() / 1048576.0,
-      o.sparse ? "sparse (predictors)" : "exact");
+      static_cast<size_t>(s.backend->ffn_neurons()), static_cast<size_t>(c.n_layers) * c.ffn_size,
+      s.backend->ffn_bytes() / 1048576.0, o.sparse ? "sparse (predictors)" : "exact");
 
   // Metrics.
   auto& compute = prometheus::BuildCounter()
                       .Name("pinfer_worker_compute_seconds_total")
-                      .Help("Compute time by kind of layer work: ffn (this worker's FFN neurons), "
-                            "dense (attention, norms, embeddings, output head)")
+                      .Help(
+                          "Compute time by kind of layer work: ffn (this worker's FFN neurons), "
+                          "dense (attention, norms, embeddings, output head)")
                       .Register(*registry);
   auto& compute_ffn = compute.Add({{"kind", "ffn"}});
   auto& compute_dense = compute.Add({{"kind", "dense"}});
   auto& wait_hist = prometheus::BuildHistogram()
                         .Name("pinfer_worker_shm_wait_seconds")
-                        .Help("Time waiting for the cpu-worker's share of a layer after the "
-                              "hot share was done")
+                        .Help(
+                            "Time waiting for the cpu-worker's share of a layer after the "
+                            "hot share was done")
                         .Register(*registry)
                         .Add({}, metrics::ShortLatencyBuckets());
   auto& neurons = prometheus::BuildCounter()
@@ -600,8 +618,10 @@ int Main(const std::vector<std::string>& args) {
       .Add({{"side", "gpu"}})
       .Set(static_cast<double>(s.backend->ffn_bytes()));
   auto gauges = std::make_shared<metrics::ScrapeGauges>();
-  gauges->Add({"pinfer_worker_resident_bytes", "Resident memory of this worker process",
-               {{"role", "gpu-worker"}}, [] { return static_cast<double>(ResidentBytes()); }});
+  gauges->Add({"pinfer_worker_resident_bytes",
+               "Resident memory of this worker process",
+               {{"role", "gpu-worker"}},
+               [] { return static_cast<double>(ResidentBytes()); }});
   gauges->Add({"pinfer_worker_peer_alive",
                "1 while the cpu-worker is attached, loaded and its heartbeat is fresh",
                {},
@@ -623,10 +643,10 @@ int Main(const std::vector<std::string>& args) {
   SchedulerHooks hooks;
   hooks.on_stats = [&](const BackendStats& st) {
     compute_ffn.Increment(st.hot_ffn_ns * 1e-9);
-    compute_dense.Increment(
-        (st.forward_ns > st.hot_ffn_ns + st.exchange_wait_ns
-             ? st.forward_ns - st.hot_ffn_ns - st.exchange_wait_ns
-             : 0) * 1e-9);
+    compute_dense.Increment((st.forward_ns > st.hot_ffn_ns + st.exchange_wait_ns
+                                 ? st.forward_ns - st.hot_ffn_ns - st.exchange_wait_ns
+                                 : 0) *
+                            1e-9);
     for (double w : st.wait_samples) wait_hist.Observe(w);
     neurons_gpu.Increment(static_cast<double>(st.hot_neurons));
     neurons_cpu.Increment(static_cast<double>(st.cold_neurons));

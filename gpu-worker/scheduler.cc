@@ -66,9 +66,9 @@ absl::StatusOr<std::shared_ptr<Sequence>> Scheduler::Submit(SequenceOptions opts
   }
   const size_t ctx = opts.prompt.size() + static_cast<size_t>(opts.gen.max_new_tokens);
   if (ctx > static_cast<size_t>(c.max_context)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt (", opts.prompt.size(), " tokens) plus max_new_tokens (", opts.gen.max_new_tokens,
-        ") exceeds the context length of ", c.max_context));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt (", opts.prompt.size(), " tokens) plus max_new_tokens (",
+                     opts.gen.max_new_tokens, ") exceeds the context length of ", c.max_context));
   }
   if (absl::Status st = opts.gen.sampling.Validate(); !st.ok()) return st;
   if (std::string problem = peer_problem_(); !problem.empty()) {
@@ -79,8 +79,8 @@ absl::StatusOr<std::shared_ptr<Sequence>> Scheduler::Submit(SequenceOptions opts
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (static_cast<int>(all_.size()) >= options_.max_sequences) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the gpu-worker is running its maximum of ", options_.max_sequences, " sequences"));
+      return absl::ResourceExhaustedError(absl::StrCat("the gpu-worker is running its maximum of ",
+                                                       options_.max_sequences, " sequences"));
     }
     pending_.push_back(seq);
     all_.push_back(seq);
@@ -127,9 +127,9 @@ void Scheduler::Loop() {
       if (s->done_) finished.push_back(s);
     }
     if (!finished.empty()) {
-      active_.erase(std::remove_if(active_.begin(), active_.end(),
-                                   [](const auto& s) { return s->done_; }),
-                    active_.end());
+      active_.erase(
+          std::remove_if(active_.begin(), active_.end(), [](const auto& s) { return s->done_; }),
+          active_.end());
       std::lock_guard<std::mutex> lock(mu_);
       all_.erase(std::remove_if(all_.begin(), all_.end(), [](const auto& s) { return s->done_; }),
                  all_.end());
@@ -191,9 +191,9 @@ bool Scheduler::Step(Sequence* s) {
     const size_t n = std::min(prompt.size() - s->prefilled_,
                               static_cast<size_t>(std::max(1, options_.prefill_chunk)));
     const bool last = s->prefilled_ + n == prompt.size();
-    absl::Status st = backend_->Forward(
-        s->slot_, std::span<const int32_t>(prompt.data() + s->prefilled_, n),
-        static_cast<int>(s->prefilled_), last ? s->logits_.data() : nullptr);
+    absl::Status st =
+        backend_->Forward(s->slot_, std::span<const int32_t>(prompt.data() + s->prefilled_, n),
+                          static_cast<int>(s->prefilled_), last ? s->logits_.data() : nullptr);
     if (!st.ok()) {
       Fail(s, st);
       return false;

@@ -83,8 +83,8 @@ class Sequence {
 };
 
 struct SchedulerOptions {
-  int max_sequences = 64;        // running + waiting; more is RESOURCE_EXHAUSTED
-  int prefill_chunk = 128;       // prompt tokens per step
+  int max_sequences = 64;   // running + waiting; more is RESOURCE_EXHAUSTED
+  int prefill_chunk = 128;  // prompt tokens per step
   int max_new_tokens_limit = 4096;
 };
 
@@ -136,7 +136,7 @@ class Scheduler {
   bool stop_ = false;                               // guarded by mu_
   std::atomic<bool> draining_{false};
   std::atomic<int> running_{0};
-  std::vector<std::shared_ptr<Sequence>> active_;   // scheduler thread only
+  std::vector<std::shared_ptr<Sequence>> active_;  // scheduler thread only
   std::thread thread_;
 };
 

@@ -19,8 +19,8 @@ std::unique_ptr<Endpoint> Endpoint::Start(const std::string& bind,
     std::vector<int> ports = ep->exposer_->GetListeningPorts();
     ep->port_ = ports.empty() ? 0 : ports[0];
   } catch (const std::exception& e) {
-    Log("metrics endpoint on %s could not start (%s); continuing without /metrics",
-        address.c_str(), e.what());
+    Log("metrics endpoint on %s could not start (%s); continuing without /metrics", address.c_str(),
+        e.what());
     return nullptr;
   }
   return ep;

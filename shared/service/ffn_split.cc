@@ -99,8 +99,8 @@ absl::StatusOr<std::unique_ptr<FfnRowStore>> FfnRowStore::Build(
     const std::vector<TensorView>* down_t) {
   const ModelConfig& c = model.config;
   if (static_cast<int>(neurons.size()) != c.n_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("placement has ", neurons.size(),
-                                                   " layers; the model has ", c.n_layers));
+    return absl::InvalidArgumentError(
+        absl::StrCat("placement has ", neurons.size(), " layers; the model has ", c.n_layers));
   }
   auto store = std::unique_ptr<FfnRowStore>(new FfnRowStore());
   const int H = c.hidden_size, F = c.ffn_size;
@@ -110,8 +110,8 @@ absl::StatusOr<std::unique_ptr<FfnRowStore>> FfnRowStore::Build(
     const std::vector<int32_t>& ids = neurons[l];
     for (size_t i = 0; i < ids.size(); ++i) {
       if (ids[i] < 0 || ids[i] >= F || (i > 0 && ids[i] <= ids[i - 1])) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "layer ", l, ": neuron ids must be ascending and in [0, ", F, ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("layer ", l, ": neuron ids must be ascending and in [0, ", F, ")"));
       }
     }
     const int64_t k = static_cast<int64_t>(ids.size());
@@ -133,8 +133,8 @@ absl::StatusOr<std::unique_ptr<FfnRowStore>> FfnRowStore::Build(
       // Already transposed: copy the selected rows as stored.
       const TensorView& src = (*down_t)[l];
       if (src.rows() != F || src.cols() != H) {
-        return absl::InvalidArgumentError(absl::StrCat("layer ", l, ": down_t must be [", F,
-                                                       ", ", H, "]"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("layer ", l, ": down_t must be [", F, ", ", H, "]"));
       }
       const size_t rb = src.row_bytes();
       std::vector<uint8_t> buf(std::max<size_t>(1, rb * k));
@@ -149,8 +149,8 @@ absl::StatusOr<std::unique_ptr<FfnRowStore>> FfnRowStore::Build(
       continue;
     }
     // down: [hidden, ffn] -> down_t: [k, hidden], columns of the selected neurons.
-    const DType dt = (L.down.dtype == DType::kF16 || L.down.dtype == DType::kBF16) ? L.down.dtype
-                                                                                   : DType::kF32;
+    const DType dt =
+        (L.down.dtype == DType::kF16 || L.down.dtype == DType::kBF16) ? L.down.dtype : DType::kF32;
     std::vector<float> tmp(static_cast<size_t>(k) * H);
     for (int h = 0; h < H; ++h) {
       DequantizeRow(L.down.dtype, L.down.row(h), down_row.data(), F);

@@ -35,44 +35,71 @@ void SamplingToProto(const SamplingParams& s, v1::SamplingParams* p) {
 
 v1::FinishReason FinishReasonToProto(FinishReason r) {
   switch (r) {
-    case FinishReason::kLength: return v1::FINISH_REASON_LENGTH;
-    case FinishReason::kEos: return v1::FINISH_REASON_EOS;
-    case FinishReason::kStop: return v1::FINISH_REASON_STOP;
-    case FinishReason::kCancelled: return v1::FINISH_REASON_CANCELLED;
+    case FinishReason::kLength:
+      return v1::FINISH_REASON_LENGTH;
+    case FinishReason::kEos:
+      return v1::FINISH_REASON_EOS;
+    case FinishReason::kStop:
+      return v1::FINISH_REASON_STOP;
+    case FinishReason::kCancelled:
+      return v1::FINISH_REASON_CANCELLED;
   }
   return v1::FINISH_REASON_UNSPECIFIED;
 }
 
 const char* FinishReasonLabel(v1::FinishReason r) {
   switch (r) {
-    case v1::FINISH_REASON_LENGTH: return "length";
-    case v1::FINISH_REASON_EOS: return "eos";
-    case v1::FINISH_REASON_STOP: return "stop";
-    case v1::FINISH_REASON_CANCELLED: return "cancelled";
-    default: return "unspecified";
+    case v1::FINISH_REASON_LENGTH:
+      return "length";
+    case v1::FINISH_REASON_EOS:
+      return "eos";
+    case v1::FINISH_REASON_STOP:
+      return "stop";
+    case v1::FINISH_REASON_CANCELLED:
+      return "cancelled";
+    default:
+      return "unspecified";
   }
 }
 
 const char* StatusCodeLabel(grpc::StatusCode code) {
   switch (code) {
-    case grpc::StatusCode::OK: return "OK";
-    case grpc::StatusCode::CANCELLED: return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED: return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL: return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
-    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
-    default: return "UNKNOWN";
+    case grpc::StatusCode::OK:
+      return "OK";
+    case grpc::StatusCode::CANCELLED:
+      return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN:
+      return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND:
+      return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS:
+      return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED:
+      return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE:
+      return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED:
+      return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL:
+      return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE:
+      return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS:
+      return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return "UNAUTHENTICATED";
+    default:
+      return "UNKNOWN";
   }
 }
 

@@ -87,9 +87,9 @@ absl::Status ExchangeClient::AwaitAndAdd(uint32_t seq, int n, float* out, Exchan
     const uint64_t hb = h->cpu_heartbeat_ns.load();
     const uint64_t now = MonotonicNanos();
     if (now > hb && now - hb > static_cast<uint64_t>(options_.liveness_ns)) {
-      return absl::UnavailableError(absl::StrCat(
-          "the cpu-worker stopped responding during layer ", h->req_layer,
-          " (no heartbeat for ", (now - hb) / 1'000'000, " ms)"));
+      return absl::UnavailableError(absl::StrCat("the cpu-worker stopped responding during layer ",
+                                                 h->req_layer, " (no heartbeat for ",
+                                                 (now - hb) / 1'000'000, " ms)"));
     }
     return absl::OkStatus();
   };
@@ -98,9 +98,9 @@ absl::Status ExchangeClient::AwaitAndAdd(uint32_t seq, int n, float* out, Exchan
     if (cur == seq) break;
     const int64_t waited = static_cast<int64_t>(MonotonicNanos() - start);
     if (waited >= options_.exchange_timeout_ns) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "the cpu-worker did not answer layer ", h->req_layer, " within ",
-          options_.exchange_timeout_ns / 1'000'000, " ms"));
+      return absl::DeadlineExceededError(
+          absl::StrCat("the cpu-worker did not answer layer ", h->req_layer, " within ",
+                       options_.exchange_timeout_ns / 1'000'000, " ms"));
     }
     wo.timeout_ns = options_.exchange_timeout_ns - waited;
     absl::Status st = WaitForChange(&h->resp_seq, cur, wo, check);

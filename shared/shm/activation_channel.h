@@ -24,9 +24,9 @@
 namespace pinfer::shm {
 
 struct ChannelOptions {
-  int64_t heartbeat_interval_ns = 100'000'000;  // 100 ms
-  int64_t liveness_ns = 2'000'000'000;          // a heartbeat older than this: peer is gone
-  int64_t exchange_timeout_ns = 30'000'000'000; // a live peer must answer within this
+  int64_t heartbeat_interval_ns = 100'000'000;   // 100 ms
+  int64_t liveness_ns = 2'000'000'000;           // a heartbeat older than this: peer is gone
+  int64_t exchange_timeout_ns = 30'000'000'000;  // a live peer must answer within this
   int64_t spin_ns = 20'000;
 };
 
@@ -45,7 +45,7 @@ class Heartbeat {
 };
 
 struct ExchangeStats {
-  uint64_t wait_ns = 0;     // time spent waiting for the answer after the hot part was done
+  uint64_t wait_ns = 0;  // time spent waiting for the answer after the hot part was done
   uint64_t cold_neurons = 0;
   uint64_t cold_compute_ns = 0;
 };

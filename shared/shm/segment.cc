@@ -193,7 +193,8 @@ absl::StatusOr<std::unique_ptr<Segment>> Segment::Attach(const std::string& name
   const auto* h = static_cast<const Header*>(base);
   if (h->magic != kMagic) {
     if (h->magic == 0) {
-      return fail(absl::UnavailableError(absl::StrCat("segment ", name, " is not initialised yet")));
+      return fail(
+          absl::UnavailableError(absl::StrCat("segment ", name, " is not initialised yet")));
     }
     return fail(absl::FailedPreconditionError(
         absl::StrCat("segment ", name, " is not a pinfer activation segment (bad magic)")));

@@ -35,8 +35,8 @@ struct Geometry {
   int32_t n_layers = 0;
   int32_t hidden = 0;
   int32_t ffn = 0;
-  int32_t max_tokens = 0;       // largest batch of tokens in one exchange
-  uint64_t fingerprint = 0;     // hash of the model's configuration and FFN weight layout
+  int32_t max_tokens = 0;    // largest batch of tokens in one exchange
+  uint64_t fingerprint = 0;  // hash of the model's configuration and FFN weight layout
 
   int32_t words_per_mask() const { return (ffn + 63) / 64; }
 };
@@ -130,7 +130,11 @@ class Segment {
 
  private:
   Segment(std::string name, void* base, size_t size, bool creator, uint64_t inode)
-      : name_(std::move(name)), base_(base), size_(size), creator_(creator), inode_(inode),
+      : name_(std::move(name)),
+        base_(base),
+        size_(size),
+        creator_(creator),
+        inode_(inode),
         header_(static_cast<Header*>(base)) {}
   std::string name_;
   void* base_;

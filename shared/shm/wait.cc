@@ -38,8 +38,8 @@ void FutexWakeAll(std::atomic<uint32_t>* word) {
 }
 
 absl::Status WaitForChange(const std::atomic<uint32_t>* word, uint32_t seen,
-                           const WaitOptions& options,
-                           const std::function<absl::Status()>& check, bool* slept) {
+                           const WaitOptions& options, const std::function<absl::Status()>& check,
+                           bool* slept) {
   if (slept != nullptr) *slept = false;
   const uint64_t start = MonotonicNanos();
   // Spin: check the clock only every 64 iterations, it costs more than a pause.

@@ -33,7 +33,7 @@ struct WaitOptions {
 // status (peer dead, request cancelled, shutting down). Returns the spin/sleep split in
 // *slept (true if it had to sleep), for metrics.
 absl::Status WaitForChange(const std::atomic<uint32_t>* word, uint32_t seen,
-                           const WaitOptions& options,
-                           const std::function<absl::Status()>& check, bool* slept = nullptr);
+                           const WaitOptions& options, const std::function<absl::Status()>& check,
+                           bool* slept = nullptr);
 
 }  // namespace pinfer::shm

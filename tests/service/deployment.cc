@@ -28,9 +28,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string Bin(const std::string& name) {
-  return std::string(PINFER_BINARY_DIR) + "/bin/" + name;
-}
+std::string Bin(const std::string& name) { return std::string(PINFER_BINARY_DIR) + "/bin/" + name; }
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
@@ -140,7 +138,8 @@ absl::StatusOr<int> Deployment::WaitPortFile(const std::string& path, pid_t pid)
     if (absl::SimpleAtoi(ReadFile(path), &port) && port > 0) return port;
     int status;
     if (::waitpid(pid, &status, WNOHANG) == pid) {
-      return absl::InternalError(absl::StrCat("process exited before writing ", path, "\n", Logs()));
+      return absl::InternalError(
+          absl::StrCat("process exited before writing ", path, "\n", Logs()));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -150,11 +149,21 @@ absl::StatusOr<int> Deployment::WaitPortFile(const std::string& path, pid_t pid)
 absl::Status Deployment::StartGpuWorker() {
   const std::string port_file = absl::StrCat(dir_, "/gpu.port", restarts_);
   const std::string mport_file = absl::StrCat(dir_, "/gpu.mport", restarts_++);
-  std::vector<std::string> argv = {Bin("pinfer-gpu-worker"), "--model", o_.model,
-                                   "--listen", "127.0.0.1:0", "--port-file", port_file,
-                                   "--segment", segment_, "--metrics-port", "127.0.0.1:0",
-                                   "--metrics-port-file", mport_file,
-                                   "--liveness-ms", absl::StrCat(o_.liveness_ms)};
+  std::vector<std::string> argv = {Bin("pinfer-gpu-worker"),
+                                   "--model",
+                                   o_.model,
+                                   "--listen",
+                                   "127.0.0.1:0",
+                                   "--port-file",
+                                   port_file,
+                                   "--segment",
+                                   segment_,
+                                   "--metrics-port",
+                                   "127.0.0.1:0",
+                                   "--metrics-port-file",
+                                   mport_file,
+                                   "--liveness-ms",
+                                   absl::StrCat(o_.liveness_ms)};
   if (o_.hot_fraction >= 0) {
     argv.insert(argv.end(), {"--hot-fraction", absl::StrCat(o_.hot_fraction)});
   }
@@ -173,10 +182,17 @@ absl::Status Deployment::StartGpuWorker() {
 
 absl::Status Deployment::StartCpuWorker() {
   const std::string mport_file = absl::StrCat(dir_, "/cpu.mport", restarts_++);
-  std::vector<std::string> argv = {Bin("pinfer-cpu-worker"), "--model", o_.model,
-                                   "--segment", segment_, "--metrics-port", "127.0.0.1:0",
-                                   "--metrics-port-file", mport_file,
-                                   "--liveness-ms", absl::StrCat(o_.liveness_ms)};
+  std::vector<std::string> argv = {Bin("pinfer-cpu-worker"),
+                                   "--model",
+                                   o_.model,
+                                   "--segment",
+                                   segment_,
+                                   "--metrics-port",
+                                   "127.0.0.1:0",
+                                   "--metrics-port-file",
+                                   mport_file,
+                                   "--liveness-ms",
+                                   absl::StrCat(o_.liveness_ms)};
   argv.insert(argv.end(), o_.cpu_flags.begin(), o_.cpu_flags.end());
   cpu_pid_ = Spawn("cpu-worker", argv);
   auto mport = WaitPortFile(mport_file, cpu_pid_);
@@ -188,11 +204,19 @@ absl::Status Deployment::StartCpuWorker() {
 absl::Status Deployment::StartGateway() {
   const std::string port_file = absl::StrCat(dir_, "/gateway.port", restarts_);
   const std::string mport_file = absl::StrCat(dir_, "/gateway.mport", restarts_++);
-  std::vector<std::string> argv = {Bin("pinfer-gateway"), "--workers",
-                                   absl::StrCat("127.0.0.1:", gpu_port_), "--listen",
-                                   "127.0.0.1:0", "--port-file", port_file, "--metrics-port",
-                                   "127.0.0.1:0", "--metrics-port-file", mport_file,
-                                   "--health-interval-ms", "100"};
+  std::vector<std::string> argv = {Bin("pinfer-gateway"),
+                                   "--workers",
+                                   absl::StrCat("127.0.0.1:", gpu_port_),
+                                   "--listen",
+                                   "127.0.0.1:0",
+                                   "--port-file",
+                                   port_file,
+                                   "--metrics-port",
+                                   "127.0.0.1:0",
+                                   "--metrics-port-file",
+                                   mport_file,
+                                   "--health-interval-ms",
+                                   "100"};
   argv.insert(argv.end(), o_.gateway_flags.begin(), o_.gateway_flags.end());
   gateway_pid_ = Spawn("gateway", argv);
   auto port = WaitPortFile(port_file, gateway_pid_);

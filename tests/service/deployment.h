@@ -20,7 +20,7 @@
 namespace pinfer::testing {
 
 struct DeploymentOptions {
-  std::string model;  // path
+  std::string model;          // path
   double hot_fraction = 0.5;  // negative: no --hot-fraction flag
   std::vector<std::string> gateway_flags, gpu_flags, cpu_flags;
   int liveness_ms = 1000;
@@ -92,7 +92,8 @@ struct GenerateResult {
   int messages = 0;
 };
 
-GenerateResult RunGenerate(pinfer::v1::Inference::Stub& stub, const pinfer::v1::GenerateRequest& req,
+GenerateResult RunGenerate(pinfer::v1::Inference::Stub& stub,
+                           const pinfer::v1::GenerateRequest& req,
                            std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
 }  // namespace pinfer::testing

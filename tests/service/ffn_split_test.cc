@@ -3,6 +3,8 @@
 // (the gate decides which rows are computed) and SiLU models (every row), for any placement. Also
 // checks that sparse masks restrict the work, and that the row store's resident footprint is the
 // selected rows only.
+#include "shared/service/ffn_split.h"
+
 #include <random>
 
 #include "gmock/gmock.h"
@@ -10,7 +12,6 @@
 #include "shared/engine/ops.h"
 #include "shared/engine/transformer.h"
 #include "shared/model/model.h"
-#include "shared/service/ffn_split.h"
 #include "shared/service/log.h"
 #include "shared/util/thread_pool.h"
 
@@ -147,8 +148,7 @@ TEST(FfnSplitTest, StoreHoldsOnlyItsRowsAndRejectsBadPlacements) {
 
   std::vector<std::vector<int32_t>> bad(c.n_layers);
   bad[1] = {3, 2};
-  EXPECT_THAT(FfnRowStore::Build(*m, bad).status().message(),
-              ::testing::HasSubstr("ascending"));
+  EXPECT_THAT(FfnRowStore::Build(*m, bad).status().message(), ::testing::HasSubstr("ascending"));
   EXPECT_EQ(FfnRowStore::Build(*m, {{1}}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(ModelFingerprint(*m), 0u);
 }
@@ -216,9 +216,8 @@ TEST(DecodeBatchTest, BatchedDecodeIsBitIdenticalToSingleSteps) {
     for (int s = 0; s < S; ++s) {
       ASSERT_EQ(la[s], lb[s]) << "sequence " << s << " step " << step;
       next[s] = static_cast<int32_t>(std::max_element(la[s].begin(), la[s].end()) - la[s].begin());
-      ASSERT_TRUE(single.Forward({&next[s], 1}, pos[s], ca[s].get(), LogitsMode::kLast,
-                                 la[s].data())
-                      .ok());
+      ASSERT_TRUE(
+          single.Forward({&next[s], 1}, pos[s], ca[s].get(), LogitsMode::kLast, la[s].data()).ok());
       batch.push_back({next[s], pos[s], cb[s].get(), lb[s].data()});
       pos[s] += 1;
     }

@@ -38,7 +38,9 @@ nlohmann::json ReadJson(const std::string& path) {
   return nlohmann::json::parse(in);
 }
 
-double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double Since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 // Polls `pred` for up to two seconds.
 bool Eventually(const std::function<bool()>& pred) {
@@ -417,7 +419,8 @@ std::pair<uint64_t, uint64_t> ResidentSplit(pid_t pid, const std::string& file) 
   while (std::getline(in, line)) {
     if (!line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) &&
         line.find('-') < line.find(' ')) {
-      in_file = line.size() >= file.size() && line.compare(line.size() - file.size(), file.size(), file) == 0;
+      in_file = line.size() >= file.size() &&
+                line.compare(line.size() - file.size(), file.size(), file) == 0;
       continue;
     }
     if (line.rfind("Rss:", 0) == 0) {
@@ -652,8 +655,8 @@ std::vector<uint32_t> GreedyOneByOne(const Model& m, FfnBlock* ffn, std::vector<
   std::vector<uint32_t> out;
   for (size_t i = 0; i + 1 < prompt + n; ++i) {
     const int32_t tok = ids[i];
-    EXPECT_TRUE(t.Forward({&tok, 1}, static_cast<int>(i), &cache, LogitsMode::kLast,
-                          logits.data()).ok());
+    EXPECT_TRUE(
+        t.Forward({&tok, 1}, static_cast<int>(i), &cache, LogitsMode::kLast, logits.data()).ok());
     if (i + 1 >= prompt) {
       const int32_t next =
           static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());

@@ -1,11 +1,11 @@
 // Tests of the shared-memory activation channel: segment creation and header checks, the
 // spin-then-futex wait, the per-layer exchange, and bounded failure when the peer dies, stalls or
 // is replaced (run against a real second process made with fork()).
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -159,7 +159,8 @@ absl::StatusOr<uint64_t> TestHandler(int layer, const float* x, int n, const uin
   for (int i = 0; i < n * hidden; ++i) out[i] = x[i] * (layer + 1);
   if (masks == nullptr) return 3ull * n;
   uint64_t count = 0;
-  for (int t = 0; t < n; ++t) count += __builtin_popcountll(masks[t * 2]) + __builtin_popcountll(masks[t * 2 + 1]);
+  for (int t = 0; t < n; ++t)
+    count += __builtin_popcountll(masks[t * 2]) + __builtin_popcountll(masks[t * 2 + 1]);
   return count;
 }
 
@@ -182,11 +183,9 @@ TEST(ExchangeTest, RoundTripsAndPairsAnswersWithRequests) {
     ASSERT_TRUE(att.ok());
     ExchangeServer s(std::move(*att), FastOptions());
     s.MarkReady(1234);
-    absl::Status st = s.Serve(
-        [](int layer, const float* x, int n, const uint64_t* masks, float* out) {
-          return TestHandler(layer, x, n, masks, out, 8);
-        },
-        stop);
+    absl::Status st = s.Serve([](int layer, const float* x, int n, const uint64_t* masks,
+                                 float* out) { return TestHandler(layer, x, n, masks, out, 8); },
+                              stop);
     EXPECT_TRUE(st.ok()) << st;
   });
   while (!client.PeerReady()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -223,10 +222,11 @@ TEST(ExchangeTest, HandlerErrorsTravelBack) {
     ASSERT_TRUE(att.ok());
     ExchangeServer s(std::move(*att), FastOptions());
     s.MarkReady(0);
-    (void)s.Serve([](int, const float*, int, const uint64_t*,
-                     float*) -> absl::StatusOr<uint64_t> {
-      return absl::ResourceExhaustedError("out of scratch");
-    }, stop);
+    (void)s.Serve(
+        [](int, const float*, int, const uint64_t*, float*) -> absl::StatusOr<uint64_t> {
+          return absl::ResourceExhaustedError("out of scratch");
+        },
+        stop);
   });
   while (!client.PeerReady()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   float x[8] = {}, out[8] = {};
@@ -378,9 +378,7 @@ TEST(ExchangeTest, ServerLetsGoWhenTheGpuWorkerGoes) {
   });
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status st = server.Serve(
-      [](int, const float*, int, const uint64_t*, float*) -> absl::StatusOr<uint64_t> {
-        return 0;
-      },
+      [](int, const float*, int, const uint64_t*, float*) -> absl::StatusOr<uint64_t> { return 0; },
       stop);
   closer.join();
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable);
