@@ -38,6 +38,14 @@ inline void unpack_q4(const uint8_t* qs, int8_t* q) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
                    _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight));
 }
+// Unscaled dot of one Q4_0 block's values (q - 8) with 32 floats, as a vector of partial sums.
+inline V q4_block_dot(const uint8_t* qs, const float* x) {
+  alignas(64) int8_t q[32];
+  unpack_q4(qs, q);
+  V bs = vzero();
+  for (int j = 0; j < 32; j += W) bs = vfma(vload_i8(q + j), vload(x + j), bs);
+  return bs;
+}
 }  // namespace
 
 #include "shared/engine/kernels_simd.inc"

@@ -33,6 +33,15 @@ inline void unpack_q4(const uint8_t* qs, int8_t* q) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
                    _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight));
 }
+// Unscaled dot of one Q4_0 block's values (q - 8) with 32 floats, unpacked in registers.
+inline V q4_block_dot(const uint8_t* qs, const float* x) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+  const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), eight);
+  const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight);
+  const V a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), vload(x));
+  return vfma(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), vload(x + 16), a);
+}
 }  // namespace
 
 #include "shared/engine/kernels_simd.inc"

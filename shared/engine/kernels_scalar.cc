@@ -24,6 +24,14 @@ inline void unpack_q4(const uint8_t* qs, int8_t* q) {
     q[j + 16] = static_cast<int8_t>((qs[j] >> 4) - 8);
   }
 }
+// Unscaled dot of one Q4_0 block's values (q - 8) with 32 floats, as a vector of partial sums.
+inline V q4_block_dot(const uint8_t* qs, const float* x) {
+  alignas(64) int8_t q[32];
+  unpack_q4(qs, q);
+  V bs = vzero();
+  for (int j = 0; j < 32; j += W) bs = vfma(vload_i8(q + j), vload(x + j), bs);
+  return bs;
+}
 }  // namespace
 
 #include "shared/engine/kernels_simd.inc"
