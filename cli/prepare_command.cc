@@ -27,7 +27,8 @@ constexpr char kUsage[] =
     "  activation magnitude each layer's predictor must keep on held-back tokens (default 0.96).\n"
     "  --ranks: candidate predictor sizes (default 128,192); per layer the smallest that skips\n"
     "  --min-sparsity of the neurons (default 0.7) at that recall, else the cheapest overall.\n"
-    "  SiLU models get training-free magnitude sparsity instead: --target-sparsity S (default 0.5)\n"
+    "  SiLU models get training-free magnitude sparsity instead: --target-sparsity S (default "
+    "0.5)\n"
     "  is the fraction of neurons each layer skips; the perplexity cost is measured and printed.\n";
 
 struct Options {
@@ -41,8 +42,7 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(Flags f, Flags::Parse(args,
                                          {"model", "calibration", "out", "vram-budget", "context",
                                           "target-recall", "ranks", "epochs", "max-tokens",
-                                          "threads", "report", "target-sparsity",
-                                          "min-sparsity"},
+                                          "threads", "report", "target-sparsity", "min-sparsity"},
                                          {"json"}));
   Options o;
   ASSIGN_OR_RETURN(o.prepare.model_path, f.Required("model"));
@@ -53,10 +53,12 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
     o.prepare.vram_budget = budget;
   }
   ASSIGN_OR_RETURN(int64_t context, f.Int("context", 2048));
-  if (context < 1 || context > (1 << 24)) return absl::InvalidArgumentError("--context out of range");
+  if (context < 1 || context > (1 << 24))
+    return absl::InvalidArgumentError("--context out of range");
   o.prepare.context = static_cast<int>(context);
   ASSIGN_OR_RETURN(double recall, f.Double("target-recall", o.prepare.training.target_recall));
-  if (!(recall > 0 && recall <= 1)) return absl::InvalidArgumentError("--target-recall must be in (0, 1]");
+  if (!(recall > 0 && recall <= 1))
+    return absl::InvalidArgumentError("--target-recall must be in (0, 1]");
   o.prepare.training.target_recall = recall;
   if (auto ranks = f.Get("ranks")) {
     o.prepare.training.ranks.clear();
@@ -81,7 +83,8 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   if (epochs < 0 || epochs > 1000) return absl::InvalidArgumentError("--epochs out of range");
   o.prepare.training.epochs = static_cast<int>(epochs);
   ASSIGN_OR_RETURN(o.prepare.max_calibration_tokens, f.Int("max-tokens", 0));
-  if (o.prepare.max_calibration_tokens < 0) return absl::InvalidArgumentError("--max-tokens out of range");
+  if (o.prepare.max_calibration_tokens < 0)
+    return absl::InvalidArgumentError("--max-tokens out of range");
   ASSIGN_OR_RETURN(int64_t threads, f.Int("threads", 2));
   if (threads < 1 || threads > 1024) return absl::InvalidArgumentError("--threads out of range");
   o.threads = static_cast<int>(threads);
@@ -152,8 +155,10 @@ int PrepareCommand(const std::vector<std::string>& args) {
     }
     if (result->plan.has_value()) {
       const PlacementPlan& p = *result->plan;
-      j["placement"] = {{"budget", p.budget},          {"cpu_only", p.cpu_only},
-                        {"dense_bytes", p.dense_bytes}, {"kv_cache_bytes", p.kv_cache_bytes},
+      j["placement"] = {{"budget", p.budget},
+                        {"cpu_only", p.cpu_only},
+                        {"dense_bytes", p.dense_bytes},
+                        {"kv_cache_bytes", p.kv_cache_bytes},
                         {"predictor_bytes", p.predictor_bytes},
                         {"scratch_bytes", p.scratch_bytes},
                         {"hot_row_bytes", p.hot_row_bytes},

@@ -130,7 +130,8 @@ int main(int argc, char** argv) {
       ops->MatMul(up.view, x.data(), 1, up_v.data());
       ops->GatedActivation(Activation::kRelu, g.data(), up_v.data(), F);
       ops->MatMul(down.view, g.data(), 1, out.data());
-      dense_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      dense_ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     }
     // Sparse rows for each token's mask.
     std::vector<double> sparse_ms;
@@ -143,7 +144,8 @@ int main(int argc, char** argv) {
       for (int i = 0; i < k; ++i) a[i] = std::max(g[i], 0.f) * up_v[i] + 1e-3f;  // all used
       std::fill(out.begin(), out.end(), 0.f);
       ops->AccumulateRows(down_t.view, rows.data(), k, a.data(), 1, out.data());
-      sparse_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      sparse_ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     }
     nlohmann::json j;
     j["dtype"] = name;
@@ -164,7 +166,9 @@ int main(int argc, char** argv) {
         ops->MatMul(fc1.view, x.data(), 1, h.data());
         for (float& v : h) v = std::max(v, 0.f);
         ops->MatMul(fc2.view, h.data(), 1, s.data());
-        pred_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+        pred_ms.push_back(
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                .count());
       }
       const double total = Median(sparse_ms) + Median(pred_ms);
       j["predictor"].push_back({{"rank", r},

@@ -121,9 +121,8 @@ int main(int argc, char** argv) {
     }
   }
   auto t0 = std::chrono::steady_clock::now();
-  auto trained = TrainPredictors(m, *ops, samples, to, [](const std::string& s) {
-    std::fprintf(stderr, "%s\n", s.c_str());
-  });
+  auto trained = TrainPredictors(
+      m, *ops, samples, to, [](const std::string& s) { std::fprintf(stderr, "%s\n", s.c_str()); });
   if (!trained.ok()) {
     std::fprintf(stderr, "%s\n", trained.status().ToString().c_str());
     return 1;
@@ -134,8 +133,11 @@ int main(int argc, char** argv) {
   const int windows = static_cast<int>(num("windows", 16));
   if (windows == 0) {
     for (const auto& r : trained->reports) {
-      std::printf("layer %d rank %3d | heldout-pairs: active %.3f recall %.3f mag %.4f precision %.3f sparsity %.3f\n",
-                  r.layer, r.rank, r.true_active_rate, r.recall, r.magnitude_recall, r.precision, r.sparsity);
+      std::printf(
+          "layer %d rank %3d | heldout-pairs: active %.3f recall %.3f mag %.4f precision %.3f "
+          "sparsity %.3f\n",
+          r.layer, r.rank, r.true_active_rate, r.recall, r.magnitude_recall, r.precision,
+          r.sparsity);
     }
     return 0;
   }

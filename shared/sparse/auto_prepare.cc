@@ -106,8 +106,8 @@ absl::StatusOr<std::string> EnsurePrepared(const std::string& model_path, const 
   fs::create_directories(fs::path(cached).parent_path(), ec);
   if (ec) {
     return absl::FailedPreconditionError(absl::StrCat("cannot create the cache folder ",
-                                                      fs::path(cached).parent_path().string(),
-                                                      ": ", ec.message()));
+                                                      fs::path(cached).parent_path().string(), ": ",
+                                                      ec.message()));
   }
   say(absl::StrCat("sparse: ", model_path,
                    " has no predictors; preparing it once with the bundled calibration text (",

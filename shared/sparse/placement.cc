@@ -71,8 +71,8 @@ std::string PlacementPlan::Summary() const {
   for (size_t l = 0; l < hot.size(); ++l) {
     absl::StrAppend(&s, "  layer ", l, ": ", hot[l].size(), " hot neurons\n");
   }
-  absl::StrAppend(&s, absl::StrFormat("  activations served by the GPU: %.1f%%\n",
-                                      100 * gpu_activation_share));
+  absl::StrAppend(
+      &s, absl::StrFormat("  activations served by the GPU: %.1f%%\n", 100 * gpu_activation_share));
   return s;
 }
 

@@ -51,11 +51,13 @@ struct PlacementPlan {
   uint64_t scratch_bytes = 0;
   uint64_t hot_row_bytes = 0;
   bool cpu_only = false;
-  std::vector<uint64_t> neuron_bytes;       // [layer]: bytes of one hot neuron's rows
-  std::vector<std::vector<int32_t>> hot;    // [layer]: hot neuron ids, ascending
-  double gpu_activation_share = 0;          // profiled activations served by hot neurons
+  std::vector<uint64_t> neuron_bytes;     // [layer]: bytes of one hot neuron's rows
+  std::vector<std::vector<int32_t>> hot;  // [layer]: hot neuron ids, ascending
+  double gpu_activation_share = 0;        // profiled activations served by hot neurons
 
-  uint64_t fixed_bytes() const { return dense_bytes + kv_cache_bytes + predictor_bytes + scratch_bytes; }
+  uint64_t fixed_bytes() const {
+    return dense_bytes + kv_cache_bytes + predictor_bytes + scratch_bytes;
+  }
   uint64_t gpu_bytes() const { return cpu_only ? 0 : fixed_bytes() + hot_row_bytes; }
   int64_t hot_neurons() const;
   // gpu_idx per layer as PowerInfer stores it: 1 for hot neurons, 0 for cold, [ffn].

@@ -5,9 +5,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cmath>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -21,8 +21,8 @@ namespace pinfer {
 namespace {
 
 // y: [n, rows] = x: [n, cols] @ w^T for a row-major fp32 w: [rows, cols].
-void MatMulF32(const CpuOps& ops, const float* w, int64_t rows, int64_t cols, const float* x,
-               int n, float* y) {
+void MatMulF32(const CpuOps& ops, const float* w, int64_t rows, int64_t cols, const float* x, int n,
+               float* y) {
   TensorView t;
   t.dtype = DType::kF32;
   t.shape = {rows, cols};
@@ -59,7 +59,8 @@ void GemmNN(const float* a, const float* b, float* c, int64_t m, int64_t k, int6
 
 std::vector<float> Dequantize(const TensorView& w) {
   std::vector<float> out(static_cast<size_t>(w.numel()));
-  for (int64_t r = 0; r < w.rows(); ++r) DequantizeRow(w.dtype, w.row(r), &out[r * w.cols()], w.cols());
+  for (int64_t r = 0; r < w.rows(); ++r)
+    DequantizeRow(w.dtype, w.row(r), &out[r * w.cols()], w.cols());
   return out;
 }
 
@@ -81,7 +82,8 @@ void OrthonormaliseG(std::vector<float>& z, const std::vector<float>& g, int h, 
       }
       for (int i = 0; i < h; ++i) {
         double s = 0;
-        for (int j = 0; j < h; ++j) s += static_cast<double>(g[static_cast<size_t>(i) * h + j]) * col[j];
+        for (int j = 0; j < h; ++j)
+          s += static_cast<double>(g[static_cast<size_t>(i) * h + j]) * col[j];
         gcol[i] = s;
       }
       double norm2 = 0;
@@ -105,8 +107,8 @@ void OrthonormaliseG(std::vector<float>& z, const std::vector<float>& g, int h, 
 // Everything training needs about one layer, computed once.
 struct LayerData {
   int64_t n = 0, n_train = 0;
-  std::vector<float> x;           // [n, hidden]
-  std::vector<float> importance;  // [n, ffn]: contribution of truly active neurons, else 0
+  std::vector<float> x;                  // [n, hidden]
+  std::vector<float> importance;         // [n, ffn]: contribution of truly active neurons, else 0
   std::vector<float> unit_contribution;  // [ffn]: contribution per unit of relu(gate)
   std::vector<float> second_moment;      // [hidden, hidden]: E[x x^T] over the training pairs
   std::vector<float> mean_active_importance;  // [ffn]: mean contribution when active (training)
@@ -124,8 +126,8 @@ absl::StatusOr<LayerData> PrepareLayer(const Model& model, const CpuOps& ops,
   const int64_t n_hold = std::max<int64_t>(1, static_cast<int64_t>(d.n * o.holdout_fraction));
   d.n_train = d.n - n_hold;
   if (d.n_train < 16) {
-    return absl::InvalidArgumentError(absl::StrCat("too few profiled tokens (", d.n,
-                                                   ") to train predictors"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("too few profiled tokens (", d.n, ") to train predictors"));
   }
   d.x.resize(static_cast<size_t>(d.n) * H);
   samples.Get(layer, 0, d.n, d.x.data());
@@ -240,7 +242,8 @@ Mlp ClosedFormInit(const Model& model, const LayerData& d, int layer, int r,
   std::vector<float> a(wg.size());
   for (int j = 0; j < F; ++j) {
     const float dj = o.weighted_regression ? d.unit_contribution[j] : 1.f;
-    for (int h = 0; h < H; ++h) a[static_cast<size_t>(j) * H + h] = dj * wg[static_cast<size_t>(j) * H + h];
+    for (int h = 0; h < H; ++h)
+      a[static_cast<size_t>(j) * H + h] = dj * wg[static_cast<size_t>(j) * H + h];
   }
   std::vector<float> at(a.size());
   Transpose(a.data(), F, H, at.data());
@@ -272,7 +275,8 @@ Mlp ClosedFormInit(const Model& model, const LayerData& d, int layer, int r,
     double var = 0;
     for (int p = 0; p < H; ++p) {
       double s = 0;
-      for (int q = 0; q < H; ++q) s += static_cast<double>(s2[static_cast<size_t>(p) * H + q]) * row[q];
+      for (int q = 0; q < H; ++q)
+        s += static_cast<double>(s2[static_cast<size_t>(p) * H + q]) * row[q];
       var += s * row[p];
     }
     const float sd = static_cast<float>(std::sqrt(std::max(var, 1e-30)));
@@ -354,8 +358,9 @@ void FineTune(const CpuOps& ops, const LayerData& d, int H, int F, Mlp& m,
   // (contribution / mean)^power, clipped; a table over the float's exponent and top mantissa bits
   // would do too, but pow on the ~20% active pairs is cheap next to the products.
   auto PositiveWeight = [&](float imp) {
-    const float w = o.positive_weight_power == 0.5f ? std::sqrt(imp * inv_mean)
-                                                    : std::pow(imp * inv_mean, o.positive_weight_power);
+    const float w = o.positive_weight_power == 0.5f
+                        ? std::sqrt(imp * inv_mean)
+                        : std::pow(imp * inv_mean, o.positive_weight_power);
     return std::clamp(w, o.positive_weight_min, o.positive_weight_max);
   };
   const float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
@@ -423,8 +428,9 @@ void FineTune(const CpuOps& ops, const LayerData& d, int H, int F, Mlp& m,
     }
   }
   if (std::getenv("PINFER_TRAIN_TIMING") != nullptr) {
-    std::fprintf(stderr, "fine-tune r=%d: %lld steps, %.2f s (forward %.2f, loss %.2f, backward %.2f)\n",
-                 r, static_cast<long long>(step),
+    std::fprintf(stderr,
+                 "fine-tune r=%d: %lld steps, %.2f s (forward %.2f, loss %.2f, backward %.2f)\n", r,
+                 static_cast<long long>(step),
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count(),
                  t_fwd, t_loss, t_bwd);
   }
@@ -476,8 +482,8 @@ Evaluation Calibrate(const CpuOps& ops, const LayerData& d, int H, int F, const 
   PredictorCandidate& c = e.candidate;
   c.rank = m.r;
   const int64_t n_active = static_cast<int64_t>(active.size());
-  c.threshold = fixed_threshold != nullptr ? *fixed_threshold
-                                           : ThresholdForWeightedRecall(active, target);
+  c.threshold =
+      fixed_threshold != nullptr ? *fixed_threshold : ThresholdForWeightedRecall(active, target);
   int64_t selected = 0, hits = 0;
   double mag_total = 0, mag_hit = 0;
   for (float sc : all_scores) selected += sc >= c.threshold;
@@ -529,7 +535,8 @@ void FoldPerNeuronThresholds(const CpuOps& ops, const LayerData& d, int H, int F
       for (int j = 0; j < F; ++j) {
         if (imp[j] <= 0) continue;
         const float sc = s[static_cast<size_t>(t) * F + j];
-        const float log_sigmoid = sc >= 0 ? -std::log1p(std::exp(-sc)) : sc - std::log1p(std::exp(sc));
+        const float log_sigmoid =
+            sc >= 0 ? -std::log1p(std::exp(-sc)) : sc - std::log1p(std::exp(sc));
         active.emplace_back(log_sigmoid + log_m[j], imp[j]);
       }
     }
@@ -551,8 +558,10 @@ void FoldPerNeuronThresholds(const CpuOps& ops, const LayerData& d, int H, int F
   }
   if (std::getenv("PINFER_TRAIN_TIMING") != nullptr) {
     std::sort(thrs.begin(), thrs.end());
-    std::fprintf(stderr, "per-neuron thresholds: lambda %.3f min %.3f p10 %.3f median %.3f p90 %.3f max %.3f\n",
-                 lambda, thrs.front(), thrs[F / 10], thrs[F / 2], thrs[9 * F / 10], thrs.back());
+    std::fprintf(
+        stderr,
+        "per-neuron thresholds: lambda %.3f min %.3f p10 %.3f median %.3f p90 %.3f max %.3f\n",
+        lambda, thrs.front(), thrs[F / 10], thrs[F / 2], thrs[9 * F / 10], thrs.back());
   }
 }
 
@@ -584,13 +593,14 @@ absl::StatusOr<TrainedPredictors> TrainPredictors(
   }
   if (samples.count == 0 || static_cast<int>(samples.inputs.size()) != c.n_layers ||
       samples.hidden != c.hidden_size) {
-    return absl::InvalidArgumentError("no FFN input samples for this model (profile with keep_inputs)");
+    return absl::InvalidArgumentError(
+        "no FFN input samples for this model (profile with keep_inputs)");
   }
   if (o.ranks.empty()) return absl::InvalidArgumentError("no candidate predictor ranks");
   for (int r : o.ranks) {
     if (r < 2 || r % 2 != 0 || r > 2 * c.hidden_size) {
-      return absl::InvalidArgumentError(absl::StrCat("predictor rank ", r,
-                                                     " must be even and in 2..", 2 * c.hidden_size));
+      return absl::InvalidArgumentError(
+          absl::StrCat("predictor rank ", r, " must be even and in 2..", 2 * c.hidden_size));
     }
   }
   if (!(o.target_recall > 0 && o.target_recall <= 1)) {
@@ -630,7 +640,8 @@ absl::StatusOr<TrainedPredictors> TrainPredictors(
     bool reached = false;
     Mlp best;
     for (int r : ranks) {
-      Mlp m = o.closed_form_init ? ClosedFormInit(model, d, l, r, o) : RandomInit(H, F, r, o.seed + l);
+      Mlp m =
+          o.closed_form_init ? ClosedFormInit(model, d, l, r, o) : RandomInit(H, F, r, o.seed + l);
       if (o.epochs > 0) FineTune(ops, d, H, F, m, o, o.seed + 31 * l + r);
       std::vector<uint8_t> unused;
       m.w1 = RoundTrip(m.w1, H, o.dtype, &unused);

@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <span>
 #include <filesystem>
+#include <span>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -20,13 +20,12 @@
 namespace pinfer {
 
 std::string FormatPredictorReport(const std::vector<LayerPredictorReport>& reports) {
-  std::string s =
-      "layer  rank  active  recall  mag.recall  precision  sparsity  predictor cost\n";
+  std::string s = "layer  rank  active  recall  mag.recall  precision  sparsity  predictor cost\n";
   for (const LayerPredictorReport& r : reports) {
-    absl::StrAppend(&s, absl::StrFormat("%5d  %4d  %6.3f  %6.3f  %10.4f  %9.3f  %8.3f  %13.3f\n",
-                                        r.layer, r.rank, r.true_active_rate, r.recall,
-                                        r.magnitude_recall, r.precision, r.sparsity,
-                                        r.predictor_cost));
+    absl::StrAppend(
+        &s, absl::StrFormat("%5d  %4d  %6.3f  %6.3f  %10.4f  %9.3f  %8.3f  %13.3f\n", r.layer,
+                            r.rank, r.true_active_rate, r.recall, r.magnitude_recall, r.precision,
+                            r.sparsity, r.predictor_cost));
   }
   return s;
 }
@@ -39,8 +38,7 @@ namespace {
 absl::StatusOr<PrepareResult> PrepareMagnitudeSparsity(
     const PrepareOptions& o, const CpuOps& ops, const Model& model, const GgufFile& source,
     const std::vector<int32_t>& tokens, ProfileResult prof, PrepareResult result,
-    const std::function<void(const std::string&)>& log,
-    std::chrono::steady_clock::time_point t0) {
+    const std::function<void(const std::string&)>& log, std::chrono::steady_clock::time_point t0) {
   const ModelConfig& c = model.config;
   if (!(o.target_sparsity >= 0 && o.target_sparsity < 1)) {
     return absl::InvalidArgumentError("target sparsity must be in [0, 1)");
@@ -95,8 +93,10 @@ absl::StatusOr<PrepareResult> PrepareMagnitudeSparsity(
         100 * (sparse.perplexity / dense.perplexity - 1), use, ffn->stats().Sparsity()));
   }
   std::vector<std::pair<std::string, std::string>> keys;
-  if (!o.source_fingerprint.empty()) keys.emplace_back("pinfer.sparse.source", o.source_fingerprint);
-  RETURN_IF_ERROR(WriteMagnitudeSparseModel(source, p, result.magnitude_thresholds, keys, o.out_path));
+  if (!o.source_fingerprint.empty())
+    keys.emplace_back("pinfer.sparse.source", o.source_fingerprint);
+  RETURN_IF_ERROR(
+      WriteMagnitudeSparseModel(source, p, result.magnitude_thresholds, keys, o.out_path));
   log(absl::StrCat("wrote ", o.out_path));
   if (o.vram_budget.has_value()) {
     PlacementOptions plo;
@@ -143,7 +143,8 @@ absl::StatusOr<PrepareResult> PrepareModel(const PrepareOptions& o, const CpuOps
     temp_source = o.out_path + ".source.tmp";
     GgufConvertOptions co;
     co.type = model->layers[0].gate.dtype == DType::kF16 ? GgmlType::kF16 : GgmlType::kF32;
-    log(absl::StrCat("converting ", o.model_path, " to GGUF (", GgmlTypeName(static_cast<uint32_t>(co.type)), ")"));
+    log(absl::StrCat("converting ", o.model_path, " to GGUF (",
+                     GgmlTypeName(static_cast<uint32_t>(co.type)), ")"));
     RETURN_IF_ERROR(ConvertHuggingFaceToGguf(o.model_path, temp_source, co));
     ASSIGN_OR_RETURN(source, GgufFile::Open(temp_source));
   }
@@ -155,8 +156,10 @@ absl::StatusOr<PrepareResult> PrepareModel(const PrepareOptions& o, const CpuOps
   } cleanup{temp_source};
 
   // 1. Profile.
-  ASSIGN_OR_RETURN(std::vector<int32_t> tokens, TokenizeCalibrationText(*model, o.calibration_text));
-  if (o.max_calibration_tokens > 0 && static_cast<int64_t>(tokens.size()) > o.max_calibration_tokens) {
+  ASSIGN_OR_RETURN(std::vector<int32_t> tokens,
+                   TokenizeCalibrationText(*model, o.calibration_text));
+  if (o.max_calibration_tokens > 0 &&
+      static_cast<int64_t>(tokens.size()) > o.max_calibration_tokens) {
     tokens.resize(o.max_calibration_tokens);
   }
   ProfileOptions po;
@@ -171,25 +174,29 @@ absl::StatusOr<PrepareResult> PrepareModel(const PrepareOptions& o, const CpuOps
   {
     std::string rates;
     for (int l = 0; l < c.n_layers; ++l) {
-      absl::StrAppend(&rates, l == 0 ? "" : " ", absl::StrFormat("%.3f", prof.profile.MeanActiveFraction(l)));
+      absl::StrAppend(&rates, l == 0 ? "" : " ",
+                      absl::StrFormat("%.3f", prof.profile.MeanActiveFraction(l)));
     }
     log(absl::StrFormat("profiled %d tokens in %.1f s; active fraction per layer: %s",
                         prof.profile.tokens, result.profile_seconds, rates));
   }
 
   if (c.activation == Activation::kSilu) {
-    return PrepareMagnitudeSparsity(o, ops, *model, *source, tokens, std::move(prof), std::move(result), log, t0);
+    return PrepareMagnitudeSparsity(o, ops, *model, *source, tokens, std::move(prof),
+                                    std::move(result), log, t0);
   }
 
   // 2. Train predictors.
   const auto tt = std::chrono::steady_clock::now();
   int layers_done = 0;
-  ASSIGN_OR_RETURN(TrainedPredictors trained,
-                   TrainPredictors(*model, ops, prof.samples, o.training, [&](const std::string& s) {
-                     log(s);
-                     if (pg.bar) pg.bar("training", static_cast<double>(++layers_done) /
-                                                        (c.n_layers * o.training.ranks.size()));
-                   }));
+  ASSIGN_OR_RETURN(
+      TrainedPredictors trained,
+      TrainPredictors(*model, ops, prof.samples, o.training, [&](const std::string& s) {
+        log(s);
+        if (pg.bar)
+          pg.bar("training",
+                 static_cast<double>(++layers_done) / (c.n_layers * o.training.ranks.size()));
+      }));
   result.train_seconds = seconds_since(tt);
   prof.samples = FfnSamples();  // free the inputs
   result.reports = trained.reports;

@@ -84,15 +84,27 @@ absl::Status CopyKey(const GgufKeyValue& kv, GgufWriter* w) {
   switch (v.type) {
     case GgufType::kUint8:
     case GgufType::kUint16:
-    case GgufType::kUint32: w->SetU32(kv.key, static_cast<uint32_t>(v.u64)); return absl::OkStatus();
+    case GgufType::kUint32:
+      w->SetU32(kv.key, static_cast<uint32_t>(v.u64));
+      return absl::OkStatus();
     case GgufType::kInt8:
     case GgufType::kInt16:
-    case GgufType::kInt32: w->SetI32(kv.key, static_cast<int32_t>(v.i64)); return absl::OkStatus();
-    case GgufType::kUint64: w->SetU64(kv.key, v.u64); return absl::OkStatus();
+    case GgufType::kInt32:
+      w->SetI32(kv.key, static_cast<int32_t>(v.i64));
+      return absl::OkStatus();
+    case GgufType::kUint64:
+      w->SetU64(kv.key, v.u64);
+      return absl::OkStatus();
     case GgufType::kFloat32:
-    case GgufType::kFloat64: w->SetF32(kv.key, static_cast<float>(v.f64)); return absl::OkStatus();
-    case GgufType::kBool: w->SetBool(kv.key, v.u64 != 0); return absl::OkStatus();
-    case GgufType::kString: w->SetString(kv.key, v.str); return absl::OkStatus();
+    case GgufType::kFloat64:
+      w->SetF32(kv.key, static_cast<float>(v.f64));
+      return absl::OkStatus();
+    case GgufType::kBool:
+      w->SetBool(kv.key, v.u64 != 0);
+      return absl::OkStatus();
+    case GgufType::kString:
+      w->SetString(kv.key, v.str);
+      return absl::OkStatus();
     case GgufType::kArray:
       switch (v.array.elem_type) {
         case GgufType::kString: {
@@ -100,15 +112,21 @@ absl::Status CopyKey(const GgufKeyValue& kv, GgufWriter* w) {
           w->SetStringArray(kv.key, s);
           return absl::OkStatus();
         }
-        case GgufType::kFloat32: w->SetF32Array(kv.key, ArrayValues<float>(v.array)); return absl::OkStatus();
-        case GgufType::kInt32: w->SetI32Array(kv.key, ArrayValues<int32_t>(v.array)); return absl::OkStatus();
-        default: break;
+        case GgufType::kFloat32:
+          w->SetF32Array(kv.key, ArrayValues<float>(v.array));
+          return absl::OkStatus();
+        case GgufType::kInt32:
+          w->SetI32Array(kv.key, ArrayValues<int32_t>(v.array));
+          return absl::OkStatus();
+        default:
+          break;
       }
       break;
-    default: break;
+    default:
+      break;
   }
-  return absl::UnimplementedError(absl::StrCat("cannot copy metadata key '", kv.key, "' of type ",
-                                               GgufTypeName(v.type)));
+  return absl::UnimplementedError(
+      absl::StrCat("cannot copy metadata key '", kv.key, "' of type ", GgufTypeName(v.type)));
 }
 
 absl::StatusOr<GgmlType> TypeOf(DType t) { return GgmlTypeFromDType(t); }
@@ -152,8 +170,8 @@ absl::Status WritePreparedModel(const GgufFile& src, const PreparedContents& con
     std::string rest;
     const bool in_layer = SplitLayerName(info.name, &l, &rest) && l >= 0 && l < n_layers;
     if (in_layer && (rest == "fc1.weight" || rest == "fc2.weight")) continue;  // replaced below
-    if (in_layer && (rest == "ffn_gate.weight" || rest == "ffn_up.weight" ||
-                     rest == "ffn_down_t.weight")) {
+    if (in_layer &&
+        (rest == "ffn_gate.weight" || rest == "ffn_up.weight" || rest == "ffn_down_t.weight")) {
       ASSIGN_OR_RETURN(TensorView t, GgufFile::ToTensorView(info));
       if (t.rows() != ffn) {
         return absl::InvalidArgumentError(absl::StrCat(info.name, " does not have ", ffn, " rows"));
@@ -165,7 +183,8 @@ absl::Status WritePreparedModel(const GgufFile& src, const PreparedContents& con
     if (in_layer && rest == "ffn_down.weight") {
       ASSIGN_OR_RETURN(TensorView t, GgufFile::ToTensorView(info));
       if (t.cols() != ffn) {
-        return absl::InvalidArgumentError(absl::StrCat(info.name, " does not have ", ffn, " columns"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(info.name, " does not have ", ffn, " columns"));
       }
       if (IsQuantized(t.dtype) && t.rows() % kQuantBlock != 0) {
         return absl::InvalidArgumentError(absl::StrCat(info.name, ": hidden size ", t.rows(),
@@ -176,13 +195,14 @@ absl::Status WritePreparedModel(const GgufFile& src, const PreparedContents& con
                                   TransposedDown(t, order[l])));
       continue;
     }
-    RETURN_IF_ERROR(w.AddTensor(info.name, static_cast<GgmlType>(info.type), info.shape(),
-                                RawBytes(&info)));
+    RETURN_IF_ERROR(
+        w.AddTensor(info.name, static_cast<GgmlType>(info.type), info.shape(), RawBytes(&info)));
   }
   for (int l = 0; l < n_layers; ++l) {
     const LayerPredictor& p = pred.layers[l];
     if (p.fc2.rows() != ffn) {
-      return absl::InvalidArgumentError(absl::StrCat("layer ", l, ": fc2 does not have ", ffn, " rows"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", l, ": fc2 does not have ", ffn, " rows"));
     }
     ASSIGN_OR_RETURN(GgmlType t1, TypeOf(p.fc1.dtype));
     ASSIGN_OR_RETURN(GgmlType t2, TypeOf(p.fc2.dtype));
@@ -216,8 +236,8 @@ absl::Status WriteMagnitudeSparseModel(
   }
   for (const auto& [key, value] : string_keys) w.SetString(key, value);
   for (const GgufTensorInfo& info : src.tensors()) {
-    RETURN_IF_ERROR(w.AddTensor(info.name, static_cast<GgmlType>(info.type), info.shape(),
-                                RawBytes(&info)));
+    RETURN_IF_ERROR(
+        w.AddTensor(info.name, static_cast<GgmlType>(info.type), info.shape(), RawBytes(&info)));
   }
   return w.WriteFile(out_path);
 }
@@ -236,8 +256,8 @@ absl::StatusOr<PreparedModel> LoadPreparedModel(const std::string& path) {
     ASSIGN_OR_RETURN(thresholds, f.GetF32Array("pinfer.sparse.thresholds"));
     if (static_cast<int>(thresholds.size()) != c.n_layers) {
       return absl::InvalidArgumentError(absl::StrCat(path, ": pinfer.sparse.thresholds has ",
-                                                     thresholds.size(), " values for ",
-                                                     c.n_layers, " layers"));
+                                                     thresholds.size(), " values for ", c.n_layers,
+                                                     " layers"));
     }
   }
   for (int l = 0; l < c.n_layers; ++l) {
@@ -247,9 +267,9 @@ absl::StatusOr<PreparedModel> LoadPreparedModel(const std::string& path) {
     ASSIGN_OR_RETURN(lp.fc2, f.GetTensor(p + "fc2.weight"));
     if (lp.fc1.shape.size() != 2 || lp.fc2.shape.size() != 2 || lp.fc1.cols() != c.hidden_size ||
         lp.fc2.rows() != c.ffn_size || lp.fc2.cols() != lp.fc1.rows()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ": layer ", l, ": predictor shapes must be fc1 [rank, ", c.hidden_size,
-          "] and fc2 [", c.ffn_size, ", rank]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": layer ", l, ": predictor shapes must be fc1 [rank, ", c.hidden_size,
+                       "] and fc2 [", c.ffn_size, ", rank]"));
     }
     lp.threshold = thresholds[l];
     pm.predictors.layers.push_back(lp);
@@ -272,13 +292,13 @@ absl::StatusOr<PreparedModel> LoadPreparedModel(const std::string& path) {
     ASSIGN_OR_RETURN(uint64_t tokens, f.GetU64("pinfer.sparse.profile_tokens"));
     pm.profile_tokens = static_cast<int64_t>(tokens);
     for (int l = 0; l < c.n_layers; ++l) {
-      ASSIGN_OR_RETURN(std::vector<float> freq,
-                       f.GetF32Array(absl::StrCat("pinfer.sparse.blk.", l, ".activation_frequency")));
+      ASSIGN_OR_RETURN(
+          std::vector<float> freq,
+          f.GetF32Array(absl::StrCat("pinfer.sparse.blk.", l, ".activation_frequency")));
       if (static_cast<int>(freq.size()) != c.ffn_size) {
         return absl::InvalidArgumentError(absl::StrCat(path, ": layer ", l,
-                                                       ": activation frequencies for ",
-                                                       freq.size(), " neurons, expected ",
-                                                       c.ffn_size));
+                                                       ": activation frequencies for ", freq.size(),
+                                                       " neurons, expected ", c.ffn_size));
       }
       pm.activation_frequency.push_back(std::move(freq));
     }
@@ -304,9 +324,7 @@ absl::StatusOr<ActivationProfile> StoredProfile(const PreparedModel& pm) {
   return p;
 }
 
-std::string GpuIndexPath(const std::string& model_path) {
-  return model_path + ".generated.gpuidx";
-}
+std::string GpuIndexPath(const std::string& model_path) { return model_path + ".generated.gpuidx"; }
 
 GpuIndex GpuIndexFromPlan(const PlacementPlan& plan, int ffn) {
   GpuIndex g;
@@ -329,9 +347,10 @@ absl::Status WriteGpuIndex(const GpuIndex& index, const std::string& path) {
   };
   for (int l = 0; l < n_layers; ++l) {
     if (index.gpu_bucket[l].empty()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "layer ", l, " has no GPU neurons; a PowerInfer GPU index cannot express an empty GPU "
-          "share (raise the VRAM budget or run CPU-only without an index)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("layer ", l,
+                       " has no GPU neurons; a PowerInfer GPU index cannot express an empty GPU "
+                       "share (raise the VRAM budget or run CPU-only without an index)"));
     }
     const std::vector<int32_t>& idx = index.gpu_idx[l];
     RETURN_IF_ERROR(w.AddTensor(absl::StrCat("blk.", l, ".gpu_idx"), GgmlType::kI32,
@@ -344,16 +363,17 @@ absl::Status WriteGpuIndex(const GpuIndex& index, const std::string& path) {
 }
 
 absl::StatusOr<GpuIndex> ReadGpuIndex(const std::string& path, int n_layers, int ffn) {
-  ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> f, GgufFile::Open(path, {kPowerInferMagic, kGgufMagic}));
+  ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> f,
+                   GgufFile::Open(path, {kPowerInferMagic, kGgufMagic}));
   ASSIGN_OR_RETURN(std::string arch, f->GetString("general.architecture"));
   if (arch != kGpuIndexArchitecture) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": architecture '", arch, "' is not ",
-                                                   kGpuIndexArchitecture));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": architecture '", arch, "' is not ", kGpuIndexArchitecture));
   }
   ASSIGN_OR_RETURN(uint32_t blocks, f->GetU32(absl::StrCat(kGpuIndexArchitecture, ".block_count")));
   if (static_cast<int>(blocks) != n_layers) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": index for ", blocks,
-                                                   " layers, the model has ", n_layers));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": index for ", blocks, " layers, the model has ", n_layers));
   }
   GpuIndex g;
   ASSIGN_OR_RETURN(g.vram_capacity, f->GetU64("split.vram_capacity"));
@@ -376,15 +396,15 @@ absl::StatusOr<GpuIndex> ReadGpuIndex(const std::string& path, int n_layers, int
     std::vector<int32_t> marked;
     for (int j = 0; j < ffn; ++j) {
       if (idx[j] != 0 && idx[j] != 1) {
-        return absl::InvalidArgumentError(absl::StrCat(path, ": ", p, "gpu_idx[", j, "] is ",
-                                                       idx[j], ", not 0 or 1"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(path, ": ", p, "gpu_idx[", j, "] is ", idx[j], ", not 0 or 1"));
       }
       if (idx[j] == 1) marked.push_back(j);
     }
     if (bucket != marked) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ": ", p, "gpu_bucket does not list, in ascending order, the ", marked.size(),
-          " neurons gpu_idx marks"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": ", p, "gpu_bucket does not list, in ascending order, the ",
+                       marked.size(), " neurons gpu_idx marks"));
     }
     g.gpu_idx.push_back(std::move(idx));
     g.gpu_bucket.push_back(std::move(bucket));

@@ -42,8 +42,8 @@ inline constexpr char kGpuIndexArchitecture[] = "generic.gpu_index";
 
 // What `pinfer prepare` adds to a model.
 struct PreparedContents {
-  ActivationProfile profile;   // in the source model's neuron numbering
-  PredictorSet predictors;     // in the source model's neuron numbering, per-layer thresholds
+  ActivationProfile profile;  // in the source model's neuron numbering
+  PredictorSet predictors;    // in the source model's neuron numbering, per-layer thresholds
   std::vector<std::pair<std::string, std::string>> string_keys;  // extra metadata (pinfer.*)
 };
 
@@ -51,10 +51,10 @@ struct PreparedContents {
 // kept, llama.cpp still loads it) plus pinfer.sparse.magnitude_thresholds (per layer: neurons
 // with |silu(gate)| at or below it are skipped), the profile keys and string_keys.
 inline constexpr char kMagnitudeThresholdsKey[] = "pinfer.sparse.magnitude_thresholds";
-absl::Status WriteMagnitudeSparseModel(const GgufFile& source, const ActivationProfile& profile,
-                                       const std::vector<float>& thresholds,
-                                       const std::vector<std::pair<std::string, std::string>>& string_keys,
-                                       const std::string& out_path);
+absl::Status WriteMagnitudeSparseModel(
+    const GgufFile& source, const ActivationProfile& profile, const std::vector<float>& thresholds,
+    const std::vector<std::pair<std::string, std::string>>& string_keys,
+    const std::string& out_path);
 
 // Writes the prepared model from a source GGUF model file (llama architecture, with ffn_down or
 // already with ffn_down_t). Down projections of quantized models are re-quantized after the

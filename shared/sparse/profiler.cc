@@ -53,8 +53,12 @@ class RecordingFfn : public FfnBlock {
       const float g = gate_[i];
       bool active = false;
       switch (c.activation) {
-        case Activation::kRelu: active = g > 0; break;
-        case Activation::kDRelu: active = g > 0 && up_[i] > 0; break;
+        case Activation::kRelu:
+          active = g > 0;
+          break;
+        case Activation::kDRelu:
+          active = g > 0 && up_[i] > 0;
+          break;
         case Activation::kSilu:
           // No exact zeros: the gate's magnitude decides (the up factor is not known yet when a
           // sparse FFN applies the threshold).
@@ -95,8 +99,8 @@ absl::StatusOr<ProfileResult> ProfileActivations(
     const ProfileOptions& options, const std::function<void(int64_t, int64_t)>& progress) {
   const ModelConfig& c = model.config;
   if (options.window < 2 || options.window > c.max_context) {
-    return absl::InvalidArgumentError(absl::StrCat("profiling window ", options.window,
-                                                   " must be in 2..", c.max_context));
+    return absl::InvalidArgumentError(
+        absl::StrCat("profiling window ", options.window, " must be in 2..", c.max_context));
   }
   if (!options.magnitude_thresholds.empty() &&
       static_cast<int>(options.magnitude_thresholds.size()) != c.n_layers) {
@@ -109,8 +113,7 @@ absl::StatusOr<ProfileResult> ProfileActivations(
   const int64_t n_windows = usable / options.window;
   if (n_windows == 0) {
     return absl::InvalidArgumentError(absl::StrCat("profiling needs at least one window of ",
-                                                   options.window, " tokens, got ",
-                                                   tokens.size()));
+                                                   options.window, " tokens, got ", tokens.size()));
   }
   const int64_t total = n_windows * options.window;
 

@@ -48,9 +48,9 @@ struct FfnSamples {
 };
 
 struct ProfileOptions {
-  int window = 512;          // tokens per independent forward pass (fresh KV cache each)
-  int64_t max_tokens = 0;    // 0: all whole windows of the input
-  bool keep_inputs = true;   // fill FfnSamples
+  int window = 512;         // tokens per independent forward pass (fresh KV cache each)
+  int64_t max_tokens = 0;   // 0: all whole windows of the input
+  bool keep_inputs = true;  // fill FfnSamples
   // SiLU models only: per layer |act| threshold above which a neuron counts as active. Empty:
   // every non-zero activation counts (which for SiLU is every neuron).
   std::vector<float> magnitude_thresholds;
@@ -65,8 +65,7 @@ struct ProfileResult {
 // progress(done_tokens, total_tokens) is called after each window.
 absl::StatusOr<ProfileResult> ProfileActivations(
     const Model& model, const CpuOps& ops, std::span<const int32_t> tokens,
-    const ProfileOptions& options,
-    const std::function<void(int64_t, int64_t)>& progress = nullptr);
+    const ProfileOptions& options, const std::function<void(int64_t, int64_t)>& progress = nullptr);
 
 // Tokenizes a calibration text for profiling: BOS (when the model adds one) followed by the whole
 // text as one stream.

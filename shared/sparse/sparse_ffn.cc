@@ -19,9 +19,12 @@ inline float Silu(float g) { return g / (1.f + std::exp(-g)); }
 // The activation of one neuron from its gate and up values, exactly as GatedActivation computes it.
 inline float Activate(Activation act, float g, float u) {
   switch (act) {
-    case Activation::kSilu: return Silu(g) * u;
-    case Activation::kRelu: return (g > 0 ? g : 0.f) * u;
-    case Activation::kDRelu: return (g > 0 ? g : 0.f) * (u > 0 ? u : 0.f);
+    case Activation::kSilu:
+      return Silu(g) * u;
+    case Activation::kRelu:
+      return (g > 0 ? g : 0.f) * u;
+    case Activation::kDRelu:
+      return (g > 0 ? g : 0.f) * (u > 0 ? u : 0.f);
   }
   return 0;
 }
@@ -29,9 +32,8 @@ inline float Activate(Activation act, float g, float u) {
 absl::Status CheckDownT(const Model& model, const std::vector<TensorView>& down_t) {
   const ModelConfig& c = model.config;
   if (static_cast<int>(down_t.size()) != c.n_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("expected ", c.n_layers,
-                                                   " transposed down projections, got ",
-                                                   down_t.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected ", c.n_layers, " transposed down projections, got ", down_t.size()));
   }
   for (int l = 0; l < c.n_layers; ++l) {
     const TensorView& d = down_t[l];
@@ -164,9 +166,8 @@ absl::StatusOr<std::unique_ptr<GateSparseFfn>> GateSparseFfn::Create(
   }
   if (!magnitude_thresholds.empty() &&
       static_cast<int>(magnitude_thresholds.size()) != c.n_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("expected ", c.n_layers,
-                                                   " magnitude thresholds, got ",
-                                                   magnitude_thresholds.size()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expected ", c.n_layers, " magnitude thresholds, got ", magnitude_thresholds.size()));
   }
   return std::unique_ptr<GateSparseFfn>(
       new GateSparseFfn(model, ops, std::move(down_t), std::move(magnitude_thresholds)));
@@ -234,16 +235,16 @@ absl::StatusOr<std::unique_ptr<PredictedSparseFfn>> PredictedSparseFfn::Create(
   const ModelConfig& c = model.config;
   RETURN_IF_ERROR(CheckDownT(model, down_t));
   if (predictors == nullptr || static_cast<int>(predictors->layers.size()) != c.n_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("expected predictors for ", c.n_layers,
-                                                   " layers"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected predictors for ", c.n_layers, " layers"));
   }
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerPredictor& p = predictors->layers[l];
     if (p.fc1.shape.size() != 2 || p.fc2.shape.size() != 2 || p.fc1.cols() != c.hidden_size ||
         p.fc2.rows() != c.ffn_size || p.fc2.cols() != p.fc1.rows()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "layer ", l, ": predictor shapes must be fc1 [rank, ", c.hidden_size, "] and fc2 [",
-          c.ffn_size, ", rank]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", l, ": predictor shapes must be fc1 [rank, ", c.hidden_size,
+                       "] and fc2 [", c.ffn_size, ", rank]"));
     }
   }
   return std::unique_ptr<PredictedSparseFfn>(

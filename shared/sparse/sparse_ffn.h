@@ -70,10 +70,10 @@ struct SparseFfnLayerStats {
   int64_t gate_rows = 0;  // gate rows computed
   int64_t computed = 0;   // neurons whose up and down rows were computed
   // Only when recall is measured (PredictedSparseFfn::set_measure_recall):
-  int64_t true_active = 0;         // neurons truly active
-  int64_t true_active_hit = 0;     // ... of which the predictor selected
-  double magnitude_total = 0;      // sum over truly active of |act * up| * |down row|
-  double magnitude_hit = 0;        // ... of those selected
+  int64_t true_active = 0;      // neurons truly active
+  int64_t true_active_hit = 0;  // ... of which the predictor selected
+  double magnitude_total = 0;   // sum over truly active of |act * up| * |down row|
+  double magnitude_hit = 0;     // ... of those selected
 };
 
 struct SparseFfnStats {
@@ -120,9 +120,10 @@ class GateSparseFfn : public FfnBlock {
 class PredictedSparseFfn : public FfnBlock {
  public:
   // down_t as above; predictors must outlive this.
-  static absl::StatusOr<std::unique_ptr<PredictedSparseFfn>> Create(
-      const Model& model, const CpuOps& ops, std::vector<TensorView> down_t,
-      const PredictorSet* predictors);
+  static absl::StatusOr<std::unique_ptr<PredictedSparseFfn>> Create(const Model& model,
+                                                                    const CpuOps& ops,
+                                                                    std::vector<TensorView> down_t,
+                                                                    const PredictorSet* predictors);
 
   absl::Status Forward(int layer, const float* x, int n, float* out) override;
   // Also runs the dense gate and up to compare the prediction with the true activations

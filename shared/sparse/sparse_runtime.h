@@ -34,7 +34,8 @@ class SparseSession {
 
  private:
   friend absl::StatusOr<std::unique_ptr<SparseSession>> OpenSparseSession(
-      const std::string&, SparseMode, const CpuOps&, const std::function<void(const std::string&)>&);
+      const std::string&, SparseMode, const CpuOps&,
+      const std::function<void(const std::string&)>&);
   SparseMode mode_ = SparseMode::kExact;
   std::unique_ptr<Model> owned_model_;
   std::unique_ptr<PreparedModel> prepared_;

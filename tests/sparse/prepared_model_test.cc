@@ -226,8 +226,8 @@ TEST_F(PreparedModelTest, NeuronsAreOrderedHotFirstAndTheProfileIsKept) {
     EXPECT_TRUE(std::is_sorted(freq.rbegin(), freq.rend())) << "layer " << l;
     // The hottest stored neuron is the source's hottest: its gate row moved to row 0.
     const auto& counts = contents_.profile.active[l];
-    const int32_t hottest = static_cast<int32_t>(
-        std::max_element(counts.begin(), counts.end()) - counts.begin());
+    const int32_t hottest =
+        static_cast<int32_t>(std::max_element(counts.begin(), counts.end()) - counts.begin());
     EXPECT_FLOAT_EQ(freq[0], counts[hottest] / 1000.f);
     EXPECT_EQ(std::string(reinterpret_cast<const char*>(pm->model->layers[l].gate.row(0)), 128),
               std::string(reinterpret_cast<const char*>(model_->layers[l].gate.row(hottest)), 128));
@@ -245,7 +245,8 @@ TEST_F(PreparedModelTest, NeuronsAreOrderedHotFirstAndTheProfileIsKept) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->hot_neurons(), 37);
   for (int l = 0; l < 2; ++l) {
-    for (size_t i = 0; i < plan->hot[l].size(); ++i) EXPECT_EQ(plan->hot[l][i], static_cast<int>(i));
+    for (size_t i = 0; i < plan->hot[l].size(); ++i)
+      EXPECT_EQ(plan->hot[l][i], static_cast<int>(i));
   }
 }
 
@@ -257,7 +258,8 @@ TEST_F(PreparedModelTest, HotAndColdRowsAreContiguousByteRanges) {
   ASSERT_TRUE(bytes.ok());
   auto ranges = SplitByteRanges(**f, 1, 40);
   ASSERT_TRUE(ranges.ok()) << ranges.status();
-  const char* names[3] = {"blk.1.ffn_gate.weight", "blk.1.ffn_up.weight", "blk.1.ffn_down_t.weight"};
+  const char* names[3] = {"blk.1.ffn_gate.weight", "blk.1.ffn_up.weight",
+                          "blk.1.ffn_down_t.weight"};
   for (int i = 0; i < 3; ++i) {
     auto t = (*f)->GetTensor(names[i]);
     ASSERT_TRUE(t.ok());

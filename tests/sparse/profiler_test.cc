@@ -42,12 +42,12 @@ TEST(ProfilerTest, ActivationRatesMatchTransformersStatistics) {
   ProfileOptions o;
   o.keep_inputs = false;
   int64_t last = 0;
-  auto r = ProfileActivations(**model, *ops, HeldOut(32 * 512), o,
-                              [&](int64_t done, int64_t total) {
-                                EXPECT_GT(done, last);
-                                EXPECT_EQ(total, 32 * 512);
-                                last = done;
-                              });
+  auto r =
+      ProfileActivations(**model, *ops, HeldOut(32 * 512), o, [&](int64_t done, int64_t total) {
+        EXPECT_GT(done, last);
+        EXPECT_EQ(total, 32 * 512);
+        last = done;
+      });
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->profile.tokens, 32 * 512);
   std::ifstream in(kModelDir + "/reference.json");
@@ -56,7 +56,8 @@ TEST(ProfilerTest, ActivationRatesMatchTransformersStatistics) {
     SCOPED_TRACE(l);
     const auto& stats = ref["activation_stats"][l];
     // A sample of 4096 tokens against the reference's full measurement.
-    EXPECT_NEAR(r->profile.MeanActiveFraction(l), stats["mean_active_fraction"].get<double>(), 0.02);
+    EXPECT_NEAR(r->profile.MeanActiveFraction(l), stats["mean_active_fraction"].get<double>(),
+                0.02);
     // Per neuron: hot neurons are hot in both (correlation of the frequencies).
     const std::vector<double> want = stats["neuron_freq"].get<std::vector<double>>();
     ASSERT_EQ(want.size(), 1536u);

@@ -73,7 +73,8 @@ inline std::unique_ptr<Model> RandomModel(const RandomModelOptions& o) {
   c.activation = o.activation;
   std::mt19937 rng(o.seed);
   const float s = 1.f / std::sqrt(static_cast<float>(o.hidden));
-  m->tok_embeddings = RandomTensor(m.get(), "tok_embeddings", {o.vocab, o.hidden}, DType::kF32, rng, 1.f);
+  m->tok_embeddings =
+      RandomTensor(m.get(), "tok_embeddings", {o.vocab, o.hidden}, DType::kF32, rng, 1.f);
   for (int l = 0; l < o.layers; ++l) {
     LayerWeights L;
     L.attn_norm = ConstantTensor(m.get(), "attn_norm", o.hidden, 1.f);

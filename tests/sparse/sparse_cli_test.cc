@@ -34,7 +34,8 @@ struct RunResult {
 };
 
 RunResult RunPinfer(const std::string& args, const std::string& env = "") {
-  const fs::path dir = fs::temp_directory_path() / ("pinfer_sparse_cli_" + std::to_string(::getpid()));
+  const fs::path dir =
+      fs::temp_directory_path() / ("pinfer_sparse_cli_" + std::to_string(::getpid()));
   fs::create_directories(dir);
   const std::string out = (dir / "stdout").string(), err = (dir / "stderr").string();
   const std::string cmd = env + " " + kPinfer + " " + args + " >" + out + " 2>" + err;
@@ -54,7 +55,8 @@ double ReferencePerplexity() {
 class SparseCliTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new fs::path(fs::temp_directory_path() / ("pinfer_sparse_cli_test_" + std::to_string(::getpid())));
+    dir_ = new fs::path(fs::temp_directory_path() /
+                        ("pinfer_sparse_cli_test_" + std::to_string(::getpid())));
     fs::create_directories(*dir_);
   }
   static void TearDownTestSuite() {
@@ -96,19 +98,20 @@ TEST_F(SparseCliTest, PreparedSparsePerplexityIsWithinTwoPercentAtSeventyPercent
 // --sparse on an unprepared model prepares it once (here from 2048 calibration tokens, to keep
 // the test short) and reuses the cached result afterwards.
 TEST_F(SparseCliTest, AutoPreparationIsCachedAndReused) {
-  const std::string env = "PINFER_CACHE_DIR=" + (*dir_ / "cache").string() +
-                          " PINFER_AUTO_PREPARE_MAX_TOKENS=2048";
+  const std::string env =
+      "PINFER_CACHE_DIR=" + (*dir_ / "cache").string() + " PINFER_AUTO_PREPARE_MAX_TOKENS=2048";
   const std::string two_windows = (*dir_ / "two.u32").string();
   {
     auto bytes = ReadFileToString(kModel + "/heldout-tokens.u32");
     ASSERT_TRUE(bytes.ok());
     std::ofstream(two_windows, std::ios::binary) << bytes->substr(0, 2 * 512 * 4);
   }
-  const std::string cmd = "perplexity --model " + kModel + " --tokens " + two_windows +
-                          " --window 512 --sparse --json";
+  const std::string cmd =
+      "perplexity --model " + kModel + " --tokens " + two_windows + " --window 512 --sparse --json";
   RunResult r = RunPinfer(cmd, env);
   ASSERT_EQ(r.code, 0) << r.err;
-  EXPECT_THAT(r.err, HasSubstr("has no predictors; preparing it once with the bundled calibration"));
+  EXPECT_THAT(r.err,
+              HasSubstr("has no predictors; preparing it once with the bundled calibration"));
   EXPECT_THAT(r.err, HasSubstr("layer  rank  active  recall"));
   const double first = nlohmann::json::parse(r.out)["perplexity"];
   r = RunPinfer(cmd, env);
@@ -126,10 +129,11 @@ TEST_F(SparseCliTest, AutoPreparationIsCachedAndReused) {
 TEST_F(SparseCliTest, PrepareWritesModelIndexAndReportAndTheModelGenerates) {
   const std::string out = (*dir_ / "tiny.gguf").string();
   const std::string svg = (*dir_ / "tiny.svg").string();
-  RunResult r = RunPinfer("prepare --model " + kModel + " --calibration " + kModel +
-                    "/calibration.txt --out " + out +
-                    " --max-tokens 3072 --epochs 1 --ranks 32 --vram-budget 20MiB --context 512"
-                    " --report " + svg + " --json");
+  RunResult r = RunPinfer(
+      "prepare --model " + kModel + " --calibration " + kModel + "/calibration.txt --out " + out +
+      " --max-tokens 3072 --epochs 1 --ranks 32 --vram-budget 20MiB --context 512"
+      " --report " +
+      svg + " --json");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_THAT(r.err, HasSubstr("profiling  ["));  // progress bar
   EXPECT_THAT(r.err, HasSubstr("mag.recall"));
@@ -137,7 +141,8 @@ TEST_F(SparseCliTest, PrepareWritesModelIndexAndReportAndTheModelGenerates) {
   ASSERT_EQ(j["layers"].size(), 6u);
   EXPECT_EQ(j["gpu_index"], out + ".generated.gpuidx");
   EXPECT_EQ(j["placement"]["budget"], 20u * 1024 * 1024);
-  EXPECT_LE(j["placement"]["dense_bytes"].get<uint64_t>() + j["placement"]["kv_cache_bytes"].get<uint64_t>() +
+  EXPECT_LE(j["placement"]["dense_bytes"].get<uint64_t>() +
+                j["placement"]["kv_cache_bytes"].get<uint64_t>() +
                 j["placement"]["predictor_bytes"].get<uint64_t>() +
                 j["placement"]["scratch_bytes"].get<uint64_t>() +
                 j["placement"]["hot_row_bytes"].get<uint64_t>(),
@@ -151,7 +156,8 @@ TEST_F(SparseCliTest, PrepareWritesModelIndexAndReportAndTheModelGenerates) {
   EXPECT_THAT(*report, HasSubstr("layer 5"));
   EXPECT_THAT(*report, HasSubstr("GPU | CPU"));
 
-  r = RunPinfer("generate --model " + out + " --prompt 'The file system' --max-tokens 8 --sparse --json");
+  r = RunPinfer("generate --model " + out +
+                " --prompt 'The file system' --max-tokens 8 --sparse --json");
   ASSERT_EQ(r.code, 0) << r.err;
   nlohmann::json g = nlohmann::json::parse(r.out);
   EXPECT_EQ(g["generated_ids"].size(), 8u);
@@ -159,8 +165,9 @@ TEST_F(SparseCliTest, PrepareWritesModelIndexAndReportAndTheModelGenerates) {
 
   // A budget below the dense parts gives a CPU-only plan and no index.
   const std::string small = (*dir_ / "small.gguf").string();
-  r = RunPinfer("prepare --model " + kModel + " --calibration " + kModel + "/calibration.txt --out " +
-          small + " --max-tokens 1024 --epochs 0 --ranks 16 --vram-budget 1MiB --json");
+  r = RunPinfer("prepare --model " + kModel + " --calibration " + kModel +
+                "/calibration.txt --out " + small +
+                " --max-tokens 1024 --epochs 0 --ranks 16 --vram-budget 1MiB --json");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_THAT(r.err, HasSubstr("CPU-only plan"));
   EXPECT_TRUE(nlohmann::json::parse(r.out)["placement"]["cpu_only"].get<bool>());
@@ -190,7 +197,8 @@ TEST_F(SparseCliTest, SiluModelGetsMagnitudeSparsityWithItsQualityCostReported) 
     std::ofstream(tokens, std::ios::binary)
         .write(reinterpret_cast<const char*>(ids.data()), ids.size() * 4);
   }
-  r = RunPinfer("perplexity --model " + out + " --tokens " + tokens + " --window 128 --sparse --json");
+  r = RunPinfer("perplexity --model " + out + " --tokens " + tokens +
+                " --window 128 --sparse --json");
   ASSERT_EQ(r.code, 0) << r.err;
   nlohmann::json p = nlohmann::json::parse(r.out);
   EXPECT_NEAR(p["ffn_sparsity"].get<double>(), 0.5, 0.15);
@@ -205,9 +213,10 @@ TEST_F(SparseCliTest, ExactSparseEqualsDenseAndBadFlagsAreUsageErrors) {
     ASSERT_TRUE(bytes.ok());
     std::ofstream(two_windows, std::ios::binary) << bytes->substr(0, 2 * 512 * 4);
   }
-  RunResult dense = RunPinfer("perplexity --model " + kModel + " --tokens " + two_windows + " --window 512 --json");
+  RunResult dense = RunPinfer("perplexity --model " + kModel + " --tokens " + two_windows +
+                              " --window 512 --json");
   RunResult exact = RunPinfer("perplexity --model " + kModel + " --tokens " + two_windows +
-                        " --window 512 --exact-sparse --json");
+                              " --window 512 --exact-sparse --json");
   ASSERT_EQ(dense.code, 0) << dense.err;
   ASSERT_EQ(exact.code, 0) << exact.err;
   const double d = nlohmann::json::parse(dense.out)["perplexity"];
@@ -216,13 +225,15 @@ TEST_F(SparseCliTest, ExactSparseEqualsDenseAndBadFlagsAreUsageErrors) {
   EXPECT_GT(e["ffn_sparsity"].get<double>(), 0.7);  // the true inactive fraction
 
   RunResult both = RunPinfer("perplexity --model " + kModel + " --tokens " + two_windows +
-                       " --window 512 --sparse --exact-sparse");
+                             " --window 512 --sparse --exact-sparse");
   EXPECT_EQ(both.code, 2);
   EXPECT_THAT(both.err, HasSubstr("exclude each other"));
-  RunResult bad = RunPinfer("prepare --model " + kModel + " --calibration x --out y --target-recall 1.5");
+  RunResult bad =
+      RunPinfer("prepare --model " + kModel + " --calibration x --out y --target-recall 1.5");
   EXPECT_EQ(bad.code, 2);
   EXPECT_THAT(bad.err, HasSubstr("--target-recall must be in (0, 1]"));
-  RunResult size = RunPinfer("prepare --model " + kModel + " --calibration x --out y --vram-budget 12XB");
+  RunResult size =
+      RunPinfer("prepare --model " + kModel + " --calibration x --out y --vram-budget 12XB");
   EXPECT_EQ(size.code, 2);
 }
 

@@ -94,17 +94,16 @@ TEST_P(GateSparseFfnTest, EqualsDenseFfn) {
   EXPECT_LT(st.computed, 3 * o.ffn);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllDtypes, GateSparseFfnTest,
-    ::testing::Values(Case{DType::kF32, Activation::kRelu, false},
-                      Case{DType::kF32, Activation::kRelu, true},
-                      Case{DType::kF16, Activation::kRelu, true},
-                      Case{DType::kBF16, Activation::kRelu, true},
-                      Case{DType::kQ8_0, Activation::kRelu, true},
-                      Case{DType::kQ4_0, Activation::kRelu, true},
-                      Case{DType::kQ4_0, Activation::kRelu, false},
-                      Case{DType::kF16, Activation::kDRelu, true}),
-    CaseName);
+INSTANTIATE_TEST_SUITE_P(AllDtypes, GateSparseFfnTest,
+                         ::testing::Values(Case{DType::kF32, Activation::kRelu, false},
+                                           Case{DType::kF32, Activation::kRelu, true},
+                                           Case{DType::kF16, Activation::kRelu, true},
+                                           Case{DType::kBF16, Activation::kRelu, true},
+                                           Case{DType::kQ8_0, Activation::kRelu, true},
+                                           Case{DType::kQ4_0, Activation::kRelu, true},
+                                           Case{DType::kQ4_0, Activation::kRelu, false},
+                                           Case{DType::kF16, Activation::kDRelu, true}),
+                         CaseName);
 
 TEST(GateSparseFfnErrors, SiluNeedsThresholdsAndShapesAreChecked) {
   RandomModelOptions o;
