@@ -23,6 +23,7 @@
 #include "gpu-worker/cuda/backend.h"
 #include "gpu-worker/cuda/gemm.h"
 #include "gpu-worker/cuda/kernels.h"
+#include "shared/util/half.h"
 
 namespace pinfer {
 namespace cuda {
@@ -67,35 +68,10 @@ bool HostToFloat(const HostMatrix& m, std::vector<float>* out) {
   switch (m.type) {
     case HostType::kF32: std::memcpy(out->data(), m.data, n * 4); return true;
     case HostType::kF16:
-      for (int64_t i = 0; i < n; ++i) {
-        // IEEE half -> float via the hardware-independent bit route.
-        const uint16_t h = u16[i];
-        const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-        uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-        if (exp == 0) {
-          if (mant == 0) {
-            bits = sign;
-          } else {
-            int e = -1;
-            do {
-              ++e;
-              mant <<= 1;
-            } while ((mant & 0x400) == 0);
-            bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (mant & 0x3ff) << 13;
-          }
-        } else if (exp == 31) {
-          bits = sign | 0x7f800000u | mant << 13;
-        } else {
-          bits = sign | (exp + 127 - 15) << 23 | mant << 13;
-        }
-        std::memcpy(&(*out)[i], &bits, 4);
-      }
+      for (int64_t i = 0; i < n; ++i) (*out)[i] = pinfer::Fp16ToFp32(u16[i]);
       return true;
     case HostType::kBF16:
-      for (int64_t i = 0; i < n; ++i) {
-        const uint32_t bits = static_cast<uint32_t>(u16[i]) << 16;
-        std::memcpy(&(*out)[i], &bits, 4);
-      }
+      for (int64_t i = 0; i < n; ++i) (*out)[i] = pinfer::Bf16ToFp32(u16[i]);
       return true;
     default: return false;
   }
