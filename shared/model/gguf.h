@@ -51,6 +51,9 @@ enum class GgufType : uint32_t {
   kInt64 = 11,
   kFloat64 = 12,
 };
+
+// Bytes of one fixed-size metadata value; 0 for strings, arrays and unknown types.
+size_t GgufValueSize(GgufType t);
 absl::string_view GgufTypeName(GgufType t);
 
 // Tensor types, numbered as in ggml.h. The reader knows the storage size of all of these (so it

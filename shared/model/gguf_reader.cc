@@ -17,31 +17,6 @@ static_assert(std::endian::native == std::endian::little,
 
 constexpr uint32_t kMaxDims = 4;  // GGML_MAX_DIMS
 
-// Bytes of one fixed-size metadata value; 0 for strings, arrays and unknown types.
-size_t ValueSize(GgufType t) {
-  switch (t) {
-    case GgufType::kUint8:
-    case GgufType::kInt8:
-    case GgufType::kBool:
-      return 1;
-    case GgufType::kUint16:
-    case GgufType::kInt16:
-      return 2;
-    case GgufType::kUint32:
-    case GgufType::kInt32:
-    case GgufType::kFloat32:
-      return 4;
-    case GgufType::kUint64:
-    case GgufType::kInt64:
-    case GgufType::kFloat64:
-      return 8;
-    case GgufType::kString:
-    case GgufType::kArray:
-      return 0;
-  }
-  return 0;
-}
-
 bool IsKnownValueType(uint32_t t) { return t <= static_cast<uint32_t>(GgufType::kFloat64); }
 
 // A printable rendering of 4 magic bytes.
@@ -185,7 +160,7 @@ absl::Status ParseValue(Cursor& in, GgufType type, absl::string_view what, GgufV
         }
         return absl::OkStatus();
       }
-      const size_t elem_size = ValueSize(a.elem_type);
+      const size_t elem_size = GgufValueSize(a.elem_type);
       if (a.count > in.remaining() / elem_size) {
         return in.Error(absl::StrCat("truncated file: ", what, " claims ", a.count, " elements of ",
                                      elem_size, " bytes, only ", in.remaining(), " bytes left"));
@@ -210,7 +185,7 @@ void ArrayInt(const GgufArray& a, uint64_t i, bool* neg, uint64_t* mag) {
   int64_t s = 0;
   uint64_t u = 0;
   bool is_signed = true;
-  const uint8_t* p = a.data + i * ValueSize(a.elem_type);
+  const uint8_t* p = a.data + i * GgufValueSize(a.elem_type);
   switch (a.elem_type) {
     case GgufType::kInt8:
       s = Load<int8_t>(p);
@@ -292,6 +267,30 @@ constexpr TypeEntry kGgmlTypes[] = {
 };
 
 }  // namespace
+
+size_t GgufValueSize(GgufType t) {
+  switch (t) {
+    case GgufType::kUint8:
+    case GgufType::kInt8:
+    case GgufType::kBool:
+      return 1;
+    case GgufType::kUint16:
+    case GgufType::kInt16:
+      return 2;
+    case GgufType::kUint32:
+    case GgufType::kInt32:
+    case GgufType::kFloat32:
+      return 4;
+    case GgufType::kUint64:
+    case GgufType::kInt64:
+    case GgufType::kFloat64:
+      return 8;
+    case GgufType::kString:
+    case GgufType::kArray:
+      return 0;
+  }
+  return 0;
+}
 
 absl::string_view GgufTypeName(GgufType t) {
   switch (t) {

@@ -27,28 +27,6 @@ void AppendString(std::string* out, absl::string_view s) {
   out->append(s.data(), s.size());
 }
 
-size_t FixedSize(GgufType t) {
-  switch (t) {
-    case GgufType::kUint8:
-    case GgufType::kInt8:
-    case GgufType::kBool:
-      return 1;
-    case GgufType::kUint16:
-    case GgufType::kInt16:
-      return 2;
-    case GgufType::kUint32:
-    case GgufType::kInt32:
-    case GgufType::kFloat32:
-      return 4;
-    case GgufType::kUint64:
-    case GgufType::kInt64:
-    case GgufType::kFloat64:
-      return 8;
-    default:
-      return 0;
-  }
-}
-
 uint64_t AlignUp(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
 
 class StringSink {
@@ -202,7 +180,7 @@ void GgufWriter::SetValue(const std::string& key, const GgufValue& v) {
       for (absl::string_view s : a.strings) AppendString(&p, s);
     } else {
       // Fixed-size elements are little-endian in the source file already: copy the bytes.
-      p.append(reinterpret_cast<const char*>(a.data), a.count * FixedSize(a.elem_type));
+      p.append(reinterpret_cast<const char*>(a.data), a.count * GgufValueSize(a.elem_type));
     }
   } else {
     scalar(v.type, v.u64, v.i64, v.f64);
