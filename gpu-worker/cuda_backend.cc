@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "gpu-worker/backend.h"
 #include "gpu-worker/cuda/backend.h"
+#include "gpu-worker/cuda/model_dims.h"
 #include "shared/engine/transformer.h"
 #include "shared/service/log.h"
 #include "shared/sparse/sparse_ffn.h"
@@ -178,17 +179,7 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
   auto down_t = TransposeDownProjections(model);
   if (!down_t.ok()) return down_t.status();
   cuda::ModelUpload u;
-  u.dims.vocab = c.vocab_size;
-  u.dims.hidden = c.hidden_size;
-  u.dims.n_layers = c.n_layers;
-  u.dims.n_heads = c.n_heads;
-  u.dims.n_kv_heads = c.n_kv_heads;
-  u.dims.head_dim = c.head_dim;
-  u.dims.ffn = c.ffn_size;
-  u.dims.norm_eps = c.norm_eps;
-  u.dims.activation = static_cast<int>(c.activation);
-  u.dims.rope_interleaved = c.rope_interleaved;
-  u.dims.inv_freq = RopeInverseFrequencies(c);
+  u.dims = cuda::DimsFromConfig(c);
   u.tok_embeddings = FromView(model.tok_embeddings);
   u.output_norm = FromView(model.output_norm, true);
   u.output = FromView(model.output);

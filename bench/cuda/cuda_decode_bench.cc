@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "gpu-worker/cuda/backend.h"
+#include "gpu-worker/cuda/model_dims.h"
 #include "gpu-worker/cuda/kernels.h"
 #include "shared/engine/ops.h"
 #include "shared/engine/row_kernels.h"
@@ -570,15 +571,7 @@ struct Backend {
 cuda::ModelUpload BaseUpload(const SynthModel& m, int max_ctx) {
   const ModelConfig& c = m.config;
   cuda::ModelUpload u;
-  u.dims.vocab = c.vocab_size;
-  u.dims.hidden = c.hidden_size;
-  u.dims.n_layers = c.n_layers;
-  u.dims.n_heads = c.n_heads;
-  u.dims.n_kv_heads = c.n_kv_heads;
-  u.dims.head_dim = c.head_dim;
-  u.dims.ffn = c.ffn_size;
-  u.dims.activation = static_cast<int>(c.activation);
-  u.dims.inv_freq = RopeInverseFrequencies(c);
+  u.dims = cuda::DimsFromConfig(c);
   u.tok_embeddings = Host(m.dtype, c.vocab_size, c.hidden_size, m.emb->p);
   u.output = Host(m.dtype, c.vocab_size, c.hidden_size, m.out->p);
   u.output_norm = Host(DType::kF32, 1, c.hidden_size, m.out_norm.data());

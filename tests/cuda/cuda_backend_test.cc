@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "gpu-worker/cuda/backend.h"
+#include "gpu-worker/cuda/model_dims.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "shared/engine/ops.h"
@@ -161,17 +162,7 @@ class CudaBackendTest : public ::testing::Test {
   static cuda::ModelUpload Upload(bool hot) {
     const ModelConfig& c = model_->config;
     cuda::ModelUpload u;
-    u.dims.vocab = c.vocab_size;
-    u.dims.hidden = c.hidden_size;
-    u.dims.n_layers = c.n_layers;
-    u.dims.n_heads = c.n_heads;
-    u.dims.n_kv_heads = c.n_kv_heads;
-    u.dims.head_dim = c.head_dim;
-    u.dims.ffn = c.ffn_size;
-    u.dims.norm_eps = c.norm_eps;
-    u.dims.activation = static_cast<int>(c.activation);
-    u.dims.rope_interleaved = c.rope_interleaved;
-    u.dims.inv_freq = RopeInverseFrequencies(c);
+    u.dims = cuda::DimsFromConfig(c);
     u.tok_embeddings = FromView(model_->tok_embeddings);
     u.output_norm = FromView(model_->output_norm);
     u.output_norm.rows = 1;
