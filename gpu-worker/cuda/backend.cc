@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "gpu-worker/cuda/backend.h"
+#include "gpu-worker/cuda/cold_stream.h"
 #include "gpu-worker/cuda/gemm.h"
 #include "gpu-worker/cuda/kernels.h"
 #include "shared/util/half.h"
@@ -90,6 +91,7 @@ struct DeviceLayer {
   int32_t* cold_ids = nullptr;          // device [n_cold]
   DeviceMatrix fc1, fc2;
   int kv_index = -1;                    // KV cache layer slot
+  ColdRows cold_rows;  // stream_cold: pinned host copy of the cold rows, in cold_ids_host order
 };
 
 class CudaBackend : public Backend {
@@ -114,6 +116,7 @@ class CudaBackend : public Backend {
   const ForwardStats& last_stats() const override { return stats_; }
   void set_collect_gpu_times(bool on) override { collect_gpu_times_ = on; }
   void set_use_graphs(bool on) override { use_graphs_ = on; }
+  BackendStatus CalibrateStreaming(int layer, int n, StreamCalibration* out) override;
 
  private:
   template <typename T>
@@ -168,6 +171,11 @@ class CudaBackend : public Backend {
                            int32_t* exchange_active);
   BackendStatus RunLayer(int l, const ForwardArgs& a, float* exchange_x, float* exchange_out,
                          int32_t* exchange_active);
+  // Streamed cold rows (prompt batches, ColdPath::kStream).
+  bool StreamsLayer(int l, const ForwardArgs& a) const;
+  BackendStatus SetUpStreaming(const ModelUpload& m);
+  // Adds layer l's cold rows' contribution for the FFN input xb_ ([n, hidden]) to hot_out_.
+  BackendStatus StreamCold(int l, int n);
   void Release();
 
   ModelDims dims_;
@@ -216,6 +224,8 @@ class CudaBackend : public Backend {
   bool use_graphs_ = true;
   std::map<std::vector<int64_t>, cudaGraphExec_t> graphs_;
   ForwardStats stats_;
+
+  std::unique_ptr<ColdStreamer> streamer_;  // ModelUpload::stream_cold
 };
 
 void CudaBackend::Release() {
@@ -226,6 +236,7 @@ void CudaBackend::Release() {
   for (void* p : host_allocations_) cudaFreeHost(p);
   allocations_.clear();
   host_allocations_.clear();
+  streamer_.reset();
   for (auto* v : {&ev_x_, &ev_hot0_, &ev_hot1_}) {
     for (cudaEvent_t e : *v) cudaEventDestroy(e);
     v->clear();
@@ -441,6 +452,14 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
     }
   }
   widest = std::max<int64_t>(widest, max_rank_);
+  if (m.stream_cold && B > kSmallBatch) {
+    BACKEND_RETURN_IF_ERROR(SetUpStreaming(m));
+    for (const DeviceLayer& d : layers_) {
+      if (d.cold_rows.rows == 0) continue;
+      const DeviceMatrix chunk{d.cold_rows.type, streamer_->chunk_rows(), H, d.cold_rows.gate};
+      w_half = std::max(w_half, GemmWeightScratchBytes(chunk));
+    }
+  }
 
   // KV cache and scratch.
   const size_t kv = static_cast<size_t>(kv_layers_) * max_seqs_ * max_ctx_ * kvdim;
@@ -549,6 +568,7 @@ BackendStatus CudaBackend::PrepareLayer(int l, const ForwardArgs& a) {
     return Error(Code::kInvalidArgument, "kGiven needs given_cold for every layer");
   }
   if (a.n > kSmallBatch || n_hot == 0) counts_host_[2 * l] = n_hot;
+  if (StreamsLayer(l, a)) counts_host_[2 * l + 1] = 0;
   return Ok();
 }
 
@@ -556,8 +576,8 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
                                     float* exchange_out, int32_t* exchange_active) {
   BACKEND_RETURN_IF_ERROR(PrepareLayer(l, a));
   const DeviceLayer& L = layers_[l];
-  const bool cold =
-      L.ffn == FfnPlacement::kHot && a.cold != nullptr && !L.cold_ids_host.empty();
+  const bool cold = L.ffn == FfnPlacement::kHot && a.cold != nullptr &&
+                    !L.cold_ids_host.empty() && !StreamsLayer(l, a);
   const float* pend1 = pending1_;
   const float* pend2 = pending2_;
   if (use_graphs_ && a.n == 1) {
@@ -722,6 +742,7 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
   } else {
     CUDA_RETURN_IF_ERROR(cudaMemsetAsync(hot_out_, 0, nh * 4, stream_));
   }
+  if (StreamsLayer(l, a)) BACKEND_RETURN_IF_ERROR(StreamCold(l, n));
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot1_[l]));
   return Ok();
 }
@@ -893,3 +914,109 @@ extern "C" int pinfer_cuda_create_backend(const pinfer::cuda::ModelUpload* model
 }
 
 extern "C" void pinfer_cuda_destroy_backend(pinfer::cuda::Backend* backend) { delete backend; }
+
+namespace pinfer {
+namespace cuda {
+namespace {
+
+// Streamed cold rows (ColdPath::kStream): the pinned copies, the slots and the per-layer call.
+BackendStatus CudaBackend::SetUpStreaming(const ModelUpload& m) {
+  streamer_ = std::make_unique<ColdStreamer>();
+  size_t max_rb = 0;
+  for (int l = 0; l < dims_.n_layers; ++l) {
+    const LayerUpload& u = m.layers[l];
+    DeviceLayer& d = layers_[l];
+    if (d.ffn != FfnPlacement::kHot || d.cold_ids_host.empty()) continue;
+    if (u.gate.type != u.up.type || u.gate.type != u.down_t.type || u.down_t.empty()) {
+      return Error(Code::kInvalidArgument, "layer " + std::to_string(l) +
+                                               ": streamed cold rows need gate, up and down_t "
+                                               "of one type");
+    }
+    CUDA_RETURN_IF_ERROR(streamer_->PinRows(static_cast<WType>(u.gate.type), dims_.hidden,
+                                            u.gate.data, u.up.data, u.down_t.data,
+                                            d.cold_ids_host, &d.cold_rows));
+    max_rb = std::max(max_rb, d.cold_rows.row_bytes());
+  }
+  if (max_rb == 0) return Ok();  // no cold rows anywhere
+  const int chunk = std::min(std::max(1, m.stream_chunk_rows), dims_.ffn);
+  size_t bytes = 0;
+  cudaError_t e = streamer_->Init(chunk, std::max(1, m.stream_slots), max_rb, &bytes);
+  device_bytes_ += bytes;
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return Error(Code::kResourceExhausted,
+                 "streaming slots of " + std::to_string(bytes) + " bytes: " +
+                     cudaGetErrorString(e));
+  }
+  return Ok();
+}
+
+bool CudaBackend::StreamsLayer(int l, const ForwardArgs& a) const {
+  if (streamer_ == nullptr || !streamer_->ready() || a.n <= kSmallBatch) return false;
+  const DeviceLayer& L = layers_[l];
+  if (L.ffn != FfnPlacement::kHot || L.cold_rows.rows == 0) return false;
+  const ColdPath path = a.cold_paths != nullptr && static_cast<int>(a.cold_paths->size()) > l
+                            ? (*a.cold_paths)[l]
+                            : a.cold_path;
+  return path == ColdPath::kStream;
+}
+
+BackendStatus CudaBackend::StreamCold(int l, int n) {
+  const DeviceLayer& L = layers_[l];
+  StreamTarget t;
+  t.x = xb_;
+  t.n = n;
+  t.out = hot_out_;
+  t.gate = gate_;
+  t.up = up_;
+  t.act = static_cast<ActKind>(dims_.activation);
+  const int rc = streamer_->Run(cublas_, L.cold_rows, t, gemm_, stream_);
+  if (rc != 0) return Error(Code::kInternal, std::string("streamed cold rows: ") + GemmErrorString(rc));
+  stats_.streamed_layers += 1;
+  stats_.streamed_bytes += static_cast<double>(L.cold_rows.bytes());
+  return Ok();
+}
+
+BackendStatus CudaBackend::CalibrateStreaming(int layer, int n, StreamCalibration* out) {
+  if (streamer_ == nullptr || !streamer_->ready()) {
+    return Error(Code::kFailedPrecondition, "the backend was created without stream_cold");
+  }
+  if (layer < 0 || layer >= dims_.n_layers || layers_[layer].cold_rows.rows == 0) {
+    return Error(Code::kInvalidArgument, "layer " + std::to_string(layer) + " has no cold rows");
+  }
+  if (n <= kSmallBatch || n > max_batch_) {
+    return Error(Code::kInvalidArgument, "streaming needs " + std::to_string(kSmallBatch + 1) +
+                                             ".." + std::to_string(max_batch_) + " tokens");
+  }
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  const ColdRows& rows = layers_[layer].cold_rows;
+  // A non-zero FFN input (zeros can run faster than real data).
+  std::vector<float> x(static_cast<size_t>(n) * dims_.hidden);
+  uint32_t s = 12345;
+  for (float& v : x) {
+    s = s * 1664525u + 1013904223u;
+    v = static_cast<float>(static_cast<int32_t>(s >> 8) % 2001 - 1000) * 1e-3f;
+  }
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(xb_, x.data(), x.size() * 4, cudaMemcpyHostToDevice));
+  StreamTarget t;
+  t.x = xb_;
+  t.n = n;
+  t.out = hot_out_;
+  t.gate = gate_;
+  t.up = up_;
+  t.act = static_cast<ActKind>(dims_.activation);
+  StreamCalibration c;
+  c.n = n;
+  c.rows = rows.rows;
+  c.bytes = static_cast<double>(rows.bytes());
+  c.flops = 2.0 * n * rows.rows * 3.0 * dims_.hidden;
+  const int rc = streamer_->Calibrate(cublas_, rows, t, gemm_, stream_, &c.copy_s, &c.compute_s,
+                                      &c.overlapped_s);
+  if (rc != 0) return Error(Code::kInternal, std::string("calibration: ") + GemmErrorString(rc));
+  *out = c;
+  return Ok();
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace pinfer

@@ -95,6 +95,34 @@ struct ModelUpload {
   int max_seqs = 1;     // KV cache slots
   int max_batch = 512;  // tokens per Forward
   int device = 0;
+  // Prompt processing with streamed cold rows (ForwardArgs::cold_path): the backend keeps a
+  // compact pinned host copy of every kHot layer's cold rows (gate, up, down_t) and, for batches
+  // that take the cuBLAS path, can copy them to the GPU in chunks of stream_chunk_rows neurons
+  // through stream_slots device buffers on a copy stream, overlapped with the products on the
+  // previous chunk. Device cost: stream_slots * chunk * (gate + up + down_t row bytes).
+  bool stream_cold = false;
+  int stream_chunk_rows = 1024;
+  int stream_slots = 2;
+};
+
+// Who computes the cold rows of a layer in a Forward.
+enum class ColdPath : int {
+  kCallback = 0,  // the ColdFfn callback (the cpu-worker), overlapped with the hot rows
+  kStream = 1,    // the GPU, streaming the cold rows from pinned host memory (needs
+                  // ModelUpload::stream_cold and a batch larger than the matrix-vector path's);
+                  // every cold row is computed (a superset of any active set, like the hot rows
+                  // of a prompt batch), so exact and predicted results stay exact for ReLU.
+};
+
+// What one layer's streamed cold rows cost on this GPU, measured by CalibrateStreaming.
+struct StreamCalibration {
+  int n = 0;                  // tokens
+  int64_t rows = 0;           // cold neurons streamed
+  double bytes = 0;           // host->GPU bytes of their rows
+  double copy_s = 0;          // the copies alone (copy stream, events)
+  double compute_s = 0;       // the products alone, on rows already in VRAM
+  double flops = 0;           // of the products (2 * n * rows * 3 * hidden)
+  double overlapped_s = 0;    // the whole streamed layer as Forward runs it
 };
 
 // What the GPU decides about the FFN's active neurons.
@@ -137,7 +165,12 @@ struct ForwardArgs {
   // (global ids), each ascending.
   const std::vector<std::vector<int32_t>>* given_hot = nullptr;
   const std::vector<std::vector<int32_t>>* given_cold = nullptr;
-  bool run_predictors = false;        // kGiven: still run the predictors so their cost counts
+  bool run_predictors = false;
+  // Who computes the cold rows: one path for every layer, or per layer when cold_paths is set
+  // (size n_layers). kStream applies only to batches over the matrix-vector path's size; smaller
+  // ones always use the callback.
+  ColdPath cold_path = ColdPath::kCallback;
+  const std::vector<ColdPath>* cold_paths = nullptr;        // kGiven: still run the predictors so their cost counts
   // Layer range, for dense layer offload: hidden_in (host [n, hidden]) replaces the embedding,
   // hidden_out (host) receives x after layer_end - 1. layer_end < 0 means n_layers.
   int layer_begin = 0;
@@ -162,6 +195,8 @@ struct ForwardStats {
   double gpu_layers = 0;         // GPU time from embedding to the last layer's end (events)
   int64_t hot_rows_computed = 0;   // active hot neurons summed over layers (union over tokens)
   int64_t cold_rows_requested = 0;
+  int streamed_layers = 0;         // layers whose cold rows were streamed (ColdPath::kStream)
+  double streamed_bytes = 0;       // host->GPU bytes of those rows
 };
 
 class Backend {
@@ -178,6 +213,9 @@ class Backend {
   virtual const ForwardStats& last_stats() const = 0;
   // Records GPU event timings per Forward (costs a little; off by default).
   virtual void set_collect_gpu_times(bool on) = 0;
+  // Times layer `layer`'s streamed cold rows for a batch of n tokens (copies alone, products
+  // alone, both overlapped), for the cost model that picks ColdPath. Needs stream_cold.
+  virtual BackendStatus CalibrateStreaming(int layer, int n, StreamCalibration* out) = 0;
   // Single-token steps replay one CUDA graph per layer (captured on first use per layer,
   // sequence slot and mode); on by default, or off with PINFER_CUDA_GRAPHS=0.
   virtual void set_use_graphs(bool on) = 0;

@@ -1,0 +1,179 @@
+// Streamed cold rows: see cold_stream.h for why and how.
+#include "gpu-worker/cuda/cold_stream.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+namespace pinfer {
+namespace cuda {
+namespace {
+
+int CodeOf(cudaError_t e) { return e == cudaSuccess ? 0 : 1000 + static_cast<int>(e); }
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+ColdStreamer::~ColdStreamer() {
+  if (copy_stream_ != nullptr) cudaStreamSynchronize(copy_stream_);
+  for (uint8_t* p : slots_) cudaFree(p);
+  for (cudaEvent_t e : copied_) cudaEventDestroy(e);
+  for (cudaEvent_t e : free_) cudaEventDestroy(e);
+  for (void* p : pinned_) cudaFreeHost(p);
+  if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
+}
+
+cudaError_t ColdStreamer::Init(int chunk_rows, int slots, size_t max_row_bytes,
+                               size_t* device_bytes) {
+  chunk_rows_ = std::max(1, chunk_rows);
+  slot_part_bytes_ = static_cast<size_t>(chunk_rows_) * max_row_bytes;
+  *device_bytes = 0;
+  for (int s = 0; s < std::max(1, slots); ++s) {
+    void* p = nullptr;
+    cudaError_t e = cudaMalloc(&p, 3 * slot_part_bytes_);
+    if (e != cudaSuccess) return e;
+    slots_.push_back(static_cast<uint8_t*>(p));
+    *device_bytes += 3 * slot_part_bytes_;
+    cudaEvent_t a = nullptr, b = nullptr;
+    if ((e = cudaEventCreateWithFlags(&a, cudaEventDisableTiming)) != cudaSuccess) return e;
+    copied_.push_back(a);
+    if ((e = cudaEventCreateWithFlags(&b, cudaEventDisableTiming)) != cudaSuccess) return e;
+    free_.push_back(b);
+  }
+  return cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking);
+}
+
+cudaError_t ColdStreamer::PinRows(WType type, int64_t cols, const void* gate, const void* up,
+                                  const void* down_t, const std::vector<int32_t>& ids,
+                                  ColdRows* out) {
+  ColdRows r;
+  r.type = type;
+  r.cols = cols;
+  r.rows = static_cast<int64_t>(ids.size());
+  const size_t rb = r.row_bytes(), part = rb * ids.size();
+  if (ids.empty()) {
+    *out = r;
+    return cudaSuccess;
+  }
+  void* p = nullptr;
+  // Pinned (page-locked) so that cudaMemcpyAsync is a real DMA overlapped with compute.
+  cudaError_t e = cudaMallocHost(&p, 3 * part);
+  if (e != cudaSuccess) return e;
+  pinned_.push_back(p);
+  uint8_t* dst = static_cast<uint8_t*>(p);
+  const void* src[3] = {gate, up, down_t};
+  for (int m = 0; m < 3; ++m) {
+    for (size_t i = 0; i < ids.size(); ++i) {
+      std::memcpy(dst + m * part + i * rb, static_cast<const uint8_t*>(src[m]) + ids[i] * rb, rb);
+    }
+  }
+  r.gate = dst;
+  r.up = dst + part;
+  r.down_t = dst + 2 * part;
+  *out = r;
+  return cudaSuccess;
+}
+
+cudaError_t ColdStreamer::Copy(const ColdRows& rows, int64_t r0, int64_t count, uint8_t* slot) {
+  const size_t rb = rows.row_bytes();
+  const uint8_t* src[3] = {rows.gate, rows.up, rows.down_t};
+  for (int m = 0; m < 3; ++m) {
+    cudaError_t e = cudaMemcpyAsync(slot + m * slot_part_bytes_, src[m] + r0 * rb, count * rb,
+                                    cudaMemcpyHostToDevice, copy_stream_);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+int ColdStreamer::Products(cublasHandle_t h, const ColdRows& rows, int64_t r0, int64_t count,
+                           uint8_t* slot, const StreamTarget& t, const GemmScratch& scratch,
+                           cudaStream_t stream) {
+  (void)r0;
+  const int c = static_cast<int>(count);
+  const DeviceMatrix gate{rows.type, count, rows.cols, slot};
+  const DeviceMatrix up{rows.type, count, rows.cols, slot + slot_part_bytes_};
+  const DeviceMatrix down_t{rows.type, count, rows.cols, slot + 2 * slot_part_bytes_};
+  int rc = GemmXWt(h, gate, t.x, t.n, t.gate, c, 0.f, scratch, stream);  // [n, c]
+  if (rc == 0) rc = GemmXWt(h, up, t.x, t.n, t.up, c, 0.f, scratch, stream);
+  if (rc == 0) {
+    rc = CodeOf(GatedActivation(t.act, t.gate, t.up, static_cast<int64_t>(t.n) * c, stream));
+  }
+  // out: [n, cols] += act: [n, c] @ down_t rows
+  if (rc == 0) rc = GemmAW(h, down_t, t.gate, c, t.n, t.out, 1.f, scratch, stream);
+  return rc;
+}
+
+int ColdStreamer::Run(cublasHandle_t h, const ColdRows& rows, const StreamTarget& t,
+                      const GemmScratch& scratch, cudaStream_t stream) {
+  if (!ready()) return CodeOf(cudaErrorNotReady);
+  if (rows.row_bytes() * chunk_rows_ > slot_part_bytes_) return CodeOf(cudaErrorInvalidValue);
+  for (int64_t r0 = 0; r0 < rows.rows; r0 += chunk_rows_) {
+    const int64_t count = std::min<int64_t>(chunk_rows_, rows.rows - r0);
+    const int s = next_;
+    next_ = (next_ + 1) % static_cast<int>(slots_.size());
+    // The slot's previous products must be done before it is overwritten.
+    cudaError_t e = cudaStreamWaitEvent(copy_stream_, free_[s], 0);
+    if (e == cudaSuccess) e = Copy(rows, r0, count, slots_[s]);
+    if (e == cudaSuccess) e = cudaEventRecord(copied_[s], copy_stream_);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, copied_[s], 0);
+    if (e != cudaSuccess) return CodeOf(e);
+    const int rc = Products(h, rows, r0, count, slots_[s], t, scratch, stream);
+    if (rc != 0) return rc;
+    e = cudaEventRecord(free_[s], stream);
+    if (e != cudaSuccess) return CodeOf(e);
+  }
+  return 0;
+}
+
+int ColdStreamer::Calibrate(cublasHandle_t h, const ColdRows& rows, const StreamTarget& t,
+                            const GemmScratch& scratch, cudaStream_t stream, double* copy_s,
+                            double* compute_s, double* overlapped_s) {
+  if (!ready()) return CodeOf(cudaErrorNotReady);
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  cudaError_t e = cudaEventCreate(&e0);
+  if (e == cudaSuccess) e = cudaEventCreate(&e1);
+  if (e != cudaSuccess) return CodeOf(e);
+  int rc = 0;
+  // Second of two repetitions of each part, so that cuBLAS's first-call set-up is not counted.
+  for (int rep = 0; rep < 2 && rc == 0; ++rep) {
+    // Copies alone.
+    e = cudaStreamSynchronize(stream);
+    if (e == cudaSuccess) e = cudaEventRecord(e0, copy_stream_);
+    for (int64_t r0 = 0; r0 < rows.rows && e == cudaSuccess; r0 += chunk_rows_) {
+      const int64_t count = std::min<int64_t>(chunk_rows_, rows.rows - r0);
+      e = Copy(rows, r0, count, slots_[(r0 / chunk_rows_) % slots_.size()]);
+    }
+    if (e == cudaSuccess) e = cudaEventRecord(e1, copy_stream_);
+    if (e == cudaSuccess) e = cudaEventSynchronize(e1);
+    float ms = 0;
+    if (e == cudaSuccess) e = cudaEventElapsedTime(&ms, e0, e1);
+    if (e != cudaSuccess) rc = CodeOf(e);
+    *copy_s = ms * 1e-3;
+    // Products alone, on rows already in slot 0 (same row count, same shapes).
+    if (rc == 0) rc = CodeOf(cudaEventRecord(e0, stream));
+    for (int64_t r0 = 0; r0 < rows.rows && rc == 0; r0 += chunk_rows_) {
+      const int64_t count = std::min<int64_t>(chunk_rows_, rows.rows - r0);
+      rc = Products(h, rows, r0, count, slots_[0], t, scratch, stream);
+    }
+    if (rc == 0) rc = CodeOf(cudaEventRecord(e1, stream));
+    if (rc == 0) rc = CodeOf(cudaEventSynchronize(e1));
+    if (rc == 0) rc = CodeOf(cudaEventElapsedTime(&ms, e0, e1));
+    *compute_s = ms * 1e-3;
+    // Both, as Forward runs them (host clock: includes the enqueueing).
+    if (rc == 0) rc = CodeOf(cudaDeviceSynchronize());
+    const double t0 = Now();
+    if (rc == 0) rc = Run(h, rows, t, scratch, stream);
+    if (rc == 0) rc = CodeOf(cudaStreamSynchronize(stream));
+    *overlapped_s = Now() - t0;
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return rc;
+}
+
+}  // namespace cuda
+}  // namespace pinfer
