@@ -153,6 +153,8 @@ class CudaBackend : public Backend {
                              const char* name, DeviceMatrix* out);
   BackendStatus UploadVector(const HostMatrix& h, int64_t expect, const char* name, float** out);
   // Uploads matrices of one type and width as one, rows stacked in order.
+  // Block formats go to the split layout (kernels.h) unless PINFER_CUDA_REPACK=0.
+  BackendStatus MaybeSplit(DeviceMatrix* d);
   BackendStatus UploadStacked(const std::vector<const HostMatrix*>& parts, const char* name,
                               DeviceMatrix* out);
   // y: [n, ldy] = x: [n, w.cols] @ w^T
@@ -166,6 +168,11 @@ class CudaBackend : public Backend {
   // The layer's GPU work up to the hot FFN output (capturable: no host waits, fixed sizes).
   BackendStatus EnqueueLayer(int l, const ForwardArgs& a, const float* pend1, const float* pend2,
                              bool cold, float* exchange_x);
+  // A single-token step with no cold side as one CUDA graph: embedding, layers, and (head) the
+  // output norm and projection into logits_.
+  bool UsesStepGraph(const ForwardArgs& a, int layer_end) const;
+  BackendStatus RunStepGraph(const ForwardArgs& a, int layer_end, bool head);
+  BackendStatus EnqueueStep(const ForwardArgs& a, int layer_end, bool head);
   // Waits for the FFN input, runs the cold callback, and queues its contribution.
   BackendStatus FinishCold(int l, const ForwardArgs& a, float* exchange_x, float* exchange_out,
                            int32_t* exchange_active);
@@ -223,6 +230,12 @@ class CudaBackend : public Backend {
   bool collect_gpu_times_ = false;
   bool use_graphs_ = true;
   std::map<std::vector<int64_t>, cudaGraphExec_t> graphs_;
+  // Single-token steps without a cold side replay one graph for the whole step (embedding to
+  // logits) instead of one per layer, so no launch gap separates the layers.
+  bool step_graph_ = true;
+  bool repack_ = true;
+  void* repack_tmp_ = nullptr;  // upload-time scratch of MaybeSplit, freed at the end of Create
+  size_t repack_tmp_bytes_ = 0;
   ForwardStats stats_;
 
   std::unique_ptr<ColdStreamer> streamer_;  // ModelUpload::stream_cold
@@ -234,6 +247,8 @@ void CudaBackend::Release() {
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   for (void* p : allocations_) cudaFree(p);
   for (void* p : host_allocations_) cudaFreeHost(p);
+  if (repack_tmp_ != nullptr) cudaFree(repack_tmp_);
+  repack_tmp_ = nullptr;
   allocations_.clear();
   host_allocations_.clear();
   streamer_.reset();
@@ -288,7 +303,33 @@ BackendStatus CudaBackend::UploadMatrix(const HostMatrix& h, const std::vector<i
     }
   }
   d.data = dev;
+  BACKEND_RETURN_IF_ERROR(MaybeSplit(&d));
   *out = d;
+  return Ok();
+}
+
+// The matrix is on the device in GGUF's layout: copy it aside and rewrite it in place as the
+// split layout (same bytes), which the matrix-vector kernels read with aligned 16-byte loads.
+BackendStatus CudaBackend::MaybeSplit(DeviceMatrix* d) {
+  if (!repack_ || (d->type != WType::kQ8_0 && d->type != WType::kQ4_0) || d->rows == 0) {
+    return Ok();
+  }
+  const size_t bytes = d->bytes();
+  if (repack_tmp_bytes_ < bytes) {
+    if (repack_tmp_ != nullptr) cudaFree(repack_tmp_);
+    repack_tmp_ = nullptr;
+    repack_tmp_bytes_ = 0;
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&repack_tmp_, bytes));
+    repack_tmp_bytes_ = bytes;
+  }
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(repack_tmp_, d->data, bytes, cudaMemcpyDeviceToDevice, stream_));
+  DeviceMatrix src = *d, dst = *d;
+  src.data = repack_tmp_;
+  dst.scales = static_cast<const uint8_t*>(d->data) + QuantRowBytes(d->type, d->cols) * d->rows;
+  CUDA_RETURN_IF_ERROR(RepackSplit(src, dst, 0, stream_));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  *d = dst;
   return Ok();
 }
 
@@ -329,6 +370,7 @@ BackendStatus CudaBackend::UploadStacked(const std::vector<const HostMatrix*>& p
     off += rb * p->rows;
   }
   d.data = dev;
+  BACKEND_RETURN_IF_ERROR(MaybeSplit(&d));
   *out = d;
   return Ok();
 }
@@ -362,6 +404,9 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
                                              std::to_string(n_dev));
   }
   if (const char* g = std::getenv("PINFER_CUDA_GRAPHS")) use_graphs_ = std::string(g) != "0";
+  if (const char* g = std::getenv("PINFER_CUDA_REPACK")) repack_ = std::string(g) != "0";
+  if (const char* g = std::getenv("PINFER_CUDA_STEP_GRAPH")) step_graph_ = std::string(g) != "0";
+  if (const char* g = std::getenv("PINFER_CUDA_PDL")) SetProgrammaticLaunch(std::string(g) != "0");
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   cudaDeviceProp prop;
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
@@ -511,6 +556,9 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&ev_start_));
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&ev_layers_end_));
   CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  if (repack_tmp_ != nullptr) CUDA_RETURN_IF_ERROR(cudaFree(repack_tmp_));
+  repack_tmp_ = nullptr;
+  repack_tmp_bytes_ = 0;
   return Ok();
 }
 
@@ -747,6 +795,62 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
   return Ok();
 }
 
+bool CudaBackend::UsesStepGraph(const ForwardArgs& a, int layer_end) const {
+  if (!use_graphs_ || !step_graph_ || a.n != 1 || collect_gpu_times_ || a.hidden_in != nullptr ||
+      a.hidden_out != nullptr) {
+    return false;
+  }
+  for (int l = a.layer_begin; l < layer_end; ++l) {
+    const DeviceLayer& L = layers_[l];
+    if (L.ffn == FfnPlacement::kHot && a.cold != nullptr && !L.cold_ids_host.empty()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+BackendStatus CudaBackend::RunStepGraph(const ForwardArgs& a, int layer_end, bool head) {
+  for (int l = a.layer_begin; l < layer_end; ++l) BACKEND_RETURN_IF_ERROR(PrepareLayer(l, a));
+  const std::vector<int64_t> key = {-1, a.seq, static_cast<int>(EffectiveMode(a)),
+                                    a.run_predictors ? 1 : 0, a.layer_begin, layer_end,
+                                    head ? 1 : 0};
+  auto it = graphs_.find(key);
+  if (it == graphs_.end()) {
+    cudaGraph_t graph = nullptr;
+    CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
+    BackendStatus st = EnqueueStep(a, layer_end, head);
+    cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+    if (!st.ok()) {
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      return st;
+    }
+    CUDA_RETURN_IF_ERROR(end);
+    cudaGraphExec_t exec = nullptr;
+    cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    CUDA_RETURN_IF_ERROR(inst);
+    it = graphs_.emplace(key, exec).first;
+  }
+  CUDA_RETURN_IF_ERROR(cudaGraphLaunch(it->second, stream_));
+  return Ok();
+}
+
+BackendStatus CudaBackend::EnqueueStep(const ForwardArgs& a, int layer_end, bool head) {
+  const int H = dims_.hidden;
+  CUDA_RETURN_IF_ERROR(Embed(tok_embeddings_, tokens_dev_, 1, x_, stream_));  // x: [1, hidden]
+  const float* pend = nullptr;
+  for (int l = a.layer_begin; l < layer_end; ++l) {
+    BACKEND_RETURN_IF_ERROR(EnqueueLayer(l, a, pend, nullptr, /*cold=*/false, nullptr));
+    pend = hot_out_;
+  }
+  if (pend != nullptr) CUDA_RETURN_IF_ERROR(AddInPlace(x_, pend, H, stream_));
+  if (head) {
+    CUDA_RETURN_IF_ERROR(RmsNorm(x_, output_norm_, 1, H, dims_.norm_eps, xb_, stream_));
+    BACKEND_RETURN_IF_ERROR(Proj(output_, xb_, 1, logits_, dims_.vocab));  // [1, vocab]
+  }
+  return Ok();
+}
+
 BackendStatus CudaBackend::FinishCold(int l, const ForwardArgs& a, float* exchange_x,
                                       float* exchange_out, int32_t* exchange_active) {
   // The cold side runs while the GPU works on the hot rows.
@@ -827,15 +931,25 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tokens_dev_, tokens_host_, 2 * max_batch_ * 4,
                                        cudaMemcpyHostToDevice, stream_));
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_start_, stream_));
-  // x: [n, hidden]
+  const bool head = a.logits_mode != LogitsMode::kNone && a.logits != nullptr &&
+                    layer_end == c.n_layers;
+  const bool step_graph = UsesStepGraph(a, layer_end);
+  // x: [n, hidden] (the step graph starts with the embedding)
   if (a.hidden_in != nullptr) {
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(x_, a.hidden_in, static_cast<size_t>(n) * H * 4,
                                          cudaMemcpyHostToDevice, stream_));
-  } else {
+  } else if (!step_graph) {
     CUDA_RETURN_IF_ERROR(Embed(tok_embeddings_, tokens_dev_, n, x_, stream_));
   }
   pending1_ = pending2_ = nullptr;
-  for (int l = a.layer_begin; l < layer_end; ++l) {
+  if (step_graph) {
+    BackendStatus st = RunStepGraph(a, layer_end, head);
+    if (!st.ok()) {
+      cudaStreamSynchronize(stream_);
+      return st;
+    }
+  }
+  for (int l = a.layer_begin; l < layer_end && !step_graph; ++l) {
     BackendStatus st = RunLayer(l, a, exchange_x, exchange_out, exchange_active);
     if (!st.ok()) {
       cudaStreamSynchronize(stream_);
@@ -856,12 +970,14 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(a.hidden_out, x_, static_cast<size_t>(n) * H * 4,
                                          cudaMemcpyDeviceToHost, stream_));
   }
-  if (a.logits_mode != LogitsMode::kNone && a.logits != nullptr && layer_end == c.n_layers) {
+  if (head) {
     const int first = a.logits_mode == LogitsMode::kLast ? n - 1 : 0;
     const int count = n - first;
-    CUDA_RETURN_IF_ERROR(RmsNorm(x_ + static_cast<size_t>(first) * H, output_norm_, count, H,
-                                 c.norm_eps, xb_, stream_));
-    BACKEND_RETURN_IF_ERROR(Proj(output_, xb_, count, logits_, c.vocab));  // [count, vocab]
+    if (!step_graph) {  // (the step graph ends with these two)
+      CUDA_RETURN_IF_ERROR(RmsNorm(x_ + static_cast<size_t>(first) * H, output_norm_, count, H,
+                                   c.norm_eps, xb_, stream_));
+      BACKEND_RETURN_IF_ERROR(Proj(output_, xb_, count, logits_, c.vocab));  // [count, vocab]
+    }
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(a.logits, logits_,
                                          static_cast<size_t>(count) * c.vocab * 4,
                                          cudaMemcpyDeviceToHost, stream_));

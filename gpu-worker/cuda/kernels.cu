@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <utility>
 
 #include "gpu-worker/cuda/kernels.h"
 
@@ -30,6 +32,57 @@ __device__ __forceinline__ float WarpMax(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
+}
+
+// Programmatic dependent launch (see SetProgrammaticLaunch). Every kernel lets its successor in
+// the stream launch at once (the successor's blocks take free multiprocessor slots during this
+// kernel's last wave) and waits for its own predecessor's results before its first read of
+// anything a predecessor may write and before its first write. Both are no-ops for a kernel
+// launched without the attribute. Every block waits before it exits, so a kernel never completes
+// before its predecessor, and dependencies stay transitive along the stream.
+__device__ __forceinline__ void PdlTrigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void PdlWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void PdlStart() {
+  PdlTrigger();
+  PdlWait();
+}
+// Weights never change, so a kernel may fetch them into L2 before its predecessor is done: one
+// bulk prefetch of `bytes` (a multiple of 16, 16-byte aligned) starting at p.
+__device__ __forceinline__ void PrefetchL2(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+bool g_pdl = [] {
+  const char* e = std::getenv("PINFER_CUDA_PDL");
+  return e == nullptr || e[0] != '0';
+}();
+
+// Launches a kernel, with the programmatic-serialization attribute when it is on and the stream
+// is an explicit one (the legacy default stream keeps plain launches).
+template <typename... P, typename... A>
+cudaError_t Launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t stream, A&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = g_pdl && stream != nullptr ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
 }
 
 // Streams weights past L1: each weight byte is read once per pass.
@@ -109,6 +162,20 @@ __device__ __forceinline__ float LoadElem(WType t, const uint8_t* row, int64_t c
   return 0.f;
 }
 
+// Element (r, c) of a split-layout matrix (slow path: embeddings and conversions).
+__device__ __forceinline__ float LoadElemSplit(WType t, const uint8_t* qs,
+                                               const uint16_t* scales, int64_t cols, int64_t r,
+                                               int64_t c) {
+  const int64_t nblk = cols / 32, b = c / 32;
+  const int j = static_cast<int>(c % 32);
+  const float d = H2F(scales[r * nblk + b]);
+  if (t == WType::kQ8_0) {
+    return d * static_cast<float>(static_cast<int8_t>(qs[r * cols + c]));
+  }
+  const uint8_t q = qs[r * (cols / 2) + b * 16 + (j & 15)];
+  return d * static_cast<float>(((j < 16) ? (q & 0x0f) : (q >> 4)) - 8);
+}
+
 // Elements per "unit" a lane handles at once: a 16-byte vector or one quantized block.
 template <WType T>
 struct Unit;
@@ -157,6 +224,7 @@ __device__ __forceinline__ void LoadUnit(const uint8_t* row, int64_t u, float* w
 
 __global__ void RmsNormKernel(const float* __restrict__ x, const float* __restrict__ weight,
                               int dim, float eps, float* __restrict__ out) {
+  PdlStart();
   const float* xt = x + static_cast<int64_t>(blockIdx.x) * dim;
   float* ot = out + static_cast<int64_t>(blockIdx.x) * dim;
   float ss = 0.f;
@@ -178,6 +246,7 @@ __global__ void RmsNormKernel(const float* __restrict__ x, const float* __restri
 __global__ void ResidualRmsNormKernel(float* __restrict__ x, const float* d1, const float* d2,
                                       const float* __restrict__ weight, int dim, float eps,
                                       float* out) {
+  PdlStart();
   // Each thread reads its elements of d1/d2 before writing the same elements of out, so out may
   // alias them.
   float* xt = x + static_cast<int64_t>(blockIdx.x) * dim;
@@ -210,6 +279,7 @@ __global__ void ResidualRmsNormKernel(float* __restrict__ x, const float* d1, co
 __global__ void RopeKernel(float* __restrict__ x, int n_heads, int head_dim,
                            const int32_t* __restrict__ positions,
                            const float* __restrict__ inv_freq, bool interleaved) {
+  PdlStart();
   const int t = blockIdx.x / n_heads;
   float* v = x + static_cast<int64_t>(blockIdx.x) * head_dim;
   const int half = head_dim / 2;
@@ -231,6 +301,7 @@ __global__ void RopeQkvKernel(const float* __restrict__ qkv, int n_heads, int n_
                               const float* __restrict__ inv_freq, bool interleaved,
                               float* __restrict__ q, float* __restrict__ k_cache,
                               float* __restrict__ v_cache) {
+  PdlStart();
   const int t = blockIdx.x;
   const int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim;
   const float* src = qkv + static_cast<int64_t>(t) * (q_dim + 2 * kv_dim);
@@ -267,6 +338,7 @@ __global__ void AttentionKernel(const float* __restrict__ q, const float* __rest
                                 const float* __restrict__ v, int pos0,
                                 const int32_t* __restrict__ positions, int n_heads,
                                 int n_kv_heads, int head_dim, float* __restrict__ out) {
+  PdlStart();
   extern __shared__ float smem[];
   const int h = blockIdx.x, t = blockIdx.y;
   // With positions (device memory) the step is position-independent, so it can be replayed
@@ -355,6 +427,7 @@ __global__ void __launch_bounds__(kRowWarps * kWarp)
                      const int32_t* __restrict__ rows, int n_rows,
                      const int32_t* __restrict__ dev_count, const float* __restrict__ x, int n,
                      float* __restrict__ y, int ldy) {
+  PdlStart();
   // NT: tokens per pass, a compile-time bound so that single-token decode keeps one
   // accumulator (fewer registers, more resident warps, more loads in flight).
   const int count = dev_count != nullptr ? *dev_count : n_rows;
@@ -426,6 +499,11 @@ __global__ void __launch_bounds__(kMvThreads)
                      float* __restrict__ y, int ldy, bool stage) {
   extern __shared__ uint4 staged[];
   __shared__ float red[NT][kMvThreads / kWarp];
+  PdlTrigger();
+  if (rows == nullptr && dev_count == nullptr && threadIdx.x == 0 && row_bytes % 16 == 0) {
+    PrefetchL2(w + static_cast<size_t>(blockIdx.x) * row_bytes, static_cast<uint32_t>(row_bytes));
+  }
+  PdlWait();
   const int count = dev_count != nullptr ? *dev_count : n_rows;
   const int i = blockIdx.x;
   if (i >= count) return;
@@ -514,6 +592,7 @@ __global__ void __launch_bounds__(kMvThreads)
                       const int32_t* __restrict__ rows, int n_rows,
                       const int32_t* __restrict__ dev_count, const float* __restrict__ x, int n,
                       float* __restrict__ y, int ldy) {
+  PdlStart();
   extern __shared__ uint4 staged[];
   __shared__ float red[kQuantRows][kMaxTok][kMvThreads / kWarp];
   const int count = dev_count != nullptr ? *dev_count : n_rows;
@@ -587,6 +666,286 @@ __global__ void __launch_bounds__(kMvThreads)
   }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Split layout (DeviceMatrix::scales): quants and scales in separate arrays, so that every lane
+// reads aligned 16-byte vectors. A quant is turned into a float exactly with one byte permute and
+// one add: the byte goes into the low mantissa of 2^23 (0x4B0000qq = 2^23 + q), and subtracting
+// 2^23 + 8 (Q4_0) or 2^23 + 128 (Q8_0, after flipping the sign bit) leaves the signed value.
+
+__device__ __forceinline__ float ByteAsFloat(uint32_t v, int b, float bias) {
+  return __int_as_float(static_cast<int>(__byte_perm(v, 0x4B000000u, 0x7540u + b))) - bias;
+}
+
+// Quant bytes of one 32-value block in the split layout.
+template <WType T>
+constexpr int kSplitBlockBytes = T == WType::kQ4_0 ? 16 : 32;
+
+// sum_e (q_e - offset) * x[e] over one block, x: 32 floats in registers.
+template <WType T>
+__device__ __forceinline__ float SplitBlockDot(const uint4* q, const float* x) {
+  float s0 = 0.f, s1 = 0.f;
+  if constexpr (T == WType::kQ4_0) {
+    // Byte k: value k in the low nibble, value k + 16 in the high nibble (GGUF's order).
+    const uint32_t w[4] = {q[0].x, q[0].y, q[0].z, q[0].w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t lo = w[k] & 0x0f0f0f0fu, hi = (w[k] >> 4) & 0x0f0f0f0fu;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        s0 = fmaf(ByteAsFloat(lo, b, 8388616.f), x[4 * k + b], s0);
+        s1 = fmaf(ByteAsFloat(hi, b, 8388616.f), x[16 + 4 * k + b], s1);
+      }
+    }
+  } else {
+    const uint32_t w[8] = {q[0].x, q[0].y, q[0].z, q[0].w, q[1].x, q[1].y, q[1].z, q[1].w};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t u = w[k] ^ 0x80808080u;  // int8 -> int8 + 128 as an unsigned byte
+#pragma unroll
+      for (int b = 0; b < 4; b += 2) {
+        s0 = fmaf(ByteAsFloat(u, b, 8388736.f), x[4 * k + b], s0);
+        s1 = fmaf(ByteAsFloat(u, b + 1, 8388736.f), x[4 * k + b + 1], s1);
+      }
+    }
+  }
+  return s0 + s1;
+}
+
+// The 32 dequantized values of one block.
+template <WType T>
+__device__ __forceinline__ void SplitBlockValues(const uint4* q, float d, float* w) {
+  if constexpr (T == WType::kQ4_0) {
+    const uint32_t v[4] = {q[0].x, q[0].y, q[0].z, q[0].w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t lo = v[k] & 0x0f0f0f0fu, hi = (v[k] >> 4) & 0x0f0f0f0fu;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        w[4 * k + b] = d * ByteAsFloat(lo, b, 8388616.f);
+        w[16 + 4 * k + b] = d * ByteAsFloat(hi, b, 8388616.f);
+      }
+    }
+  } else {
+    const uint32_t v[8] = {q[0].x, q[0].y, q[0].z, q[0].w, q[1].x, q[1].y, q[1].z, q[1].w};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t u = v[k] ^ 0x80808080u;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) w[4 * k + b] = d * ByteAsFloat(u, b, 8388736.f);
+    }
+  }
+}
+
+// Matrix-vector over a split matrix: each warp takes kSplitRows rows and sweeps their blocks
+// with its 32 lanes; a lane loads the 32 x values of a block once (from L1) and uses them for
+// all of its rows, so x costs a quarter of its bytes per weight row. Two blocks per lane per
+// iteration: 2 * kSplitRows independent 16-byte weight loads in flight for Q4_0.
+constexpr int kSplitRows = 4;
+constexpr int kSplitWarps = 4;
+
+// One block of kSplitRows rows against the x values of that block for every token.
+template <WType T, int NT>
+__device__ __forceinline__ void SplitConsume(const uint4 (&q)[kSplitRows][kSplitBlockBytes<T> / 16],
+                                             const float (&d)[kSplitRows],
+                                             const float* __restrict__ x, int64_t cols, int b,
+                                             int n, float (&acc)[kSplitRows][NT]) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    if (t < n) {
+      float xs[32];
+      const float4* xp = reinterpret_cast<const float4*>(x + t * cols + static_cast<int64_t>(b) * 32);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float4 v = __ldg(xp + k);
+        xs[4 * k] = v.x;
+        xs[4 * k + 1] = v.y;
+        xs[4 * k + 2] = v.z;
+        xs[4 * k + 3] = v.w;
+      }
+#pragma unroll
+      for (int r = 0; r < kSplitRows; ++r) {
+        acc[r][t] = fmaf(d[r], SplitBlockDot<T>(q[r], xs), acc[r][t]);
+      }
+    }
+  }
+}
+
+template <WType T, int NT>
+__global__ void __launch_bounds__(kSplitWarps * kWarp)
+    MatVecSplitKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
+                      int64_t cols, const int32_t* __restrict__ rows, int n_rows,
+                      const int32_t* __restrict__ dev_count, const float* __restrict__ x, int n,
+                      float* __restrict__ y, int ldy) {
+  constexpr int QB = kSplitBlockBytes<T>;
+  constexpr int QV = QB / 16;  // 16-byte vectors per block
+  const int nblk = static_cast<int>(cols / 32);
+  const size_t qrb = static_cast<size_t>(nblk) * QB;
+  const int lane = threadIdx.x % kWarp;
+  const int i0 = (blockIdx.x * kSplitWarps + threadIdx.x / kWarp) * kSplitRows;
+  PdlTrigger();
+  if (rows == nullptr && dev_count == nullptr && lane < kSplitRows && i0 + lane < n_rows) {
+    PrefetchL2(qs + static_cast<size_t>(i0 + lane) * qrb, static_cast<uint32_t>(qrb));
+  }
+  PdlWait();
+  const int count = dev_count != nullptr ? *dev_count : n_rows;
+  if (i0 >= count) return;
+  const int nr = min(kSplitRows, count - i0);
+  // Rows past the count repeat the last valid row (read, never written), so the loop is uniform.
+  const uint8_t* rq[kSplitRows];
+  const uint16_t* rs[kSplitRows];
+#pragma unroll
+  for (int r = 0; r < kSplitRows; ++r) {
+    const int i = i0 + min(r, nr - 1);
+    const int64_t rid = rows != nullptr ? rows[i] : i;
+    rq[r] = qs + static_cast<size_t>(rid) * qrb;
+    rs[r] = scales + static_cast<size_t>(rid) * nblk;
+  }
+  float acc[kSplitRows][NT];
+#pragma unroll
+  for (int r = 0; r < kSplitRows; ++r) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
+  }
+  int b = lane;
+  for (; b + kWarp < nblk; b += 2 * kWarp) {
+    uint4 q[2][kSplitRows][QV];
+    float d[2][kSplitRows];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int r = 0; r < kSplitRows; ++r) {
+        const uint4* src = reinterpret_cast<const uint4*>(rq[r] + static_cast<size_t>(b + h * kWarp) * QB);
+#pragma unroll
+        for (int v = 0; v < QV; ++v) q[h][r][v] = LoadStream(src + v);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int r = 0; r < kSplitRows; ++r) d[h][r] = H2F(rs[r][b + h * kWarp]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) SplitConsume<T, NT>(q[h], d[h], x, cols, b + h * kWarp, n, acc);
+  }
+  if (b < nblk) {
+    uint4 q[kSplitRows][QV];
+    float d[kSplitRows];
+#pragma unroll
+    for (int r = 0; r < kSplitRows; ++r) {
+      const uint4* src = reinterpret_cast<const uint4*>(rq[r] + static_cast<size_t>(b) * QB);
+#pragma unroll
+      for (int v = 0; v < QV; ++v) q[r][v] = LoadStream(src + v);
+      d[r] = H2F(rs[r][b]);
+    }
+    SplitConsume<T, NT>(q, d, x, cols, b, n, acc);
+  }
+#pragma unroll
+  for (int r = 0; r < kSplitRows; ++r) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t < n) {
+        const float v = WarpSum(acc[r][t]);
+        if (lane == 0 && r < nr) y[static_cast<int64_t>(t) * ldy + i0 + r] = v;
+      }
+    }
+  }
+}
+
+// The sparse down projection over a split matrix: as AccumulateRowsKernel's 16-byte path, a
+// thread owns one block of columns and sums the block's values over its rows, four rows at a
+// time.
+template <WType T>
+__global__ void __launch_bounds__(128)
+    AccumulateRowsSplitKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
+                              int64_t cols, const int32_t* __restrict__ rows, int n_rows,
+                              const int32_t* __restrict__ dev_count, const float* __restrict__ a,
+                              int lda, int rows_per_split, float* __restrict__ y) {
+  PdlStart();
+  constexpr int QB = kSplitBlockBytes<T>;
+  constexpr int QV = QB / 16;
+  const int count = dev_count != nullptr ? *dev_count : n_rows;
+  const int i0 = blockIdx.y * rows_per_split;
+  if (i0 >= count) return;
+  const int i1 = min(count, i0 + rows_per_split);
+  const int t = blockIdx.z;
+  const int nblk = static_cast<int>(cols / 32);
+  const size_t qrb = static_cast<size_t>(nblk) * QB;
+  const int u = blockIdx.x * blockDim.x + threadIdx.x;
+  if (u >= nblk) return;
+  const float* at = a + static_cast<int64_t>(t) * lda;
+  float acc[32];
+#pragma unroll
+  for (int e = 0; e < 32; ++e) acc[e] = 0.f;
+  bool any = false;
+  auto row_id = [&](int i) -> int64_t { return rows != nullptr ? rows[i] : i; };
+  auto load = [&](int64_t r, uint4 (&q)[QV], float& d) {
+#pragma unroll
+    for (int v = 0; v < QV; ++v) {
+      q[v] = LoadStream(reinterpret_cast<const uint4*>(qs + r * qrb + static_cast<size_t>(u) * QB) + v);
+    }
+    d = H2F(scales[r * nblk + u]);
+  };
+  auto add = [&](const uint4 (&q)[QV], float cd) {
+    float w[32];
+    SplitBlockValues<T>(q, cd, w);
+#pragma unroll
+    for (int e = 0; e < 32; ++e) acc[e] += w[e];
+  };
+  int i = i0;
+  for (; i + 3 < i1; i += 4) {
+    const float c0 = at[i], c1 = at[i + 1], c2 = at[i + 2], c3 = at[i + 3];
+    if (c0 == 0.f && c1 == 0.f && c2 == 0.f && c3 == 0.f) continue;
+    any = true;
+    uint4 q0[QV], q1[QV], q2[QV], q3[QV];
+    float d0, d1, d2, d3;
+    load(row_id(i), q0, d0);
+    load(row_id(i + 1), q1, d1);
+    load(row_id(i + 2), q2, d2);
+    load(row_id(i + 3), q3, d3);
+    add(q0, c0 * d0);
+    add(q1, c1 * d1);
+    add(q2, c2 * d2);
+    add(q3, c3 * d3);
+  }
+  for (; i < i1; ++i) {
+    const float c0 = at[i];
+    if (c0 == 0.f) continue;
+    any = true;
+    uint4 q0[QV];
+    float d0;
+    load(row_id(i), q0, d0);
+    add(q0, c0 * d0);
+  }
+  if (!any) return;
+  float* yt = y + static_cast<int64_t>(t) * cols + static_cast<int64_t>(u) * 32;
+#pragma unroll
+  for (int e = 0; e < 32; ++e) atomicAdd(yt + e, acc[e]);
+}
+
+// GGUF blocks -> split layout, one thread per block.
+template <WType T>
+__global__ void RepackSplitKernel(const uint8_t* __restrict__ src, int64_t rows, int64_t cols,
+                                  uint8_t* __restrict__ qs, uint16_t* __restrict__ scales,
+                                  int64_t row0) {
+  PdlStart();
+  constexpr int QB = kSplitBlockBytes<T>;
+  constexpr int kSrcBytes = QB + 2;
+  const int64_t nblk = cols / 32;
+  const int64_t total = rows * nblk;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / nblk, b = i % nblk;
+    const uint16_t* in = reinterpret_cast<const uint16_t*>(src + i * kSrcBytes);
+    scales[(row0 + r) * nblk + b] = in[0];
+    uint32_t* out = reinterpret_cast<uint32_t*>(qs + (row0 + r) * nblk * QB + b * QB);
+#pragma unroll
+    for (int k = 0; k < QB / 4; ++k) {
+      out[k] = static_cast<uint32_t>(in[1 + 2 * k]) | (static_cast<uint32_t>(in[2 + 2 * k]) << 16);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Row accumulation (sparse down projection): threads own column units, blocks along y split the
 // active rows, blockIdx.z is the token. Each block sums its rows in registers and adds its
@@ -602,6 +961,7 @@ __global__ void __launch_bounds__(kAccThreads)
                          const int32_t* __restrict__ rows, int n_rows,
                          const int32_t* __restrict__ dev_count, const float* __restrict__ a,
                          int lda, int rows_per_split, float* __restrict__ y, bool stage) {
+  PdlStart();
   extern __shared__ uint4 seg[];
   const int count = dev_count != nullptr ? *dev_count : n_rows;
   const int i0 = blockIdx.y * rows_per_split;
@@ -718,6 +1078,7 @@ __device__ __forceinline__ float ApplyGated(ActKind act, float g, float u) {
 
 __global__ void GatedActivationKernel(ActKind act, float* __restrict__ gate,
                                       const float* __restrict__ up, int64_t count) {
+  PdlStart();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     gate[i] = ApplyGated(act, gate[i], up[i]);
@@ -728,6 +1089,7 @@ __global__ void GatherGatedKernel(ActKind act, const float* __restrict__ gate, i
                                   const int32_t* __restrict__ idx, int n_idx,
                                   const int32_t* __restrict__ dev_count, float* __restrict__ up,
                                   int ld) {
+  PdlStart();
   const int count = dev_count != nullptr ? *dev_count : n_idx;
   const int t = blockIdx.y;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
@@ -738,6 +1100,7 @@ __global__ void GatherGatedKernel(ActKind act, const float* __restrict__ gate, i
 
 __global__ void GatedActivationPackedKernel(ActKind act, const float* __restrict__ gu, int width,
                                             float* __restrict__ out) {
+  PdlStart();
   const int t = blockIdx.y;
   const float* g = gu + static_cast<int64_t>(t) * 2 * width;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < width; i += gridDim.x * blockDim.x) {
@@ -746,6 +1109,7 @@ __global__ void GatedActivationPackedKernel(ActKind act, const float* __restrict
 }
 
 __global__ void ReluKernel(float* __restrict__ x, int64_t count) {
+  PdlStart();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     x[i] = fmaxf(x[i], 0.f);
@@ -753,6 +1117,7 @@ __global__ void ReluKernel(float* __restrict__ x, int64_t count) {
 }
 
 __global__ void AddKernel(float* __restrict__ y, const float* __restrict__ x, int64_t count) {
+  PdlStart();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     y[i] += x[i];
@@ -761,36 +1126,44 @@ __global__ void AddKernel(float* __restrict__ y, const float* __restrict__ x, in
 
 __global__ void Add2Kernel(float* __restrict__ y, const float* __restrict__ x,
                            const float* __restrict__ z, int64_t count) {
+  PdlStart();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     y[i] += x[i] + z[i];
   }
 }
 
-__global__ void EmbedKernel(WType type, const uint8_t* __restrict__ table, size_t row_bytes,
-                            int64_t cols, const int32_t* __restrict__ tokens,
-                            float* __restrict__ out) {
+__global__ void EmbedKernel(WType type, const uint8_t* __restrict__ table,
+                            const uint16_t* __restrict__ scales, size_t row_bytes, int64_t cols,
+                            const int32_t* __restrict__ tokens, float* __restrict__ out) {
+  PdlStart();
   const int t = blockIdx.y;
   const uint8_t* row = table + static_cast<size_t>(tokens[t]) * row_bytes;
   for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < cols;
        c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    out[static_cast<int64_t>(t) * cols + c] = LoadElem(type, row, c);
+    out[static_cast<int64_t>(t) * cols + c] =
+        scales != nullptr ? LoadElemSplit(type, table, scales, cols, tokens[t], c)
+                          : LoadElem(type, row, c);
   }
 }
 
 __global__ void DequantizeToHalfKernel(WType type, const uint8_t* __restrict__ w,
-                                       size_t row_bytes, int64_t rows, int64_t cols,
-                                       __half* __restrict__ out) {
+                                       const uint16_t* __restrict__ scales, size_t row_bytes,
+                                       int64_t rows, int64_t cols, __half* __restrict__ out) {
+  PdlStart();
   const int64_t total = rows * cols;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = i / cols, c = i % cols;
-    out[i] = __float2half_rn(LoadElem(type, w + static_cast<size_t>(r) * row_bytes, c));
+    out[i] = __float2half_rn(scales != nullptr
+                                 ? LoadElemSplit(type, w, scales, cols, r, c)
+                                 : LoadElem(type, w + static_cast<size_t>(r) * row_bytes, c));
   }
 }
 
 __global__ void FloatToHalfKernel(const float* __restrict__ x, int64_t count,
                                   __half* __restrict__ out) {
+  PdlStart();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     out[i] = __float2half_rn(x[i]);
@@ -799,6 +1172,7 @@ __global__ void FloatToHalfKernel(const float* __restrict__ x, int64_t count,
 
 __global__ void FloatToHalfSplitKernel(const float* __restrict__ x, int64_t count,
                                        __half* __restrict__ hi, __half* __restrict__ lo) {
+  PdlStart();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const __half h = __float2half_rn(x[i]);
@@ -817,6 +1191,7 @@ __global__ void __launch_bounds__(kCompactThreads)
     CompactActiveKernel(const float* __restrict__ v, int n, int ldv,
                         const int32_t* __restrict__ map, int len, float threshold,
                         int32_t* __restrict__ idx, int32_t* __restrict__ count) {
+  PdlStart();
   __shared__ int warp_totals[32];
   __shared__ int base;
   if (threadIdx.x == 0) base = 0;
@@ -875,6 +1250,8 @@ int SmCount() {
 
 void SetMatVecWarpRowsMin(int rows) { g_warp_rows_min = rows; }
 int MatVecWarpRowsMin() { return g_warp_rows_min; }
+void SetProgrammaticLaunch(bool on) { g_pdl = on; }
+bool ProgrammaticLaunch() { return g_pdl; }
 
 size_t WRowBytes(WType t, int64_t cols) {
   switch (t) {
@@ -885,6 +1262,10 @@ size_t WRowBytes(WType t, int64_t cols) {
     case WType::kQ4_0: return 18 * static_cast<size_t>(cols / 32);
   }
   return 0;
+}
+
+size_t QuantRowBytes(WType t, int64_t cols) {
+  return t == WType::kQ4_0 ? static_cast<size_t>(cols / 2) : static_cast<size_t>(cols);
 }
 
 const char* WTypeName(WType t) {
@@ -902,21 +1283,40 @@ cudaError_t CheckMatrixShape(const DeviceMatrix& w) {
   const int64_t unit = (w.type == WType::kF32) ? 4 : (w.type == WType::kF16 || w.type == WType::kBF16) ? 8 : 32;
   if (w.cols <= 0 || w.cols % unit != 0 || w.rows < 0) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(w.data) % 16 != 0) return cudaErrorMisalignedAddress;
+  if (w.split() && w.type != WType::kQ8_0 && w.type != WType::kQ4_0) return cudaErrorInvalidValue;
   return cudaSuccess;
+}
+
+cudaError_t RepackSplit(const DeviceMatrix& src, const DeviceMatrix& dst, int64_t row0,
+                        cudaStream_t stream) {
+  if ((src.type != WType::kQ8_0 && src.type != WType::kQ4_0) || src.type != dst.type ||
+      src.cols != dst.cols || src.cols % 32 != 0 || src.split() || !dst.split() || row0 < 0 ||
+      row0 + src.rows > dst.rows || reinterpret_cast<uintptr_t>(dst.data) % 16 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t total = src.rows * (src.cols / 32);
+  if (total <= 0) return cudaSuccess;
+  auto* qs = static_cast<uint8_t*>(const_cast<void*>(dst.data));
+  auto* sc = static_cast<uint16_t*>(const_cast<void*>(dst.scales));
+  const auto* in = static_cast<const uint8_t*>(src.data);
+  if (src.type == WType::kQ8_0) {
+    return Launch(RepackSplitKernel<WType::kQ8_0>, GridFor(total, 256), 256, 0, stream, in,
+                  src.rows, src.cols, qs, sc, row0);
+  }
+  return Launch(RepackSplitKernel<WType::kQ4_0>, GridFor(total, 256), 256, 0, stream, in,
+                src.rows, src.cols, qs, sc, row0);
 }
 
 cudaError_t RmsNorm(const float* x, const float* weight, int n, int dim, float eps, float* out,
                     cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
-  RmsNormKernel<<<n, 256, 0, stream>>>(x, weight, dim, eps, out);
-  return cudaGetLastError();
+  return Launch(RmsNormKernel, n, 256, 0, stream, x, weight, dim, eps, out);
 }
 
 cudaError_t ResidualRmsNorm(float* x, const float* d1, const float* d2, const float* weight,
                             int n, int dim, float eps, float* out, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
-  ResidualRmsNormKernel<<<n, 256, 0, stream>>>(x, d1, d2, weight, dim, eps, out);
-  return cudaGetLastError();
+  return Launch(ResidualRmsNormKernel, n, 256, 0, stream, x, d1, d2, weight, dim, eps, out);
 }
 
 cudaError_t RopeQkvToCache(const float* qkv, int n, int n_heads, int n_kv_heads, int head_dim,
@@ -924,9 +1324,8 @@ cudaError_t RopeQkvToCache(const float* qkv, int n, int n_heads, int n_kv_heads,
                            float* q, float* k_cache, float* v_cache, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   if (head_dim % 2 != 0) return cudaErrorInvalidValue;
-  RopeQkvKernel<<<n, 256, 0, stream>>>(qkv, n_heads, n_kv_heads, head_dim, positions, inv_freq,
-                                       interleaved, q, k_cache, v_cache);
-  return cudaGetLastError();
+  return Launch(RopeQkvKernel, n, 256, 0, stream, qkv, n_heads, n_kv_heads, head_dim, positions,
+                inv_freq, interleaved, q, k_cache, v_cache);
 }
 
 cudaError_t Rope(float* x, int n, int n_heads, int head_dim, const int32_t* positions,
@@ -934,9 +1333,8 @@ cudaError_t Rope(float* x, int n, int n_heads, int head_dim, const int32_t* posi
   if (n <= 0) return cudaSuccess;
   if (head_dim % 2 != 0) return cudaErrorInvalidValue;
   const int threads = head_dim / 2 < 128 ? (head_dim / 2 + 31) / 32 * 32 : 128;
-  RopeKernel<<<n * n_heads, threads, 0, stream>>>(x, n_heads, head_dim, positions, inv_freq,
-                                                  interleaved);
-  return cudaGetLastError();
+  return Launch(RopeKernel, n * n_heads, threads, 0, stream, x, n_heads, head_dim, positions,
+                inv_freq, interleaved);
 }
 
 int MaxAttentionContext() {
@@ -961,10 +1359,9 @@ cudaError_t Attention(const float* q, const float* k, const float* v, int n, int
                                          kAttnMaxSmemBytes);
     if (e != cudaSuccess) return e;
   }
-  AttentionKernel<<<dim3(n_heads, n), kAttnThreads, smem, stream>>>(q, k, v, pos0, nullptr,
-                                                                   n_heads, n_kv_heads, head_dim,
-                                                                   out);
-  return cudaGetLastError();
+  const int32_t* no_positions = nullptr;
+  return Launch(AttentionKernel, dim3(n_heads, n), kAttnThreads, smem, stream, q, k, v, pos0,
+                no_positions, n_heads, n_kv_heads, head_dim, out);
 }
 
 cudaError_t AttentionAt(const float* q, const float* k, const float* v, int n,
@@ -982,11 +1379,67 @@ cudaError_t AttentionAt(const float* q, const float* k, const float* v, int n,
                                          kAttnMaxSmemBytes);
     if (e != cudaSuccess) return e;
   }
-  AttentionKernel<<<dim3(n_heads, n), kAttnThreads, smem, stream>>>(q, k, v, 0, positions,
-                                                                   n_heads, n_kv_heads, head_dim,
-                                                                   out);
-  return cudaGetLastError();
+  return Launch(AttentionKernel, dim3(n_heads, n), kAttnThreads, smem, stream, q, k, v, 0,
+                positions, n_heads, n_kv_heads, head_dim, out);
 }
+
+namespace {
+
+// One launch of the matrix-vector kernels for nt <= kMaxTok tokens.
+template <WType T>
+cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
+                         const int32_t* dev_count, const float* xt, int nt, float* yt, int ldy,
+                         cudaStream_t stream) {
+  const auto* base = static_cast<const uint8_t*>(w.data);
+  constexpr bool quant = T == WType::kQ8_0 || T == WType::kQ4_0;
+  if constexpr (quant) {
+    if (w.split()) {
+      const auto* sc = static_cast<const uint16_t*>(w.scales);
+      const int rows_per_block = kSplitRows * kSplitWarps;
+      const int blocks = (n_rows + rows_per_block - 1) / rows_per_block;
+      if (nt == 1) {
+        return Launch(MatVecSplitKernel<T, 1>, blocks, kSplitWarps * kWarp, 0, stream, base, sc,
+                      w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);
+      }
+      return Launch(MatVecSplitKernel<T, kMaxTok>, blocks, kSplitWarps * kWarp, 0, stream, base,
+                    sc, w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);
+    }
+    const bool stage = w.row_bytes() % 16 == 0 && w.row_bytes() <= kMaxStageBytes;
+    // Four rows per block when four rows fit the shared-memory stage.
+    if (stage && kQuantRows * w.row_bytes() <= kMaxStageBytes) {
+      const int blocks = (n_rows + kQuantRows - 1) / kQuantRows;
+      return Launch(MatVecQuantKernel<T>, blocks, kMvThreads, kQuantRows * w.row_bytes(), stream,
+                    base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);
+    }
+    const size_t smem = stage ? w.row_bytes() : 0;
+    if (nt == 1) {
+      return Launch(MatVecRowsKernel<T, 1>, n_rows, kMvThreads, smem, stream, base, w.row_bytes(),
+                    w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, stage);
+    }
+    return Launch(MatVecRowsKernel<T, kMaxTok>, n_rows, kMvThreads, smem, stream, base,
+                  w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, stage);
+  } else {
+    // Tall matrices: one warp per row when asked for (see MatVecWarpKernel).
+    if (n_rows >= g_warp_rows_min) {
+      const int blocks = (n_rows + kRowWarps - 1) / kRowWarps;
+      if (nt == 1) {
+        return Launch(MatVecWarpKernel<T, 1>, blocks, kRowWarps * kWarp, 0, stream, base,
+                      w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);
+      }
+      return Launch(MatVecWarpKernel<T, kMaxTok>, blocks, kRowWarps * kWarp, 0, stream, base,
+                    w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);
+    }
+    const bool no_stage = false;
+    if (nt == 1) {
+      return Launch(MatVecRowsKernel<T, 1>, n_rows, kMvThreads, 0, stream, base, w.row_bytes(),
+                    w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, no_stage);
+    }
+    return Launch(MatVecRowsKernel<T, kMaxTok>, n_rows, kMvThreads, 0, stream, base,
+                  w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, no_stage);
+  }
+}
+
+}  // namespace
 
 cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
                        const int32_t* dev_count, const float* x, int n, float* y, int ldy,
@@ -994,77 +1447,27 @@ cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
   if (n_rows <= 0 || n <= 0) return cudaSuccess;
   cudaError_t e = CheckMatrixShape(w);
   if (e != cudaSuccess) return e;
-  const auto* base = static_cast<const uint8_t*>(w.data);
-  const bool quant = w.type == WType::kQ8_0 || w.type == WType::kQ4_0;
-  const bool stage = quant && w.row_bytes() % 16 == 0 && w.row_bytes() <= kMaxStageBytes;
-  const size_t smem = stage ? w.row_bytes() : 0;
-  // Tall matrices of 16-byte types: one warp per row (see MatVecWarpKernel).
-  const bool warp_rows = !quant && n_rows >= g_warp_rows_min;
-  // Block formats: four rows per block when four rows fit the shared-memory stage.
-  const bool quad = stage && kQuantRows * w.row_bytes() <= kMaxStageBytes;
   for (int t0 = 0; t0 < n; t0 += kMaxTok) {
     const int nt = n - t0 < kMaxTok ? n - t0 : kMaxTok;
     const float* xt = x + static_cast<int64_t>(t0) * w.cols;
     float* yt = y + static_cast<int64_t>(t0) * ldy;
-    if (warp_rows) {
-      const int blocks = (n_rows + kRowWarps - 1) / kRowWarps;
-      switch (w.type) {
-#define PINFER_WARP(T)                                                                  \
-  if (nt == 1) {                                                                        \
-    MatVecWarpKernel<T, 1><<<blocks, kRowWarps * kWarp, 0, stream>>>(                   \
-        base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);         \
-  } else {                                                                              \
-    MatVecWarpKernel<T, kMaxTok><<<blocks, kRowWarps * kWarp, 0, stream>>>(             \
-        base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);         \
-  }
-        case WType::kF32:
-          PINFER_WARP(WType::kF32)
-          break;
-        case WType::kF16:
-          PINFER_WARP(WType::kF16)
-          break;
-        default:
-          PINFER_WARP(WType::kBF16)
-          break;
-#undef PINFER_WARP
-      }
-      e = cudaGetLastError();
-      if (e != cudaSuccess) return e;
-      continue;
-    }
-    if (quad) {
-      const int blocks = (n_rows + kQuantRows - 1) / kQuantRows;
-      const size_t qsmem = kQuantRows * w.row_bytes();
-      if (w.type == WType::kQ8_0) {
-        MatVecQuantKernel<WType::kQ8_0><<<blocks, kMvThreads, qsmem, stream>>>(
-            base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);
-      } else {
-        MatVecQuantKernel<WType::kQ4_0><<<blocks, kMvThreads, qsmem, stream>>>(
-            base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);
-      }
-      e = cudaGetLastError();
-      if (e != cudaSuccess) return e;
-      continue;
-    }
     switch (w.type) {
-#define PINFER_LAUNCH(T)                                                                   \
-  case T:                                                                                  \
-    if (nt == 1) {                                                                         \
-      MatVecRowsKernel<T, 1><<<n_rows, kMvThreads, smem, stream>>>(                        \
-          base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, stage);   \
-    } else {                                                                               \
-      MatVecRowsKernel<T, kMaxTok><<<n_rows, kMvThreads, smem, stream>>>(                  \
-          base, w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, stage);   \
-    }                                                                                      \
-    break;
-      PINFER_LAUNCH(WType::kF32)
-      PINFER_LAUNCH(WType::kF16)
-      PINFER_LAUNCH(WType::kBF16)
-      PINFER_LAUNCH(WType::kQ8_0)
-      PINFER_LAUNCH(WType::kQ4_0)
-#undef PINFER_LAUNCH
+      case WType::kF32:
+        e = MatVecLaunch<WType::kF32>(w, rows, n_rows, dev_count, xt, nt, yt, ldy, stream);
+        break;
+      case WType::kF16:
+        e = MatVecLaunch<WType::kF16>(w, rows, n_rows, dev_count, xt, nt, yt, ldy, stream);
+        break;
+      case WType::kBF16:
+        e = MatVecLaunch<WType::kBF16>(w, rows, n_rows, dev_count, xt, nt, yt, ldy, stream);
+        break;
+      case WType::kQ8_0:
+        e = MatVecLaunch<WType::kQ8_0>(w, rows, n_rows, dev_count, xt, nt, yt, ldy, stream);
+        break;
+      case WType::kQ4_0:
+        e = MatVecLaunch<WType::kQ4_0>(w, rows, n_rows, dev_count, xt, nt, yt, ldy, stream);
+        break;
     }
-    e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
   return cudaSuccess;
@@ -1096,16 +1499,23 @@ cudaError_t AccumulateRows(const DeviceMatrix& w, const int32_t* rows, int n_row
     rows_per_split = (n_rows + splits - 1) / splits;
   }
   const dim3 grid(col_blocks, splits, n);
+  if (w.split()) {
+    const auto* sc = static_cast<const uint16_t*>(w.scales);
+    if (w.type == WType::kQ8_0) {
+      return Launch(AccumulateRowsSplitKernel<WType::kQ8_0>, grid, kAccThreads, 0, stream, base,
+                    sc, w.cols, rows, n_rows, dev_count, a, lda, rows_per_split, y);
+    }
+    return Launch(AccumulateRowsSplitKernel<WType::kQ4_0>, grid, kAccThreads, 0, stream, base, sc,
+                  w.cols, rows, n_rows, dev_count, a, lda, rows_per_split, y);
+  }
   const bool quant = w.type == WType::kQ8_0 || w.type == WType::kQ4_0;
   const bool stage = quant && w.row_bytes() % 16 == 0;
   const size_t smem = stage ? 2 * kAccThreads * (w.type == WType::kQ8_0 ? 34 : 18) : 0;
   switch (w.type) {
-#define PINFER_LAUNCH(T)                                                                      \
-  case T:                                                                                     \
-    AccumulateRowsKernel<T><<<grid, kAccThreads, smem, stream>>>(                             \
-        base, w.row_bytes(), w.cols, rows, n_rows, dev_count, a, lda, rows_per_split, y,      \
-        stage);                                                                               \
-    break;
+#define PINFER_LAUNCH(T)                                                                        \
+  case T:                                                                                       \
+    return Launch(AccumulateRowsKernel<T>, grid, kAccThreads, smem, stream, base, w.row_bytes(), \
+                  w.cols, rows, n_rows, dev_count, a, lda, rows_per_split, y, stage);
     PINFER_LAUNCH(WType::kF32)
     PINFER_LAUNCH(WType::kF16)
     PINFER_LAUNCH(WType::kBF16)
@@ -1113,14 +1523,13 @@ cudaError_t AccumulateRows(const DeviceMatrix& w, const int32_t* rows, int n_row
     PINFER_LAUNCH(WType::kQ4_0)
 #undef PINFER_LAUNCH
   }
-  return cudaGetLastError();
+  return cudaErrorInvalidValue;
 }
 
 cudaError_t GatedActivation(ActKind act, float* gate, const float* up, int64_t count,
                             cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
-  GatedActivationKernel<<<GridFor(count, 256), 256, 0, stream>>>(act, gate, up, count);
-  return cudaGetLastError();
+  return Launch(GatedActivationKernel, GridFor(count, 256), 256, 0, stream, act, gate, up, count);
 }
 
 cudaError_t GatherGatedActivation(ActKind act, const float* gate, int ldg, const int32_t* idx,
@@ -1128,37 +1537,32 @@ cudaError_t GatherGatedActivation(ActKind act, const float* gate, int ldg, const
                                   cudaStream_t stream) {
   if (n_idx <= 0 || n <= 0) return cudaSuccess;
   if (n > 65535) return cudaErrorInvalidValue;
-  GatherGatedKernel<<<dim3(GridFor(n_idx, 256), n), 256, 0, stream>>>(act, gate, ldg, idx, n_idx,
-                                                                      dev_count, up, ld);
-  return cudaGetLastError();
+  return Launch(GatherGatedKernel, dim3(GridFor(n_idx, 256), n), 256, 0, stream, act, gate, ldg,
+                idx, n_idx, dev_count, up, ld);
 }
 
 cudaError_t GatedActivationPacked(ActKind act, const float* gu, int n, int width, float* out,
                                   cudaStream_t stream) {
   if (n <= 0 || width <= 0) return cudaSuccess;
   if (n > 65535) return cudaErrorInvalidValue;
-  GatedActivationPackedKernel<<<dim3(GridFor(width, 256), n), 256, 0, stream>>>(act, gu, width,
-                                                                                out);
-  return cudaGetLastError();
+  return Launch(GatedActivationPackedKernel, dim3(GridFor(width, 256), n), 256, 0, stream, act,
+                gu, width, out);
 }
 
 cudaError_t Relu(float* x, int64_t count, cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
-  ReluKernel<<<GridFor(count, 256), 256, 0, stream>>>(x, count);
-  return cudaGetLastError();
+  return Launch(ReluKernel, GridFor(count, 256), 256, 0, stream, x, count);
 }
 
 cudaError_t AddInPlace(float* y, const float* x, int64_t count, cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
-  AddKernel<<<GridFor(count, 256), 256, 0, stream>>>(y, x, count);
-  return cudaGetLastError();
+  return Launch(AddKernel, GridFor(count, 256), 256, 0, stream, y, x, count);
 }
 
 cudaError_t Add2InPlace(float* y, const float* x, const float* z, int64_t count,
                         cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
-  Add2Kernel<<<GridFor(count, 256), 256, 0, stream>>>(y, x, z, count);
-  return cudaGetLastError();
+  return Launch(Add2Kernel, GridFor(count, 256), 256, 0, stream, y, x, z, count);
 }
 
 cudaError_t Embed(const DeviceMatrix& table, const int32_t* tokens, int n, float* out,
@@ -1166,41 +1570,37 @@ cudaError_t Embed(const DeviceMatrix& table, const int32_t* tokens, int n, float
   if (n <= 0) return cudaSuccess;
   if (n > 65535) return cudaErrorInvalidValue;
   const int bx = static_cast<int>((table.cols + 255) / 256);
-  EmbedKernel<<<dim3(bx, n), 256, 0, stream>>>(table.type,
-                                               static_cast<const uint8_t*>(table.data),
-                                               table.row_bytes(), table.cols, tokens, out);
-  return cudaGetLastError();
+  return Launch(EmbedKernel, dim3(bx, n), 256, 0, stream, table.type,
+                static_cast<const uint8_t*>(table.data),
+                static_cast<const uint16_t*>(table.scales), table.row_bytes(), table.cols, tokens,
+                out);
 }
 
 cudaError_t CompactActive(const float* v, int n, int ldv, const int32_t* map, int len,
                           float threshold, int32_t* idx, int32_t* count, cudaStream_t stream) {
-  CompactActiveKernel<<<1, kCompactThreads, 0, stream>>>(v, n, ldv, map, len, threshold, idx,
-                                                         count);
-  return cudaGetLastError();
+  return Launch(CompactActiveKernel, 1, kCompactThreads, 0, stream, v, n, ldv, map, len,
+                threshold, idx, count);
 }
 
 cudaError_t DequantizeToHalf(const DeviceMatrix& w, void* out, cudaStream_t stream) {
   const int64_t total = w.rows * w.cols;
   if (total <= 0) return cudaSuccess;
-  DequantizeToHalfKernel<<<GridFor(total, 256), 256, 0, stream>>>(
-      w.type, static_cast<const uint8_t*>(w.data), w.row_bytes(), w.rows, w.cols,
-      static_cast<__half*>(out));
-  return cudaGetLastError();
+  return Launch(DequantizeToHalfKernel, GridFor(total, 256), 256, 0, stream, w.type,
+                static_cast<const uint8_t*>(w.data), static_cast<const uint16_t*>(w.scales),
+                w.row_bytes(), w.rows, w.cols, static_cast<__half*>(out));
 }
 
 cudaError_t FloatToHalf(const float* x, int64_t count, void* out, cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
-  FloatToHalfKernel<<<GridFor(count, 256), 256, 0, stream>>>(x, count,
-                                                             static_cast<__half*>(out));
-  return cudaGetLastError();
+  return Launch(FloatToHalfKernel, GridFor(count, 256), 256, 0, stream, x, count,
+                static_cast<__half*>(out));
 }
 
 cudaError_t FloatToHalfSplit(const float* x, int64_t count, void* hi, void* lo,
                              cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
-  FloatToHalfSplitKernel<<<GridFor(count, 256), 256, 0, stream>>>(
-      x, count, static_cast<__half*>(hi), static_cast<__half*>(lo));
-  return cudaGetLastError();
+  return Launch(FloatToHalfSplitKernel, GridFor(count, 256), 256, 0, stream, x, count,
+                static_cast<__half*>(hi), static_cast<__half*>(lo));
 }
 
 }  // namespace cuda

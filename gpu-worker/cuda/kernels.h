@@ -34,14 +34,38 @@ size_t WRowBytes(WType t, int64_t cols);
 const char* WTypeName(WType t);
 
 // A weight matrix in device memory.
+//
+// Block formats (Q8_0, Q4_0) come in two layouts. GGUF's: rows of 34- or 18-byte blocks {fp16 d;
+// quants}, only 2-byte aligned. Split (scales != null), made on the GPU by RepackSplit: the quant
+// bytes of every row contiguous at data ([rows, QuantRowBytes], each block's 32 or 16 bytes
+// 16-byte aligned and in GGUF's order) and the fp16 scales at scales ([rows, cols / 32]); the
+// same bytes in total, but every lane reads whole 16-byte vectors. The values are the same, so
+// every operator gives the same results on either layout.
 struct DeviceMatrix {
   WType type = WType::kF32;
   int64_t rows = 0;
   int64_t cols = 0;
   const void* data = nullptr;
+  const void* scales = nullptr;  // split layout of a block format (see above)
+  bool split() const { return scales != nullptr; }
   size_t row_bytes() const { return WRowBytes(type, cols); }
   size_t bytes() const { return row_bytes() * static_cast<size_t>(rows); }
 };
+
+// Quant bytes per row of the split layout (cols / 2 for Q4_0, cols for Q8_0).
+size_t QuantRowBytes(WType t, int64_t cols);
+
+// Rewrites rows [row0, row0 + src.rows) of a split matrix from src (GGUF layout, same type and
+// columns): dst.data and dst.scales must hold dst.rows rows. dst.data 16-byte aligned.
+cudaError_t RepackSplit(const DeviceMatrix& src, const DeviceMatrix& dst, int64_t row0,
+                        cudaStream_t stream);
+
+// Programmatic dependent launch (Hopper): every kernel is launched so that it may start while
+// its predecessor in the stream finishes (it waits for the predecessor's results with
+// griddepcontrol.wait before touching them; dense matrix-vector kernels prefetch their weights
+// into L2 first). On by default; PINFER_CUDA_PDL=0 or this call turns it off. Not thread-safe.
+void SetProgrammaticLaunch(bool on);
+bool ProgrammaticLaunch();
 
 // Whether the matrix's column count suits the row kernels (16-byte loads, whole blocks).
 cudaError_t CheckMatrixShape(const DeviceMatrix& w);
