@@ -29,4 +29,9 @@ PINFER_CUDA_MODULE="$bundle/bin/libpinfer_cuda.so" PINFER_MODELS_DIR="$PWD/model
 for dtype in ${BENCH_DTYPES:-F16 Q4_0}; do
   timeout "${BENCH_TIMEOUT:-240}" "$bundle/bin/cuda_decode_bench" --dtype=$dtype ${BENCH_FLAGS:-} 2>&1 | tee "$out/bench_$dtype.log" || rc=1
 done
+# Prompt processing, cold rows on the CPU vs streamed vs the cost model's choice (opt-in:
+# PREFILL_DTYPES="F16 Q4_0"; PREFILL_FLAGS are appended).
+for dtype in ${PREFILL_DTYPES:-}; do
+  timeout "${BENCH_TIMEOUT:-240}" "$bundle/bin/cuda_decode_bench" --dtype=$dtype --modes=prefill ${PREFILL_FLAGS:-} 2>&1 | tee "$out/prefill_$dtype.log" || rc=1
+done
 exit $rc

@@ -315,6 +315,121 @@ TEST_F(CudaBackendTest, StepLogitsMatchCpuReference) {
   }
 }
 
+// Prompt batches with the cold rows streamed to the GPU (ColdPath::kStream) in chunks of 100
+// neurons through two slots (so slots are reused many times per layer and across layers): every
+// position's logits equal the CPU reference forward pass's, the cold callback is never called,
+// and every layer reports streaming. Then the same batch through the callback path, for the
+// same backend, and the calibration's sizes.
+TEST_F(CudaBackendTest, StreamedColdRowsMatchCpuReference) {
+  cuda::ModelUpload u = Upload(/*hot=*/true);
+  u.stream_cold = true;
+  u.stream_chunk_rows = 100;
+  u.stream_slots = 2;
+  auto backend = Create(u);
+  ASSERT_NE(backend, nullptr);
+  const ModelConfig& c = model_->config;
+  const int V = c.vocab_size, n = 48;
+  std::vector<int32_t> tokens(n);
+  {
+    std::ifstream in(ModelsDir() + "/relu-llama-tiny/heldout-tokens.u32", std::ios::binary);
+    std::vector<uint32_t> raw(n + 100);
+    in.read(reinterpret_cast<char*>(raw.data()), raw.size() * 4);
+    ASSERT_TRUE(in.good());
+    for (int i = 0; i < n; ++i) tokens[i] = static_cast<int32_t>(raw[100 + i]);
+  }
+  std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
+  Transformer ref(*model_, *ref_ops);
+  KvCache cache(c, 64);
+  std::vector<float> want(static_cast<size_t>(n) * V);
+  ASSERT_TRUE(ref.Forward(tokens, 0, &cache, LogitsMode::kAll, want.data()).ok());
+
+  CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
+  for (cuda::ColdPath path : {cuda::ColdPath::kStream, cuda::ColdPath::kCallback}) {
+    std::vector<float> got(static_cast<size_t>(n) * V, NAN);
+    cuda::ForwardArgs a;
+    a.tokens = tokens.data();
+    a.n = n;
+    a.pos0 = 0;
+    a.mode = cuda::FfnMode::kExact;
+    a.cold = &cold;
+    a.cold_path = path;
+    a.logits_mode = cuda::LogitsMode::kAll;
+    a.logits = got.data();
+    const int calls_before = cold.calls;
+    cuda::BackendStatus st = backend->Forward(a);
+    ASSERT_TRUE(st.ok()) << st.message;
+    const bool streamed = path == cuda::ColdPath::kStream;
+    EXPECT_EQ(backend->last_stats().streamed_layers, streamed ? c.n_layers : 0);
+    EXPECT_EQ(cold.calls - calls_before, streamed ? 0 : c.n_layers);
+    double err = 0, norm = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_FALSE(std::isnan(got[i])) << i;
+      err += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+      norm += double(want[i]) * want[i];
+    }
+    EXPECT_LE(err / norm, 1e-6) << (streamed ? "streamed" : "callback");
+  }
+  // Streamed bytes: every cold neuron's gate, up and down_t rows (fp16), per layer.
+  cuda::StreamCalibration cal;
+  cuda::BackendStatus st = backend->CalibrateStreaming(0, 32, &cal);
+  ASSERT_TRUE(st.ok()) << st.message;
+  const int64_t n_cold = static_cast<int64_t>((*cold_ids_)[0].size());
+  EXPECT_EQ(cal.rows, n_cold);
+  EXPECT_EQ(cal.bytes, 3.0 * n_cold * c.hidden_size * 2);
+  EXPECT_GT(cal.copy_s, 0);
+  EXPECT_GT(cal.compute_s, 0);
+  EXPECT_GT(cal.overlapped_s, 0);
+  st = backend->CalibrateStreaming(0, 4, &cal);
+  EXPECT_EQ(st.code, cuda::Code::kInvalidArgument);
+  EXPECT_NE(st.message.find("streaming needs 9..64 tokens"), std::string::npos) << st.message;
+}
+
+// Greedy continuations with every prompt batch over 8 tokens streamed equal transformers'.
+TEST_F(CudaBackendTest, StreamedPrefillGivesReferenceGreedyTokens) {
+  cuda::ModelUpload u = Upload(/*hot=*/true);
+  u.stream_cold = true;
+  auto backend = Create(u);
+  ASSERT_NE(backend, nullptr);
+  CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
+  std::vector<float> logits(model_->config.vocab_size);
+  int streamed_prompts = 0;
+  for (const auto& p : (*reference_)["prompts"]) {
+    // Prompts of up to 8 tokens take the matrix-vector path, where the callback always runs;
+    // the longer ones (10 and 14 tokens) are streamed.
+    std::vector<int32_t> prompt = p["input_ids"].get<std::vector<int32_t>>();
+    std::vector<int32_t> expect = p["greedy_ids"].get<std::vector<int32_t>>();
+    if (prompt.size() <= 8) {
+      EXPECT_EQ(Greedy(backend.get(), prompt, static_cast<int>(expect.size()),
+                       cuda::FfnMode::kExact, &cold),
+                expect);
+      continue;
+    }
+    cuda::ForwardArgs a;
+    a.tokens = prompt.data();
+    a.n = static_cast<int>(prompt.size());
+    a.mode = cuda::FfnMode::kExact;
+    a.cold = &cold;
+    a.cold_path = cuda::ColdPath::kStream;
+    a.logits = logits.data();
+    std::vector<int32_t> got;
+    int pos = a.n;
+    for (size_t s = 0; s < expect.size(); ++s) {
+      cuda::BackendStatus st = backend->Forward(a);
+      ASSERT_TRUE(st.ok()) << st.message;
+      if (s == 0) {
+        EXPECT_EQ(backend->last_stats().streamed_layers, model_->config.n_layers);
+        ++streamed_prompts;
+      }
+      got.push_back(Argmax(logits));
+      a.tokens = &got.back();
+      a.n = 1;
+      a.pos0 = pos++;
+    }
+    EXPECT_EQ(got, expect) << p["prompt"];
+  }
+  EXPECT_EQ(streamed_prompts, 2);  // the prompts of 10 and 14 tokens
+}
+
 TEST_F(CudaBackendTest, RejectsBadRequestsWithSpecificErrors) {
   auto backend = Create(Upload(/*hot=*/true));
   ASSERT_NE(backend, nullptr);
