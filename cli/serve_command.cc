@@ -45,11 +45,13 @@ constexpr char kUsage[] =
     "         [--hot-fraction F] [--max-batch-tokens N] [--max-running N] [--max-queue N]\n"
     "         [--max-new-tokens-limit N] [--drain-timeout-ms MS] [--bin-dir DIR]\n"
     "         [--port-file FILE] [--metrics-port-file FILE] [--status-file FILE] [--sparse]\n"
-    "         [--placement FILE.gpuidx]\n"
+    "         [--placement FILE.gpuidx | --vram-budget SIZE]\n"
     "  --port: public gRPC port of the gateway (default 50051; 0 picks one, see --port-file)\n"
     "  --metrics-port: the gateway's /metrics (off unless given); the workers default to M+1\n"
     "                  and M+2 (or 0 = any free port, when M is 0)\n"
     "  --threads / --cpu-threads: compute threads of the gpu-worker / cpu-worker (default 1)\n"
+    "  --vram-budget: GPU memory for the gpu-worker (bytes or 8MiB, 24GiB); the most frequently\n"
+    "                 active neurons that fit are hot (see pinfer-gpu-worker --help)\n"
     "  --status-file: JSON with the children's pids and the segment name, rewritten on restart\n"
     "  --sparse: predictor-driven FFN sparsity; an unprepared model is prepared (and cached)\n"
     "            first, as `pinfer generate --sparse` does\n";
@@ -144,7 +146,7 @@ int ServeCommand(const std::vector<std::string>& args) {
                    {"model", "port", "host", "metrics-port", "gpu-metrics-port", "cpu-metrics-port",
                     "threads", "cpu-threads", "hot-fraction", "max-batch-tokens", "max-running",
                     "max-queue", "max-new-tokens-limit", "drain-timeout-ms", "bin-dir", "port-file",
-                    "metrics-port-file", "status-file", "placement"},
+                    "metrics-port-file", "status-file", "placement", "vram-budget"},
                    {"sparse"});
   if (!parsed.ok()) return UsageError(kUsage, parsed.status());
   const Flags& f = *parsed;
@@ -154,6 +156,17 @@ int ServeCommand(const std::vector<std::string>& args) {
   auto drain = f.Int("drain-timeout-ms", 30000);
   if (!port.ok() || *port < 0 || *port > 65535) {
     return UsageError(kUsage, absl::InvalidArgumentError("--port must be in [0, 65535]"));
+  }
+  if (f.Has("vram-budget")) {
+    auto budget = f.Size("vram-budget", 0);
+    if (!budget.ok()) return UsageError(kUsage, budget.status());
+    if (*budget == 0) {
+      return UsageError(kUsage, absl::InvalidArgumentError("--vram-budget must be positive"));
+    }
+    if (f.Has("placement") || f.Has("hot-fraction")) {
+      return UsageError(kUsage, absl::InvalidArgumentError(
+                                    "--vram-budget excludes --placement and --hot-fraction"));
+    }
   }
   if (!drain.ok() || *drain < 0) {
     return UsageError(kUsage, absl::InvalidArgumentError("--drain-timeout-ms must be >= 0"));
@@ -220,6 +233,7 @@ int ServeCommand(const std::vector<std::string>& args) {
   pass(&gpu.argv, "threads");
   pass(&gpu.argv, "hot-fraction");
   pass(&gpu.argv, "placement");
+  pass(&gpu.argv, "vram-budget");
   pass(&gpu.argv, "max-batch-tokens");
   pass(&gpu.argv, "max-new-tokens-limit");
   if (f.Has("sparse")) gpu.argv.push_back("--sparse");

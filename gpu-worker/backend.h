@@ -68,6 +68,8 @@ class ComputeBackend {
   virtual uint64_t ffn_bytes() const = 0;
   virtual uint64_t dense_bytes() const = 0;
   virtual uint64_t ffn_neurons() const = 0;
+  // Bytes this backend allocated on a GPU (0 for the CPU backend).
+  virtual uint64_t device_bytes() const { return 0; }
   // Moves the accumulated counters out.
   virtual BackendStats TakeStats() = 0;
 };
@@ -88,6 +90,17 @@ struct CudaBackendOptions {
   int device = 0;
   bool gpu_timing = false;  // per-layer GPU event timings into the metrics (costs a little)
 };
+
+// What the CUDA module allocates for `model` before any FFN row (measured by creating it once
+// with no hot neurons) and the bytes one hot neuron of each layer adds, so that a placement under
+// a VRAM budget plans exactly what the backend will hold.
+struct CudaFootprint {
+  uint64_t fixed_bytes = 0;
+  std::vector<uint64_t> neuron_bytes;  // [layer]
+};
+absl::StatusOr<CudaFootprint> MeasureCudaFootprint(const Model& model, int max_batch,
+                                                   const std::string& module_path,
+                                                   const CudaBackendOptions& options);
 
 // The CUDA implementation, from the module at `module_path` (gpu-worker/cuda). Fails with the
 // module's status (no device, out of memory) so that the caller can fall back to the CPU.

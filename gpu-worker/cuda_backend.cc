@@ -16,6 +16,7 @@
 #include "shared/engine/transformer.h"
 #include "shared/service/log.h"
 #include "shared/sparse/sparse_ffn.h"
+#include "shared/util/status_macros.h"
 
 namespace pinfer::gpuworker {
 namespace {
@@ -145,6 +146,7 @@ class CudaBackend : public ComputeBackend {
   uint64_t dense_bytes() const override {
     return backend_->WeightBytes() > hot_bytes_ ? backend_->WeightBytes() - hot_bytes_ : 0;
   }
+  uint64_t device_bytes() const override { return backend_->DeviceBytes(); }
   BackendStats TakeStats() override { return std::exchange(stats_, BackendStats{}); }
 
  private:
@@ -161,23 +163,30 @@ class CudaBackend : public ComputeBackend {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& model,
-                                                               const Placement& placement,
-                                                               shm::ExchangeClient* exchange,
-                                                               const std::string& module_path,
-                                                               const CudaBackendOptions& o) {
-  void* h = ::dlopen(module_path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (h == nullptr) return absl::UnavailableError(absl::StrCat("dlopen: ", ::dlerror()));
-  auto create = reinterpret_cast<PinferCudaCreateFn>(::dlsym(h, PINFER_CUDA_CREATE_SYMBOL));
-  auto destroy = reinterpret_cast<PinferCudaDestroyFn>(::dlsym(h, PINFER_CUDA_DESTROY_SYMBOL));
-  if (create == nullptr || destroy == nullptr) {
+namespace {
+
+struct Module {
+  void* handle = nullptr;
+  PinferCudaCreateFn create = nullptr;
+  PinferCudaDestroyFn destroy = nullptr;
+};
+
+absl::StatusOr<Module> OpenModule(const std::string& module_path) {
+  Module m;
+  m.handle = ::dlopen(module_path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (m.handle == nullptr) return absl::UnavailableError(absl::StrCat("dlopen: ", ::dlerror()));
+  m.create = reinterpret_cast<PinferCudaCreateFn>(::dlsym(m.handle, PINFER_CUDA_CREATE_SYMBOL));
+  m.destroy = reinterpret_cast<PinferCudaDestroyFn>(::dlsym(m.handle, PINFER_CUDA_DESTROY_SYMBOL));
+  if (m.create == nullptr || m.destroy == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat(module_path, " lacks the pinfer CUDA entry points"));
   }
+  return m;
+}
+
+// Everything but the FFN rows: those depend on the placement.
+cuda::ModelUpload BaseUpload(const Model& model, int max_batch, const CudaBackendOptions& o) {
   const ModelConfig& c = model.config;
-  // The module takes hot rows of gate, up and of the transposed down projection.
-  auto down_t = TransposeDownProjections(model);
-  if (!down_t.ok()) return down_t.status();
   cuda::ModelUpload u;
   u.dims = cuda::DimsFromConfig(c);
   u.tok_embeddings = FromView(model.tok_embeddings);
@@ -185,9 +194,8 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
   u.output = FromView(model.output);
   u.max_ctx = o.max_ctx;
   u.max_seqs = o.slots;
-  u.max_batch = exchange->segment().geometry().max_tokens;
+  u.max_batch = max_batch;
   u.device = o.device;
-  uint64_t hot_neurons = 0, hot_bytes = 0;
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = model.layers[l];
     cuda::LayerUpload lu;
@@ -200,22 +208,77 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
     lu.ffn = cuda::FfnPlacement::kHot;
     lu.gate = FromView(L.gate);
     lu.up = FromView(L.up);
+    u.layers.push_back(std::move(lu));
+  }
+  return u;
+}
+
+// The module keeps the transposed down rows in down's dtype when that is a float type and in F32
+// otherwise (TransposeDownProjections' default), since a quantized transpose would re-quantize.
+DType DownTransposedType(const Model& model, int layer) {
+  const DType d = model.layers[layer].down.dtype;
+  return d == DType::kF32 || d == DType::kF16 || d == DType::kBF16 ? d : DType::kF32;
+}
+
+}  // namespace
+
+absl::StatusOr<CudaFootprint> MeasureCudaFootprint(const Model& model, int max_batch,
+                                                   const std::string& module_path,
+                                                   const CudaBackendOptions& o) {
+  ASSIGN_OR_RETURN(Module m, OpenModule(module_path));
+  const ModelConfig& c = model.config;
+  cuda::ModelUpload u = BaseUpload(model, max_batch, o);
+  CudaFootprint f;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights& L = model.layers[l];
+    const DType dt = DownTransposedType(model, l);
+    // No hot ids: the module checks the shape and copies no row, so down's bytes stand in.
+    u.layers[l].down_t.type = static_cast<cuda::HostType>(dt);
+    u.layers[l].down_t.rows = c.ffn_size;
+    u.layers[l].down_t.cols = c.hidden_size;
+    u.layers[l].down_t.data = L.down.data;
+    f.neuron_bytes.push_back(L.gate.row_bytes() + L.up.row_bytes() + RowBytes(dt, c.hidden_size));
+  }
+  cuda::Backend* b = nullptr;
+  char err[1024] = {0};
+  const int rc = m.create(&u, &b, err, sizeof(err));
+  if (rc != 0) return absl::Status(static_cast<absl::StatusCode>(rc), err);
+  f.fixed_bytes = b->DeviceBytes();
+  m.destroy(b);
+  return f;
+}
+
+absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& model,
+                                                               const Placement& placement,
+                                                               shm::ExchangeClient* exchange,
+                                                               const std::string& module_path,
+                                                               const CudaBackendOptions& o) {
+  ASSIGN_OR_RETURN(Module m, OpenModule(module_path));
+  const ModelConfig& c = model.config;
+  // The module takes hot rows of gate, up and of the transposed down projection.
+  auto down_t = TransposeDownProjections(model);
+  if (!down_t.ok()) return down_t.status();
+  cuda::ModelUpload u = BaseUpload(model, exchange->segment().geometry().max_tokens, o);
+  uint64_t hot_neurons = 0, hot_bytes = 0;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights& L = model.layers[l];
+    cuda::LayerUpload& lu = u.layers[l];
     lu.down_t = FromView(down_t->layers[l]);
     lu.hot_ids = placement.hot[l];
     hot_neurons += lu.hot_ids.size();
     hot_bytes +=
         lu.hot_ids.size() * (L.gate.row_bytes() + L.up.row_bytes() + down_t->layers[l].row_bytes());
-    u.layers.push_back(std::move(lu));
   }
   cuda::Backend* b = nullptr;
   char err[1024] = {0};
-  const int rc = create(&u, &b, err, sizeof(err));
+  const int rc = m.create(&u, &b, err, sizeof(err));
   if (rc != 0) return absl::Status(static_cast<absl::StatusCode>(rc), err);
   b->set_collect_gpu_times(o.gpu_timing);
   Log("CUDA backend on %s: %.1f MiB on the device", b->DeviceName().c_str(),
       b->DeviceBytes() / 1048576.0);
-  return std::unique_ptr<ComputeBackend>(
-      new CudaBackend(model, h, b, destroy, exchange, o.slots, o.max_ctx, hot_neurons, hot_bytes));
+  return std::unique_ptr<ComputeBackend>(new CudaBackend(model, m.handle, b, m.destroy, exchange,
+                                                         o.slots, o.max_ctx, hot_neurons,
+                                                         hot_bytes));
 }
 
 }  // namespace pinfer::gpuworker

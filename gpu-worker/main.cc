@@ -10,6 +10,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <optional>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -17,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "cli/flags.h"
 #include "gpu-worker/backend.h"
 #include "gpu-worker/scheduler.h"
@@ -35,7 +39,10 @@
 #include "shared/service/log.h"
 #include "shared/service/service_model.h"
 #include "shared/shm/activation_channel.h"
+#include "shared/sparse/auto_prepare.h"
+#include "shared/sparse/placement.h"
 #include "shared/sparse/prepared_model.h"
+#include "shared/sparse/profiler.h"
 #include "shared/util/status_macros.h"
 #include "shared/util/thread_pool.h"
 
@@ -50,17 +57,22 @@ constexpr char kUsage[] =
     "         [--max-batch-tokens N] [--max-sequences N] [--max-new-tokens-limit N]\n"
     "         [--exchange-timeout-ms MS] [--liveness-ms MS] [--backend auto|cpu|cuda]\n"
     "         [--cuda-module PATH] [--gpu-slots N] [--max-context N] [--cuda-device N]\n"
-    "         [--placement FILE.gpuidx] [--sparse] [--gpu-timing] [--drain-timeout-ms MS]\n"
+    "         [--placement FILE.gpuidx | --vram-budget SIZE] [--sparse] [--gpu-timing]\n"
+    "         [--drain-timeout-ms MS]\n"
     "  --listen: host:port (port 0 picks one; see --port-file) or unix:/path\n"
     "  --segment: POSIX shared-memory name for the activation exchange (default: a fresh\n"
     "             unique name, printed in the log); give the cpu-worker the same name\n"
     "  --gpu-slots / --max-context: KV cache slots and positions per slot on the GPU\n"
     "  --placement: PowerInfer GPU index (FILE.gpuidx) choosing the hot neurons; by default\n"
-    "               MODEL.generated.gpuidx when it exists, else --hot-fraction (0.5)\n";
+    "               MODEL.generated.gpuidx when it exists, else --hot-fraction (0.5)\n"
+    "  --vram-budget: GPU memory for this worker (bytes or 8MiB, 24GiB): the hot neurons are\n"
+    "               the most frequently active ones (profile of a prepared model, else of the\n"
+    "               bundled calibration text) that fit beside what the backend holds anyway\n";
 
 struct Options {
   std::string model, listen = "127.0.0.1:0", port_file, segment, metrics_port, metrics_port_file;
   std::string backend = "auto", cuda_module, placement;
+  uint64_t vram_budget = 0;  // 0: not given
   bool hot_fraction_given = false;
   int threads = 1;
   double hot_fraction = 0.5;
@@ -94,7 +106,8 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
                                                     "gpu-slots",
                                                     "max-context",
                                                     "cuda-device",
-                                                    "placement"},
+                                                    "placement",
+                                                    "vram-budget"},
                                                    {"sparse", "gpu-timing"}));
   Options o;
   ASSIGN_OR_RETURN(o.model, f.Required("model"));
@@ -107,6 +120,14 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   if (auto v = f.Get("cuda-module")) o.cuda_module = *v;
   if (auto v = f.Get("placement")) o.placement = *v;
   o.hot_fraction_given = f.Has("hot-fraction");
+  if (f.Has("vram-budget")) {
+    ASSIGN_OR_RETURN(o.vram_budget, f.Size("vram-budget", 0));
+    if (o.vram_budget == 0) return absl::InvalidArgumentError("--vram-budget must be positive");
+    if (o.hot_fraction_given || !o.placement.empty()) {
+      return absl::InvalidArgumentError(
+          "--vram-budget decides the placement: it excludes --placement and --hot-fraction");
+    }
+  }
   if (o.hot_fraction_given && !o.placement.empty()) {
     return absl::InvalidArgumentError("--placement and --hot-fraction exclude each other");
   }
@@ -226,6 +247,7 @@ struct State {
   Placement placement;
   GpuProbe gpu;
   uint64_t cold_bytes_estimate = 0;
+  std::optional<PlacementPlan> vram_plan;  // with --vram-budget
 };
 
 v1::ModelInfo BuildModelInfo(const State& s) {
@@ -415,6 +437,62 @@ class GpuWorkerService final : public wv1::GpuWorker::Service {
   State* s_;
 };
 
+std::string MiB(uint64_t bytes) { return absl::StrFormat("%.1f MiB", bytes / 1048576.0); }
+
+CudaBackendOptions CudaOptions(const State& s) {
+  CudaBackendOptions cbo;
+  cbo.slots = s.options.gpu_slots;
+  cbo.max_ctx = s.model->config.max_context;
+  cbo.device = s.options.cuda_device;
+  cbo.gpu_timing = s.options.gpu_timing;
+  return cbo;
+}
+
+// The placement for --vram-budget: the activation profile of a prepared model, else one measured
+// now on the bundled calibration text; with a GPU, the CUDA module's own footprint (measured by
+// creating it once without FFN rows) replaces the generic byte formulas, so that the plan is what
+// this process allocates. Without a GPU the generic accounting decides which neurons the CPU
+// backend computes here, as they would be on a GPU of that size.
+absl::StatusOr<PlacementPlan> PlanForBudget(const State& s) {
+  const Options& o = s.options;
+  const Model& model = *s.model;
+  ActivationProfile profile;
+  if (s.service_model.prepared != nullptr &&
+      !s.service_model.prepared->activation_frequency.empty()) {
+    ASSIGN_OR_RETURN(profile, StoredProfile(*s.service_model.prepared));
+    Log("placement from the prepared model's activation profile (%lld tokens)",
+        static_cast<long long>(profile.tokens));
+  } else {
+    ASSIGN_OR_RETURN(std::vector<int32_t> tokens,
+                     TokenizeCalibrationText(model, BundledCalibrationText()));
+    ProfileOptions po;
+    po.window = std::min(512, model.config.max_context);
+    po.keep_inputs = false;
+    po.max_tokens = 16384;  // plenty for a frequency ranking, bounded start-up time
+    if (const char* env = std::getenv("PINFER_AUTO_PREPARE_MAX_TOKENS")) {
+      po.max_tokens = std::max(1, std::atoi(env));
+    }
+    Log("profiling up to %lld tokens of the bundled calibration text for the placement (prepare "
+        "the model with `pinfer prepare` to skip this)",
+        static_cast<long long>(std::min<int64_t>(po.max_tokens, tokens.size())));
+    ASSIGN_OR_RETURN(ProfileResult r, ProfileActivations(model, *s.ops, tokens, po));
+    profile = std::move(r.profile);
+  }
+  PlacementOptions po;
+  po.vram_budget = o.vram_budget;
+  po.context = model.config.max_context * o.gpu_slots;
+  po.max_batch = o.max_batch_tokens;
+  if (s.gpu.available) {
+    ASSIGN_OR_RETURN(CudaFootprint f, MeasureCudaFootprint(model, o.max_batch_tokens, s.gpu.module,
+                                                           CudaOptions(s)));
+    Log("the CUDA backend holds %s before any FFN row", MiB(f.fixed_bytes).c_str());
+    po.measured_fixed_bytes = f.fixed_bytes;
+    po.backend_neuron_bytes = std::move(f.neuron_bytes);
+  }
+  return PlanPlacement(model, profile, s.options.sparse ? s.service_model.predictors() : nullptr,
+                       po);
+}
+
 int Main(const std::vector<std::string>& args) {
   SetLogRole("gpu-worker");
   InstallShutdownHandlers();
@@ -468,11 +546,30 @@ int Main(const std::vector<std::string>& args) {
   // Placement: a PowerInfer GPU index (given, or beside the model as `pinfer prepare` and
   // PowerInfer write it), else a fixed fraction of every layer.
   std::string index_path = o.placement;
-  if (index_path.empty() && !o.hot_fraction_given) {
+  if (index_path.empty() && !o.hot_fraction_given && o.vram_budget == 0) {
     const std::string beside = GpuIndexPath(o.model);
     if (::access(beside.c_str(), R_OK) == 0) index_path = beside;
   }
-  if (!index_path.empty()) {
+  s.pool = std::make_unique<ThreadPool>(o.threads);
+  s.ops = NewSimdOps(s.pool.get());
+  if (s.gpu.available && o.sparse) {
+    // The CUDA module's predictor path is not wired to the service yet.
+    s.gpu.available = false;
+    s.gpu.reason = "--sparse runs on the CPU backend for now";
+  }
+  if (o.vram_budget > 0) {
+    absl::StatusOr<PlacementPlan> plan = PlanForBudget(s);
+    if (!plan.ok()) {
+      Log("cannot place the model in a VRAM budget of %s: %s", MiB(o.vram_budget).c_str(),
+          plan.status().ToString().c_str());
+      return 1;
+    }
+    s.vram_plan = std::move(*plan);
+    s.placement.hot = s.vram_plan->hot;
+    for (absl::string_view line : absl::StrSplit(s.vram_plan->Summary(), '\n')) {
+      if (!line.empty()) Log("placement: %s", std::string(line).c_str());
+    }
+  } else if (!index_path.empty()) {
     auto index = ReadGpuIndex(index_path, c.n_layers, c.ffn_size);
     if (!index.ok()) {
       Log("cannot use the placement %s: %s", index_path.c_str(), index.status().ToString().c_str());
@@ -505,20 +602,9 @@ int Main(const std::vector<std::string>& args) {
   Log("activation segment %s (%zu bytes, up to %d tokens per exchange)", segment_name.c_str(),
       s.exchange->segment().size(), o.max_batch_tokens);
 
-  s.pool = std::make_unique<ThreadPool>(o.threads);
-  s.ops = NewSimdOps(s.pool.get());
-  if (s.gpu.available && o.sparse) {
-    // The CUDA module's predictor path is not wired to the service yet.
-    s.gpu.available = false;
-    s.gpu.reason = "--sparse runs on the CPU backend for now";
-  }
   if (s.gpu.available) {
-    CudaBackendOptions cbo;
-    cbo.slots = o.gpu_slots;
-    cbo.max_ctx = c.max_context;
-    cbo.device = o.cuda_device;
-    cbo.gpu_timing = o.gpu_timing;
-    auto cuda = NewCudaBackend(*s.model, s.placement, s.exchange.get(), s.gpu.module, cbo);
+    auto cuda = NewCudaBackend(*s.model, s.placement, s.exchange.get(), s.gpu.module,
+                               CudaOptions(s));
     if (cuda.ok()) {
       s.backend = std::move(*cuda);
       Log("computing the gpu-worker's share on the GPU (%s)", s.gpu.reason.c_str());
@@ -541,6 +627,13 @@ int Main(const std::vector<std::string>& args) {
       return 1;
     }
     s.backend = std::move(*backend);
+  }
+  if (s.vram_plan.has_value() && s.backend->device_bytes() > 0) {
+    const double plan = static_cast<double>(s.vram_plan->gpu_bytes());
+    const double actual = static_cast<double>(s.backend->device_bytes());
+    Log("VRAM: planned %s, allocated %s (%+.2f%%)%s", MiB(s.vram_plan->gpu_bytes()).c_str(),
+        MiB(s.backend->device_bytes()).c_str(), 100 * (actual / plan - 1),
+        std::abs(actual / plan - 1) > 0.05 ? ": more than 5% off the plan" : "");
   }
   // Building the hot rows read the whole down matrices; drop those pages, what we use comes back.
   DropRebuiltDown(&s.service_model);
@@ -617,6 +710,16 @@ int Main(const std::vector<std::string>& args) {
       .Register(*registry)
       .Add({{"side", "gpu"}})
       .Set(static_cast<double>(s.backend->ffn_bytes()));
+  if (s.vram_plan.has_value()) {
+    auto& vram = prometheus::BuildGauge()
+                     .Name("pinfer_worker_vram_bytes")
+                     .Help("GPU memory by kind: budget (--vram-budget), planned (the placement's "
+                           "byte accounting) and allocated (what the backend holds)")
+                     .Register(*registry);
+    vram.Add({{"kind", "budget"}}).Set(static_cast<double>(o.vram_budget));
+    vram.Add({{"kind", "planned"}}).Set(static_cast<double>(s.vram_plan->gpu_bytes()));
+    vram.Add({{"kind", "allocated"}}).Set(static_cast<double>(s.backend->device_bytes()));
+  }
   auto gauges = std::make_shared<metrics::ScrapeGauges>();
   gauges->Add({"pinfer_worker_resident_bytes",
                "Resident memory of this worker process",

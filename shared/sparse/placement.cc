@@ -58,10 +58,15 @@ std::vector<int32_t> PlacementPlan::GpuIndex(int layer, int ffn) const {
 std::string PlacementPlan::Summary() const {
   auto mib = [](uint64_t b) { return absl::StrFormat("%.2f MiB (%d bytes)", b / 1048576.0, b); };
   std::string s = absl::StrCat("VRAM budget ", mib(budget), "\n");
-  absl::StrAppend(&s, "  dense tensors   ", mib(dense_bytes), "\n");
-  absl::StrAppend(&s, "  KV cache        ", mib(kv_cache_bytes), "\n");
-  absl::StrAppend(&s, "  predictors      ", mib(predictor_bytes), "\n");
-  absl::StrAppend(&s, "  scratch         ", mib(scratch_bytes), "\n");
+  if (measured_fixed_bytes.has_value()) {
+    absl::StrAppend(&s, "  fixed part      ", mib(*measured_fixed_bytes),
+                    " (measured: the backend's allocation without FFN rows)\n");
+  } else {
+    absl::StrAppend(&s, "  dense tensors   ", mib(dense_bytes), "\n");
+    absl::StrAppend(&s, "  KV cache        ", mib(kv_cache_bytes), "\n");
+    absl::StrAppend(&s, "  predictors      ", mib(predictor_bytes), "\n");
+    absl::StrAppend(&s, "  scratch         ", mib(scratch_bytes), "\n");
+  }
   absl::StrAppend(&s, "  hot FFN rows    ", mib(hot_row_bytes), "\n");
   if (cpu_only) {
     absl::StrAppend(&s, "  CPU-only plan: the fixed parts alone exceed the budget\n");
@@ -93,9 +98,23 @@ absl::StatusOr<PlacementPlan> PlanPlacement(const Model& model, const Activation
   plan.kv_cache_bytes = KvCacheBytes(c, o.context, o.kv_element_bytes);
   plan.predictor_bytes = PredictorBytes(predictors);
   plan.scratch_bytes = ScratchBytes(c, o.context, o.max_batch);
+  plan.measured_fixed_bytes = o.measured_fixed_bytes;
   plan.hot.assign(c.n_layers, {});
-  for (int l = 0; l < c.n_layers; ++l) plan.neuron_bytes.push_back(HotNeuronBytes(model, l));
+  if (!o.backend_neuron_bytes.empty() &&
+      static_cast<int>(o.backend_neuron_bytes.size()) != c.n_layers) {
+    return absl::InvalidArgumentError("backend_neuron_bytes needs one entry per layer");
+  }
+  for (int l = 0; l < c.n_layers; ++l) {
+    plan.neuron_bytes.push_back(o.backend_neuron_bytes.empty() ? HotNeuronBytes(model, l)
+                                                               : o.backend_neuron_bytes[l]);
+  }
   if (plan.fixed_bytes() > o.vram_budget) {
+    if (!o.allow_cpu_only && plan.measured_fixed_bytes.has_value()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the VRAM budget of ", o.vram_budget, " bytes is below the ", plan.fixed_bytes(),
+          " bytes the GPU backend allocates before any FFN row (dense tensors, embeddings, KV "
+          "cache, scratch)"));
+    }
     if (!o.allow_cpu_only) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "the VRAM budget of ", o.vram_budget, " bytes is below the ", plan.fixed_bytes(),

@@ -22,9 +22,16 @@
 // alone exceeds the budget, PlanPlacement fails with ResourceExhausted naming both sizes, unless
 // `allow_cpu_only` is set: then the plan puts nothing on the GPU (cpu_only = true, every neuron
 // cold, gpu bytes 0) and the model runs on the CPU.
+//
+// A running gpu-worker knows its backend better than these formulas (the CUDA module also keeps
+// the embedding table, a KV cache per sequence slot and its own scratch on the device): it measures
+// the backend's allocation without FFN rows and passes it as `measured_fixed_bytes`, which then
+// replaces the four fixed items, and the bytes the backend stores per hot neuron of each layer as
+// `backend_neuron_bytes`, so that the plan is what that process will allocate.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +48,8 @@ struct PlacementOptions {
   int kv_element_bytes = 2;
   int max_batch = 32;
   bool allow_cpu_only = false;
+  std::optional<uint64_t> measured_fixed_bytes;
+  std::vector<uint64_t> backend_neuron_bytes;  // [layer]; empty: HotNeuronBytes
 };
 
 struct PlacementPlan {
@@ -50,12 +59,14 @@ struct PlacementPlan {
   uint64_t predictor_bytes = 0;
   uint64_t scratch_bytes = 0;
   uint64_t hot_row_bytes = 0;
+  std::optional<uint64_t> measured_fixed_bytes;  // replaces the four items above when set
   bool cpu_only = false;
   std::vector<uint64_t> neuron_bytes;     // [layer]: bytes of one hot neuron's rows
   std::vector<std::vector<int32_t>> hot;  // [layer]: hot neuron ids, ascending
   double gpu_activation_share = 0;        // profiled activations served by hot neurons
 
   uint64_t fixed_bytes() const {
+    if (measured_fixed_bytes.has_value()) return *measured_fixed_bytes;
     return dense_bytes + kv_cache_bytes + predictor_bytes + scratch_bytes;
   }
   uint64_t gpu_bytes() const { return cpu_only ? 0 : fixed_bytes() + hot_row_bytes; }

@@ -642,6 +642,70 @@ TEST(ServicePlacementTest, GpuIndexPlacementIsUsedAndExact) {
   ::rmdir(dir);
 }
 
+TEST(ServicePlacementTest, VramBudgetHotSetIsWhatFitsByHand) {
+  // Without a GPU the gpu-worker plans with placement.h's generic accounting. relu-llama-tiny is
+  // F16: hidden 384, 6 layers, 6 heads of 64, 2 KV heads (kv_dim 128), FFN 1536, vocab 4096.
+  //   dense   = 6 * (768 + 294912 + 98304 + 98304 + 294912 + 768) + 768 + 4096*384*2 = 7874304
+  //   KV      = 2 * 6 * (256 positions * 2 slots) * 128 * 2 bytes                   = 1572864
+  //   scratch = 4 * 16 tokens * (3*384 + 384 + 2*128 + 3*1536 + 4096 + 6*512)        =  868352
+  //   one hot neuron = gate + up + down_t rows = 3 * 384 * 2                          =    2304
+  // so a budget of 10315520 + 1000 * 2304 + 1000 bytes holds exactly 1000 hot neurons.
+  ::setenv("PINFER_AUTO_PREPARE_MAX_TOKENS", "2048", 1);  // quick profile of the calibration text
+  DeploymentOptions o;
+  o.model = kTiny;
+  o.hot_fraction = -1;
+  o.gpu_flags = {"--vram-budget",      std::to_string(10315520 + 1000 * 2304 + 1000),
+                 "--max-context",      "256",
+                 "--gpu-slots",        "2",
+                 "--max-batch-tokens", "16",
+                 "--backend",          "cpu"};
+  Deployment d(o);
+  ASSERT_TRUE(d.Start().ok()) << d.Logs();
+  grpc::ClientContext ctx;
+  v1::ModelInfo info;
+  ASSERT_TRUE(d.stub().GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
+  EXPECT_EQ(info.placement().gpu_neurons(), 1000u);
+  EXPECT_EQ(info.placement().cpu_neurons(), 6u * 1536 - 1000);
+  // The most active neurons go first: the hot set serves far more than its 11% share.
+  EXPECT_THAT(d.Logs(), ::testing::HasSubstr("activations served by the GPU"));
+  const auto ref = ReadJson(kTiny + "/reference.json");
+  const auto& p = ref["prompts"][4];
+  GenerateResult r = RunGenerate(d.stub(), GreedyRequest(p["prompt"], 48));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.ids, U32(p["greedy_ids"]));
+  ::unsetenv("PINFER_AUTO_PREPARE_MAX_TOKENS");
+}
+
+TEST(ServicePlacementTest, VramBudgetFlagErrors) {
+  const std::string bin = std::string(PINFER_BINARY_DIR) + "/bin/pinfer-gpu-worker";
+  auto run = [&](const std::string& flags) {
+    const std::string out = ::testing::TempDir() + "/vram-budget-err.txt";
+    const int rc = std::system((bin + " --model " + kTiny + " --backend cpu " + flags + " > " +
+                                out + " 2>&1")
+                                   .c_str());
+    std::ifstream in(out);
+    std::stringstream text;
+    text << in.rdbuf();
+    return std::make_pair(WEXITSTATUS(rc), text.str());
+  };
+  auto [rc1, err1] = run("--vram-budget 1GiB --hot-fraction 0.3");
+  EXPECT_EQ(rc1, 2);
+  EXPECT_THAT(err1, ::testing::HasSubstr("excludes --placement and --hot-fraction"));
+  auto [rc2, err2] = run("--vram-budget 12XB");
+  EXPECT_EQ(rc2, 2);
+  EXPECT_THAT(err2, ::testing::HasSubstr("vram-budget"));
+  auto [rc3, err3] = run("--vram-budget 0");
+  EXPECT_EQ(rc3, 2);
+  EXPECT_THAT(err3, ::testing::HasSubstr("--vram-budget must be positive"));
+  // Below the dense parts: a clear start-up error naming both sizes, not a crash.
+  ::setenv("PINFER_AUTO_PREPARE_MAX_TOKENS", "512", 1);
+  auto [rc4, err4] = run("--vram-budget 1MiB --max-context 256");
+  ::unsetenv("PINFER_AUTO_PREPARE_MAX_TOKENS");
+  EXPECT_EQ(rc4, 1);
+  EXPECT_THAT(err4, ::testing::HasSubstr("cannot place the model in a VRAM budget of 1.0 MiB"));
+  EXPECT_THAT(err4, ::testing::HasSubstr("bytes the dense tensors, KV cache"));
+}
+
 // Greedy tokens of the in-process engine with a given FFN block, the prompt fed one token at a
 // time (so every matrix product takes the single-token path, as the service's decode does).
 std::vector<uint32_t> GreedyOneByOne(const Model& m, FfnBlock* ffn, std::vector<int32_t> ids,
