@@ -1,5 +1,10 @@
-// GGUF models of architecture `llama` (llama.cpp's conventions), including PowerInfer's variant
-// (magic "PWRI", ReLU FFN, optional transposed `ffn_down_t`). Weights stay in the mapping.
+// GGUF models of architecture `llama` (llama.cpp's conventions), including PowerInfer's variants
+// (magic "PWRI", ReLU FFN, transposed `ffn_down_t`, architecture `bamboo`). Weights stay in the
+// mapping, except types the kernels lack (dequantized to F32, see ggml_dequant.h) and PowerInfer's
+// transposed down projection (transposed into memory the model owns).
+//
+// `bamboo` (PowerInfer's Bamboo models): the same keys under `bamboo.`, the same tensors, and the
+// FFN relu(gate) * relu(up) (dReLU; PowerInfer's llama.cpp builds it as LLM_FFN_SYM with ReLU).
 //
 // llama.cpp's converter permutes the rows of Q and K so that RoPE rotates adjacent pairs
 // (2i, 2i+1) instead of Hugging Face's halves (i, i + d/2); the model therefore runs with
@@ -15,6 +20,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "shared/model/ggml_dequant.h"
 #include "shared/model/gguf.h"
 #include "shared/model/model.h"
 #include "shared/util/status_macros.h"
@@ -119,16 +125,29 @@ absl::StatusOr<RopeScaling> RopeScalingFromFactors(const std::vector<float>& fac
 }
 
 // PowerInfer stores the down projection transposed (`ffn_down_t`: [ffn, hidden]); the engine
-// wants [hidden, ffn]. Plain dtypes are transposed into memory the model owns.
+// wants [hidden, ffn]. Plain dtypes are transposed into memory the model owns. Quantized ones are
+// blocked along hidden, and re-quantizing along ffn would change the weights: they are
+// dequantized and transposed into F32 (exact; sparse execution reads ffn_down_t itself).
 absl::StatusOr<TensorView> TransposeDown(const TensorView& t, Model* model) {
-  if (IsQuantized(t.dtype)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tensor '", t.name, "': transposed quantized weights are not supported"));
-  }
   if (t.shape.size() != 2) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' is not a matrix"));
   }
   const int64_t rows = t.shape[0], cols = t.shape[1];
+  if (IsQuantized(t.dtype)) {
+    auto buf = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(rows * cols) * 4);
+    float* dst = reinterpret_cast<float*>(buf->data());
+    std::vector<float> row(cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      DequantizeRow(t.dtype, t.row(r), row.data(), cols);
+      for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = row[c];
+    }
+    TensorView out = t;
+    out.dtype = DType::kF32;
+    out.shape = {cols, rows};
+    out.data = buf->data();
+    model->owned.push_back(std::move(buf));
+    return out;
+  }
   const size_t es = RowBytes(t.dtype, 1);
   auto buf = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(rows * cols) * es);
   const uint8_t* src = static_cast<const uint8_t*>(t.data);
@@ -147,7 +166,7 @@ absl::StatusOr<TensorView> TransposeDown(const TensorView& t, Model* model) {
 // A weight view; data that a file with a small general.alignment leaves unaligned for its element
 // type is copied (the kernels read whole elements).
 absl::StatusOr<TensorView> Weight(const GgufFile& f, const std::string& name, Model* model) {
-  ASSIGN_OR_RETURN(TensorView t, f.GetTensor(name));
+  ASSIGN_OR_RETURN(TensorView t, GgufTensorForEngine(f, name, &model->owned));
   const size_t align = t.dtype == DType::kF32 ? 4 : 2;
   if (reinterpret_cast<uintptr_t>(t.data) % align != 0) {
     auto copy = std::make_shared<std::vector<uint8_t>>(t.nbytes());
@@ -158,7 +177,7 @@ absl::StatusOr<TensorView> Weight(const GgufFile& f, const std::string& name, Mo
   return t;
 }
 
-absl::StatusOr<Activation> ActivationOf(const GgufFile& f) {
+absl::StatusOr<Activation> ActivationOf(const GgufFile& f, const std::string& arch) {
   if (f.HasKey("pinfer.hidden_act")) {
     ASSIGN_OR_RETURN(std::string act, f.GetString("pinfer.hidden_act"));
     if (act == "silu") return Activation::kSilu;
@@ -167,6 +186,7 @@ absl::StatusOr<Activation> ActivationOf(const GgufFile& f) {
     return absl::InvalidArgumentError(
         absl::StrCat(f.name(), ": unsupported pinfer.hidden_act '", act, "'"));
   }
+  if (arch == "bamboo") return Activation::kDRelu;
   if (f.magic() == kPowerInferMagic || f.HasKey("powerinfer.sparse_threshold") ||
       f.FindTensor("blk.0.fc1.weight") != nullptr) {
     return Activation::kRelu;
@@ -177,11 +197,12 @@ absl::StatusOr<Activation> ActivationOf(const GgufFile& f) {
 absl::StatusOr<ModelConfig> ConfigFromGguf(const GgufFile& f) {
   ModelConfig c;
   ASSIGN_OR_RETURN(c.architecture, f.GetString("general.architecture"));
-  if (c.architecture != "llama") {
+  if (c.architecture != "llama" && c.architecture != "bamboo") {
     return absl::InvalidArgumentError(absl::StrCat(f.name(), ": unsupported architecture '",
-                                                   c.architecture, "' (pinfer loads llama)"));
+                                                   c.architecture,
+                                                   "' (pinfer loads llama and bamboo)"));
   }
-  const std::string a = "llama.";
+  const std::string a = c.architecture + ".";
   if (f.HasKey(a + "expert_count")) {
     ASSIGN_OR_RETURN(int experts, GetInt(f, a + "expert_count"));
     if (experts > 0) {
@@ -239,7 +260,7 @@ absl::StatusOr<ModelConfig> ConfigFromGguf(const GgufFile& f) {
     c.rope_scaling.low_freq_factor = 1;  // low-frequency boundary: wavelength 1 < 2 pi
     c.rope_scaling.high_freq_factor = 2;
   }
-  ASSIGN_OR_RETURN(c.activation, ActivationOf(f));
+  ASSIGN_OR_RETURN(c.activation, ActivationOf(f, c.architecture));
   c.rope_interleaved = true;
 
   const std::string t = "tokenizer.ggml.";
@@ -315,11 +336,11 @@ absl::StatusOr<std::unique_ptr<Model>> LoadGgufModelFrom(const GgufFile& f) {
         absl::StrCat(f.name(), ": token_embd.weight is not a matrix"));
   }
   c.vocab_size = static_cast<int>(std::min<int64_t>(model->tok_embeddings.shape[0], INT32_MAX));
-  if (f.HasKey("llama.vocab_size")) {
-    ASSIGN_OR_RETURN(int v, GetInt(f, "llama.vocab_size"));
+  if (f.HasKey(c.architecture + ".vocab_size")) {
+    ASSIGN_OR_RETURN(int v, GetInt(f, c.architecture + ".vocab_size"));
     if (v != c.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat(f.name(), ": llama.vocab_size ", v,
-                                                     " but token_embd.weight has ", c.vocab_size,
+      return absl::InvalidArgumentError(absl::StrCat(f.name(), ": ", c.architecture, ".vocab_size ",
+                                                     v, " but token_embd.weight has ", c.vocab_size,
                                                      " rows"));
     }
   }
@@ -336,7 +357,8 @@ absl::StatusOr<std::unique_ptr<Model>> LoadGgufModelFrom(const GgufFile& f) {
     }
     std::vector<float> factors(rf->numel());
     std::memcpy(factors.data(), rf->data, factors.size() * 4);
-    ASSIGN_OR_RETURN(int orig, GetInt(f, "llama.rope.scaling.original_context_length", 0));
+    ASSIGN_OR_RETURN(int orig,
+                     GetInt(f, c.architecture + ".rope.scaling.original_context_length", 0));
     auto scaling = RopeScalingFromFactors(factors, c, orig);
     if (!scaling.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(f.name(), ": ", scaling.status().message()));

@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "shared/model/ggml_dequant.h"
 #include "shared/util/status_macros.h"
 
 namespace pinfer {
@@ -131,12 +132,34 @@ absl::Status CopyKey(const GgufKeyValue& kv, GgufWriter* w) {
 
 absl::StatusOr<GgmlType> TypeOf(DType t) { return GgmlTypeFromDType(t); }
 
+// fc1 [rank, hidden] with column i divided by the norm weight w_i (F32), so that it reads the
+// normalized input x = r / rms(r) * w where PowerInfer's reads r. A zero w_i leaves x_i = 0 and
+// the column is lost either way.
+TensorView FoldInverseNorm(const TensorView& fc1, const TensorView& norm,
+                           std::vector<std::shared_ptr<std::vector<uint8_t>>>* owned) {
+  const int64_t R = fc1.rows(), H = fc1.cols();
+  std::vector<float> w(H);
+  DequantizeRow(norm.dtype, norm.data, w.data(), H);
+  auto buf = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(R * H) * 4);
+  float* out = reinterpret_cast<float*>(buf->data());
+  for (int64_t r = 0; r < R; ++r) {
+    DequantizeRow(fc1.dtype, fc1.row(r), out + r * H, H);
+    for (int64_t i = 0; i < H; ++i) out[r * H + i] = w[i] != 0 ? out[r * H + i] / w[i] : 0.f;
+  }
+  TensorView t = fc1;
+  t.dtype = DType::kF32;
+  t.data = buf->data();
+  owned->push_back(std::move(buf));
+  return t;
+}
+
 }  // namespace
 
 absl::Status WritePreparedModel(const GgufFile& src, const PreparedContents& contents,
                                 const std::string& out_path) {
-  ASSIGN_OR_RETURN(int n_layers, src.GetU32("llama.block_count"));
-  ASSIGN_OR_RETURN(int ffn, src.GetU32("llama.feed_forward_length"));
+  ASSIGN_OR_RETURN(std::string arch, src.GetString("general.architecture"));
+  ASSIGN_OR_RETURN(int n_layers, src.GetU32(arch + ".block_count"));
+  ASSIGN_OR_RETURN(int ffn, src.GetU32(arch + ".feed_forward_length"));
   const ActivationProfile& prof = contents.profile;
   const PredictorSet& pred = contents.predictors;
   if (prof.n_layers != n_layers || prof.ffn_size != ffn ||
@@ -157,6 +180,7 @@ absl::Status WritePreparedModel(const GgufFile& src, const PreparedContents& con
   for (const LayerPredictor& p : pred.layers) thresholds.push_back(p.threshold);
   w.SetF32(kSparseThresholdKey, thresholds.empty() ? 0.f : thresholds[0]);
   w.SetF32Array("pinfer.sparse.thresholds", thresholds);
+  w.SetString(kPredictorInputKey, "ffn_norm");
   w.SetU64("pinfer.sparse.profile_tokens", static_cast<uint64_t>(prof.tokens));
   for (const auto& [key, value] : contents.string_keys) w.SetString(key, value);
   for (int l = 0; l < n_layers; ++l) {
@@ -260,11 +284,21 @@ absl::StatusOr<PreparedModel> LoadPreparedModel(const std::string& path) {
                                                      " layers"));
     }
   }
+  // pinfer's files (older ones have pinfer.sparse.thresholds only) read the normalized input.
+  std::string predictor_input = f.HasKey("pinfer.sparse.thresholds") ? "ffn_norm" : "ffn_inp";
+  if (f.HasKey(kPredictorInputKey)) {
+    ASSIGN_OR_RETURN(predictor_input, f.GetString(kPredictorInputKey));
+  }
+  if (predictor_input != "ffn_norm" && predictor_input != "ffn_inp") {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": unknown ", kPredictorInputKey, " '", predictor_input, "'"));
+  }
+  pm.powerinfer_predictors = predictor_input == "ffn_inp";
   for (int l = 0; l < c.n_layers; ++l) {
     const std::string p = absl::StrCat("blk.", l, ".");
     LayerPredictor lp;
-    ASSIGN_OR_RETURN(lp.fc1, f.GetTensor(p + "fc1.weight"));
-    ASSIGN_OR_RETURN(lp.fc2, f.GetTensor(p + "fc2.weight"));
+    ASSIGN_OR_RETURN(lp.fc1, GgufTensorForEngine(f, p + "fc1.weight", &pm.predictors.owned));
+    ASSIGN_OR_RETURN(lp.fc2, GgufTensorForEngine(f, p + "fc2.weight", &pm.predictors.owned));
     if (lp.fc1.shape.size() != 2 || lp.fc2.shape.size() != 2 || lp.fc1.cols() != c.hidden_size ||
         lp.fc2.rows() != c.ffn_size || lp.fc2.cols() != lp.fc1.rows()) {
       return absl::InvalidArgumentError(
@@ -272,10 +306,13 @@ absl::StatusOr<PreparedModel> LoadPreparedModel(const std::string& path) {
                        "] and fc2 [", c.ffn_size, ", rank]"));
     }
     lp.threshold = thresholds[l];
+    if (pm.powerinfer_predictors) {
+      lp.fc1 = FoldInverseNorm(lp.fc1, pm.model->layers[l].ffn_norm, &pm.predictors.owned);
+    }
     pm.predictors.layers.push_back(lp);
     TensorView dt;
     if (f.FindTensor(p + "ffn_down_t.weight") != nullptr) {
-      ASSIGN_OR_RETURN(dt, f.GetTensor(p + "ffn_down_t.weight"));
+      ASSIGN_OR_RETURN(dt, GgufTensorForEngine(f, p + "ffn_down_t.weight", &pm.owned));
       if (dt.shape != std::vector<int64_t>{c.ffn_size, c.hidden_size}) {
         return absl::InvalidArgumentError(absl::StrCat(path, ": ", p, "ffn_down_t.weight must be [",
                                                        c.ffn_size, ", ", c.hidden_size, "]"));

@@ -16,6 +16,14 @@
 // every FFN tensor are each one contiguous byte range, and a process that holds one part only
 // touches (maps) that part; SplitByteRanges gives the ranges.
 //
+// Predictor input. PowerInfer's llama.cpp (build_llama_variants, `llama` and `bamboo`) feeds the
+// predictor the residual stream before ffn_norm (`ffn_inp`), pinfer's FfnBlock sees the normalized
+// FFN input x = r / rms(r) * w. The predictor has no biases, so fc2(relu(fc1(r))) = rms(r) *
+// fc2(relu(fc1(x / w))): loading a PowerInfer file divides fc1's columns by ffn_norm's weights
+// (F32 copy), which selects exactly the same neurons when powerinfer.sparse_threshold is 0 (every
+// ReluLLaMA file) and compares against the threshold without the rms(r) factor otherwise. Files
+// pinfer writes say `pinfer.sparse.predictor_input = "ffn_norm"` (their predictors read x).
+//
 // GPU index (FILE.gguf.generated.gpuidx), as PowerInfer's export_split.py writes it: magic "PWRI",
 // general.architecture "generic.gpu_index", generic.gpu_index.block_count, split.vram_capacity
 // (u64, the budget the index was made for), and per layer blk.N.gpu_idx (I32 [ffn], 1 = on the
@@ -39,6 +47,7 @@ namespace pinfer {
 
 inline constexpr char kSparseThresholdKey[] = "powerinfer.sparse_threshold";
 inline constexpr char kGpuIndexArchitecture[] = "generic.gpu_index";
+inline constexpr char kPredictorInputKey[] = "pinfer.sparse.predictor_input";
 
 // What `pinfer prepare` adds to a model.
 struct PreparedContents {
@@ -67,15 +76,20 @@ struct PreparedModel {
   std::unique_ptr<GgufFile> file;
   std::unique_ptr<Model> model;
   std::vector<TensorView> down_t;  // [ffn, hidden] per layer
-  PredictorSet predictors;         // thresholds per layer
-  float sparse_threshold = 0;      // powerinfer.sparse_threshold (0 when absent, as in PowerInfer)
+  PredictorSet predictors;         // thresholds per layer; fc1 reads the normalized FFN input
+  // Dequantized copies of tensors whose type the kernels lack (e.g. Q5_0 ffn_down_t).
+  std::vector<std::shared_ptr<std::vector<uint8_t>>> owned;
+  bool powerinfer_predictors = false;  // fc1 was rescaled from PowerInfer's pre-norm input
+  float sparse_threshold = 0;  // powerinfer.sparse_threshold (0 when absent, as in PowerInfer)
   // From pinfer's keys; empty for files pinfer did not prepare.
   int64_t profile_tokens = 0;
   std::vector<std::vector<float>> activation_frequency;  // [layer][ffn]
   std::string source_fingerprint;  // pinfer.sparse.source: what it was prepared from
 };
 
-// Loads a PWRI model (pinfer's or PowerInfer's). Errors name the missing or malformed tensor.
+// Loads a PWRI model (pinfer's or PowerInfer's: architectures llama and bamboo; ffn_down_t and
+// predictors in F32, F16, Q8_0, Q4_0, or Q4_1/Q5_0/Q5_1 (dequantized to F32)). Errors name the
+// missing or malformed tensor.
 absl::StatusOr<PreparedModel> LoadPreparedModel(const std::string& path);
 
 // The profile stored in a prepared model (frequencies times profile_tokens), for placement.
