@@ -167,6 +167,17 @@ DeviceMatrix ToDevice(const HostWeights& w, DevBuf<uint8_t>* buf) {
   return d;
 }
 
+// The split layout of a block-format matrix (kernels.h), made on the GPU from the GGUF bytes.
+DeviceMatrix ToDeviceSplit(const HostWeights& w, DevBuf<uint8_t>* gguf, DevBuf<uint8_t>* split) {
+  DeviceMatrix src = ToDevice(w, gguf);
+  DeviceMatrix d = src;
+  d.data = split->get();
+  d.scales = split->get() + cuda::QuantRowBytes(d.type, d.cols) * d.rows;
+  EXPECT_EQ(cuda::RepackSplit(src, d, 0, nullptr), cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return d;
+}
+
 const DType kAllTypes[] = {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ4_0};
 
 // Distinct random row ids in random order.
@@ -720,6 +731,172 @@ TEST_F(CudaOpsTest, CublasGemmsMatchReference) {
     }
   }
   cublasDestroy(h);
+}
+
+// Block formats in the split layout (quants and scales apart, repacked on the GPU): every
+// operator that reads weights gives the reference's results, with rows past a warp's four and
+// columns that are not a multiple of the warp's sweep.
+TEST_F(CudaOpsTest, SplitLayoutMatchesReferenceForBlockTypes) {
+  cublasHandle_t h;
+  ASSERT_EQ(cublasCreate(&h), CUBLAS_STATUS_SUCCESS);
+  for (DType type : {DType::kQ8_0, DType::kQ4_0}) {
+    for (int64_t cols : {512, 1056, 5120}) {
+      const int64_t rows = 301;
+      HostWeights w = RandomWeights(type, rows, cols);
+      DevBuf<uint8_t> dg(w.bytes.size()), ds(w.bytes.size());
+      DeviceMatrix m = ToDeviceSplit(w, &dg, &ds);
+      EXPECT_TRUE(ds.GuardsIntact());
+      for (int n : {1, 3, 11}) {
+        std::vector<float> x = Random(static_cast<size_t>(n) * cols);
+        DevBuf<float> dx(x);
+        std::vector<float> ref(static_cast<size_t>(n) * rows);
+        ref_->MatMul(w.view(), x.data(), n, ref.data());
+        DevBuf<float> dy(ref.size());
+        CUDA_OK(cuda::MatVecRows(m, nullptr, rows, nullptr, dx.get(), n, dy.get(), rows, nullptr));
+        std::vector<float> out = dy.Download();
+        EXPECT_FALSE(AnyNan(out)) << DTypeName(type) << " cols " << cols << " n " << n;
+        EXPECT_LE(Nmse(out, ref), kFp32Limit) << DTypeName(type) << " cols " << cols << " n " << n;
+        EXPECT_TRUE(dy.GuardsIntact());
+        // Listed rows, device count below the bound: entries past the count stay unwritten.
+        const int bound = 120, count = 97, ldy = 128;
+        std::vector<int32_t> ids = RandomRows(rows, bound);
+        std::vector<float> ref2(static_cast<size_t>(n) * count);
+        ref_->MatMulRows(w.view(), ids.data(), count, x.data(), n, ref2.data());
+        DevBuf<int32_t> dids(ids), dcount(std::vector<int32_t>{count});
+        DevBuf<float> dy2(static_cast<size_t>(n) * ldy);
+        CUDA_OK(cuda::MatVecRows(m, dids.get(), bound, dcount.get(), dx.get(), n, dy2.get(), ldy,
+                                 nullptr));
+        std::vector<float> all = dy2.Download(), out2;
+        for (int t = 0; t < n; ++t) {
+          for (int i = 0; i < ldy; ++i) {
+            if (i < count) {
+              out2.push_back(all[t * ldy + i]);
+            } else {
+              EXPECT_TRUE(std::isnan(all[t * ldy + i])) << "wrote past the count at " << i;
+            }
+          }
+        }
+        EXPECT_FALSE(AnyNan(out2));
+        EXPECT_LE(Nmse(out2, ref2), kFp32Limit) << DTypeName(type) << " listed, n " << n;
+        EXPECT_TRUE(dy2.GuardsIntact());
+      }
+      // Sparse down projection: listed rows, zero coefficients, a device count.
+      for (int n : {1, 3}) {
+        const int bound = 200, count = 177, lda = bound + 3;
+        std::vector<int32_t> ids = RandomRows(rows, bound);
+        std::vector<float> a = Random(static_cast<size_t>(n) * lda);
+        std::bernoulli_distribution zero(0.3);
+        for (float& v : a) {
+          if (zero(Rng())) v = 0.f;
+        }
+        std::vector<float> packed(static_cast<size_t>(n) * count);
+        for (int t = 0; t < n; ++t) {
+          for (int i = 0; i < count; ++i) packed[t * count + i] = a[t * lda + i];
+        }
+        std::vector<float> y0 = Random(static_cast<size_t>(n) * cols), ref = y0;
+        ref_->AccumulateRows(w.view(), ids.data(), count, packed.data(), n, ref.data());
+        DevBuf<int32_t> dids(ids), dcount(std::vector<int32_t>{count});
+        DevBuf<float> da(a), dy(y0);
+        CUDA_OK(cuda::AccumulateRows(m, dids.get(), bound, dcount.get(), da.get(), lda, n,
+                                     dy.get(), nullptr));
+        std::vector<float> out = dy.Download();
+        EXPECT_FALSE(AnyNan(out));
+        EXPECT_LE(Nmse(out, ref), kFp32Limit) << DTypeName(type) << " accumulate, n " << n;
+        EXPECT_TRUE(dy.GuardsIntact());
+      }
+      // Embedding rows: exactly the dequantized values.
+      {
+        std::vector<int32_t> tokens = {0, 300, 17, 17};
+        std::vector<float> ref(tokens.size() * cols);
+        for (size_t t = 0; t < tokens.size(); ++t) {
+          DequantizeRow(type, w.view().row(tokens[t]), ref.data() + t * cols, cols);
+        }
+        DevBuf<int32_t> dt(tokens);
+        DevBuf<float> dout(ref.size());
+        CUDA_OK(cuda::Embed(m, dt.get(), static_cast<int>(tokens.size()), dout.get(), nullptr));
+        EXPECT_EQ(dout.Download(), ref) << DTypeName(type);
+        EXPECT_TRUE(dout.GuardsIntact());
+      }
+      // cuBLAS through the fp16 expansion of the split matrix.
+      {
+        const int n = 37;
+        DevBuf<uint8_t> wh(cuda::GemmWeightScratchBytes(m));
+        DevBuf<uint8_t> xh(cuda::GemmActivationScratchBytes(m, n));
+        cuda::GemmScratch sc{wh.get(), wh.Bytes(), xh.get(), xh.Bytes()};
+        std::vector<float> x = Random(static_cast<size_t>(n) * cols);
+        std::vector<float> ref(static_cast<size_t>(n) * rows);
+        ref_->MatMul(w.view(), x.data(), n, ref.data());
+        DevBuf<float> dx(x), dy(ref.size());
+        ASSERT_EQ(cuda::GemmXWt(h, m, dx.get(), n, dy.get(), rows, 0.f, sc, nullptr), 0);
+        std::vector<float> out = dy.Download();
+        EXPECT_FALSE(AnyNan(out));
+        EXPECT_LE(Nmse(out, ref), kFp16Limit) << DTypeName(type) << " cuBLAS";
+      }
+    }
+  }
+  cublasDestroy(h);
+}
+
+// A chain of dependent kernels on an explicit stream, so that each one is launched with
+// programmatic dependent launch and may start (and prefetch its weights) before its
+// predecessor ends: norm -> F16 projection -> ReLU -> Q4_0 (split) projection -> sparse
+// accumulation, run directly and replayed from a captured graph, against the reference chain.
+TEST_F(CudaOpsTest, ProgrammaticLaunchChainMatchesReference) {
+  ASSERT_TRUE(cuda::ProgrammaticLaunch());
+  const int hidden = 2048, mid = 4096;
+  std::vector<float> x = Random(hidden, 2.f), nw = Random(hidden);
+  HostWeights w1 = RandomWeights(DType::kF16, mid, hidden);
+  HostWeights w2 = RandomWeights(DType::kQ4_0, hidden, mid);
+  HostWeights w3 = RandomWeights(DType::kQ4_0, hidden, hidden);
+  std::vector<float> xn(hidden), h1(mid), h2(hidden), ref = Random(hidden);
+  const std::vector<float> y0 = ref;
+  ref_->RmsNorm(x.data(), nw.data(), 1, hidden, 1e-5f, xn.data());
+  ref_->MatMul(w1.view(), xn.data(), 1, h1.data());
+  for (float& v : h1) v = std::max(v, 0.f);
+  ref_->MatMul(w2.view(), h1.data(), 1, h2.data());
+  std::vector<int32_t> all(hidden);
+  std::iota(all.begin(), all.end(), 0);
+  ref_->AccumulateRows(w3.view(), all.data(), hidden, h2.data(), 1, ref.data());
+
+  DevBuf<uint8_t> d1(w1.bytes.size()), d2g(w2.bytes.size()), d2(w2.bytes.size());
+  DevBuf<uint8_t> d3g(w3.bytes.size()), d3(w3.bytes.size());
+  DeviceMatrix m1 = ToDevice(w1, &d1), m2 = ToDeviceSplit(w2, &d2g, &d2);
+  DeviceMatrix m3 = ToDeviceSplit(w3, &d3g, &d3);
+  DevBuf<float> dx(x), dnw(nw), dxn(hidden), dh1(mid), dh2(hidden), dy(y0);
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto enqueue = [&]() {
+    CUDA_OK(cuda::RmsNorm(dx.get(), dnw.get(), 1, hidden, 1e-5f, dxn.get(), s));
+    CUDA_OK(cuda::MatVecRows(m1, nullptr, mid, nullptr, dxn.get(), 1, dh1.get(), mid, s));
+    CUDA_OK(cuda::Relu(dh1.get(), mid, s));
+    CUDA_OK(cuda::MatVecRows(m2, nullptr, hidden, nullptr, dh1.get(), 1, dh2.get(), hidden, s));
+    CUDA_OK(cuda::AccumulateRows(m3, nullptr, hidden, nullptr, dh2.get(), hidden, 1, dy.get(), s));
+  };
+  enqueue();
+  CUDA_OK(cudaStreamSynchronize(s));
+  std::vector<float> out = dy.Download();
+  EXPECT_FALSE(AnyNan(out));
+  EXPECT_LE(Nmse(out, ref), kFp32Limit) << "stream";
+  // The same chain captured into a graph (programmatic edges between its kernel nodes),
+  // replayed three times from the same starting y.
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+  enqueue();
+  CUDA_OK(cudaStreamEndCapture(s, &graph));
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int rep = 0; rep < 3; ++rep) {
+    dy.Upload(y0);
+    CUDA_OK(cudaGraphLaunch(exec, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    std::vector<float> g = dy.Download();
+    EXPECT_FALSE(AnyNan(g));
+    EXPECT_LE(Nmse(g, ref), kFp32Limit) << "graph replay " << rep;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+  EXPECT_TRUE(dy.GuardsIntact() && dh1.GuardsIntact() && dh2.GuardsIntact());
 }
 
 TEST_F(CudaOpsTest, RejectsShapesTheKernelsCannotRead) {
