@@ -70,6 +70,9 @@ struct Options {
   int threads = 0;  // 0: all cores
   std::string modes = "pinfer,offload,gpu";
   bool graphs = true;
+  // --variants=base;PDL=0;REPACK=0+STEP_GRAPH=0: the modes are run once per variant, each a set
+  // of the CUDA module's PINFER_CUDA_* knobs (read when a backend is created); "base" is none.
+  std::vector<std::string> variants = {"base"};
   // --modes=prefill
   std::vector<int> prefill_batches = {1, 16, 64, 256, 512};
   int stream_chunk = 1024, stream_slots = 2;
@@ -397,6 +400,7 @@ class CpuDenseLayers {
 struct Bandwidths {
   double gpu_copy = 0;   // device-to-device copy, bytes read + written per second
   double gpu_gemv = 0;   // our F16/Q4_0 matrix-vector kernel over a 2 GB matrix
+  double gpu_gemv_gguf = 0;  // block formats: the same in GGUF's layout (not what runs)
   double cpu_gemv = 0;   // SimdOps matrix-vector over all threads, 2 GB matrix
   double h2d = 0;        // pinned host to device
   double launch_us = 0;  // host time to enqueue one small kernel
@@ -451,18 +455,34 @@ Bandwidths MeasureBandwidths(DType dtype, ThreadPool& pool) {
     CHECK_CUDA(cudaMemcpy(b, x.data(), cols * 4, cudaMemcpyHostToDevice));
     float* y = static_cast<float*>(b) + cols;
     cuda::DeviceMatrix m{static_cast<cuda::WType>(dtype), rows, cols, a};
-    t.clear();
-    for (int i = 0; i < 12; ++i) {
-      CHECK_CUDA(cudaEventRecord(e0));
-      CHECK_CUDA(cuda::MatVecRows(m, nullptr, static_cast<int>(rows), nullptr,
-                                  static_cast<float*>(b), 1, y, static_cast<int>(rows), nullptr));
-      CHECK_CUDA(cudaEventRecord(e1));
-      CHECK_CUDA(cudaEventSynchronize(e1));
-      float ms;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-      if (i >= 2) t.push_back(ms * 1e-3);
+    auto time_matvec = [&](const cuda::DeviceMatrix& w) {
+      t.clear();
+      for (int i = 0; i < 12; ++i) {
+        CHECK_CUDA(cudaEventRecord(e0));
+        CHECK_CUDA(cuda::MatVecRows(w, nullptr, static_cast<int>(rows), nullptr,
+                                    static_cast<float*>(b), 1, y, static_cast<int>(rows),
+                                    nullptr));
+        CHECK_CUDA(cudaEventRecord(e1));
+        CHECK_CUDA(cudaEventSynchronize(e1));
+        float ms;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+        if (i >= 2) t.push_back(ms * 1e-3);
+      }
+      return static_cast<double>(host.n) / MedianOf(t);
+    };
+    bw.gpu_gemv = time_matvec(m);
+    if (dtype == DType::kQ4_0 || dtype == DType::kQ8_0) {
+      // The layout the backend uses: quants and scales apart (kernels.h), repacked on the GPU.
+      bw.gpu_gemv_gguf = bw.gpu_gemv;
+      void* c = nullptr;
+      CHECK_CUDA(cudaMalloc(&c, host.n));
+      cuda::DeviceMatrix sm = m;
+      sm.data = c;
+      sm.scales = static_cast<uint8_t*>(c) + cuda::QuantRowBytes(sm.type, cols) * rows;
+      CHECK_CUDA(cuda::RepackSplit(m, sm, 0, nullptr));
+      bw.gpu_gemv = time_matvec(sm);
+      CHECK_CUDA(cudaFree(c));
     }
-    bw.gpu_gemv = static_cast<double>(host.n) / MedianOf(t);
 
     // CPU: the same matrix through SimdOps on all threads.
     std::unique_ptr<CpuOps> ops = NewSimdOps(&pool);
@@ -538,21 +558,46 @@ void MeasureShapes(DType dtype, ThreadPool& pool) {
     CHECK_CUDA(cudaMemset(x, 0, sh.cols * 4));
     cuda::DeviceMatrix m{static_cast<cuda::WType>(dtype), sh.rows, sh.cols, w};
     std::printf(" %s", sh.name);
-    for (int variant = 0; variant < 2; ++variant) {
-      cuda::SetMatVecWarpRowsMin(variant == 0 ? 1 : 1 << 30);  // warp rows, block rows
+    // Block formats: GGUF's layout against the split one the backend uses. Then the default
+    // kernel 20 times back to back on a stream, without and with programmatic dependent launch
+    // (the next launch's start and weight prefetch overlap the previous one's tail).
+    const bool quant = dtype == DType::kQ4_0 || dtype == DType::kQ8_0;
+    void* ws = nullptr;
+    cuda::DeviceMatrix sm = m;
+    if (quant) {
+      CHECK_CUDA(cudaMalloc(&ws, host.n));
+      sm.data = ws;
+      sm.scales = static_cast<uint8_t*>(ws) + cuda::QuantRowBytes(sm.type, sh.cols) * sh.rows;
+      CHECK_CUDA(cuda::RepackSplit(m, sm, 0, nullptr));
+    }
+    cudaStream_t s;
+    CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    const bool pdl = cuda::ProgrammaticLaunch();
+    for (int variant = 0; variant < 4; ++variant) {
+      const char* names[] = {quant ? "gguf" : "warp", quant ? "split" : "block", "chain", "chain+pdl"};
+      if (!quant) cuda::SetMatVecWarpRowsMin(variant == 0 ? 1 : 1 << 30);  // warp rows, block rows
+      const cuda::DeviceMatrix& mv = quant && variant > 0 ? sm : m;
+      const int reps = variant >= 2 ? 20 : 1;
+      cuda::SetProgrammaticLaunch(variant == 3);
+      cudaStream_t st = variant >= 2 ? s : nullptr;
       std::vector<double> t;
       for (int i = 0; i < 25; ++i) {
-        CHECK_CUDA(cudaEventRecord(e0));
-        CHECK_CUDA(cuda::MatVecRows(m, nullptr, static_cast<int>(sh.rows), nullptr, x, 1, y,
-                                    static_cast<int>(sh.rows), nullptr));
-        CHECK_CUDA(cudaEventRecord(e1));
+        CHECK_CUDA(cudaEventRecord(e0, st));
+        for (int k = 0; k < reps; ++k) {
+          CHECK_CUDA(cuda::MatVecRows(mv, nullptr, static_cast<int>(sh.rows), nullptr, x, 1, y,
+                                      static_cast<int>(sh.rows), st));
+        }
+        CHECK_CUDA(cudaEventRecord(e1, st));
         CHECK_CUDA(cudaEventSynchronize(e1));
         float ms;
         CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-        if (i >= 5) t.push_back(ms * 1e-3);
+        if (i >= 5) t.push_back(ms * 1e-3 / reps);
       }
-      std::printf(" %s %.0f", variant == 0 ? "warp" : "block", host.n / MedianOf(t) / 1e9);
+      std::printf(" %s %.0f", names[variant], host.n / MedianOf(t) / 1e9);
     }
+    cuda::SetProgrammaticLaunch(pdl);
+    cudaStreamDestroy(s);
+    if (ws != nullptr) cudaFree(ws);
     cudaFree(w);
     cudaFree(x);
     cudaFree(y);
@@ -609,6 +654,7 @@ void FillDenseFfn(const SynthModel& m, int l, cuda::LayerUpload* lu) {
 
 struct Result {
   std::string mode;
+  std::string variant;
   double skew = 0;
   std::string placement;
   double tok_s = 0;
@@ -637,7 +683,7 @@ void PrintResults(const Options& o, const SynthModel& m, const Bandwidths& bw,
                   const std::vector<Result>& rs) {
   double offload = 0;
   for (const Result& r : rs) {
-    if (r.mode == "offload") offload = r.tok_s;
+    if (r.mode == "offload" && offload == 0) offload = r.tok_s;
   }
   std::printf("\n| dtype | mode | skew | placement | tokens/s | ms/token | vs offload | GPU GB/token |"
               " CPU GB/token | roofline ms | %% of roofline | VRAM plan GB | VRAM actual GB |\n");
@@ -648,20 +694,24 @@ void PrintResults(const Options& o, const SynthModel& m, const Bandwidths& bw,
     if (r.skew > 0) std::snprintf(skew, sizeof(skew), "%.0f%%", r.skew * 100);
     char vs[16] = "-";
     if (offload > 0) std::snprintf(vs, sizeof(vs), "%.1fx", r.tok_s / offload);
+    const std::string mode =
+        r.variant.empty() || r.variant == "base" ? r.mode : r.mode + " [" + r.variant + "]";
     std::printf("| %s | %s | %s | %s | %.2f | %.2f | %s | %.2f | %.2f | %.2f | %.0f%% | %.2f | %.2f |\n",
-                DTypeName(m.dtype).data(), r.mode.c_str(), skew, r.placement.c_str(), r.tok_s, ms,
+                DTypeName(m.dtype).data(), mode.c_str(), skew, r.placement.c_str(), r.tok_s, ms,
                 vs, r.gpu_bytes / 1e9, r.cpu_bytes / 1e9, r.floor_s * 1e3,
                 100.0 * r.floor_s * r.tok_s, r.plan_bytes / 1e9, r.actual_bytes / 1e9);
   }
   for (const Result& r : rs) {
     if (r.mode == "gpu") {
-      std::printf("\nwhole model on the GPU: %.0f GB/s = %.0f%% of the measured GPU bandwidth\n",
-                  r.gpu_bytes * r.tok_s / 1e9, 100.0 * r.gpu_bytes * r.tok_s / bw.gpu());
+      std::printf("whole model on the GPU [%s]: %.0f GB/s = %.0f%% of the measured GPU bandwidth\n",
+                  r.variant.c_str(), r.gpu_bytes * r.tok_s / 1e9,
+                  100.0 * r.gpu_bytes * r.tok_s / bw.gpu());
     }
     if (r.mode == "pinfer") {
-      std::printf("pinfer skew %.0f%%: per token cold callback %.2f ms, host wait for x %.2f ms, "
-                  "GPU hot FFN %.2f ms\n",
-                  r.skew * 100, r.cold_s * 1e3, r.wait_s * 1e3, r.gpu_hot_s * 1e3);
+      std::printf("pinfer [%s] skew %.0f%%: per token cold callback %.2f ms, host wait for x "
+                  "%.2f ms, GPU hot FFN %.2f ms\n",
+                  r.variant.c_str(), r.skew * 100, r.cold_s * 1e3, r.wait_s * 1e3,
+                  r.gpu_hot_s * 1e3);
     }
   }
   (void)o;
@@ -795,26 +845,34 @@ int PrefillBench(const Options& o, const SynthModel& m, ThreadPool& pool, int th
   ColdCostParams params;
   {
     std::vector<CpuSample> samples;
-    std::vector<float> x(static_cast<size_t>(8) * H), out(x.size());
+    // Each timed call on a different layer, as in a forward pass: a layer's rows are back in
+    // DRAM by the time it comes round again (timing one layer repeatedly would measure the L3).
+    std::vector<float> x(static_cast<size_t>(16) * H), out(x.size());
     for (size_t i = 0; i < x.size(); ++i) x[i] = 0.01f * static_cast<float>((i * 7919) % 201) - 1.f;
-    for (int n : {1, 2, 4, 8}) {
+    int next_layer = 0;
+    for (int n : {1, 2, 4, 8, 16}) {
       if (n > max_n) break;
-      cuda::ColdRequest r;
-      r.layer = 0;
-      r.n = n;
-      r.x = x.data();
-      r.out = out.data();
-      std::vector<double> ts;
-      for (int rep = 0; rep < 7; ++rep) {
+      double rt = 0, sec = 0;
+      for (int rep = 0; rep < 8; ++rep) {
+        cuda::ColdRequest r;
+        r.layer = next_layer;
+        next_layer = (next_layer + 1) % c.n_layers;
+        r.n = n;
+        r.x = x.data();
+        r.out = out.data();
         const double s0 = Now();
         cold.Run(r);
-        ts.push_back(Now() - s0);
+        const double dt = Now() - s0;
+        double row_tokens = 0;
+        for (int t = 0; t < n; ++t) row_tokens += cold_tok[t][r.layer].size();
+        if (rep > 0) {  // the first call wakes the pool
+          samples.push_back({row_tokens, dt});
+          rt += row_tokens;
+          sec += dt;
+        }
       }
-      double rt = 0;
-      for (int t = 0; t < n; ++t) rt += cold_tok[t][0].size();
-      samples.push_back({rt, MedianOf(ts)});
-      std::printf("calibration: CPU cold layer 0, %d tokens, %.0f row-tokens: %.3f ms\n", n, rt,
-                  MedianOf(ts) * 1e3);
+      std::printf("calibration: CPU cold, %d tokens, %.0f row-tokens per layer: %.3f ms (mean of "
+                  "7 layers)\n", n, rt / 7, sec / 7 * 1e3);
     }
     if (absl::Status st = FitCpuCosts(samples, &params); !st.ok()) {
       std::fprintf(stderr, "CPU fit: %s\n", std::string(st.message()).c_str());
@@ -849,7 +907,9 @@ int PrefillBench(const Options& o, const SynthModel& m, ThreadPool& pool, int th
   // --- Batches.
   struct Row {
     int n;
-    double cpu_s = -1, stream_s = -1, pred_cpu_s = 0, pred_stream_s = 0;
+    double cpu_s = -1, stream_s = -1, pred_cpu_s = 0, pred_stream_s = 0, cold_cb_s = 0;
+    double model_s = -1;
+    int model_stream_layers = 0;
     bool choose_stream = false;
   };
   std::vector<Row> rows;
@@ -889,12 +949,25 @@ int PrefillBench(const Options& o, const SynthModel& m, ThreadPool& pool, int th
         if (seen[j]) cold_union[l].push_back(j);
       }
     }
-    for (cuda::ColdPath path : {cuda::ColdPath::kCallback, cuda::ColdPath::kStream}) {
+    // The model's choice, executed: per layer, from that layer's active cold rows in this batch.
+    std::vector<cuda::ColdPath> chosen_paths(c.n_layers, cuda::ColdPath::kCallback);
+    for (int l = 0; l < c.n_layers; ++l) {
+      ColdLayerWork wl = w;
+      wl.active_row_tokens = 0;
+      for (int t = 0; t < n; ++t) wl.active_row_tokens += cold_tok[t][l].size();
+      absl::StatusOr<ColdPathChoice> cl = ChooseColdPath(params, wl);
+      if (cl.ok() && cl->stream && n > 8) {
+        chosen_paths[l] = cuda::ColdPath::kStream;
+        ++row.model_stream_layers;
+      }
+    }
+    for (int pass = 0; pass < 3; ++pass) {
+      const cuda::ColdPath path = pass == 1 ? cuda::ColdPath::kStream : cuda::ColdPath::kCallback;
       if (path == cuda::ColdPath::kStream && n <= 8) continue;
       const int reps = n >= 256 ? 1 : (n >= 64 ? 2 : 3);
       std::vector<double> ts;
       for (int rep = -1; rep < reps; ++rep) {
-        if (rep < 0 && (path == cuda::ColdPath::kCallback && n >= 64)) continue;  // warm enough
+        if (rep < 0 && (pass != 1 && n >= 64)) continue;  // warm enough
         cuda::ForwardArgs a;
         a.tokens = tokens.data();
         a.n = n;
@@ -905,6 +978,7 @@ int PrefillBench(const Options& o, const SynthModel& m, ThreadPool& pool, int th
         a.run_predictors = true;
         a.cold = &cold;
         a.cold_path = path;
+        if (pass == 2) a.cold_paths = &chosen_paths;
         a.logits = logits.data();
         const double s0 = Now();
         cuda::BackendStatus st = be.b->Forward(a);
@@ -913,28 +987,62 @@ int PrefillBench(const Options& o, const SynthModel& m, ThreadPool& pool, int th
           return 1;
         }
         if (rep >= 0) ts.push_back(Now() - s0);
+        if (pass == 0) row.cold_cb_s = be.b->last_stats().cold_callback;
+        if (pass == 2 && be.b->last_stats().streamed_layers != row.model_stream_layers) {
+          std::fprintf(stderr, "the backend streamed %d layers, the model chose %d\n",
+                       be.b->last_stats().streamed_layers, row.model_stream_layers);
+          return 1;
+        }
       }
-      (path == cuda::ColdPath::kStream ? row.stream_s : row.cpu_s) = MedianOf(ts);
+      (pass == 0 ? row.cpu_s : pass == 1 ? row.stream_s : row.model_s) = MedianOf(ts);
     }
     rows.push_back(row);
   }
-  std::printf("\n| dtype | tokens | CPU-cold tok/s | streamed-cold tok/s | model's choice | model "
-              "tok/s | predicted CPU ms | measured CPU ms | predicted stream ms | measured "
-              "stream ms |\n|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("\n| dtype | tokens | CPU-cold tok/s | streamed-cold tok/s | model's choice "
+              "(streamed layers) | model tok/s | predicted CPU cold ms | measured CPU cold ms | batch ms, CPU cold | predicted "
+              "stream ms | batch ms, streamed |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Row& r : rows) {
     char st[32] = "-", sm[32] = "-";
     if (r.stream_s > 0) {
       std::snprintf(st, sizeof(st), "%.1f", r.n / r.stream_s);
       std::snprintf(sm, sizeof(sm), "%.1f", r.stream_s * 1e3);
     }
-    const double chosen = r.choose_stream ? r.stream_s : r.cpu_s;
     const double best = r.stream_s > 0 ? std::min(r.stream_s, r.cpu_s) : r.cpu_s;
-    std::printf("| %s | %d | %.1f | %s | %s%s | %.1f | %.1f | %.1f | %.1f | %s |\n",
-                DTypeName(m.dtype).data(), r.n, r.n / r.cpu_s, st,
-                r.choose_stream ? "stream" : "cpu", chosen > best * 1.001 ? " (not the faster)" : "",
-                r.n / chosen, r.pred_cpu_s * 1e3, r.cpu_s * 1e3, r.pred_stream_s * 1e3, sm);
+    const char* choice = r.model_stream_layers == c.n_layers ? "stream"
+                         : r.model_stream_layers == 0        ? "cpu"
+                                                             : "mixed";
+    std::printf("| %s | %d | %.1f | %s | %s (%d)%s | %.1f | %.1f | %.1f | %.1f | %.1f | %s |\n",
+                DTypeName(m.dtype).data(), r.n, r.n / r.cpu_s, st, choice,
+                r.model_stream_layers, r.model_s > best * 1.05 ? ", slower than the best path" : "",
+                r.n / r.model_s, r.pred_cpu_s * 1e3, r.cold_cb_s * 1e3, r.cpu_s * 1e3,
+                r.pred_stream_s * 1e3, sm);
   }
   return 0;
+}
+
+std::vector<std::string> Split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  size_t b = 0;
+  while (b <= s.size()) {
+    const size_t e = std::min(s.find(sep, b), s.size());
+    if (e > b) out.push_back(s.substr(b, e - b));
+    b = e + 1;
+  }
+  return out;
+}
+
+// Sets the module's knobs for one variant: every known knob back to its default, then the
+// variant's NAME=VALUE pairs as PINFER_CUDA_NAME.
+void ApplyVariant(const std::string& variant) {
+  for (const char* k : {"PDL", "REPACK", "STEP_GRAPH", "GRAPHS"}) {
+    setenv((std::string("PINFER_CUDA_") + k).c_str(), "1", 1);
+  }
+  if (variant == "base") return;
+  for (const std::string& kv : Split(variant, '+')) {
+    const size_t eq = kv.find('=');
+    if (eq == std::string::npos) continue;
+    setenv(("PINFER_CUDA_" + kv.substr(0, eq)).c_str(), kv.substr(eq + 1).c_str(), 1);
+  }
 }
 
 int Main(int argc, char** argv) {
@@ -958,6 +1066,7 @@ int Main(int argc, char** argv) {
     else if (const char* v = val("--warmup=")) o.warmup = std::atoi(v);
     else if (const char* v = val("--threads=")) o.threads = std::atoi(v);
     else if (const char* v = val("--modes=")) o.modes = v;
+    else if (const char* v = val("--variants=")) o.variants = Split(v, ';');
     else if (const char* v = val("--graphs=")) o.graphs = std::atoi(v) != 0;
     else if (const char* v = val("--stream-chunk=")) o.stream_chunk = std::atoi(v);
     else if (const char* v = val("--stream-slots=")) o.stream_slots = std::atoi(v);
@@ -1012,9 +1121,11 @@ int Main(int argc, char** argv) {
 
   if (o.modes == "prefill") return PrefillBench(o, m, pool, threads);
   Bandwidths bw = MeasureBandwidths(m.dtype, pool);
-  std::printf("bandwidth: GPU copy %.0f GB/s, GPU %s matvec %.0f GB/s, CPU %s matvec (%d threads) "
-              "%.1f GB/s, host->GPU %.1f GB/s; kernel launch %.2f us host, %.2f us GPU\n",
+  std::printf("bandwidth: GPU copy %.0f GB/s, GPU %s matvec %.0f GB/s (GGUF layout %.0f), CPU %s "
+              "matvec (%d threads) %.1f GB/s, host->GPU %.1f GB/s; kernel launch %.2f us host, "
+              "%.2f us GPU\n",
               bw.gpu_copy / 1e9, DTypeName(m.dtype).data(), bw.gpu_gemv / 1e9,
+              bw.gpu_gemv_gguf / 1e9,
               DTypeName(m.dtype).data(), threads, bw.cpu_gemv / 1e9, bw.h2d / 1e9, bw.launch_us,
               bw.kernel_us);
 
@@ -1035,223 +1146,229 @@ int Main(int argc, char** argv) {
 
   auto has_mode = [&](const char* name) { return o.modes.find(name) != std::string::npos; };
 
-  // --- pinfer: hot rows on the GPU, cold rows on the CPU, overlapped.
-  if (has_mode("pinfer")) {
-    const double fixed = m.HeadBytes() + c.n_layers * (m.AttnBytes() + m.PredBytes()) +
-                         ScratchBytes(m, max_ctx, c.n_layers, 8);
-    const double per_neuron = 3.0 * rb + 4;  // gate, up, down_t rows and the id
-    const int n_hot = std::max(0, std::min(c.ffn_size, static_cast<int>((budget - fixed) /
-                                                                          (c.n_layers * per_neuron))));
-    cuda::ModelUpload u = BaseUpload(m, max_ctx);
-    std::vector<std::vector<int32_t>> local_of(c.n_layers);  // global -> hot local or -1
-    for (int l = 0; l < c.n_layers; ++l) {
-      const SynthLayer& L = m.layers[l];
-      cuda::LayerUpload& lu = u.layers[l];
-      FillAttention(m, l, &lu);
-      lu.ffn = cuda::FfnPlacement::kHot;
-      lu.gate = Host(m.dtype, c.ffn_size, c.hidden_size, L.gate->p);
-      lu.up = Host(m.dtype, c.ffn_size, c.hidden_size, L.up->p);
-      lu.down_t = Host(m.dtype, c.ffn_size, c.hidden_size, L.down_t->p);
-      lu.pred_fc1 = Host(m.dtype, m.pred_rank, c.hidden_size, L.fc1->p);
-      lu.pred_fc2 = Host(m.dtype, c.ffn_size, m.pred_rank, L.fc2->p);
-      local_of[l].assign(c.ffn_size, -1);
-      for (int j = 0; j < c.ffn_size; ++j) {
-        if (L.rank_of[j] < n_hot) lu.hot_ids.push_back(j);
+  for (const std::string& variant : o.variants) {
+    ApplyVariant(variant);
+    std::printf("variant %s\n", variant.c_str());
+    const size_t first_result = results.size();
+    // --- pinfer: hot rows on the GPU, cold rows on the CPU, overlapped.
+    if (has_mode("pinfer")) {
+      const double fixed = m.HeadBytes() + c.n_layers * (m.AttnBytes() + m.PredBytes()) +
+                           ScratchBytes(m, max_ctx, c.n_layers, 8);
+      const double per_neuron = 3.0 * rb + 4;  // gate, up, down_t rows and the id
+      const int n_hot = std::max(0, std::min(c.ffn_size, static_cast<int>((budget - fixed) /
+                                                                            (c.n_layers * per_neuron))));
+      cuda::ModelUpload u = BaseUpload(m, max_ctx);
+      std::vector<std::vector<int32_t>> local_of(c.n_layers);  // global -> hot local or -1
+      for (int l = 0; l < c.n_layers; ++l) {
+        const SynthLayer& L = m.layers[l];
+        cuda::LayerUpload& lu = u.layers[l];
+        FillAttention(m, l, &lu);
+        lu.ffn = cuda::FfnPlacement::kHot;
+        lu.gate = Host(m.dtype, c.ffn_size, c.hidden_size, L.gate->p);
+        lu.up = Host(m.dtype, c.ffn_size, c.hidden_size, L.up->p);
+        lu.down_t = Host(m.dtype, c.ffn_size, c.hidden_size, L.down_t->p);
+        lu.pred_fc1 = Host(m.dtype, m.pred_rank, c.hidden_size, L.fc1->p);
+        lu.pred_fc2 = Host(m.dtype, c.ffn_size, m.pred_rank, L.fc2->p);
+        local_of[l].assign(c.ffn_size, -1);
+        for (int j = 0; j < c.ffn_size; ++j) {
+          if (L.rank_of[j] < n_hot) lu.hot_ids.push_back(j);
+        }
+        for (size_t i = 0; i < lu.hot_ids.size(); ++i) local_of[l][lu.hot_ids[i]] = static_cast<int>(i);
       }
-      for (size_t i = 0; i < lu.hot_ids.size(); ++i) local_of[l][lu.hot_ids[i]] = static_cast<int>(i);
-    }
-    const double plan = fixed + c.n_layers * per_neuron * n_hot +
-                        4.0 * c.n_layers * (c.ffn_size - n_hot);  // cold ids
-    Backend be;
-    char err[512] = {0};
-    t0 = Now();
-    if (int rc = pinfer_cuda_create_backend(&u, &be.b, err, sizeof(err)); rc != 0) {
-      std::fprintf(stderr, "pinfer backend: %s\n", err);
-      return 1;
-    }
-    std::printf("pinfer: %d of %d FFN neurons per layer on the GPU (%.1f%%), uploaded in %.1f s\n",
-                n_hot, c.ffn_size, 100.0 * n_hot / c.ffn_size, Now() - t0);
-    be.b->set_collect_gpu_times(true);
-    be.b->set_use_graphs(o.graphs);
-    SpinPool spin(threads);
-    CpuColdFfn cold(m, spin);
-    for (double skew : o.skews) {
-      Masks masks = DrawMasks(m, o.active, skew, total_steps, pool);
-      std::vector<std::vector<std::vector<int32_t>>> hot(total_steps), cold_ids(total_steps);
-      double hot_rows = 0, cold_rows = 0;
-      for (int s = 0; s < total_steps; ++s) {
-        hot[s].resize(c.n_layers);
-        cold_ids[s].resize(c.n_layers);
-        for (int l = 0; l < c.n_layers; ++l) {
-          for (int32_t j : masks[s][l]) {
-            if (local_of[l][j] >= 0) hot[s][l].push_back(local_of[l][j]);
-            else cold_ids[s][l].push_back(j);
-          }
-          if (s >= o.warmup) {
-            hot_rows += hot[s][l].size();
-            cold_rows += cold_ids[s][l].size();
+      const double plan = fixed + c.n_layers * per_neuron * n_hot +
+                          4.0 * c.n_layers * (c.ffn_size - n_hot);  // cold ids
+      Backend be;
+      char err[512] = {0};
+      t0 = Now();
+      if (int rc = pinfer_cuda_create_backend(&u, &be.b, err, sizeof(err)); rc != 0) {
+        std::fprintf(stderr, "pinfer backend: %s\n", err);
+        return 1;
+      }
+      std::printf("pinfer: %d of %d FFN neurons per layer on the GPU (%.1f%%), uploaded in %.1f s\n",
+                  n_hot, c.ffn_size, 100.0 * n_hot / c.ffn_size, Now() - t0);
+      be.b->set_collect_gpu_times(true);
+      be.b->set_use_graphs(o.graphs);
+      SpinPool spin(threads);
+      CpuColdFfn cold(m, spin);
+      for (double skew : o.skews) {
+        Masks masks = DrawMasks(m, o.active, skew, total_steps, pool);
+        std::vector<std::vector<std::vector<int32_t>>> hot(total_steps), cold_ids(total_steps);
+        double hot_rows = 0, cold_rows = 0;
+        for (int s = 0; s < total_steps; ++s) {
+          hot[s].resize(c.n_layers);
+          cold_ids[s].resize(c.n_layers);
+          for (int l = 0; l < c.n_layers; ++l) {
+            for (int32_t j : masks[s][l]) {
+              if (local_of[l][j] >= 0) hot[s][l].push_back(local_of[l][j]);
+              else cold_ids[s][l].push_back(j);
+            }
+            if (s >= o.warmup) {
+              hot_rows += hot[s][l].size();
+              cold_rows += cold_ids[s][l].size();
+            }
           }
         }
+        hot_rows /= o.steps;
+        cold_rows /= o.steps;
+        int32_t token = 1;
+        double start = 0, cold_s = 0, wait_s = 0, hot_s = 0;
+        for (int s = 0; s < total_steps; ++s) {
+          if (s == o.warmup) start = Now();
+          cuda::ForwardArgs a;
+          a.tokens = &token;
+          a.n = 1;
+          a.pos0 = s;
+          a.mode = cuda::FfnMode::kGiven;
+          a.given_hot = &hot[s];
+          a.given_cold = &cold_ids[s];
+          a.run_predictors = true;
+          a.cold = &cold;
+          a.logits = logits.data();
+          cuda::BackendStatus st = be.b->Forward(a);
+          if (!st.ok()) {
+            std::fprintf(stderr, "forward: %s\n", st.message.c_str());
+            return 1;
+          }
+          token = Argmax(logits);
+          if (s >= o.warmup) {
+            cold_s += be.b->last_stats().cold_callback;
+            wait_s += be.b->last_stats().wait_for_x;
+            hot_s += be.b->last_stats().gpu_hot_ffn;
+          }
+        }
+        Result r;
+        r.mode = "pinfer";
+        r.skew = skew;
+        r.tok_s = o.steps / (Now() - start);
+        char pl[64];
+        std::snprintf(pl, sizeof(pl), "%.1f%% FFN rows hot", 100.0 * n_hot / c.ffn_size);
+        r.placement = pl;
+        r.gpu_bytes = m.HeadBytes() / 2 + c.n_layers * (m.AttnBytes() + m.PredBytes() + kv_read) +
+                      hot_rows * 3 * rb;
+        r.cpu_bytes = cold_rows * 3 * rb;
+        r.floor_s = std::max(r.gpu_bytes / bw.gpu(), r.cpu_bytes / bw.cpu_gemv);
+        r.plan_bytes = plan;
+        r.actual_bytes = static_cast<double>(be.b->DeviceBytes());
+        r.cold_s = cold_s / o.steps;
+        r.wait_s = wait_s / o.steps;
+        r.gpu_hot_s = hot_s / o.steps;
+        std::printf("pinfer skew %.0f%%: %.1f hot + %.1f cold active rows per layer per token\n",
+                    skew * 100, hot_rows / c.n_layers, cold_rows / c.n_layers);
+        results.push_back(r);
       }
-      hot_rows /= o.steps;
-      cold_rows /= o.steps;
+    }
+
+    // --- offload: whole layers on the GPU up to the budget, the rest dense on the CPU.
+    if (has_mode("offload")) {
+      const double layer_bytes = m.AttnBytes() + m.FfnBytes() + kv_per_layer + 8.0 * c.hidden_size;
+      const double fixed = m.HeadBytes() + ScratchBytes(m, max_ctx, 0, 8);
+      const int gpu_layers = std::max(0, std::min(c.n_layers, static_cast<int>((budget - fixed) / layer_bytes)));
+      cuda::ModelUpload u = BaseUpload(m, max_ctx);
+      for (int l = 0; l < c.n_layers; ++l) {
+        if (l < gpu_layers) {
+          FillAttention(m, l, &u.layers[l]);
+          FillDenseFfn(m, l, &u.layers[l]);
+        } else {
+          u.layers[l].ffn = cuda::FfnPlacement::kNone;
+        }
+      }
+      const double plan = fixed + gpu_layers * layer_bytes;
+      Backend be;
+      char err[512] = {0};
+      if (int rc = pinfer_cuda_create_backend(&u, &be.b, err, sizeof(err)); rc != 0) {
+        std::fprintf(stderr, "offload backend: %s\n", err);
+        return 1;
+      }
+      std::printf("offload: %d of %d layers on the GPU\n", gpu_layers, c.n_layers);
+      be.b->set_use_graphs(o.graphs);
+      CpuDenseLayers cpu(m, pool, gpu_layers, max_ctx);
+      std::vector<float> x(c.hidden_size);
       int32_t token = 1;
-      double start = 0, cold_s = 0, wait_s = 0, hot_s = 0;
+      double start = 0;
       for (int s = 0; s < total_steps; ++s) {
         if (s == o.warmup) start = Now();
         cuda::ForwardArgs a;
         a.tokens = &token;
         a.n = 1;
         a.pos0 = s;
-        a.mode = cuda::FfnMode::kGiven;
-        a.given_hot = &hot[s];
-        a.given_cold = &cold_ids[s];
-        a.run_predictors = true;
-        a.cold = &cold;
-        a.logits = logits.data();
+        a.mode = cuda::FfnMode::kDense;
+        a.layer_end = gpu_layers;
+        a.hidden_out = x.data();
+        a.logits_mode = cuda::LogitsMode::kNone;
         cuda::BackendStatus st = be.b->Forward(a);
+        if (st.ok()) {
+          cpu.Run(x.data(), s);
+          cuda::ForwardArgs h;
+          h.n = 1;
+          h.pos0 = s;
+          h.mode = cuda::FfnMode::kDense;
+          h.hidden_in = x.data();
+          h.layer_begin = c.n_layers;
+          h.layer_end = c.n_layers;
+          h.logits = logits.data();
+          st = be.b->Forward(h);
+        }
         if (!st.ok()) {
-          std::fprintf(stderr, "forward: %s\n", st.message.c_str());
+          std::fprintf(stderr, "offload forward: %s\n", st.message.c_str());
           return 1;
         }
         token = Argmax(logits);
-        if (s >= o.warmup) {
-          cold_s += be.b->last_stats().cold_callback;
-          wait_s += be.b->last_stats().wait_for_x;
-          hot_s += be.b->last_stats().gpu_hot_ffn;
-        }
       }
       Result r;
-      r.mode = "pinfer";
-      r.skew = skew;
+      r.mode = "offload";
       r.tok_s = o.steps / (Now() - start);
-      char pl[64];
-      std::snprintf(pl, sizeof(pl), "%.1f%% FFN rows hot", 100.0 * n_hot / c.ffn_size);
-      r.placement = pl;
-      r.gpu_bytes = m.HeadBytes() / 2 + c.n_layers * (m.AttnBytes() + m.PredBytes() + kv_read) +
-                    hot_rows * 3 * rb;
-      r.cpu_bytes = cold_rows * 3 * rb;
-      r.floor_s = std::max(r.gpu_bytes / bw.gpu(), r.cpu_bytes / bw.cpu_gemv);
+      r.placement = std::to_string(gpu_layers) + " of " + std::to_string(c.n_layers) + " layers";
+      const double layer_read = m.AttnBytes() + m.FfnBytes() + kv_read;
+      r.gpu_bytes = m.HeadBytes() / 2 + gpu_layers * layer_read;
+      r.cpu_bytes = (c.n_layers - gpu_layers) * layer_read;
+      r.floor_s = r.gpu_bytes / bw.gpu() + r.cpu_bytes / bw.cpu_gemv;  // layers run in sequence
       r.plan_bytes = plan;
       r.actual_bytes = static_cast<double>(be.b->DeviceBytes());
-      r.cold_s = cold_s / o.steps;
-      r.wait_s = wait_s / o.steps;
-      r.gpu_hot_s = hot_s / o.steps;
-      std::printf("pinfer skew %.0f%%: %.1f hot + %.1f cold active rows per layer per token\n",
-                  skew * 100, hot_rows / c.n_layers, cold_rows / c.n_layers);
       results.push_back(r);
     }
-  }
 
-  // --- offload: whole layers on the GPU up to the budget, the rest dense on the CPU.
-  if (has_mode("offload")) {
-    const double layer_bytes = m.AttnBytes() + m.FfnBytes() + kv_per_layer + 8.0 * c.hidden_size;
-    const double fixed = m.HeadBytes() + ScratchBytes(m, max_ctx, 0, 8);
-    const int gpu_layers = std::max(0, std::min(c.n_layers, static_cast<int>((budget - fixed) / layer_bytes)));
-    cuda::ModelUpload u = BaseUpload(m, max_ctx);
-    for (int l = 0; l < c.n_layers; ++l) {
-      if (l < gpu_layers) {
+    // --- gpu: every weight on the GPU, dense.
+    if (has_mode("gpu")) {
+      cuda::ModelUpload u = BaseUpload(m, max_ctx);
+      for (int l = 0; l < c.n_layers; ++l) {
         FillAttention(m, l, &u.layers[l]);
         FillDenseFfn(m, l, &u.layers[l]);
-      } else {
-        u.layers[l].ffn = cuda::FfnPlacement::kNone;
       }
-    }
-    const double plan = fixed + gpu_layers * layer_bytes;
-    Backend be;
-    char err[512] = {0};
-    if (int rc = pinfer_cuda_create_backend(&u, &be.b, err, sizeof(err)); rc != 0) {
-      std::fprintf(stderr, "offload backend: %s\n", err);
-      return 1;
-    }
-    std::printf("offload: %d of %d layers on the GPU\n", gpu_layers, c.n_layers);
-    be.b->set_use_graphs(o.graphs);
-    CpuDenseLayers cpu(m, pool, gpu_layers, max_ctx);
-    std::vector<float> x(c.hidden_size);
-    int32_t token = 1;
-    double start = 0;
-    for (int s = 0; s < total_steps; ++s) {
-      if (s == o.warmup) start = Now();
-      cuda::ForwardArgs a;
-      a.tokens = &token;
-      a.n = 1;
-      a.pos0 = s;
-      a.mode = cuda::FfnMode::kDense;
-      a.layer_end = gpu_layers;
-      a.hidden_out = x.data();
-      a.logits_mode = cuda::LogitsMode::kNone;
-      cuda::BackendStatus st = be.b->Forward(a);
-      if (st.ok()) {
-        cpu.Run(x.data(), s);
-        cuda::ForwardArgs h;
-        h.n = 1;
-        h.pos0 = s;
-        h.mode = cuda::FfnMode::kDense;
-        h.hidden_in = x.data();
-        h.layer_begin = c.n_layers;
-        h.layer_end = c.n_layers;
-        h.logits = logits.data();
-        st = be.b->Forward(h);
-      }
-      if (!st.ok()) {
-        std::fprintf(stderr, "offload forward: %s\n", st.message.c_str());
+      Backend be;
+      char err[512] = {0};
+      if (int rc = pinfer_cuda_create_backend(&u, &be.b, err, sizeof(err)); rc != 0) {
+        std::fprintf(stderr, "gpu backend: %s\n", err);
         return 1;
       }
-      token = Argmax(logits);
-    }
-    Result r;
-    r.mode = "offload";
-    r.tok_s = o.steps / (Now() - start);
-    r.placement = std::to_string(gpu_layers) + " of " + std::to_string(c.n_layers) + " layers";
-    const double layer_read = m.AttnBytes() + m.FfnBytes() + kv_read;
-    r.gpu_bytes = m.HeadBytes() / 2 + gpu_layers * layer_read;
-    r.cpu_bytes = (c.n_layers - gpu_layers) * layer_read;
-    r.floor_s = r.gpu_bytes / bw.gpu() + r.cpu_bytes / bw.cpu_gemv;  // layers run in sequence
-    r.plan_bytes = plan;
-    r.actual_bytes = static_cast<double>(be.b->DeviceBytes());
-    results.push_back(r);
-  }
-
-  // --- gpu: every weight on the GPU, dense.
-  if (has_mode("gpu")) {
-    cuda::ModelUpload u = BaseUpload(m, max_ctx);
-    for (int l = 0; l < c.n_layers; ++l) {
-      FillAttention(m, l, &u.layers[l]);
-      FillDenseFfn(m, l, &u.layers[l]);
-    }
-    Backend be;
-    char err[512] = {0};
-    if (int rc = pinfer_cuda_create_backend(&u, &be.b, err, sizeof(err)); rc != 0) {
-      std::fprintf(stderr, "gpu backend: %s\n", err);
-      return 1;
-    }
-    be.b->set_use_graphs(o.graphs);
-    int32_t token = 1;
-    double start = 0;
-    for (int s = 0; s < total_steps; ++s) {
-      if (s == o.warmup) start = Now();
-      cuda::ForwardArgs a;
-      a.tokens = &token;
-      a.n = 1;
-      a.pos0 = s;
-      a.mode = cuda::FfnMode::kDense;
-      a.logits = logits.data();
-      cuda::BackendStatus st = be.b->Forward(a);
-      if (!st.ok()) {
-        std::fprintf(stderr, "gpu forward: %s\n", st.message.c_str());
-        return 1;
+      be.b->set_use_graphs(o.graphs);
+      int32_t token = 1;
+      double start = 0;
+      for (int s = 0; s < total_steps; ++s) {
+        if (s == o.warmup) start = Now();
+        cuda::ForwardArgs a;
+        a.tokens = &token;
+        a.n = 1;
+        a.pos0 = s;
+        a.mode = cuda::FfnMode::kDense;
+        a.logits = logits.data();
+        cuda::BackendStatus st = be.b->Forward(a);
+        if (!st.ok()) {
+          std::fprintf(stderr, "gpu forward: %s\n", st.message.c_str());
+          return 1;
+        }
+        token = Argmax(logits);
       }
-      token = Argmax(logits);
+      Result r;
+      r.mode = "gpu";
+      r.tok_s = o.steps / (Now() - start);
+      r.placement = "all weights (no budget)";
+      r.gpu_bytes = m.HeadBytes() / 2 + c.n_layers * (m.AttnBytes() + m.FfnBytes() + kv_read);
+      r.floor_s = r.gpu_bytes / bw.gpu();
+      r.plan_bytes = model_bytes + ScratchBytes(m, max_ctx, c.n_layers, 8);
+      r.actual_bytes = static_cast<double>(be.b->DeviceBytes());
+      results.push_back(r);
     }
-    Result r;
-    r.mode = "gpu";
-    r.tok_s = o.steps / (Now() - start);
-    r.placement = "all weights (no budget)";
-    r.gpu_bytes = m.HeadBytes() / 2 + c.n_layers * (m.AttnBytes() + m.FfnBytes() + kv_read);
-    r.floor_s = r.gpu_bytes / bw.gpu();
-    r.plan_bytes = model_bytes + ScratchBytes(m, max_ctx, c.n_layers, 8);
-    r.actual_bytes = static_cast<double>(be.b->DeviceBytes());
-    results.push_back(r);
+    for (size_t i = first_result; i < results.size(); ++i) results[i].variant = variant;
   }
 
   PrintResults(o, m, bw, results);
