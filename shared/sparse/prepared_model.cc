@@ -429,7 +429,11 @@ absl::StatusOr<GpuIndex> ReadGpuIndex(const std::string& path, int n_layers, int
   for (int l = 0; l < n_layers; ++l) {
     const std::string p = absl::StrCat("blk.", l, ".");
     ASSIGN_OR_RETURN(std::vector<int32_t> idx, values(p + "gpu_idx", ffn));
-    ASSIGN_OR_RETURN(std::vector<int32_t> bucket, values(p + "gpu_bucket", -1));
+    std::vector<int32_t> bucket;
+    const bool has_bucket = f->FindTensor(p + "gpu_bucket") != nullptr;
+    if (has_bucket) {
+      ASSIGN_OR_RETURN(bucket, values(p + "gpu_bucket", -1));
+    }
     std::vector<int32_t> marked;
     for (int j = 0; j < ffn; ++j) {
       if (idx[j] != 0 && idx[j] != 1) {
@@ -438,6 +442,7 @@ absl::StatusOr<GpuIndex> ReadGpuIndex(const std::string& path, int n_layers, int
       }
       if (idx[j] == 1) marked.push_back(j);
     }
+    if (!has_bucket) bucket = marked;  // export_split.py since its MoE support writes none
     if (bucket != marked) {
       return absl::InvalidArgumentError(
           absl::StrCat(path, ": ", p, "gpu_bucket does not list, in ascending order, the ",

@@ -107,7 +107,9 @@ GpuIndex GpuIndexFromPlan(const PlacementPlan& plan, int ffn);
 // index cannot express an empty GPU share.
 absl::Status WriteGpuIndex(const GpuIndex& index, const std::string& path);
 // Checks everything: magic, architecture, block count, shapes, types, 0/1 values, and that each
-// bucket lists exactly the neurons its gpu_idx marks, in ascending order.
+// bucket lists exactly the neurons its gpu_idx marks, in ascending order. Tensors are looked up by
+// name. A layer without gpu_bucket (powerinfer-py's export_split.py writes none for
+// generic.gpu_index since it learned MoE indexes) gets the ids gpu_idx marks.
 absl::StatusOr<GpuIndex> ReadGpuIndex(const std::string& path, int n_layers, int ffn);
 
 // Byte ranges [begin, end) in the prepared file of one layer's hot rows (the first `hot` rows)

@@ -579,10 +579,16 @@ TEST_F(PowerInferZooTest, GpuIndexesAreReadByNameAndMalformedOnesNameTheProblem)
   EXPECT_EQ(g->vram_capacity, 4096u);
   EXPECT_EQ(g->gpu_bucket[1], std::vector<int32_t>({3}));
 
-  write({idx0, bucket0, idx1});
+  // Without buckets (powerinfer-py's export_split.py since its MoE support): derived from gpu_idx.
+  write({idx0, idx1});
+  g = ReadGpuIndex(path, 2, 4);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->gpu_bucket[0], std::vector<int32_t>({0, 1}));
+  EXPECT_EQ(g->gpu_bucket[1], std::vector<int32_t>({3}));
+  write({idx0, bucket0, bucket1});
   g = ReadGpuIndex(path, 2, 4);
   EXPECT_EQ(g.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(g.status().message(), HasSubstr("missing tensor 'blk.1.gpu_bucket'"));
+  EXPECT_THAT(g.status().message(), HasSubstr("missing tensor 'blk.1.gpu_idx'"));
   Tensor f32 = idx1;
   f32.type = GgmlType::kF32;
   write({idx0, bucket0, f32, bucket1});
