@@ -1,0 +1,155 @@
+// The adaptive hot set's bookkeeping (hot_cache.h).
+#include "shared/sparse/hot_cache.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace pinfer {
+
+absl::StatusOr<AdaptiveHotCache> AdaptiveHotCache::Create(
+    int ffn, std::vector<std::vector<int32_t>> static_hot, const HotCacheOptions& options) {
+  if (ffn <= 0 || options.slots < 0 || options.decay <= 0 || options.decay > 1 ||
+      options.max_swaps < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("bad hot cache options: ffn ", ffn, ", slots ",
+                                                   options.slots, ", decay ", options.decay));
+  }
+  AdaptiveHotCache c;
+  c.ffn_ = ffn;
+  c.options_ = options;
+  c.layers_.resize(static_hot.size());
+  for (size_t l = 0; l < static_hot.size(); ++l) {
+    Layer& L = c.layers_[l];
+    L.static_hot = std::move(static_hot[l]);
+    L.static_local.assign(ffn, -1);
+    for (size_t i = 0; i < L.static_hot.size(); ++i) {
+      const int32_t j = L.static_hot[i];
+      if (j < 0 || j >= ffn || (i > 0 && j <= L.static_hot[i - 1])) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("layer ", l, ": static hot ids must be ascending and below ", ffn));
+      }
+      L.static_local[j] = static_cast<int32_t>(i);
+    }
+    L.slot_of.assign(ffn, -1);
+    L.slot_neuron.assign(options.slots, -1);
+    L.pending.assign(options.slots, 0);
+    L.pending_neuron.assign(options.slots, -1);
+    L.count.assign(ffn, 0.0);
+  }
+  return c;
+}
+
+void AdaptiveHotCache::Observe(int layer, const std::vector<int32_t>& active) {
+  Layer& L = layers_[layer];
+  for (int32_t j : active) L.count[j] += weight_;
+}
+
+void AdaptiveHotCache::EndToken() {
+  weight_ /= options_.decay;
+  if (weight_ > 1e100) {
+    for (Layer& L : layers_) {
+      for (double& v : L.count) v /= weight_;
+    }
+    weight_ = 1.0;
+  }
+}
+
+double AdaptiveHotCache::Count(int layer, int32_t neuron) const {
+  // The next observation would weigh weight_, so the last token's weighs weight_ * decay: a
+  // count is in units of the latest token's weight.
+  return layers_[layer].count[neuron] / (weight_ * options_.decay);
+}
+
+int32_t AdaptiveHotCache::SlotNeuron(int layer, int slot) const {
+  const Layer& L = layers_[layer];
+  return L.pending[slot] ? -1 : L.slot_neuron[slot];
+}
+
+std::vector<CacheSwap> AdaptiveHotCache::PlanSwaps() {
+  std::vector<CacheSwap> swaps;
+  const int slots = options_.slots;
+  if (slots == 0 || options_.max_swaps == 0) return swaps;
+  const double gain = options_.min_gain * weight_ * options_.decay;  // in stored units
+  for (int l = 0; l < n_layers(); ++l) {
+    Layer& L = layers_[l];
+    // Candidates: cold neurons (not static, not loaded, not pending) by count, highest first.
+    std::vector<char> pending_target(ffn_, 0);
+    for (int s = 0; s < slots; ++s) {
+      if (L.pending[s]) pending_target[L.pending_neuron[s]] = 1;
+    }
+    std::vector<int32_t> cand;
+    for (int32_t j = 0; j < ffn_; ++j) {
+      if (L.static_local[j] < 0 && L.slot_of[j] < 0 && !pending_target[j] && L.count[j] > gain) {
+        cand.push_back(j);
+      }
+    }
+    const size_t top = std::min<size_t>(cand.size(), options_.max_swaps);
+    std::partial_sort(cand.begin(), cand.begin() + top, cand.end(), [&](int32_t a, int32_t b) {
+      return L.count[a] > L.count[b] || (L.count[a] == L.count[b] && a < b);
+    });
+    cand.resize(top);
+    // Victims: empty slots first, then loaded ones by count, lowest first.
+    std::vector<int> victims;
+    for (int s = 0; s < slots; ++s) {
+      if (!L.pending[s]) victims.push_back(s);
+    }
+    std::stable_sort(victims.begin(), victims.end(), [&](int a, int b) {
+      const double ca = L.slot_neuron[a] < 0 ? -1.0 : L.count[L.slot_neuron[a]];
+      const double cb = L.slot_neuron[b] < 0 ? -1.0 : L.count[L.slot_neuron[b]];
+      return ca < cb;
+    });
+    size_t v = 0;
+    for (int32_t j : cand) {
+      if (v >= victims.size()) break;
+      const int s = victims[v];
+      const int32_t old = L.slot_neuron[s];
+      if (old >= 0 && L.count[j] <= L.count[old] + gain) break;  // candidates only get colder
+      ++v;
+      CacheSwap sw;
+      sw.layer = l;
+      sw.slot = s;
+      sw.neuron = j;
+      sw.evicted = old;
+      if (old >= 0) L.slot_of[old] = -1;  // cold from the next token on
+      L.slot_neuron[s] = -1;
+      L.pending[s] = 1;
+      L.pending_neuron[s] = j;
+      swaps.push_back(sw);
+    }
+  }
+  return swaps;
+}
+
+void AdaptiveHotCache::Commit(const std::vector<CacheSwap>& swaps) {
+  for (const CacheSwap& sw : swaps) {
+    Layer& L = layers_[sw.layer];
+    if (!L.pending[sw.slot] || L.pending_neuron[sw.slot] != sw.neuron) continue;
+    L.pending[sw.slot] = 0;
+    L.pending_neuron[sw.slot] = -1;
+    L.slot_neuron[sw.slot] = sw.neuron;
+    L.slot_of[sw.neuron] = sw.slot;
+  }
+}
+
+void AdaptiveHotCache::Split(int layer, const std::vector<int32_t>& active,
+                             std::vector<int32_t>* hot_local, std::vector<int32_t>* cold) const {
+  const Layer& L = layers_[layer];
+  hot_local->clear();
+  cold->clear();
+  const int32_t n_static = static_cast<int32_t>(L.static_hot.size());
+  for (int32_t j : active) {
+    if (L.static_local[j] >= 0) {
+      hot_local->push_back(L.static_local[j]);
+    } else if (L.slot_of[j] >= 0) {
+      hot_local->push_back(n_static + L.slot_of[j]);
+    } else {
+      cold->push_back(j);
+    }
+  }
+  std::sort(hot_local->begin(), hot_local->end());
+  std::sort(cold->begin(), cold->end());
+}
+
+}  // namespace pinfer

@@ -1,0 +1,88 @@
+// The bookkeeping of the adaptive hot set: spare VRAM as a cache of cold neurons that the
+// current text keeps activating.
+//
+// A static placement ranks neurons by how often they fired on the calibration text. When the
+// text being generated activates a different set, the GPU's share of the activations drops and
+// the CPU does most of the work. So each layer gets `slots` extra GPU rows (after its static hot
+// rows); per-neuron activation counters with exponential decay over recent tokens (a neuron's
+// count is sum over past tokens t of decay^(age of t) * active) pick the cold neurons to promote,
+// replacing the cached neuron with the lowest count when the newcomer's count is higher by
+// min_gain. Loading a slot takes a host->GPU copy in the background, so a swap has two halves:
+// PlanSwaps takes the slot away from its old neuron at once (that neuron is cold again from the
+// next token) and Commit, called once the copy has landed, hands it to the new one. Between the
+// two the slot serves nobody, so every active neuron is computed exactly once, by one side.
+//
+// The GPU side addresses a layer's rows by local index: static hot neuron i is local i (its
+// position in the ascending static list), slot s is local n_static + s.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace pinfer {
+
+struct HotCacheOptions {
+  int slots = 0;               // cache rows per layer
+  double decay = 0.9;          // per token; counts forget with half-life log(0.5)/log(decay)
+  double min_gain = 1.0;       // promote only when count(new) > count(evicted) + min_gain
+  int max_swaps = 64;          // per layer and PlanSwaps call (bounds the copy per step)
+};
+
+struct CacheSwap {
+  int layer = 0;
+  int slot = 0;
+  int32_t neuron = 0;   // promoted (cold until Commit)
+  int32_t evicted = -1; // the slot's previous neuron (cold from PlanSwaps on), -1 if empty
+};
+
+class AdaptiveHotCache {
+ public:
+  // static_hot[l]: the placement's hot neuron ids of layer l, ascending.
+  static absl::StatusOr<AdaptiveHotCache> Create(int ffn,
+                                                 std::vector<std::vector<int32_t>> static_hot,
+                                                 const HotCacheOptions& options);
+
+  // One token's active neurons of one layer (any order, no duplicates). Call for every layer,
+  // then EndToken.
+  void Observe(int layer, const std::vector<int32_t>& active);
+  void EndToken();
+
+  // Up to max_swaps promotions per layer; the evicted neurons are cold from now on and the slots
+  // serve nobody until Commit. Swaps of a pending slot are not planned again before Commit.
+  std::vector<CacheSwap> PlanSwaps();
+  void Commit(const std::vector<CacheSwap>& swaps);
+
+  // Splits one token's active neurons of a layer: hot_local gets the GPU's local indices (static
+  // rows and loaded slots, ascending), cold the rest (global ids, ascending).
+  void Split(int layer, const std::vector<int32_t>& active, std::vector<int32_t>* hot_local,
+             std::vector<int32_t>* cold) const;
+
+  double Count(int layer, int32_t neuron) const;  // the decayed count
+  int32_t SlotNeuron(int layer, int slot) const;  // -1: empty or pending
+  int n_static(int layer) const { return static_cast<int>(layers_[layer].static_hot.size()); }
+  int n_layers() const { return static_cast<int>(layers_.size()); }
+  const HotCacheOptions& options() const { return options_; }
+
+ private:
+  struct Layer {
+    std::vector<int32_t> static_hot;
+    std::vector<int32_t> static_local;  // [ffn]: local index, or -1
+    std::vector<int32_t> slot_of;       // [ffn]: loaded slot, or -1
+    std::vector<int32_t> slot_neuron;   // [slots]: loaded neuron, or -1
+    std::vector<char> pending;          // [slots]: a copy is in flight
+    std::vector<int32_t> pending_neuron;
+    std::vector<double> count;          // [ffn], in units of weight_ (see below)
+  };
+  AdaptiveHotCache() = default;
+
+  int ffn_ = 0;
+  HotCacheOptions options_;
+  std::vector<Layer> layers_;
+  // Decay without touching every counter per token: an observation at token t adds weight_ =
+  // decay^-t, and a count is read as stored * decay^t; rescaled when weight_ grows large.
+  double weight_ = 1.0;
+};
+
+}  // namespace pinfer
