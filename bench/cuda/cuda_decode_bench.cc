@@ -73,6 +73,7 @@ struct Options {
   // --variants=base;PDL=0;REPACK=0+STEP_GRAPH=0: the modes are run once per variant, each a set
   // of the CUDA module's PINFER_CUDA_* knobs (read when a backend is created); "base" is none.
   std::vector<std::string> variants = {"base"};
+  std::string variant_modes;  // --variant-modes=gpu: the modes of the variants other than base
   // --modes=prefill
   std::vector<int> prefill_batches = {1, 16, 64, 256, 512};
   int stream_chunk = 1024, stream_slots = 2;
@@ -1067,6 +1068,7 @@ int Main(int argc, char** argv) {
     else if (const char* v = val("--threads=")) o.threads = std::atoi(v);
     else if (const char* v = val("--modes=")) o.modes = v;
     else if (const char* v = val("--variants=")) o.variants = Split(v, ';');
+    else if (const char* v = val("--variant-modes=")) o.variant_modes = v;
     else if (const char* v = val("--graphs=")) o.graphs = std::atoi(v) != 0;
     else if (const char* v = val("--stream-chunk=")) o.stream_chunk = std::atoi(v);
     else if (const char* v = val("--stream-slots=")) o.stream_slots = std::atoi(v);
@@ -1144,11 +1146,13 @@ int Main(int argc, char** argv) {
   std::vector<Result> results;
   std::vector<float> logits(c.vocab_size);
 
-  auto has_mode = [&](const char* name) { return o.modes.find(name) != std::string::npos; };
+  const std::string* modes = &o.modes;
+  auto has_mode = [&](const char* name) { return modes->find(name) != std::string::npos; };
 
   for (const std::string& variant : o.variants) {
     ApplyVariant(variant);
-    std::printf("variant %s\n", variant.c_str());
+    modes = variant == "base" || o.variant_modes.empty() ? &o.modes : &o.variant_modes;
+    std::printf("variant %s: modes %s\n", variant.c_str(), modes->c_str());
     const size_t first_result = results.size();
     // --- pinfer: hot rows on the GPU, cold rows on the CPU, overlapped.
     if (has_mode("pinfer")) {

@@ -80,8 +80,30 @@ cudaError_t Launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
+  bool pdl = g_pdl && stream != nullptr;
+  if (pdl) {
+    // Inside a stream capture the attribute becomes a programmatic graph edge, which only a
+    // kernel node can have on its upstream side: after a copy, memset or event node (or as the
+    // first node) the launch is a plain one.
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const cudaGraphNode_t* deps = nullptr;
+    size_t n_deps = 0;
+    if (cudaStreamGetCaptureInfo(stream, &status, nullptr, nullptr, &deps, nullptr, &n_deps) !=
+        cudaSuccess) {
+      cudaGetLastError();
+      pdl = false;
+    } else if (status == cudaStreamCaptureStatusActive) {
+      pdl = n_deps > 0;
+      for (size_t i = 0; i < n_deps && pdl; ++i) {
+        cudaGraphNodeType type;
+        pdl = cudaGraphNodeGetType(deps[i], &type) == cudaSuccess &&
+              type == cudaGraphNodeTypeKernel;
+      }
+      cudaGetLastError();
+    }
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = g_pdl && stream != nullptr ? 1 : 0;
+  cfg.numAttrs = pdl ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
 }
 
