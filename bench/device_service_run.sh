@@ -5,6 +5,9 @@
 # root with bundles from bench/make_service_bundle.sh and gpu-worker/cuda/make_bundle.sh:
 #
 #   bench/device_service_run.sh SERVICE_BUNDLE [CUDA_BUNDLE]      # results in $OUT (./service-results)
+#
+# GPU_FLAGS are appended to the gpu-worker's command line (e.g. "--vram-budget 24MiB"); when the
+# worker plans under a VRAM budget, the run fails unless its allocation is within 5% of the plan.
 set -uo pipefail
 b=$(realpath "${1:?service bundle}")
 cb=${2:+$(realpath "$2")}
@@ -32,7 +35,8 @@ if [[ -n $cb ]]; then
   seg=/pinfer-device-$$
   PINFER_CUDA_MODULE="$cb/bin/libpinfer_cuda.so" "$b/bin/pinfer-gpu-worker" --model $model \
     --segment $seg --listen 127.0.0.1:0 --port-file "$dir/gpu.port" --backend cuda \
-    --metrics-port 127.0.0.1:0 --metrics-port-file "$dir/gpu.mport" > "$out/gpu-worker.log" 2>&1 &
+    --metrics-port 127.0.0.1:0 --metrics-port-file "$dir/gpu.mport" ${GPU_FLAGS:-} \
+    > "$out/gpu-worker.log" 2>&1 &
   gp=$!
   "$b/bin/pinfer-cpu-worker" --model $model --segment $seg --threads "${CPU_THREADS:-4}" \
     > "$out/cpu-worker.log" 2>&1 &
@@ -49,5 +53,13 @@ if [[ -n $cb ]]; then
   kill $gw $gp $cp 2>/dev/null
   wait $gw $gp $cp 2>/dev/null
   cat "$out/gpu-worker.log"
+  if grep -q 'VRAM: planned' "$out/gpu-worker.log"; then
+    pct=$(sed -n 's/.*VRAM: planned .*(\([-+][0-9.]*\)%).*/\1/p' "$out/gpu-worker.log")
+    if awk -v p="$pct" 'BEGIN { exit !(p <= 5 && p >= -5) }'; then
+      echo "VRAM check: allocation within ${pct}% of the plan (limit 5%)"
+    else
+      echo "VRAM check FAILED: allocation ${pct}% off the plan"; rc=1
+    fi
+  fi
 fi
 exit $rc
