@@ -92,6 +92,8 @@ struct DeviceLayer {
   DeviceMatrix fc1, fc2;
   int kv_index = -1;                    // KV cache layer slot
   ColdRows cold_rows;  // stream_cold: pinned host copy of the cold rows, in cold_ids_host order
+  int n_cache = 0;     // adaptive cache slots after the hot rows (LayerUpload::cache_rows)
+  DeviceMatrix gate_c, up_c, down_t_c;  // the hot rows and the slots, for kGiven decode steps
 };
 
 class CudaBackend : public Backend {
@@ -117,6 +119,9 @@ class CudaBackend : public Backend {
   void set_collect_gpu_times(bool on) override { collect_gpu_times_ = on; }
   void set_use_graphs(bool on) override { use_graphs_ = on; }
   BackendStatus CalibrateStreaming(int layer, int n, StreamCalibration* out) override;
+  BackendStatus LoadCacheRows(int layer, const std::vector<int32_t>& slots,
+                              const std::vector<int32_t>& neurons) override;
+  BackendStatus CacheRowsLanded(bool wait, bool* landed) override;
 
  private:
   template <typename T>
@@ -150,7 +155,7 @@ class CudaBackend : public Backend {
 
   // Uploads a whole matrix, or only rows `ids` of it (in that order).
   BackendStatus UploadMatrix(const HostMatrix& h, const std::vector<int32_t>* ids,
-                             const char* name, DeviceMatrix* out);
+                             const char* name, DeviceMatrix* out, int64_t extra_rows = 0);
   BackendStatus UploadVector(const HostMatrix& h, int64_t expect, const char* name, float** out);
   // Uploads matrices of one type and width as one, rows stacked in order.
   // Block formats go to the split layout (kernels.h) unless PINFER_CUDA_REPACK=0.
@@ -180,7 +185,13 @@ class CudaBackend : public Backend {
                          int32_t* exchange_active);
   // Streamed cold rows (prompt batches, ColdPath::kStream).
   bool StreamsLayer(int l, const ForwardArgs& a) const;
-  BackendStatus SetUpStreaming(const ModelUpload& m);
+  // Pins the cold rows; slots: also the streaming slots (else only the copy stream, for cache
+  // loads).
+  BackendStatus SetUpStreaming(const ModelUpload& m, bool slots);
+  // Whether layer l's kGiven step addresses the adaptive cache slots.
+  bool UsesCache(const DeviceLayer& L, const ForwardArgs& a) const {
+    return L.n_cache > 0 && EffectiveMode(a) == FfnMode::kGiven && a.n <= kSmallBatch;
+  }
   // Adds layer l's cold rows' contribution for the FFN input xb_ ([n, hidden]) to hot_out_.
   BackendStatus StreamCold(int l, int n);
   void Release();
@@ -238,7 +249,8 @@ class CudaBackend : public Backend {
   size_t repack_tmp_bytes_ = 0;
   ForwardStats stats_;
 
-  std::unique_ptr<ColdStreamer> streamer_;  // ModelUpload::stream_cold
+  std::unique_ptr<ColdStreamer> streamer_;  // ModelUpload::stream_cold or cache_rows
+  bool cache_loaded_ = false;
 };
 
 void CudaBackend::Release() {
@@ -266,8 +278,10 @@ void CudaBackend::Release() {
   cublas_ = nullptr;
 }
 
+// extra_rows: zeroed rows allocated after the uploaded ones (adaptive cache slots), not counted
+// in out->rows.
 BackendStatus CudaBackend::UploadMatrix(const HostMatrix& h, const std::vector<int32_t>* ids,
-                                        const char* name, DeviceMatrix* out) {
+                                        const char* name, DeviceMatrix* out, int64_t extra_rows) {
   if (h.empty()) return Error(Code::kInvalidArgument, std::string("missing tensor ") + name);
   DeviceMatrix d;
   d.type = static_cast<WType>(h.type);
@@ -281,7 +295,8 @@ BackendStatus CudaBackend::UploadMatrix(const HostMatrix& h, const std::vector<i
   }
   const size_t rb = HostRowBytes(h.type, h.cols);
   uint8_t* dev = nullptr;
-  BACKEND_RETURN_IF_ERROR(Alloc(rb * d.rows, &dev, /*weight=*/true));
+  BACKEND_RETURN_IF_ERROR(Alloc(rb * (d.rows + extra_rows), &dev, /*weight=*/true));
+  if (extra_rows > 0) CUDA_RETURN_IF_ERROR(cudaMemset(dev + rb * d.rows, 0, rb * extra_rows));
   if (ids == nullptr) {
     CUDA_RETURN_IF_ERROR(cudaMemcpy(dev, h.data, rb * d.rows, cudaMemcpyHostToDevice));
   } else {
@@ -461,16 +476,30 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
         }
       }
       d.n_hot = static_cast<int>(u.hot_ids.size());
-      if (d.n_hot > 0) {
-        BACKEND_RETURN_IF_ERROR(UploadMatrix(u.gate, &u.hot_ids, "gate", &d.gate));
-        BACKEND_RETURN_IF_ERROR(UploadMatrix(u.up, &u.hot_ids, "up", &d.up));
-        BACKEND_RETURN_IF_ERROR(UploadMatrix(u.down_t, &u.hot_ids, "down_t", &d.down_t));
+      d.n_cache = u.cache_rows;
+      if (d.n_cache < 0 || d.n_hot + d.n_cache > F) {
+        return Error(Code::kInvalidArgument, "layer " + std::to_string(l) + ": " +
+                                                 std::to_string(d.n_cache) +
+                                                 " cache rows do not fit beside the hot rows");
+      }
+      if (d.n_hot > 0 || d.n_cache > 0) {
+        BACKEND_RETURN_IF_ERROR(UploadMatrix(u.gate, &u.hot_ids, "gate", &d.gate, d.n_cache));
+        BACKEND_RETURN_IF_ERROR(UploadMatrix(u.up, &u.hot_ids, "up", &d.up, d.n_cache));
+        BACKEND_RETURN_IF_ERROR(
+            UploadMatrix(u.down_t, &u.hot_ids, "down_t", &d.down_t, d.n_cache));
         if (u.gate.rows != F || u.down_t.rows != F || u.down_t.cols != H) {
           return Error(Code::kInvalidArgument, "layer " + std::to_string(l) + ": FFN shapes");
         }
+      }
+      if (d.n_hot > 0) {
         BACKEND_RETURN_IF_ERROR(Alloc(d.n_hot, &d.hot_ids));
         CUDA_RETURN_IF_ERROR(cudaMemcpy(d.hot_ids, u.hot_ids.data(), d.n_hot * 4,
                                         cudaMemcpyHostToDevice));
+      }
+      for (auto [all, part] : {std::pair{&d.gate_c, &d.gate}, std::pair{&d.up_c, &d.up},
+                               std::pair{&d.down_t_c, &d.down_t}}) {
+        *all = *part;
+        all->rows += d.n_cache;
       }
       std::vector<char> is_hot(F, 0);
       for (int32_t id : u.hot_ids) is_hot[id] = 1;
@@ -497,8 +526,10 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
     }
   }
   widest = std::max<int64_t>(widest, max_rank_);
-  if (m.stream_cold && B > kSmallBatch) {
-    BACKEND_RETURN_IF_ERROR(SetUpStreaming(m));
+  bool any_cache = false;
+  for (const LayerUpload& u : m.layers) any_cache = any_cache || u.cache_rows > 0;
+  if ((m.stream_cold && B > kSmallBatch) || any_cache) {
+    BACKEND_RETURN_IF_ERROR(SetUpStreaming(m, m.stream_cold && B > kSmallBatch));
     for (const DeviceLayer& d : layers_) {
       if (d.cold_rows.rows == 0) continue;
       const DeviceMatrix chunk{d.cold_rows.type, streamer_->chunk_rows(), H, d.cold_rows.gate};
@@ -595,7 +626,14 @@ BackendStatus CudaBackend::PrepareLayer(int l, const ForwardArgs& a) {
   if (mode == FfnMode::kPredicted && L.fc1.data == nullptr) {
     return Error(Code::kFailedPrecondition, "layer " + std::to_string(l) + " has no predictor");
   }
-  const int F = dims_.ffn, n_hot = L.n_hot;
+  const int F = dims_.ffn, n_hot = L.n_hot + (UsesCache(L, a) ? L.n_cache : 0);
+  if (mode == FfnMode::kGiven && L.n_cache > 0 && a.n > kSmallBatch && cache_loaded_) {
+    // The cuBLAS path computes every row it holds; slots being loaded or holding evicted
+    // neurons would be counted twice.
+    return Error(Code::kFailedPrecondition,
+                 "kGiven batches over " + std::to_string(kSmallBatch) +
+                     " tokens cannot use the adaptive cache once slots are loaded");
+  }
   if (mode == FfnMode::kGiven && n_hot > 0) {
     if (a.given_hot == nullptr || static_cast<int>(a.given_hot->size()) <= l) {
       return Error(Code::kInvalidArgument, "kGiven needs given_hot for every layer");
@@ -702,7 +740,13 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
     return Ok();
   }
 
-  const int n_hot = L.n_hot, n_cold = static_cast<int>(L.cold_ids_host.size());
+  // kGiven decode steps also address the adaptive cache slots after the hot rows.
+  const bool use_cache = UsesCache(L, a);
+  const int n_hot = L.n_hot + (use_cache ? L.n_cache : 0);
+  const int n_cold = static_cast<int>(L.cold_ids_host.size());
+  const DeviceMatrix& G = use_cache ? L.gate_c : L.gate;
+  const DeviceMatrix& U = use_cache ? L.up_c : L.up;
+  const DeviceMatrix& Dt = use_cache ? L.down_t_c : L.down_t;
   const bool small = n <= kSmallBatch;
   int32_t* hot_count = hot_list_;
   int32_t* hot_idx_ = hot_list_ + 1;
@@ -750,20 +794,20 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
       float* coef = nullptr;  // [n, n_hot] activations of the listed rows
       if (mode == FfnMode::kExact) {
         // The gate decides: every hot gate row, then up and down for the active ones only.
-        CUDA_RETURN_IF_ERROR(MatVecRows(L.gate, nullptr, n_hot, nullptr, xb_, n, gate_, n_hot,
+        CUDA_RETURN_IF_ERROR(MatVecRows(G, nullptr, n_hot, nullptr, xb_, n, gate_, n_hot,
                                         stream_));
         const float threshold = act == ActKind::kSilu ? -INFINITY : 0.f;
         CUDA_RETURN_IF_ERROR(CompactActive(gate_, n, n_hot, nullptr, n_hot, threshold, hot_idx_,
                                            hot_count, stream_));
-        CUDA_RETURN_IF_ERROR(MatVecRows(L.up, hot_idx_, n_hot, hot_count, xb_, n, up_, n_hot,
+        CUDA_RETURN_IF_ERROR(MatVecRows(U, hot_idx_, n_hot, hot_count, xb_, n, up_, n_hot,
                                         stream_));
         CUDA_RETURN_IF_ERROR(GatherGatedActivation(act, gate_, n_hot, hot_idx_, n_hot, hot_count,
                                                    up_, n_hot, n, stream_));
         coef = up_;
       } else {
-        CUDA_RETURN_IF_ERROR(MatVecRows(L.gate, hot_idx_, n_hot, hot_count, xb_, n, gate_, n_hot,
+        CUDA_RETURN_IF_ERROR(MatVecRows(G, hot_idx_, n_hot, hot_count, xb_, n, gate_, n_hot,
                                         stream_));
-        CUDA_RETURN_IF_ERROR(MatVecRows(L.up, hot_idx_, n_hot, hot_count, xb_, n, up_, n_hot,
+        CUDA_RETURN_IF_ERROR(MatVecRows(U, hot_idx_, n_hot, hot_count, xb_, n, up_, n_hot,
                                         stream_));
         // Elements past the count are stale and never read.
         CUDA_RETURN_IF_ERROR(GatedActivation(act, gate_, up_, static_cast<int64_t>(n) * n_hot,
@@ -771,7 +815,7 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
         coef = gate_;
       }
       CUDA_RETURN_IF_ERROR(cudaMemsetAsync(hot_out_, 0, nh * 4, stream_));
-      CUDA_RETURN_IF_ERROR(AccumulateRows(L.down_t, hot_idx_, n_hot, hot_count, coef, n_hot, n,
+      CUDA_RETURN_IF_ERROR(AccumulateRows(Dt, hot_idx_, n_hot, hot_count, coef, n_hot, n,
                                           hot_out_, stream_));
       if (mode != FfnMode::kGiven) {
         CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(counts_host_ + 2 * l, hot_count, 4,
@@ -779,12 +823,12 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
       }
     } else {
       // Prompt batches: every hot row through cuBLAS (a superset of any active set).
-      int rc = GemmXWt(cublas_, L.gate, xb_, n, gate_, n_hot, 0.f, gemm_, stream_);
-      if (rc == 0) rc = GemmXWt(cublas_, L.up, xb_, n, up_, n_hot, 0.f, gemm_, stream_);
+      int rc = GemmXWt(cublas_, G, xb_, n, gate_, n_hot, 0.f, gemm_, stream_);
+      if (rc == 0) rc = GemmXWt(cublas_, U, xb_, n, up_, n_hot, 0.f, gemm_, stream_);
       if (rc != 0) return Error(Code::kInternal, std::string("cuBLAS: ") + GemmErrorString(rc));
       CUDA_RETURN_IF_ERROR(GatedActivation(act, gate_, up_, static_cast<int64_t>(n) * n_hot,
                                            stream_));
-      rc = GemmAW(cublas_, L.down_t, gate_, n_hot, n, hot_out_, 0.f, gemm_, stream_);
+      rc = GemmAW(cublas_, Dt, gate_, n_hot, n, hot_out_, 0.f, gemm_, stream_);
       if (rc != 0) return Error(Code::kInternal, std::string("cuBLAS: ") + GemmErrorString(rc));
     }
   } else {
@@ -1036,7 +1080,7 @@ namespace cuda {
 namespace {
 
 // Streamed cold rows (ColdPath::kStream): the pinned copies, the slots and the per-layer call.
-BackendStatus CudaBackend::SetUpStreaming(const ModelUpload& m) {
+BackendStatus CudaBackend::SetUpStreaming(const ModelUpload& m, bool slots) {
   streamer_ = std::make_unique<ColdStreamer>();
   size_t max_rb = 0;
   for (int l = 0; l < dims_.n_layers; ++l) {
@@ -1056,7 +1100,7 @@ BackendStatus CudaBackend::SetUpStreaming(const ModelUpload& m) {
   if (max_rb == 0) return Ok();  // no cold rows anywhere
   const int chunk = std::min(std::max(1, m.stream_chunk_rows), dims_.ffn);
   size_t bytes = 0;
-  cudaError_t e = streamer_->Init(chunk, std::max(1, m.stream_slots), max_rb, &bytes);
+  cudaError_t e = streamer_->Init(chunk, slots ? std::max(1, m.stream_slots) : 0, max_rb, &bytes);
   device_bytes_ += bytes;
   if (e != cudaSuccess) {
     cudaGetLastError();
@@ -1068,7 +1112,7 @@ BackendStatus CudaBackend::SetUpStreaming(const ModelUpload& m) {
 }
 
 bool CudaBackend::StreamsLayer(int l, const ForwardArgs& a) const {
-  if (streamer_ == nullptr || !streamer_->ready() || a.n <= kSmallBatch) return false;
+  if (streamer_ == nullptr || !streamer_->has_slots() || a.n <= kSmallBatch) return false;
   const DeviceLayer& L = layers_[l];
   if (L.ffn != FfnPlacement::kHot || L.cold_rows.rows == 0) return false;
   const ColdPath path = a.cold_paths != nullptr && static_cast<int>(a.cold_paths->size()) > l
@@ -1094,7 +1138,7 @@ BackendStatus CudaBackend::StreamCold(int l, int n) {
 }
 
 BackendStatus CudaBackend::CalibrateStreaming(int layer, int n, StreamCalibration* out) {
-  if (streamer_ == nullptr || !streamer_->ready()) {
+  if (streamer_ == nullptr || !streamer_->has_slots()) {
     return Error(Code::kFailedPrecondition, "the backend was created without stream_cold");
   }
   if (layer < 0 || layer >= dims_.n_layers || layers_[layer].cold_rows.rows == 0) {
@@ -1130,6 +1174,51 @@ BackendStatus CudaBackend::CalibrateStreaming(int layer, int n, StreamCalibratio
                                       &c.overlapped_s);
   if (rc != 0) return Error(Code::kInternal, std::string("calibration: ") + GemmErrorString(rc));
   *out = c;
+  return Ok();
+}
+
+// Adaptive hot set: cold rows into cache slots, from the pinned copy, in the background.
+BackendStatus CudaBackend::LoadCacheRows(int layer, const std::vector<int32_t>& slots,
+                                         const std::vector<int32_t>& neurons) {
+  if (layer < 0 || layer >= dims_.n_layers || layers_[layer].n_cache == 0 ||
+      streamer_ == nullptr || !streamer_->ready()) {
+    return Error(Code::kFailedPrecondition,
+                 "layer " + std::to_string(layer) + " has no adaptive cache rows");
+  }
+  const DeviceLayer& L = layers_[layer];
+  if (slots.size() != neurons.size()) {
+    return Error(Code::kInvalidArgument, "slots and neurons differ in length");
+  }
+  std::vector<int64_t> cold_index(neurons.size());
+  for (size_t i = 0; i < neurons.size(); ++i) {
+    auto it = std::lower_bound(L.cold_ids_host.begin(), L.cold_ids_host.end(), neurons[i]);
+    if (it == L.cold_ids_host.end() || *it != neurons[i]) {
+      return Error(Code::kInvalidArgument, "neuron " + std::to_string(neurons[i]) +
+                                               " is not a cold neuron of layer " +
+                                               std::to_string(layer));
+    }
+    if (slots[i] < 0 || slots[i] >= L.n_cache) {
+      return Error(Code::kInvalidArgument, "cache slot " + std::to_string(slots[i]) + " of " +
+                                               std::to_string(L.n_cache));
+    }
+    cold_index[i] = it - L.cold_ids_host.begin();
+  }
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  uint8_t* dst[3] = {static_cast<uint8_t*>(const_cast<void*>(L.gate_c.data)),
+                     static_cast<uint8_t*>(const_cast<void*>(L.up_c.data)),
+                     static_cast<uint8_t*>(const_cast<void*>(L.down_t_c.data))};
+  CUDA_RETURN_IF_ERROR(streamer_->LoadRows(L.cold_rows, cold_index, slots, L.n_hot, dst, stream_));
+  cache_loaded_ = true;
+  return Ok();
+}
+
+BackendStatus CudaBackend::CacheRowsLanded(bool wait, bool* landed) {
+  if (streamer_ == nullptr || !streamer_->ready()) {
+    *landed = true;
+    return Ok();
+  }
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  CUDA_RETURN_IF_ERROR(streamer_->RowsLanded(wait, landed));
   return Ok();
 }
 

@@ -81,6 +81,10 @@ struct LayerUpload {
   HostMatrix down;       // [hidden, ffn]: kDense only
   HostMatrix down_t;     // [ffn, hidden]: kHot only (rows in hot_ids)
   std::vector<int32_t> hot_ids;  // ascending global neuron ids (kHot)
+  // Adaptive hot set (kHot, shared/sparse/hot_cache.h): this many extra GPU rows after the hot
+  // rows, filled with cold neurons by LoadCacheRows and addressed in kGiven decode steps as local
+  // rows hot_ids.size() + slot. hot_ids.size() + cache_rows <= ffn.
+  int cache_rows = 0;
   HostMatrix pred_fc1;   // optional predictor: [rank, hidden]
   HostMatrix pred_fc2;   // [ffn, rank]; a neuron is predicted active when its score > 0
 };
@@ -216,6 +220,14 @@ class Backend {
   // Times layer `layer`'s streamed cold rows for a batch of n tokens (copies alone, products
   // alone, both overlapped), for the cost model that picks ColdPath. Needs stream_cold.
   virtual BackendStatus CalibrateStreaming(int layer, int n, StreamCalibration* out) = 0;
+  // Adaptive hot set: copies the rows of cold neurons `neurons` (global ids of the layer's cold
+  // set) into cache slots `slots` from the pinned host copy, on a copy stream after the GPU work
+  // queued so far, and returns at once. List a slot in given_hot only once CacheRowsLanded says
+  // so; a slot being overwritten must not be listed.
+  virtual BackendStatus LoadCacheRows(int layer, const std::vector<int32_t>& slots,
+                                      const std::vector<int32_t>& neurons) = 0;
+  // Whether every LoadCacheRows so far has landed (wait = true blocks until it has).
+  virtual BackendStatus CacheRowsLanded(bool wait, bool* landed) = 0;
   // Single-token steps replay one CUDA graph per layer (captured on first use per layer,
   // sequence slot and mode); on by default, or off with PINFER_CUDA_GRAPHS=0.
   virtual void set_use_graphs(bool on) = 0;

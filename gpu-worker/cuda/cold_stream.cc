@@ -24,6 +24,8 @@ ColdStreamer::~ColdStreamer() {
   for (cudaEvent_t e : copied_) cudaEventDestroy(e);
   for (cudaEvent_t e : free_) cudaEventDestroy(e);
   for (void* p : pinned_) cudaFreeHost(p);
+  if (order_ != nullptr) cudaEventDestroy(order_);
+  if (loaded_ != nullptr) cudaEventDestroy(loaded_);
   if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
 }
 
@@ -32,7 +34,10 @@ cudaError_t ColdStreamer::Init(int chunk_rows, int slots, size_t max_row_bytes,
   chunk_rows_ = std::max(1, chunk_rows);
   slot_part_bytes_ = static_cast<size_t>(chunk_rows_) * max_row_bytes;
   *device_bytes = 0;
-  for (int s = 0; s < std::max(1, slots); ++s) {
+  cudaError_t e0 = cudaEventCreateWithFlags(&order_, cudaEventDisableTiming);
+  if (e0 == cudaSuccess) e0 = cudaEventCreateWithFlags(&loaded_, cudaEventDisableTiming);
+  if (e0 != cudaSuccess) return e0;
+  for (int s = 0; s < slots; ++s) {
     void* p = nullptr;
     cudaError_t e = cudaMalloc(&p, 3 * slot_part_bytes_);
     if (e != cudaSuccess) return e;
@@ -127,6 +132,37 @@ int ColdStreamer::Run(cublasHandle_t h, const ColdRows& rows, const StreamTarget
     if (e != cudaSuccess) return CodeOf(e);
   }
   return 0;
+}
+
+cudaError_t ColdStreamer::LoadRows(const ColdRows& rows, const std::vector<int64_t>& cold_index,
+                                   const std::vector<int32_t>& slots, int64_t row0,
+                                   uint8_t* const dst[3], cudaStream_t after) {
+  if (!ready()) return cudaErrorNotReady;
+  const size_t rb = rows.row_bytes();
+  const uint8_t* src[3] = {rows.gate, rows.up, rows.down_t};
+  cudaError_t e = cudaEventRecord(order_, after);
+  if (e == cudaSuccess) e = cudaStreamWaitEvent(copy_stream_, order_, 0);
+  for (size_t i = 0; i < slots.size() && e == cudaSuccess; ++i) {
+    for (int m = 0; m < 3 && e == cudaSuccess; ++m) {
+      e = cudaMemcpyAsync(dst[m] + (row0 + slots[i]) * rb, src[m] + cold_index[i] * rb, rb,
+                          cudaMemcpyHostToDevice, copy_stream_);
+    }
+  }
+  if (e == cudaSuccess) e = cudaEventRecord(loaded_, copy_stream_);
+  if (e == cudaSuccess) load_pending_ = true;
+  return e;
+}
+
+cudaError_t ColdStreamer::RowsLanded(bool wait, bool* landed) {
+  *landed = true;
+  if (!load_pending_) return cudaSuccess;
+  cudaError_t e = wait ? cudaEventSynchronize(loaded_) : cudaEventQuery(loaded_);
+  if (e == cudaErrorNotReady) {
+    *landed = false;
+    return cudaSuccess;
+  }
+  if (e == cudaSuccess) load_pending_ = false;
+  return e;
 }
 
 int ColdStreamer::Calibrate(cublasHandle_t h, const ColdRows& rows, const StreamTarget& t,

@@ -56,10 +56,12 @@ class ColdStreamer {
   ColdStreamer(const ColdStreamer&) = delete;
   ColdStreamer& operator=(const ColdStreamer&) = delete;
 
-  // Allocates `slots` device buffers of chunk_rows neurons of max_row_bytes each (times three)
-  // and the copy stream. Returns the device bytes allocated in *device_bytes.
+  // Allocates `slots` device buffers of chunk_rows neurons of max_row_bytes each (times three;
+  // none for slots = 0, for cache loads only) and the copy stream. Returns the device bytes
+  // allocated in *device_bytes.
   cudaError_t Init(int chunk_rows, int slots, size_t max_row_bytes, size_t* device_bytes);
   bool ready() const { return copy_stream_ != nullptr; }
+  bool has_slots() const { return ready() && !slots_.empty(); }
   int chunk_rows() const { return chunk_rows_; }
 
   // Pinned host copy of rows `ids` of three host matrices (row-major, row_bytes each).
@@ -72,6 +74,14 @@ class ColdStreamer {
   // CUDA errors, as gemm.h).
   int Run(cublasHandle_t h, const ColdRows& rows, const StreamTarget& target,
           const GemmScratch& scratch, cudaStream_t stream);
+
+  // Adaptive cache loads: rows cold_index[i] of `rows` into row row0 + slots[i] of the three
+  // device matrices dst (gate, up, down_t), on the copy stream after the work queued on `after`
+  // so far. RowsLanded reports (or waits for) the last load's completion.
+  cudaError_t LoadRows(const ColdRows& rows, const std::vector<int64_t>& cold_index,
+                       const std::vector<int32_t>& slots, int64_t row0, uint8_t* const dst[3],
+                       cudaStream_t after);
+  cudaError_t RowsLanded(bool wait, bool* landed);
 
   // Timings of the parts for the cost model: the copies alone, the products alone on slot 0 (the
   // same row count), and Run itself. Uses target's buffers; leaves garbage in target.out.
@@ -91,6 +101,8 @@ class ColdStreamer {
   int next_ = 0;
   cudaStream_t copy_stream_ = nullptr;
   std::vector<void*> pinned_;
+  cudaEvent_t order_ = nullptr, loaded_ = nullptr;
+  bool load_pending_ = false;
 };
 
 }  // namespace cuda

@@ -71,7 +71,10 @@ class CpuColdFfn : public cuda::ColdFfn {
   cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
     const int H = model_.config.hidden_size;
     const LayerWeights& L = model_.layers[r.layer];
-    const std::vector<int32_t>& ids = cold_ids_[r.layer];
+    // kGiven lists the cold neurons to consider (the rest are on the GPU); the gate still decides.
+    std::vector<int32_t> listed;
+    if (r.active != nullptr) listed.assign(r.active, r.active + r.n_active);
+    const std::vector<int32_t>& ids = r.active != nullptr ? listed : cold_ids_[r.layer];
     std::fill(r.out, r.out + static_cast<size_t>(r.n) * H, 0.f);
     ++calls;
     for (int t = 0; t < r.n; ++t) {
@@ -428,6 +431,105 @@ TEST_F(CudaBackendTest, StreamedPrefillGivesReferenceGreedyTokens) {
     EXPECT_EQ(got, expect) << p["prompt"];
   }
   EXPECT_EQ(streamed_prompts, 2);  // the prompts of 10 and 14 tokens
+}
+
+// The adaptive hot set's kernels side: cold neurons copied into cache slots in the background
+// and listed (kGiven) as local rows n_hot + slot, the rest of the cold neurons on the CPU. Every
+// neuron is listed on exactly one side (inactive ones give exactly zero through ReLU), so the
+// logits at every position equal the CPU reference's; halfway, half of the slots are reloaded
+// with other neurons, the evicted ones moving back to the CPU side.
+TEST_F(CudaBackendTest, AdaptiveCacheRowsMatchCpuReference) {
+  const ModelConfig& c = model_->config;
+  const int slots = 32;
+  cuda::ModelUpload u = Upload(/*hot=*/true);
+  for (cuda::LayerUpload& lu : u.layers) lu.cache_rows = slots;
+  auto backend = Create(u);
+  ASSERT_NE(backend, nullptr);
+  // cached[l][s]: the neuron in slot s (-1: empty).
+  std::vector<std::vector<int32_t>> cached(c.n_layers, std::vector<int32_t>(slots, -1));
+  auto load = [&](int first_slot, int count, int stride, int offset) {
+    for (int l = 0; l < c.n_layers; ++l) {
+      std::vector<int32_t> ss, ns;
+      for (int s = first_slot; s < first_slot + count; ++s) {
+        ss.push_back(s);
+        ns.push_back((*cold_ids_)[l][(offset + s * stride) % (*cold_ids_)[l].size()]);
+        cached[l][s] = ns.back();
+      }
+      cuda::BackendStatus st = backend->LoadCacheRows(l, ss, ns);
+      ASSERT_TRUE(st.ok()) << st.message;
+    }
+    bool landed = false;
+    ASSERT_TRUE(backend->CacheRowsLanded(/*wait=*/true, &landed).ok());
+    ASSERT_TRUE(landed);
+  };
+  load(0, slots, 7, 3);
+  std::vector<std::vector<int32_t>> given_hot(c.n_layers), given_cold(c.n_layers);
+  auto split = [&]() {
+    for (int l = 0; l < c.n_layers; ++l) {
+      const int n_hot = static_cast<int>((*hot_ids_)[l].size());
+      given_hot[l].clear();
+      for (int i = 0; i < n_hot; ++i) given_hot[l].push_back(i);
+      for (int s = 0; s < slots; ++s) {
+        if (cached[l][s] >= 0) given_hot[l].push_back(n_hot + s);
+      }
+      given_cold[l].clear();
+      for (int32_t j : (*cold_ids_)[l]) {
+        if (std::find(cached[l].begin(), cached[l].end(), j) == cached[l].end()) {
+          given_cold[l].push_back(j);
+        }
+      }
+    }
+  };
+  split();
+  CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
+  std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
+  Transformer ref(*model_, *ref_ops);
+  KvCache cache(c, 64);
+  const int V = c.vocab_size;
+  std::vector<int32_t> tokens =
+      (*reference_)["prompts"][10]["input_ids"].get<std::vector<int32_t>>();
+  std::vector<float> got(V), want(V);
+  for (int pos = 0; pos < static_cast<int>(tokens.size()); ++pos) {
+    if (pos == static_cast<int>(tokens.size()) / 2) {
+      load(0, slots / 2, 11, 5);  // evicts half the cached neurons, caches others
+      split();
+    }
+    ASSERT_TRUE(ref.Forward({&tokens[pos], 1}, pos, &cache, LogitsMode::kLast, want.data()).ok());
+    cuda::ForwardArgs a;
+    a.tokens = &tokens[pos];
+    a.n = 1;
+    a.pos0 = pos;
+    a.mode = cuda::FfnMode::kGiven;
+    a.given_hot = &given_hot;
+    a.given_cold = &given_cold;
+    a.cold = &cold;
+    a.logits = got.data();
+    cuda::BackendStatus st = backend->Forward(a);
+    ASSERT_TRUE(st.ok()) << st.message;
+    double err = 0, norm = 0;
+    for (int i = 0; i < V; ++i) {
+      ASSERT_FALSE(std::isnan(got[i]));
+      err += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+      norm += double(want[i]) * want[i];
+    }
+    EXPECT_LE(err / norm, 1e-6) << "position " << pos;
+  }
+  // A cuBLAS batch would compute every slot, loaded or not: refused once slots are loaded.
+  cuda::ForwardArgs a;
+  a.tokens = tokens.data();
+  a.n = static_cast<int>(tokens.size());
+  a.mode = cuda::FfnMode::kGiven;
+  a.given_hot = &given_hot;
+  a.given_cold = &given_cold;
+  a.cold = &cold;
+  a.logits = got.data();
+  cuda::BackendStatus st = backend->Forward(a);
+  EXPECT_EQ(st.code, cuda::Code::kFailedPrecondition);
+  EXPECT_NE(st.message.find("cannot use the adaptive cache"), std::string::npos) << st.message;
+  // Hot neurons cannot be loaded into slots.
+  st = backend->LoadCacheRows(0, {0}, {(*hot_ids_)[0][0]});
+  EXPECT_EQ(st.code, cuda::Code::kInvalidArgument);
+  EXPECT_NE(st.message.find("is not a cold neuron"), std::string::npos) << st.message;
 }
 
 TEST_F(CudaBackendTest, RejectsBadRequestsWithSpecificErrors) {
