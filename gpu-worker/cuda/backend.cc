@@ -90,6 +90,7 @@ struct DeviceLayer {
   std::vector<int32_t> cold_ids_host;   // ascending global ids not in hot_ids
   int32_t* cold_ids = nullptr;          // device [n_cold]
   DeviceMatrix fc1, fc2;
+  float pred_cut = 0;  // predicted active when score > pred_cut (just below pred_threshold)
   int kv_index = -1;                    // KV cache layer slot
   ColdRows cold_rows;  // stream_cold: pinned host copy of the cold rows, in cold_ids_host order
   int n_cache = 0;     // adaptive cache slots after the hot rows (LayerUpload::cache_rows)
@@ -318,7 +319,8 @@ BackendStatus CudaBackend::UploadMatrix(const HostMatrix& h, const std::vector<i
     }
   }
   d.data = dev;
-  BACKEND_RETURN_IF_ERROR(MaybeSplit(&d));
+  // Adaptive cache slots are loaded row by row in GGUF's layout, so such matrices keep it.
+  if (extra_rows == 0) BACKEND_RETURN_IF_ERROR(MaybeSplit(&d));
   *out = d;
   return Ok();
 }
@@ -519,6 +521,9 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
         return Error(Code::kInvalidArgument, "layer " + std::to_string(l) + ": predictor shapes");
       }
       max_rank_ = std::max<int>(max_rank_, static_cast<int>(d.fc1.rows));
+      // The compaction keeps scores > cut; the next float below the threshold makes that
+      // score >= threshold, the CPU predictors' rule.
+      d.pred_cut = std::nextafter(u.pred_threshold, -INFINITY);
     }
     for (const DeviceMatrix* w : {&d.wqkv, &d.wo, &d.gate_up, &d.gate, &d.up, &d.down, &d.down_t,
                                   &d.fc1, &d.fc2}) {
@@ -764,11 +769,11 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
   }
   if (mode == FfnMode::kPredicted) {
     if (n_hot > 0) {
-      CUDA_RETURN_IF_ERROR(CompactActive(scores_, n, F, L.hot_ids, n_hot, 0.f, hot_idx_,
+      CUDA_RETURN_IF_ERROR(CompactActive(scores_, n, F, L.hot_ids, n_hot, L.pred_cut, hot_idx_,
                                          hot_count, stream_));
     }
     if (cold) {
-      CUDA_RETURN_IF_ERROR(CompactActive(scores_, n, F, L.cold_ids, n_cold, 0.f, cold_idx_,
+      CUDA_RETURN_IF_ERROR(CompactActive(scores_, n, F, L.cold_ids, n_cold, L.pred_cut, cold_idx_,
                                          cold_count, stream_));
       CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cold_idx_host_, cold_idx_, n_cold * 4,
                                            cudaMemcpyDeviceToHost, stream_));
