@@ -86,7 +86,8 @@ struct LayerUpload {
   // rows hot_ids.size() + slot. hot_ids.size() + cache_rows <= ffn.
   int cache_rows = 0;
   HostMatrix pred_fc1;   // optional predictor: [rank, hidden]
-  HostMatrix pred_fc2;   // [ffn, rank]; a neuron is predicted active when its score > 0
+  HostMatrix pred_fc2;   // [ffn, rank]
+  float pred_threshold = 0;  // a neuron is predicted active when its score >= this
 };
 
 struct ModelUpload {
