@@ -1,6 +1,8 @@
 // Streamed cold rows: see cold_stream.h for why and how.
 #include "gpu-worker/cuda/cold_stream.h"
 
+#include "gpu-worker/cuda/gather_rows.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -25,6 +27,8 @@ ColdStreamer::~ColdStreamer() {
   for (cudaEvent_t e : free_) cudaEventDestroy(e);
   for (void* p : pinned_) cudaFreeHost(p);
   if (order_ != nullptr) cudaEventDestroy(order_);
+  if (stage_host_ != nullptr) cudaFreeHost(stage_host_);
+  if (stage_dev_ != nullptr) cudaFree(stage_dev_);
   if (loaded_ != nullptr) cudaEventDestroy(loaded_);
   if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
 }
@@ -138,15 +142,53 @@ cudaError_t ColdStreamer::LoadRows(const ColdRows& rows, const std::vector<int64
                                    const std::vector<int32_t>& slots, int64_t row0,
                                    uint8_t* const dst[3], cudaStream_t after) {
   if (!ready()) return cudaErrorNotReady;
-  const size_t rb = rows.row_bytes();
+  if (slots.empty()) return cudaSuccess;
+  // The index pairs of the loads in flight share one pinned staging area, reused from the start
+  // once they have all landed (or after waiting for them when it is full).
+  bool landed = false;
+  cudaError_t e = RowsLanded(/*wait=*/false, &landed);
+  if (e != cudaSuccess) return e;
+  if (landed) stage_used_ = 0;
+  size_t need = stage_used_ + 2 * slots.size();
+  if (need > stage_capacity_ && stage_used_ > 0) {
+    if ((e = RowsLanded(/*wait=*/true, &landed)) != cudaSuccess) return e;
+    stage_used_ = 0;
+    need = 2 * slots.size();
+  }
+  if (need > stage_capacity_) {
+    if (stage_host_ != nullptr) cudaFreeHost(stage_host_);
+    if (stage_dev_ != nullptr) cudaFree(stage_dev_);
+    stage_host_ = nullptr;
+    stage_dev_ = nullptr;
+    stage_capacity_ = std::max<size_t>(need, 1 << 16);
+    e = cudaMallocHost(&stage_host_, stage_capacity_ * sizeof(int64_t));
+    if (e == cudaSuccess) e = cudaMalloc(&stage_dev_, stage_capacity_ * sizeof(int64_t));
+    if (e != cudaSuccess) return e;
+  }
+  int64_t* host = static_cast<int64_t*>(stage_host_) + stage_used_;
+  int64_t* dev = static_cast<int64_t*>(stage_dev_) + stage_used_;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    host[2 * i] = cold_index[i];
+    host[2 * i + 1] = row0 + slots[i];
+  }
+  stage_used_ = need;
   const uint8_t* src[3] = {rows.gate, rows.up, rows.down_t};
-  cudaError_t e = cudaEventRecord(order_, after);
+  const uint8_t* src_dev[3];
+  for (int m = 0; m < 3; ++m) {
+    void* p = nullptr;
+    e = cudaHostGetDevicePointer(&p, const_cast<uint8_t*>(src[m]), 0);
+    if (e != cudaSuccess) return e;
+    src_dev[m] = static_cast<const uint8_t*>(p);
+  }
+  e = cudaEventRecord(order_, after);
   if (e == cudaSuccess) e = cudaStreamWaitEvent(copy_stream_, order_, 0);
-  for (size_t i = 0; i < slots.size() && e == cudaSuccess; ++i) {
-    for (int m = 0; m < 3 && e == cudaSuccess; ++m) {
-      e = cudaMemcpyAsync(dst[m] + (row0 + slots[i]) * rb, src[m] + cold_index[i] * rb, rb,
-                          cudaMemcpyHostToDevice, copy_stream_);
-    }
+  if (e == cudaSuccess) {
+    e = cudaMemcpyAsync(dev, host, 2 * slots.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
+                        copy_stream_);
+  }
+  if (e == cudaSuccess) {
+    e = GatherRows(src_dev, dev, static_cast<int>(slots.size()), rows.row_bytes(), dst,
+                   copy_stream_);
   }
   if (e == cudaSuccess) e = cudaEventRecord(loaded_, copy_stream_);
   if (e == cudaSuccess) load_pending_ = true;

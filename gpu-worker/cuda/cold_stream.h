@@ -76,8 +76,10 @@ class ColdStreamer {
           const GemmScratch& scratch, cudaStream_t stream);
 
   // Adaptive cache loads: rows cold_index[i] of `rows` into row row0 + slots[i] of the three
-  // device matrices dst (gate, up, down_t), on the copy stream after the work queued on `after`
-  // so far. RowsLanded reports (or waits for) the last load's completion.
+  // device matrices dst (gate, up, down_t), gathered by one kernel straight from the pinned rows
+  // (gather_rows.h), on the copy stream after the work queued on `after` so far. RowsLanded
+  // reports (or waits for) the last load's completion. Loads of several layers can be queued
+  // back to back; they share one index staging area until RowsLanded says they have landed.
   cudaError_t LoadRows(const ColdRows& rows, const std::vector<int64_t>& cold_index,
                        const std::vector<int32_t>& slots, int64_t row0, uint8_t* const dst[3],
                        cudaStream_t after);
@@ -103,6 +105,9 @@ class ColdStreamer {
   std::vector<void*> pinned_;
   cudaEvent_t order_ = nullptr, loaded_ = nullptr;
   bool load_pending_ = false;
+  void* stage_host_ = nullptr;  // pinned [stage_capacity_] int64 index pairs of cache loads
+  void* stage_dev_ = nullptr;
+  size_t stage_capacity_ = 0, stage_used_ = 0;
 };
 
 }  // namespace cuda
