@@ -50,6 +50,7 @@
 #include "shared/engine/transformer.h"
 #include "shared/model/tensor.h"
 #include "shared/sparse/cost_model.h"
+#include "shared/sparse/hot_cache.h"
 #include "shared/util/thread_pool.h"
 
 namespace pinfer {
@@ -78,6 +79,10 @@ struct Options {
   // --modes=prefill
   std::vector<int> prefill_batches = {1, 16, 64, 256, 512};
   int stream_chunk = 1024, stream_slots = 2;
+  // --modes=adaptive
+  std::vector<double> cache_fractions = {0.5};
+  double cache_decay = 0.9;
+  int cache_swaps = 64, cache_period = 2;
 };
 
 // 64-byte aligned host buffer.
@@ -1089,12 +1094,234 @@ void ApplyVariant(const std::string& variant) {
   for (const char* k : {"PDL", "REPACK", "STEP_GRAPH", "GRAPHS"}) {
     setenv((std::string("PINFER_CUDA_") + k).c_str(), "1", 1);
   }
+  setenv("PINFER_CUDA_Q8X", "0", 1);
   if (variant == "base") return;
   for (const std::string& kv : Split(variant, '+')) {
     const size_t eq = kv.find('=');
     if (eq == std::string::npos) continue;
     setenv(("PINFER_CUDA_" + kv.substr(0, eq)).c_str(), kv.substr(eq + 1).c_str(), 1);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Adaptive hot set (--modes=adaptive): decode with the static placement against the same VRAM
+// budget split into static hot rows and cache slots that follow the text
+// (shared/sparse/hot_cache.h), on two run-time profiles: "matched" (the run-time ranking is the
+// calibration ranking the placement used) and "shifted" (the run-time hot tier is a different
+// random 20% of each layer: text unlike the calibration text). Each token: commit the swaps whose
+// copies have landed, split every layer's active set between GPU rows and the CPU, run the step,
+// count the activations, and every `cache_period` tokens plan new swaps whose rows are gathered
+// on a copy stream while the next steps run.
+
+// masks[step][layer] drawn from the profile of DrawMasks with ranking rank_of[layer].
+Masks DrawMasksRanked(const std::vector<std::vector<int32_t>>& rank_of, int F, double active,
+                      double skew, int steps, uint64_t seed, ThreadPool& pool) {
+  const int Lc = static_cast<int>(rank_of.size());
+  const double p_hot = 0.8 * active / skew, p_cold = 0.2 * active / (1 - skew);
+  const int hot_tier = static_cast<int>(skew * F);
+  Masks masks(steps, std::vector<std::vector<int32_t>>(Lc));
+  pool.ParallelFor(static_cast<int64_t>(steps) * Lc, 1, [&](int64_t b, int64_t e) {
+    for (int64_t job = b; job < e; ++job) {
+      const int s = static_cast<int>(job / Lc), l = static_cast<int>(job % Lc);
+      std::mt19937_64 rng(job * 7919 + seed);
+      std::uniform_real_distribution<double> u(0, 1);
+      for (int j = 0; j < F; ++j) {
+        if (u(rng) < (rank_of[l][j] < hot_tier ? p_hot : p_cold)) masks[s][l].push_back(j);
+      }
+    }
+  });
+  return masks;
+}
+
+int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int threads) {
+  const ModelConfig& c = m.config;
+  const int H = c.hidden_size, F = c.ffn_size;
+  const int max_ctx = o.warmup + o.steps + 8, total = o.warmup + o.steps;
+  const size_t rb = m.Rb(H);
+  const double budget = o.budget_fraction * m.ModelBytes();
+  const double fixed = m.HeadBytes() + c.n_layers * (m.AttnBytes() + m.PredBytes()) +
+                       ScratchBytes(m, max_ctx, c.n_layers, 8);
+  const double per_neuron = 3.0 * rb + 4;
+  const int n_gpu = std::max(0, std::min(F, static_cast<int>((budget - fixed) /
+                                                             (c.n_layers * per_neuron))));
+  const double skew = o.skews.empty() ? 0.2 : o.skews[0];
+  std::vector<std::vector<int32_t>> calib_rank(c.n_layers), shifted_rank(c.n_layers);
+  std::mt19937 rng(4242);
+  for (int l = 0; l < c.n_layers; ++l) {
+    calib_rank[l] = m.layers[l].rank_of;
+    std::vector<int32_t> perm(F);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    shifted_rank[l].resize(F);
+    for (int r = 0; r < F; ++r) shifted_rank[l][perm[r]] = r;
+  }
+  SpinPool spin(threads);
+  CpuColdFfn cold(m, spin);
+  std::printf("adaptive: %d GPU FFN rows per layer in the budget; skew %.0f%%; %d warm-up + %d "
+              "measured tokens; decay %.2f, up to %d swaps per layer every %d tokens\n",
+              n_gpu, skew * 100, o.warmup, o.steps, o.cache_decay, o.cache_swaps,
+              o.cache_period);
+  struct Row {
+    std::string profile;
+    double fraction = 0;
+    double tok_s = 0, gpu_share = 0, gpu_share_last = 0, plan = 0, actual = 0;
+    int64_t swaps = 0;
+  };
+  std::vector<Row> rows;
+  std::vector<float> logits(c.vocab_size);
+  std::vector<double> fractions = {0.0};
+  for (double f : o.cache_fractions) fractions.push_back(std::min(1.0, std::max(0.0, f)));
+  for (double fraction : fractions) {
+    const int slots = static_cast<int>(fraction * n_gpu);
+    const int n_static = n_gpu - slots;
+    cuda::ModelUpload u = BaseUpload(m, max_ctx);
+    std::vector<std::vector<int32_t>> static_hot(c.n_layers);
+    for (int l = 0; l < c.n_layers; ++l) {
+      const SynthLayer& L = m.layers[l];
+      cuda::LayerUpload& lu = u.layers[l];
+      FillAttention(m, l, &lu);
+      lu.ffn = cuda::FfnPlacement::kHot;
+      lu.gate = Host(m.dtype, F, H, L.gate->p);
+      lu.up = Host(m.dtype, F, H, L.up->p);
+      lu.down_t = Host(m.dtype, F, H, L.down_t->p);
+      lu.pred_fc1 = Host(m.dtype, m.pred_rank, H, L.fc1->p);
+      lu.pred_fc2 = Host(m.dtype, F, m.pred_rank, L.fc2->p);
+      for (int j = 0; j < F; ++j) {
+        if (L.rank_of[j] < n_static) lu.hot_ids.push_back(j);
+      }
+      lu.cache_rows = slots;
+      static_hot[l] = lu.hot_ids;
+    }
+    // Slots cost the rows' bytes but no id (the bookkeeping stays on the host).
+    const double plan = fixed + c.n_layers * (per_neuron * n_static + 3.0 * rb * slots +
+                                              4.0 * (F - n_static));
+    Backend be;
+    char err[512] = {0};
+    const double t0 = Now();
+    if (int rc = pinfer_cuda_create_backend(&u, &be.b, err, sizeof(err)); rc != 0) {
+      std::fprintf(stderr, "adaptive backend: %s\n", err);
+      return 1;
+    }
+    std::printf("cache fraction %.2f: %d static + %d cache rows per layer, created in %.1f s\n",
+                fraction, n_static, slots, Now() - t0);
+    be.b->set_use_graphs(o.graphs);
+    for (const char* profile : {"shifted", "matched"}) {
+      const auto& ranks = std::string(profile) == "shifted" ? shifted_rank : calib_rank;
+      Masks masks = DrawMasksRanked(ranks, F, o.active, skew, total, 77, pool);
+      HotCacheOptions ho;
+      ho.slots = slots;
+      ho.decay = o.cache_decay;
+      ho.min_gain = 1.0;
+      ho.max_swaps = o.cache_swaps;
+      absl::StatusOr<AdaptiveHotCache> cache = AdaptiveHotCache::Create(F, static_hot, ho);
+      if (!cache.ok()) {
+        std::fprintf(stderr, "%s\n", std::string(cache.status().message()).c_str());
+        return 1;
+      }
+      std::vector<CacheSwap> in_flight;
+      std::vector<std::vector<int32_t>> hot(c.n_layers), cold_ids(c.n_layers);
+      Row row;
+      row.profile = profile;
+      row.fraction = fraction;
+      row.plan = plan;
+      row.actual = static_cast<double>(be.b->DeviceBytes());
+      double hot_rows = 0, all_rows = 0, hot_last = 0, all_last = 0, start = 0;
+      int32_t token = 1;
+      for (int s = 0; s < total; ++s) {
+        if (s == o.warmup) start = Now();
+        if (!in_flight.empty()) {  // token boundary: hand over the slots whose copies landed
+          bool landed = false;
+          cuda::BackendStatus st = be.b->CacheRowsLanded(/*wait=*/false, &landed);
+          if (!st.ok()) {
+            std::fprintf(stderr, "landed: %s\n", st.message.c_str());
+            return 1;
+          }
+          if (landed) {
+            cache->Commit(in_flight);
+            in_flight.clear();
+          }
+        }
+        for (int l = 0; l < c.n_layers; ++l) {
+          cache->Split(l, masks[s][l], &hot[l], &cold_ids[l]);
+          if (s >= o.warmup) {
+            hot_rows += hot[l].size();
+            all_rows += masks[s][l].size();
+            if (s >= total - 8) {
+              hot_last += hot[l].size();
+              all_last += masks[s][l].size();
+            }
+          }
+        }
+        cuda::ForwardArgs a;
+        a.tokens = &token;
+        a.n = 1;
+        a.pos0 = s;
+        a.mode = cuda::FfnMode::kGiven;
+        a.given_hot = &hot;
+        a.given_cold = &cold_ids;
+        a.run_predictors = true;
+        a.cold = &cold;
+        a.logits = logits.data();
+        cuda::BackendStatus st = be.b->Forward(a);
+        if (!st.ok()) {
+          std::fprintf(stderr, "adaptive forward: %s\n", st.message.c_str());
+          return 1;
+        }
+        token = Argmax(logits);
+        if (slots > 0) {
+          for (int l = 0; l < c.n_layers; ++l) cache->Observe(l, masks[s][l]);
+          cache->EndToken();
+          if (in_flight.empty() && s % o.cache_period == 0) {
+            in_flight = cache->PlanSwaps();
+            row.swaps += static_cast<int64_t>(in_flight.size());
+            std::vector<std::vector<int32_t>> ss(c.n_layers), ns(c.n_layers);
+            for (const CacheSwap& sw : in_flight) {
+              ss[sw.layer].push_back(sw.slot);
+              ns[sw.layer].push_back(sw.neuron);
+            }
+            for (int l = 0; l < c.n_layers; ++l) {
+              if (ss[l].empty()) continue;
+              st = be.b->LoadCacheRows(l, ss[l], ns[l]);
+              if (!st.ok()) {
+                std::fprintf(stderr, "load: %s\n", st.message.c_str());
+                return 1;
+              }
+            }
+          }
+        }
+      }
+      row.tok_s = o.steps / (Now() - start);
+      row.gpu_share = hot_rows / all_rows;
+      row.gpu_share_last = hot_last / all_last;
+      std::printf("%s, cache fraction %.2f: %.2f tokens/s, GPU share of activations %.1f%% "
+                  "(last 8 tokens %.1f%%), %lld swaps\n",
+                  profile, fraction, row.tok_s, 100 * row.gpu_share, 100 * row.gpu_share_last,
+                  static_cast<long long>(row.swaps));
+      rows.push_back(row);
+      bool landed = false;
+      be.b->CacheRowsLanded(/*wait=*/true, &landed);
+    }
+  }
+  std::printf("\n| dtype | run-time profile | placement | tokens/s | vs static | GPU share of "
+              "activations | last 8 tokens | swaps | VRAM plan GB | VRAM actual GB |\n"
+              "|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const Row& r : rows) {
+    double base = 0;
+    for (const Row& q : rows) {
+      if (q.profile == r.profile && q.fraction == 0) base = q.tok_s;
+    }
+    char pl[64];
+    if (r.fraction == 0) {
+      std::snprintf(pl, sizeof(pl), "static (%d hot rows)", n_gpu);
+    } else {
+      std::snprintf(pl, sizeof(pl), "adaptive (%.0f%% of them as cache)", 100 * r.fraction);
+    }
+    std::printf("| %s | %s | %s | %.2f | %.2fx | %.1f%% | %.1f%% | %lld | %.2f | %.2f |\n",
+                DTypeName(m.dtype).data(), r.profile.c_str(), pl, r.tok_s, r.tok_s / base,
+                100 * r.gpu_share, 100 * r.gpu_share_last, static_cast<long long>(r.swaps),
+                r.plan / 1e9, r.actual / 1e9);
+  }
+  return 0;
 }
 
 int Main(int argc, char** argv) {
@@ -1123,6 +1350,18 @@ int Main(int argc, char** argv) {
     else if (const char* v = val("--graphs=")) o.graphs = std::atoi(v) != 0;
     else if (const char* v = val("--stream-chunk=")) o.stream_chunk = std::atoi(v);
     else if (const char* v = val("--stream-slots=")) o.stream_slots = std::atoi(v);
+    else if (const char* v = val("--cache-fractions=")) {
+      o.cache_fractions.clear();
+      for (const char* p = v; *p;) {
+        o.cache_fractions.push_back(std::atof(p));
+        const char* q = std::strchr(p, ',');
+        if (q == nullptr) break;
+        p = q + 1;
+      }
+    }
+    else if (const char* v = val("--cache-decay=")) o.cache_decay = std::atof(v);
+    else if (const char* v = val("--cache-swaps=")) o.cache_swaps = std::atoi(v);
+    else if (const char* v = val("--cache-period=")) o.cache_period = std::max(1, std::atoi(v));
     else if (const char* v = val("--prefill-batches=")) {
       o.prefill_batches.clear();
       for (const char* p = v; *p;) {
@@ -1173,6 +1412,7 @@ int Main(int argc, char** argv) {
               c.n_layers * m.PredBytes() / 1e9, budget / 1e9, Now() - t0);
 
   if (o.modes == "prefill") return PrefillBench(o, m, pool, threads);
+  if (o.modes == "adaptive") return AdaptiveBench(o, m, pool, threads);
   Bandwidths bw = MeasureBandwidths(m.dtype, pool);
   std::printf("bandwidth: GPU copy %.0f GB/s, GPU %s matvec %.0f GB/s (GGUF layout %.0f), CPU %s "
               "matvec (%d threads) %.1f GB/s, host->GPU %.1f GB/s; kernel launch %.2f us host, "
