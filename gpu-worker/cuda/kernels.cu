@@ -62,6 +62,11 @@ __device__ __forceinline__ void PrefetchL2(const void* p, uint32_t bytes) {
 #endif
 }
 
+bool g_q8x = [] {
+  const char* e = std::getenv("PINFER_CUDA_Q8X");
+  return e != nullptr && e[0] == '1';
+}();
+
 bool g_pdl = [] {
   const char* e = std::getenv("PINFER_CUDA_PDL");
   return e == nullptr || e[0] != '0';
@@ -874,6 +879,156 @@ __global__ void __launch_bounds__(kSplitWarps * kWarp)
   }
 }
 
+
+// The same product with llama.cpp's definition (SetQuantizedActivations): x is quantized to Q8_0
+// blocks in shared memory by each block of warps (d_x = fp16(max|x| / 127), q = round-half-even
+// of x / d_x, computed with the same fp32 operations as the CPU reference), and each weight block
+// contributes d_w * d_x * (an exact integer dot product, four products per dp4a). A Q4_0 nibble
+// is used unsigned and its offset of 8 is taken out with the block's sum of q.
+constexpr int kQxWarps = 8;
+
+template <WType T>
+__device__ __forceinline__ int SplitBlockIntDot(const uint4* q, const int4* xw) {
+  const int4 a = xw[0], b = xw[1];
+  const int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  int s = 0;
+  if constexpr (T == WType::kQ4_0) {
+    const uint32_t w[4] = {q[0].x, q[0].y, q[0].z, q[0].w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      s = __dp4a(static_cast<int>(w[k] & 0x0f0f0f0fu), x[k], s);
+      s = __dp4a(static_cast<int>((w[k] >> 4) & 0x0f0f0f0fu), x[4 + k], s);
+    }
+  } else {
+    const uint32_t w[8] = {q[0].x, q[0].y, q[0].z, q[0].w, q[1].x, q[1].y, q[1].z, q[1].w};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) s = __dp4a(static_cast<int>(w[k]), x[k], s);
+  }
+  return s;
+}
+
+template <WType T>
+__global__ void __launch_bounds__(kQxWarps * kWarp)
+    MatVecSplitQ8xKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
+                         int64_t cols, const int32_t* __restrict__ rows, int n_rows,
+                         const int32_t* __restrict__ dev_count, const float* __restrict__ x,
+                         float* __restrict__ y) {
+  extern __shared__ int4 xsh[];
+  constexpr int QB = kSplitBlockBytes<T>;
+  constexpr int QV = QB / 16;
+  const int nblk = static_cast<int>(cols / 32);
+  const size_t qrb = static_cast<size_t>(nblk) * QB;
+  int8_t* xq = reinterpret_cast<int8_t*>(xsh);         // [cols]
+  float* xd = reinterpret_cast<float*>(xq + cols);     // [nblk]
+  int* xsum = reinterpret_cast<int*>(xd + nblk);       // [nblk]
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int i0 = (blockIdx.x * kQxWarps + warp) * kSplitRows;
+  PdlTrigger();
+  if (rows == nullptr && dev_count == nullptr && lane < kSplitRows && i0 + lane < n_rows) {
+    PrefetchL2(qs + static_cast<size_t>(i0 + lane) * qrb, static_cast<uint32_t>(qrb));
+  }
+  PdlWait();
+  // Four consecutive lanes per block of 32, eight values each.
+  for (int e0 = threadIdx.x * 8; e0 < cols; e0 += kQxWarps * kWarp * 8) {
+    const unsigned group = 0xfu << (lane & ~3);
+    const float4 a = __ldg(reinterpret_cast<const float4*>(x + e0));
+    const float4 c = __ldg(reinterpret_cast<const float4*>(x + e0 + 4));
+    const float v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    amax = fmaxf(amax, __shfl_xor_sync(group, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(group, amax, 2));
+    const float d = amax / 127.f;
+    const float inv = d != 0.f ? 1.f / d : 0.f;
+    uint32_t packed[2] = {0u, 0u};
+    int sum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int q = __float2int_rn(v[i] * inv);
+      sum += q;
+      packed[i / 4] |= (static_cast<uint32_t>(q) & 0xffu) << (8 * (i % 4));
+    }
+    *reinterpret_cast<uint2*>(xq + e0) = make_uint2(packed[0], packed[1]);
+    sum += __shfl_xor_sync(group, sum, 1);
+    sum += __shfl_xor_sync(group, sum, 2);
+    if ((lane & 3) == 0) {
+      xd[e0 / 32] = __half2float(__float2half_rn(d));
+      xsum[e0 / 32] = sum;
+    }
+  }
+  __syncthreads();
+  const int count = dev_count != nullptr ? *dev_count : n_rows;
+  if (i0 >= count) return;
+  const int nr = min(kSplitRows, count - i0);
+  const uint8_t* rq[kSplitRows];
+  const uint16_t* rs[kSplitRows];
+#pragma unroll
+  for (int r = 0; r < kSplitRows; ++r) {
+    const int i = i0 + min(r, nr - 1);
+    const int64_t rid = rows != nullptr ? rows[i] : i;
+    rq[r] = qs + static_cast<size_t>(rid) * qrb;
+    rs[r] = scales + static_cast<size_t>(rid) * nblk;
+  }
+  float acc[kSplitRows];
+#pragma unroll
+  for (int r = 0; r < kSplitRows; ++r) acc[r] = 0.f;
+  int b = lane;
+  for (; b + kWarp < nblk; b += 2 * kWarp) {
+    uint4 q[2][kSplitRows][QV];
+    float dw[2][kSplitRows];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int r = 0; r < kSplitRows; ++r) {
+        const uint4* src =
+            reinterpret_cast<const uint4*>(rq[r] + static_cast<size_t>(b + h * kWarp) * QB);
+#pragma unroll
+        for (int v = 0; v < QV; ++v) q[h][r][v] = LoadStream(src + v);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int r = 0; r < kSplitRows; ++r) dw[h][r] = H2F(rs[r][b + h * kWarp]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int bb = b + h * kWarp;
+      const int4* xw = reinterpret_cast<const int4*>(xq + bb * 32);
+      const float dx = xd[bb];
+      const int off = T == WType::kQ4_0 ? 8 * xsum[bb] : 0;
+#pragma unroll
+      for (int r = 0; r < kSplitRows; ++r) {
+        acc[r] += dw[h][r] * dx * static_cast<float>(SplitBlockIntDot<T>(q[h][r], xw) - off);
+      }
+    }
+  }
+  if (b < nblk) {
+    uint4 q[kSplitRows][QV];
+    float dw[kSplitRows];
+#pragma unroll
+    for (int r = 0; r < kSplitRows; ++r) {
+      const uint4* src = reinterpret_cast<const uint4*>(rq[r] + static_cast<size_t>(b) * QB);
+#pragma unroll
+      for (int v = 0; v < QV; ++v) q[r][v] = LoadStream(src + v);
+      dw[r] = H2F(rs[r][b]);
+    }
+    const int4* xw = reinterpret_cast<const int4*>(xq + b * 32);
+    const float dx = xd[b];
+    const int off = T == WType::kQ4_0 ? 8 * xsum[b] : 0;
+#pragma unroll
+    for (int r = 0; r < kSplitRows; ++r) {
+      acc[r] += dw[r] * dx * static_cast<float>(SplitBlockIntDot<T>(q[r], xw) - off);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kSplitRows; ++r) {
+    const float v = WarpSum(acc[r]);
+    if (lane == 0 && r < nr) y[i0 + r] = v;
+  }
+}
+
 // The sparse down projection over a split matrix: as AccumulateRowsKernel's 16-byte path, a
 // thread owns one block of columns and sums the block's values over its rows, four rows at a
 // time.
@@ -1273,6 +1428,8 @@ int SmCount() {
 void SetMatVecWarpRowsMin(int rows) { g_warp_rows_min = rows; }
 int MatVecWarpRowsMin() { return g_warp_rows_min; }
 void SetProgrammaticLaunch(bool on) { g_pdl = on; }
+void SetQuantizedActivations(bool on) { g_q8x = on; }
+bool QuantizedActivations() { return g_q8x; }
 bool ProgrammaticLaunch() { return g_pdl; }
 
 size_t WRowBytes(WType t, int64_t cols) {
@@ -1415,6 +1572,20 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
   const auto* base = static_cast<const uint8_t*>(w.data);
   constexpr bool quant = T == WType::kQ8_0 || T == WType::kQ4_0;
   if constexpr (quant) {
+    const size_t qx_smem = static_cast<size_t>(w.cols) + static_cast<size_t>(w.cols / 32) * 8;
+    if (w.split() && g_q8x && qx_smem <= 48 * 1024) {
+      // One launch per token (the batches here are at most kMaxTok tokens).
+      const auto* sc = static_cast<const uint16_t*>(w.scales);
+      const int rows_per_block = kSplitRows * kQxWarps;
+      const int blocks = (n_rows + rows_per_block - 1) / rows_per_block;
+      for (int t = 0; t < nt; ++t) {
+        cudaError_t e = Launch(MatVecSplitQ8xKernel<T>, blocks, kQxWarps * kWarp, qx_smem, stream,
+                               base, sc, w.cols, rows, n_rows, dev_count, xt + t * w.cols,
+                               yt + static_cast<int64_t>(t) * ldy);
+        if (e != cudaSuccess) return e;
+      }
+      return cudaSuccess;
+    }
     if (w.split()) {
       const auto* sc = static_cast<const uint16_t*>(w.scales);
       const int rows_per_block = kSplitRows * kSplitWarps;

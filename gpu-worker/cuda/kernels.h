@@ -67,6 +67,14 @@ cudaError_t RepackSplit(const DeviceMatrix& src, const DeviceMatrix& dst, int64_
 void SetProgrammaticLaunch(bool on);
 bool ProgrammaticLaunch();
 
+// Which product MatVecRows computes for split-layout block formats: fp32 x against the exactly
+// dequantized weights (default), or llama.cpp's definition, where x is quantized to Q8_0 blocks
+// (d = fp16(max|x| / 127), q = round(x / d)) and each block adds d_w * d_x * (integer dot), the
+// definition of the engine's quantized MatMul when it multiplies int8 activations. On with
+// PINFER_CUDA_Q8X=1 or this call. Not thread-safe.
+void SetQuantizedActivations(bool on);
+bool QuantizedActivations();
+
 // Whether the matrix's column count suits the row kernels (16-byte loads, whole blocks).
 cudaError_t CheckMatrixShape(const DeviceMatrix& w);
 

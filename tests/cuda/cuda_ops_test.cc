@@ -21,6 +21,7 @@
 #include "shared/engine/ops.h"
 #include "shared/model/config.h"
 #include "shared/model/tensor.h"
+#include "shared/util/half.h"
 
 namespace pinfer {
 namespace {
@@ -189,6 +190,27 @@ std::vector<int32_t> RandomRows(int total, int count) {
   return ids;
 }
 
+// The matrix products' reference: every weight expanded to fp32 exactly (DequantizeRow) and
+// multiplied by fp32 x with an fp32 sum, the definition the GPU row kernels implement (the
+// engine's CPU operators may multiply quantized rows by int8 activations instead, llama.cpp's
+// definition, which QuantizedActivationsMatchLlamaCppDefinition checks separately).
+void RefMatMulRows(const TensorView& w, const int32_t* ids, int count, const float* x, int n,
+                   float* y) {
+  const int64_t cols = w.cols();
+  std::vector<float> row(cols);
+  for (int i = 0; i < count; ++i) {
+    DequantizeRow(w.dtype, w.row(ids != nullptr ? ids[i] : i), row.data(), cols);
+    for (int t = 0; t < n; ++t) {
+      float sum = 0;
+      for (int64_t c = 0; c < cols; ++c) sum += row[c] * x[t * cols + c];
+      y[static_cast<size_t>(t) * count + i] = sum;
+    }
+  }
+}
+void RefMatMul(const TensorView& w, const float* x, int n, float* y) {
+  RefMatMulRows(w, nullptr, static_cast<int>(w.rows()), x, n, y);
+}
+
 class CudaOpsTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -350,7 +372,7 @@ TEST_F(CudaOpsTest, MatVecRowsMatchesReferenceForEveryType) {
       // All rows.
       {
         std::vector<float> ref(static_cast<size_t>(n) * rows);
-        ref_->MatMul(w.view(), x.data(), n, ref.data());
+        RefMatMul(w.view(), x.data(), n, ref.data());
         DevBuf<float> dy(ref.size());
         CUDA_OK(cuda::MatVecRows(m, nullptr, rows, nullptr, dx.get(), n, dy.get(), rows, nullptr));
         std::vector<float> out = dy.Download();
@@ -364,7 +386,7 @@ TEST_F(CudaOpsTest, MatVecRowsMatchesReferenceForEveryType) {
         const int bound = 120, count = 97, ldy = 128;
         std::vector<int32_t> ids = RandomRows(rows, bound);
         std::vector<float> ref(static_cast<size_t>(n) * count);
-        ref_->MatMulRows(w.view(), ids.data(), count, x.data(), n, ref.data());
+        RefMatMulRows(w.view(), ids.data(), count, x.data(), n, ref.data());
         DevBuf<int32_t> dids(ids), dcount(std::vector<int32_t>{count});
         DevBuf<float> dy(static_cast<size_t>(n) * ldy);
         CUDA_OK(cuda::MatVecRows(m, dids.get(), bound, dcount.get(), dx.get(), n, dy.get(), ldy,
@@ -396,7 +418,7 @@ TEST_F(CudaOpsTest, OutputHeadMatchesReference) {
     DevBuf<uint8_t> dw(w.bytes.size());
     DeviceMatrix m = ToDevice(w, &dw);
     std::vector<float> x = Random(hidden), ref(vocab);
-    ref_->MatMul(w.view(), x.data(), 1, ref.data());
+    RefMatMul(w.view(), x.data(), 1, ref.data());
     DevBuf<float> dx(x), dy(vocab);
     CUDA_OK(cuda::MatVecRows(m, nullptr, vocab, nullptr, dx.get(), 1, dy.get(), vocab, nullptr));
     std::vector<float> out = dy.Download();
@@ -417,7 +439,7 @@ TEST_F(CudaOpsTest, OutputHeadMatchesReference) {
     const int bound = 13000, count = 12500;
     std::vector<int32_t> ids = RandomRows(vocab, bound);
     std::vector<float> ref2(count);
-    ref_->MatMulRows(w.view(), ids.data(), count, x.data(), 1, ref2.data());
+    RefMatMulRows(w.view(), ids.data(), count, x.data(), 1, ref2.data());
     DevBuf<int32_t> dids(ids), dcount(std::vector<int32_t>{count});
     DevBuf<float> dy2(bound);
     CUDA_OK(cuda::MatVecRows(m, dids.get(), bound, dcount.get(), dx.get(), 1, dy2.get(), bound,
@@ -629,9 +651,9 @@ TEST_F(CudaOpsTest, PredictorMatchesReference) {
   HostWeights fc2 = RandomWeights(DType::kF16, ffn, rank, 0.1f);
   std::vector<float> x = Random(static_cast<size_t>(n) * hidden);
   std::vector<float> h(static_cast<size_t>(n) * rank), ref(static_cast<size_t>(n) * ffn);
-  ref_->MatMul(fc1.view(), x.data(), n, h.data());
+  RefMatMul(fc1.view(), x.data(), n, h.data());
   for (float& v : h) v = std::max(v, 0.f);
-  ref_->MatMul(fc2.view(), h.data(), n, ref.data());
+  RefMatMul(fc2.view(), h.data(), n, ref.data());
   DevBuf<uint8_t> d1(fc1.bytes.size()), d2(fc2.bytes.size());
   DeviceMatrix m1 = ToDevice(fc1, &d1), m2 = ToDevice(fc2, &d2);
   DevBuf<float> dx(x), dh(h.size()), ds(ref.size());
@@ -655,7 +677,7 @@ TEST_F(CudaOpsTest, SparseHotFfnMatchesReference) {
     std::vector<float> x = Random(hidden);
     // Reference: gates of all rows, active = gate > 0, up rows of the active, relu(g) * u.
     std::vector<float> g(n_hot);
-    ref_->MatMul(gate.view(), x.data(), 1, g.data());
+    RefMatMul(gate.view(), x.data(), 1, g.data());
     std::vector<int32_t> active;
     for (int i = 0; i < n_hot; ++i) {
       if (g[i] > 0) active.push_back(i);
@@ -663,7 +685,7 @@ TEST_F(CudaOpsTest, SparseHotFfnMatchesReference) {
     const int count = static_cast<int>(active.size());
     std::vector<float> ga(count), ua(count);
     for (int i = 0; i < count; ++i) ga[i] = g[active[i]];
-    ref_->MatMulRows(up.view(), active.data(), count, x.data(), 1, ua.data());
+    RefMatMulRows(up.view(), active.data(), count, x.data(), 1, ua.data());
     ref_->GatedActivation(Activation::kRelu, ga.data(), ua.data(), count);
     std::vector<float> ref(hidden, 0.f);
     ref_->AccumulateRows(down_t.view(), active.data(), count, ga.data(), 1, ref.data());
@@ -707,7 +729,7 @@ TEST_F(CudaOpsTest, CublasGemmsMatchReference) {
     {
       std::vector<float> x = Random(static_cast<size_t>(n) * cols);
       std::vector<float> ref(static_cast<size_t>(n) * rows);
-      ref_->MatMul(w.view(), x.data(), n, ref.data());
+      RefMatMul(w.view(), x.data(), n, ref.data());
       DevBuf<float> dx(x), dy(ref.size());
       ASSERT_EQ(cuda::GemmXWt(h, m, dx.get(), n, dy.get(), rows, 0.f, s, nullptr), 0);
       std::vector<float> out = dy.Download();
@@ -750,7 +772,7 @@ TEST_F(CudaOpsTest, SplitLayoutMatchesReferenceForBlockTypes) {
         std::vector<float> x = Random(static_cast<size_t>(n) * cols);
         DevBuf<float> dx(x);
         std::vector<float> ref(static_cast<size_t>(n) * rows);
-        ref_->MatMul(w.view(), x.data(), n, ref.data());
+        RefMatMul(w.view(), x.data(), n, ref.data());
         DevBuf<float> dy(ref.size());
         CUDA_OK(cuda::MatVecRows(m, nullptr, rows, nullptr, dx.get(), n, dy.get(), rows, nullptr));
         std::vector<float> out = dy.Download();
@@ -761,7 +783,7 @@ TEST_F(CudaOpsTest, SplitLayoutMatchesReferenceForBlockTypes) {
         const int bound = 120, count = 97, ldy = 128;
         std::vector<int32_t> ids = RandomRows(rows, bound);
         std::vector<float> ref2(static_cast<size_t>(n) * count);
-        ref_->MatMulRows(w.view(), ids.data(), count, x.data(), n, ref2.data());
+        RefMatMulRows(w.view(), ids.data(), count, x.data(), n, ref2.data());
         DevBuf<int32_t> dids(ids), dcount(std::vector<int32_t>{count});
         DevBuf<float> dy2(static_cast<size_t>(n) * ldy);
         CUDA_OK(cuda::MatVecRows(m, dids.get(), bound, dcount.get(), dx.get(), n, dy2.get(), ldy,
@@ -825,7 +847,7 @@ TEST_F(CudaOpsTest, SplitLayoutMatchesReferenceForBlockTypes) {
         cuda::GemmScratch sc{wh.get(), wh.Bytes(), xh.get(), xh.Bytes()};
         std::vector<float> x = Random(static_cast<size_t>(n) * cols);
         std::vector<float> ref(static_cast<size_t>(n) * rows);
-        ref_->MatMul(w.view(), x.data(), n, ref.data());
+        RefMatMul(w.view(), x.data(), n, ref.data());
         DevBuf<float> dx(x), dy(ref.size());
         ASSERT_EQ(cuda::GemmXWt(h, m, dx.get(), n, dy.get(), rows, 0.f, sc, nullptr), 0);
         std::vector<float> out = dy.Download();
@@ -835,6 +857,95 @@ TEST_F(CudaOpsTest, SplitLayoutMatchesReferenceForBlockTypes) {
     }
   }
   cublasDestroy(h);
+}
+
+// llama.cpp's quantized product, written out here as the plain definition: x quantized to Q8_0
+// (d = fp16(max|x| / 127), q = round-half-even(x * (1 / d))), each block contributing
+// d_w * d_x * sum_i w_i q_i with w_i the block's integer values (Q4_0: nibble - 8).
+std::vector<float> Q8xReference(const HostWeights& w, const std::vector<int32_t>& ids,
+                                const std::vector<float>& x, int n) {
+  const int64_t cols = w.cols, nblk = cols / 32;
+  const size_t rb = RowBytes(w.type, cols), bb = RowBytes(w.type, 32);
+  std::vector<float> y(static_cast<size_t>(n) * ids.size());
+  for (int t = 0; t < n; ++t) {
+    std::vector<int32_t> q(cols);
+    std::vector<float> dx(nblk);
+    for (int64_t b = 0; b < nblk; ++b) {
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[t * cols + b * 32 + i]));
+      const float d = amax / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
+      dx[b] = Fp16ToFp32(Fp32ToFp16(d));
+      for (int i = 0; i < 32; ++i) {
+        q[b * 32 + i] = static_cast<int32_t>(std::nearbyint(x[t * cols + b * 32 + i] * inv));
+      }
+    }
+    for (size_t r = 0; r < ids.size(); ++r) {
+      const uint8_t* row = w.bytes.data() + ids[r] * rb;
+      double sum = 0;
+      for (int64_t b = 0; b < nblk; ++b) {
+        const uint8_t* blk = row + b * bb;
+        uint16_t dw;
+        std::memcpy(&dw, blk, 2);
+        int64_t dot = 0;
+        for (int i = 0; i < 32; ++i) {
+          const int v = w.type == DType::kQ8_0
+                            ? static_cast<int8_t>(blk[2 + i])
+                            : ((i < 16 ? (blk[2 + i] & 0x0f) : (blk[2 + i - 16] >> 4)) - 8);
+          dot += static_cast<int64_t>(v) * q[b * 32 + i];
+        }
+        sum += static_cast<double>(Fp16ToFp32(dw)) * dx[b] * static_cast<double>(dot);
+      }
+      y[t * ids.size() + r] = static_cast<float>(sum);
+    }
+  }
+  return y;
+}
+
+// The split layout's llama.cpp-definition path (SetQuantizedActivations) against that
+// definition: all rows and listed rows with a device count, one and several tokens.
+TEST_F(CudaOpsTest, QuantizedActivationsMatchLlamaCppDefinition) {
+  cuda::SetQuantizedActivations(true);
+  for (DType type : {DType::kQ8_0, DType::kQ4_0}) {
+    for (int64_t cols : {512, 1056, 5120}) {
+      const int64_t rows = 301;
+      HostWeights w = RandomWeights(type, rows, cols);
+      DevBuf<uint8_t> dg(w.bytes.size()), ds(w.bytes.size());
+      DeviceMatrix m = ToDeviceSplit(w, &dg, &ds);
+      for (int n : {1, 3}) {
+        std::vector<float> x = Random(static_cast<size_t>(n) * cols);
+        DevBuf<float> dx(x);
+        std::vector<int32_t> all(rows);
+        std::iota(all.begin(), all.end(), 0);
+        std::vector<float> ref = Q8xReference(w, all, x, n);
+        DevBuf<float> dy(ref.size());
+        CUDA_OK(cuda::MatVecRows(m, nullptr, rows, nullptr, dx.get(), n, dy.get(), rows, nullptr));
+        std::vector<float> out = dy.Download();
+        EXPECT_FALSE(AnyNan(out));
+        EXPECT_LE(Nmse(out, ref), kFp32Limit) << DTypeName(type) << " cols " << cols << " n " << n;
+        EXPECT_TRUE(dy.GuardsIntact());
+        const int bound = 120, count = 97, ldy = 128;
+        std::vector<int32_t> ids = RandomRows(rows, bound);
+        std::vector<float> ref2 =
+            Q8xReference(w, std::vector<int32_t>(ids.begin(), ids.begin() + count), x, n);
+        DevBuf<int32_t> dids(ids), dcount(std::vector<int32_t>{count});
+        DevBuf<float> dy2(static_cast<size_t>(n) * ldy);
+        CUDA_OK(cuda::MatVecRows(m, dids.get(), bound, dcount.get(), dx.get(), n, dy2.get(), ldy,
+                                 nullptr));
+        std::vector<float> got = dy2.Download(), out2;
+        for (int t = 0; t < n; ++t) {
+          for (int i = 0; i < ldy; ++i) {
+            if (i < count) {
+              out2.push_back(got[t * ldy + i]);
+            } else {
+              EXPECT_TRUE(std::isnan(got[t * ldy + i])) << "wrote past the count at " << i;
+            }
+          }
+        }
+        EXPECT_LE(Nmse(out2, ref2), kFp32Limit) << DTypeName(type) << " listed, n " << n;
+      }
+    }
+  }
+  cuda::SetQuantizedActivations(false);
 }
 
 // A chain of dependent kernels on an explicit stream, so that each one is launched with
@@ -851,9 +962,9 @@ TEST_F(CudaOpsTest, ProgrammaticLaunchChainMatchesReference) {
   std::vector<float> xn(hidden), h1(mid), h2(hidden), ref = Random(hidden);
   const std::vector<float> y0 = ref;
   ref_->RmsNorm(x.data(), nw.data(), 1, hidden, 1e-5f, xn.data());
-  ref_->MatMul(w1.view(), xn.data(), 1, h1.data());
+  RefMatMul(w1.view(), xn.data(), 1, h1.data());
   for (float& v : h1) v = std::max(v, 0.f);
-  ref_->MatMul(w2.view(), h1.data(), 1, h2.data());
+  RefMatMul(w2.view(), h1.data(), 1, h2.data());
   std::vector<int32_t> all(hidden);
   std::iota(all.begin(), all.end(), 0);
   ref_->AccumulateRows(w3.view(), all.data(), hidden, h2.data(), 1, ref.data());
