@@ -759,6 +759,8 @@ TEST_F(CudaOpsTest, CublasGemmsMatchReference) {
 // operator that reads weights gives the reference's results, with rows past a warp's four and
 // columns that are not a multiple of the warp's sweep.
 TEST_F(CudaOpsTest, SplitLayoutMatchesReferenceForBlockTypes) {
+  const bool q8x = cuda::QuantizedActivations();
+  cuda::SetQuantizedActivations(false);  // the fp32 definition (the other has its own test)
   cublasHandle_t h;
   ASSERT_EQ(cublasCreate(&h), CUBLAS_STATUS_SUCCESS);
   for (DType type : {DType::kQ8_0, DType::kQ4_0}) {
@@ -857,6 +859,7 @@ TEST_F(CudaOpsTest, SplitLayoutMatchesReferenceForBlockTypes) {
     }
   }
   cublasDestroy(h);
+  cuda::SetQuantizedActivations(q8x);
 }
 
 // llama.cpp's quantized product, written out here as the plain definition: x quantized to Q8_0
@@ -904,6 +907,7 @@ std::vector<float> Q8xReference(const HostWeights& w, const std::vector<int32_t>
 // The split layout's llama.cpp-definition path (SetQuantizedActivations) against that
 // definition: all rows and listed rows with a device count, one and several tokens.
 TEST_F(CudaOpsTest, QuantizedActivationsMatchLlamaCppDefinition) {
+  const bool q8x = cuda::QuantizedActivations();
   cuda::SetQuantizedActivations(true);
   for (DType type : {DType::kQ8_0, DType::kQ4_0}) {
     for (int64_t cols : {512, 1056, 5120}) {
@@ -945,7 +949,7 @@ TEST_F(CudaOpsTest, QuantizedActivationsMatchLlamaCppDefinition) {
       }
     }
   }
-  cuda::SetQuantizedActivations(false);
+  cuda::SetQuantizedActivations(q8x);
 }
 
 // A chain of dependent kernels on an explicit stream, so that each one is launched with
@@ -954,6 +958,8 @@ TEST_F(CudaOpsTest, QuantizedActivationsMatchLlamaCppDefinition) {
 // accumulation, run directly and replayed from a captured graph, against the reference chain.
 TEST_F(CudaOpsTest, ProgrammaticLaunchChainMatchesReference) {
   ASSERT_TRUE(cuda::ProgrammaticLaunch());
+  const bool q8x = cuda::QuantizedActivations();
+  cuda::SetQuantizedActivations(false);
   const int hidden = 2048, mid = 4096;
   std::vector<float> x = Random(hidden, 2.f), nw = Random(hidden);
   HostWeights w1 = RandomWeights(DType::kF16, mid, hidden);
@@ -1007,6 +1013,7 @@ TEST_F(CudaOpsTest, ProgrammaticLaunchChainMatchesReference) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(s);
+  cuda::SetQuantizedActivations(q8x);
   EXPECT_TRUE(dy.GuardsIntact() && dh1.GuardsIntact() && dh2.GuardsIntact());
 }
 
