@@ -36,6 +36,7 @@ absl::StatusOr<AdaptiveHotCache> AdaptiveHotCache::Create(
     L.slot_neuron.assign(options.slots, -1);
     L.pending.assign(options.slots, 0);
     L.pending_neuron.assign(options.slots, -1);
+    L.is_pending.assign(ffn, 0);
     L.count.assign(ffn, 0.0);
   }
   return c;
@@ -75,31 +76,33 @@ std::vector<CacheSwap> AdaptiveHotCache::PlanSwaps() {
   for (int l = 0; l < n_layers(); ++l) {
     Layer& L = layers_[l];
     // Candidates: cold neurons (not static, not loaded, not pending) by count, highest first.
-    std::vector<char> pending_target(ffn_, 0);
-    for (int s = 0; s < slots; ++s) {
-      if (L.pending[s]) pending_target[L.pending_neuron[s]] = 1;
-    }
-    std::vector<int32_t> cand;
+    std::vector<int32_t>& cand = scratch_cand_;
+    cand.clear();
     for (int32_t j = 0; j < ffn_; ++j) {
-      if (L.static_local[j] < 0 && L.slot_of[j] < 0 && !pending_target[j] && L.count[j] > gain) {
+      if (L.count[j] > gain && L.static_local[j] < 0 && L.slot_of[j] < 0 && !L.is_pending[j]) {
         cand.push_back(j);
       }
     }
+    if (cand.empty()) continue;
     const size_t top = std::min<size_t>(cand.size(), options_.max_swaps);
     std::partial_sort(cand.begin(), cand.begin() + top, cand.end(), [&](int32_t a, int32_t b) {
       return L.count[a] > L.count[b] || (L.count[a] == L.count[b] && a < b);
     });
     cand.resize(top);
-    // Victims: empty slots first, then loaded ones by count, lowest first.
-    std::vector<int> victims;
+    // Victims: empty slots first, then loaded ones by count, lowest first (only as many as
+    // there are candidates need ordering).
+    std::vector<int>& victims = scratch_victims_;
+    victims.clear();
     for (int s = 0; s < slots; ++s) {
       if (!L.pending[s]) victims.push_back(s);
     }
-    std::stable_sort(victims.begin(), victims.end(), [&](int a, int b) {
+    auto colder = [&](int a, int b) {
       const double ca = L.slot_neuron[a] < 0 ? -1.0 : L.count[L.slot_neuron[a]];
       const double cb = L.slot_neuron[b] < 0 ? -1.0 : L.count[L.slot_neuron[b]];
-      return ca < cb;
-    });
+      return ca < cb || (ca == cb && a < b);
+    };
+    const size_t vk = std::min(victims.size(), cand.size());
+    std::partial_sort(victims.begin(), victims.begin() + vk, victims.end(), colder);
     size_t v = 0;
     for (int32_t j : cand) {
       if (v >= victims.size()) break;
@@ -116,6 +119,7 @@ std::vector<CacheSwap> AdaptiveHotCache::PlanSwaps() {
       L.slot_neuron[s] = -1;
       L.pending[s] = 1;
       L.pending_neuron[s] = j;
+      L.is_pending[j] = 1;
       swaps.push_back(sw);
     }
   }
@@ -128,6 +132,7 @@ void AdaptiveHotCache::Commit(const std::vector<CacheSwap>& swaps) {
     if (!L.pending[sw.slot] || L.pending_neuron[sw.slot] != sw.neuron) continue;
     L.pending[sw.slot] = 0;
     L.pending_neuron[sw.slot] = -1;
+    L.is_pending[sw.neuron] = 0;
     L.slot_neuron[sw.slot] = sw.neuron;
     L.slot_of[sw.neuron] = sw.slot;
   }

@@ -25,8 +25,9 @@ namespace pinfer {
 
 struct HotCacheOptions {
   int slots = 0;               // cache rows per layer
-  double decay = 0.9;          // per token; counts forget with half-life log(0.5)/log(decay)
-  double min_gain = 1.0;       // promote only when count(new) > count(evicted) + min_gain
+  double decay = 0.95;         // per token; counts forget with half-life log(0.5)/log(decay)
+  double min_gain = 2.0;       // promote only when count(new) > count(evicted) + min_gain
+                               // (hysteresis: neurons of similar rates do not keep swapping)
   int max_swaps = 64;          // per layer and PlanSwaps call (bounds the copy per step)
 };
 
@@ -73,6 +74,7 @@ class AdaptiveHotCache {
     std::vector<int32_t> slot_neuron;   // [slots]: loaded neuron, or -1
     std::vector<char> pending;          // [slots]: a copy is in flight
     std::vector<int32_t> pending_neuron;
+    std::vector<char> is_pending;       // [ffn]: the target of a copy in flight
     std::vector<double> count;          // [ffn], in units of weight_ (see below)
   };
   AdaptiveHotCache() = default;
@@ -83,6 +85,8 @@ class AdaptiveHotCache {
   // Decay without touching every counter per token: an observation at token t adds weight_ =
   // decay^-t, and a count is read as stored * decay^t; rescaled when weight_ grows large.
   double weight_ = 1.0;
+  std::vector<int32_t> scratch_cand_;
+  std::vector<int> scratch_victims_;
 };
 
 }  // namespace pinfer
