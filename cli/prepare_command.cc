@@ -25,8 +25,8 @@ constexpr char kUsage[] =
     "         [--threads N] [--report FILE.svg] [--json]\n"
     "  SIZE: bytes or with a unit (8MiB, 24GiB, 500MB). --target-recall: the fraction of the\n"
     "  activation magnitude each layer's predictor must keep on held-back tokens (default 0.96).\n"
-    "  --ranks: candidate predictor sizes (default 128,192); per layer the smallest that skips\n"
-    "  --min-sparsity of the neurons (default 0.7) at that recall, else the cheapest overall.\n"
+    "  --ranks: candidate predictor sizes (default 64,96,128,160,192); per layer the smallest that\n"
+    "  skips --min-sparsity of the neurons (default 0.7) at that recall, else the cheapest overall.\n"
     "  SiLU models get training-free magnitude sparsity instead: --target-sparsity S (default "
     "0.5)\n"
     "  is the fraction of neurons each layer skips; the perplexity cost is measured and printed.\n";

@@ -639,7 +639,9 @@ absl::StatusOr<TrainedPredictors> TrainPredictors(
     double best_cost = std::numeric_limits<double>::infinity();
     bool reached = false;
     Mlp best;
-    for (int r : ranks) {
+    double prev_sparsity = -1;
+    for (size_t ri = 0; ri < ranks.size(); ++ri) {
+      const int r = ranks[ri];
       Mlp m =
           o.closed_form_init ? ClosedFormInit(model, d, l, r, o) : RandomInit(H, F, r, o.seed + l);
       if (o.epochs > 0) FineTune(ops, d, H, F, m, o, o.seed + 31 * l + r);
@@ -664,6 +666,16 @@ absl::StatusOr<TrainedPredictors> TrainPredictors(
         best = std::move(m);
       }
       if (reached) break;
+      // Sparsity grows ever more slowly with the rank: when even the last step's gain repeated
+      // for every remaining rank would not reach the target, the remaining (largest, slowest)
+      // ranks are not trained; the cheapest in total cost so far is kept.
+      const double s = e.candidate.sparsity;
+      if (o.min_sparsity > 0 && prev_sparsity >= 0 &&
+          s + (s - prev_sparsity) * static_cast<double>(ranks.size() - 1 - ri) <
+              o.min_sparsity + kSparsityMargin) {
+        break;
+      }
+      prev_sparsity = s;
     }
     // Fold the threshold into fc2's scale so that every layer uses kFoldedThreshold, the single
     // value PowerInfer's file format has room for: s >= t  <=>  s / |t| >= -1 for t < 0.

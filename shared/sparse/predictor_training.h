@@ -38,7 +38,9 @@ struct PredictorTrainingOptions {
   // Candidate hidden sizes of the MLP (even: the closed-form start uses rank / 2). Per layer the
   // smallest that keeps min_sparsity of the neurons skipped at the target recall; when none does,
   // the one with the lowest total cost (predictor + computed rows).
-  std::vector<int> ranks = {128, 192};
+  // Small ranks first: on relu-llama-tiny the total cost (predictor + rows) grows with the rank
+  // at a fixed recall, so a layer only pays for more rank when the sparsity target needs it.
+  std::vector<int> ranks = {64, 96, 128, 160, 192};
   double min_sparsity = 0.7;
   // Magnitude-weighted recall each layer's threshold is set to reach on held-back pairs.
   double target_recall = 0.96;
