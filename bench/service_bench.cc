@@ -79,7 +79,7 @@ std::vector<Clock::time_point> Stream(v1::Inference::Stub& stub, const std::stri
 int main(int argc, char** argv) {
   auto f = cli::Flags::Parse(std::vector<std::string>(argv + 1, argv + argc),
                              {"pinfer", "model", "tokens", "threads", "repeats", "hot-fraction",
-                              "streams", "address", "reference"},
+                              "streams", "address", "reference", "write-greedy"},
                              {});
   if (!f.ok()) {
     std::fprintf(stderr, "%s\n", std::string(f.status().message()).c_str());
@@ -94,6 +94,9 @@ int main(int argc, char** argv) {
   const std::string hot = f->Get("hot-fraction").value_or("0.5");
   const std::string address = f->Get("address").value_or("");
   const std::string reference = f->Get("reference").value_or("");
+  // The service's own greedy tokens for the reference prompts, in reference.json's layout, so that
+  // a run on one backend can be the reference of a run on another.
+  const std::string write_greedy = f->Get("write-greedy").value_or("");
 
   // In-process baselines.
   auto model = LoadModel(path);
@@ -167,6 +170,8 @@ int main(int argc, char** argv) {
     std::ifstream in(reference);
     const nlohmann::json ref = nlohmann::json::parse(in);
     int match = 0, total = 0;
+    nlohmann::json written;
+    written["prompts"] = nlohmann::json::array();
     for (const auto& p : ref["prompts"]) {
       grpc::ClientContext ctx;
       v1::GenerateRequest req;
@@ -183,12 +188,14 @@ int main(int argc, char** argv) {
       const bool ok = st.ok() && ids == p["greedy_ids"].get<std::vector<int>>();
       match += ok;
       total += 1;
+      written["prompts"].push_back({{"prompt", p["prompt"]}, {"greedy_ids", ids}});
       if (!ok) {
         std::printf("MISMATCH %s (%s)\n", p["prompt"].get<std::string>().c_str(),
                     st.error_message().c_str());
       }
     }
     std::printf("reference: %d/%d prompts match greedy_ids\n", match, total);
+    if (!write_greedy.empty()) std::ofstream(write_greedy) << written.dump(1) << "\n";
   }
   std::vector<double> single, concurrent;
   for (int r = 0; r < repeats; ++r) {

@@ -89,6 +89,9 @@ struct CudaBackendOptions {
   int max_ctx = 2048;  // positions per slot
   int device = 0;
   bool gpu_timing = false;  // per-layer GPU event timings into the metrics (costs a little)
+  // --sparse: the predictors (uploaded with the model) choose each layer's neurons on the GPU,
+  // hot and cold alike; the cold ones go to the cpu-worker as masks. Null: exact mode.
+  const PredictorSet* predictors = nullptr;
 };
 
 // What the CUDA module allocates for `model` before any FFN row (measured by creating it once

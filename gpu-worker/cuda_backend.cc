@@ -87,7 +87,7 @@ class CudaBackend : public ComputeBackend {
  public:
   CudaBackend(const Model& model, void* handle, cuda::Backend* backend, PinferCudaDestroyFn destroy,
               shm::ExchangeClient* exchange, int slots, int max_ctx, uint64_t hot_neurons,
-              uint64_t hot_bytes)
+              uint64_t hot_bytes, bool predicted)
       : model_(model),
         handle_(handle),
         backend_(backend),
@@ -96,7 +96,8 @@ class CudaBackend : public ComputeBackend {
         free_(slots, true),
         max_ctx_(max_ctx),
         hot_neurons_(hot_neurons),
-        hot_bytes_(hot_bytes) {}
+        hot_bytes_(hot_bytes),
+        predicted_(predicted) {}
   ~CudaBackend() override { destroy_(backend_); }  // the module stays loaded (CUDA at exit)
 
   std::string name() const override { return "cuda"; }
@@ -124,7 +125,9 @@ class CudaBackend : public ComputeBackend {
     a.tokens = tokens.data();
     a.n = static_cast<int>(tokens.size());
     a.pos0 = pos0;
-    a.mode = cuda::FfnMode::kExact;
+    // Prompt batches take the union of their tokens' predicted neurons (a superset: for ReLU
+    // every extra neuron is computed exactly); a decode step is exactly its token's prediction.
+    a.mode = predicted_ ? cuda::FfnMode::kPredicted : cuda::FfnMode::kExact;
     a.cold = &cold_;
     a.logits_mode = logits != nullptr ? cuda::LogitsMode::kLast : cuda::LogitsMode::kNone;
     a.logits = logits;
@@ -159,6 +162,7 @@ class CudaBackend : public ComputeBackend {
   std::vector<bool> free_;
   int max_ctx_;
   uint64_t hot_neurons_, hot_bytes_;
+  bool predicted_;
 };
 
 }  // namespace
@@ -208,6 +212,12 @@ cuda::ModelUpload BaseUpload(const Model& model, int max_batch, const CudaBacken
     lu.ffn = cuda::FfnPlacement::kHot;
     lu.gate = FromView(L.gate);
     lu.up = FromView(L.up);
+    if (o.predictors != nullptr) {
+      const LayerPredictor& p = o.predictors->layers[l];
+      lu.pred_fc1 = FromView(p.fc1);
+      lu.pred_fc2 = FromView(p.fc2);
+      lu.pred_threshold = p.threshold;
+    }
     u.layers.push_back(std::move(lu));
   }
   return u;
@@ -278,7 +288,7 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
       b->DeviceBytes() / 1048576.0);
   return std::unique_ptr<ComputeBackend>(new CudaBackend(model, m.handle, b, m.destroy, exchange,
                                                          o.slots, o.max_ctx, hot_neurons,
-                                                         hot_bytes));
+                                                         hot_bytes, o.predictors != nullptr));
 }
 
 }  // namespace pinfer::gpuworker

@@ -445,6 +445,7 @@ CudaBackendOptions CudaOptions(const State& s) {
   cbo.max_ctx = s.model->config.max_context;
   cbo.device = s.options.cuda_device;
   cbo.gpu_timing = s.options.gpu_timing;
+  if (s.options.sparse) cbo.predictors = s.service_model.predictors();
   return cbo;
 }
 
@@ -552,11 +553,6 @@ int Main(const std::vector<std::string>& args) {
   }
   s.pool = std::make_unique<ThreadPool>(o.threads);
   s.ops = NewSimdOps(s.pool.get());
-  if (s.gpu.available && o.sparse) {
-    // The CUDA module's predictor path is not wired to the service yet.
-    s.gpu.available = false;
-    s.gpu.reason = "--sparse runs on the CPU backend for now";
-  }
   if (o.vram_budget > 0) {
     absl::StatusOr<PlacementPlan> plan = PlanForBudget(s);
     if (!plan.ok()) {
