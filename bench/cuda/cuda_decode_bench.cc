@@ -1094,7 +1094,8 @@ void ApplyVariant(const std::string& variant) {
   for (const char* k : {"PDL", "REPACK", "STEP_GRAPH", "GRAPHS"}) {
     setenv((std::string("PINFER_CUDA_") + k).c_str(), "1", 1);
   }
-  setenv("PINFER_CUDA_Q8X", "0", 1);
+  setenv("PINFER_CUDA_Q8X", "1", 1);
+  setenv("PINFER_CUDA_PREFETCH", "0", 1);
   if (variant == "base") return;
   for (const std::string& kv : Split(variant, '+')) {
     const size_t eq = kv.find('=');

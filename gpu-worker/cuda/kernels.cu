@@ -64,6 +64,13 @@ __device__ __forceinline__ void PrefetchL2(const void* p, uint32_t bytes) {
 
 bool g_q8x = [] {
   const char* e = std::getenv("PINFER_CUDA_Q8X");
+  return e == nullptr || e[0] != '0';
+}();
+
+// L2 prefetch of a dense matrix-vector kernel's rows before it waits for its predecessor
+// (PINFER_CUDA_PREFETCH=1): measured no better than plain programmatic launch (docs/benchmarks.md).
+bool g_prefetch = [] {
+  const char* e = std::getenv("PINFER_CUDA_PREFETCH");
   return e != nullptr && e[0] == '1';
 }();
 
@@ -523,11 +530,12 @@ __global__ void __launch_bounds__(kMvThreads)
     MatVecRowsKernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t cols,
                      const int32_t* __restrict__ rows, int n_rows,
                      const int32_t* __restrict__ dev_count, const float* __restrict__ x, int n,
-                     float* __restrict__ y, int ldy, bool stage) {
+                     float* __restrict__ y, int ldy, bool stage, bool prefetch) {
   extern __shared__ uint4 staged[];
   __shared__ float red[NT][kMvThreads / kWarp];
   PdlTrigger();
-  if (rows == nullptr && dev_count == nullptr && threadIdx.x == 0 && row_bytes % 16 == 0) {
+  if (prefetch && rows == nullptr && dev_count == nullptr && threadIdx.x == 0 &&
+      row_bytes % 16 == 0) {
     PrefetchL2(w + static_cast<size_t>(blockIdx.x) * row_bytes, static_cast<uint32_t>(row_bytes));
   }
   PdlWait();
@@ -803,7 +811,7 @@ __global__ void __launch_bounds__(kSplitWarps * kWarp)
     MatVecSplitKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
                       int64_t cols, const int32_t* __restrict__ rows, int n_rows,
                       const int32_t* __restrict__ dev_count, const float* __restrict__ x, int n,
-                      float* __restrict__ y, int ldy) {
+                      float* __restrict__ y, int ldy, bool prefetch) {
   constexpr int QB = kSplitBlockBytes<T>;
   constexpr int QV = QB / 16;  // 16-byte vectors per block
   const int nblk = static_cast<int>(cols / 32);
@@ -811,7 +819,8 @@ __global__ void __launch_bounds__(kSplitWarps * kWarp)
   const int lane = threadIdx.x % kWarp;
   const int i0 = (blockIdx.x * kSplitWarps + threadIdx.x / kWarp) * kSplitRows;
   PdlTrigger();
-  if (rows == nullptr && dev_count == nullptr && lane < kSplitRows && i0 + lane < n_rows) {
+  if (prefetch && rows == nullptr && dev_count == nullptr && lane < kSplitRows &&
+      i0 + lane < n_rows) {
     PrefetchL2(qs + static_cast<size_t>(i0 + lane) * qrb, static_cast<uint32_t>(qrb));
   }
   PdlWait();
@@ -912,7 +921,7 @@ __global__ void __launch_bounds__(kQxWarps * kWarp)
     MatVecSplitQ8xKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
                          int64_t cols, const int32_t* __restrict__ rows, int n_rows,
                          const int32_t* __restrict__ dev_count, const float* __restrict__ x,
-                         float* __restrict__ y) {
+                         float* __restrict__ y, bool prefetch) {
   extern __shared__ int4 xsh[];
   constexpr int QB = kSplitBlockBytes<T>;
   constexpr int QV = QB / 16;
@@ -924,7 +933,8 @@ __global__ void __launch_bounds__(kQxWarps * kWarp)
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int i0 = (blockIdx.x * kQxWarps + warp) * kSplitRows;
   PdlTrigger();
-  if (rows == nullptr && dev_count == nullptr && lane < kSplitRows && i0 + lane < n_rows) {
+  if (prefetch && rows == nullptr && dev_count == nullptr && lane < kSplitRows &&
+      i0 + lane < n_rows) {
     PrefetchL2(qs + static_cast<size_t>(i0 + lane) * qrb, static_cast<uint32_t>(qrb));
   }
   PdlWait();
@@ -1429,6 +1439,7 @@ void SetMatVecWarpRowsMin(int rows) { g_warp_rows_min = rows; }
 int MatVecWarpRowsMin() { return g_warp_rows_min; }
 void SetProgrammaticLaunch(bool on) { g_pdl = on; }
 void SetQuantizedActivations(bool on) { g_q8x = on; }
+void SetWeightPrefetch(bool on) { g_prefetch = on; }
 bool QuantizedActivations() { return g_q8x; }
 bool ProgrammaticLaunch() { return g_pdl; }
 
@@ -1581,7 +1592,7 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
       for (int t = 0; t < nt; ++t) {
         cudaError_t e = Launch(MatVecSplitQ8xKernel<T>, blocks, kQxWarps * kWarp, qx_smem, stream,
                                base, sc, w.cols, rows, n_rows, dev_count, xt + t * w.cols,
-                               yt + static_cast<int64_t>(t) * ldy);
+                               yt + static_cast<int64_t>(t) * ldy, g_prefetch);
         if (e != cudaSuccess) return e;
       }
       return cudaSuccess;
@@ -1592,10 +1603,10 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
       const int blocks = (n_rows + rows_per_block - 1) / rows_per_block;
       if (nt == 1) {
         return Launch(MatVecSplitKernel<T, 1>, blocks, kSplitWarps * kWarp, 0, stream, base, sc,
-                      w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);
+                      w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, g_prefetch);
       }
       return Launch(MatVecSplitKernel<T, kMaxTok>, blocks, kSplitWarps * kWarp, 0, stream, base,
-                    sc, w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy);
+                    sc, w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, g_prefetch);
     }
     const bool stage = w.row_bytes() % 16 == 0 && w.row_bytes() <= kMaxStageBytes;
     // Four rows per block when four rows fit the shared-memory stage.
@@ -1607,10 +1618,10 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
     const size_t smem = stage ? w.row_bytes() : 0;
     if (nt == 1) {
       return Launch(MatVecRowsKernel<T, 1>, n_rows, kMvThreads, smem, stream, base, w.row_bytes(),
-                    w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, stage);
+                    w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, stage, g_prefetch);
     }
     return Launch(MatVecRowsKernel<T, kMaxTok>, n_rows, kMvThreads, smem, stream, base,
-                  w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, stage);
+                  w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, stage, g_prefetch);
   } else {
     // Tall matrices: one warp per row when asked for (see MatVecWarpKernel).
     if (n_rows >= g_warp_rows_min) {
@@ -1625,10 +1636,10 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
     const bool no_stage = false;
     if (nt == 1) {
       return Launch(MatVecRowsKernel<T, 1>, n_rows, kMvThreads, 0, stream, base, w.row_bytes(),
-                    w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, no_stage);
+                    w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, no_stage, g_prefetch);
     }
     return Launch(MatVecRowsKernel<T, kMaxTok>, n_rows, kMvThreads, 0, stream, base,
-                  w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, no_stage);
+                  w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, no_stage, g_prefetch);
   }
 }
 

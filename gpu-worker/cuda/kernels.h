@@ -62,16 +62,20 @@ cudaError_t RepackSplit(const DeviceMatrix& src, const DeviceMatrix& dst, int64_
 
 // Programmatic dependent launch (Hopper): every kernel is launched so that it may start while
 // its predecessor in the stream finishes (it waits for the predecessor's results with
-// griddepcontrol.wait before touching them; dense matrix-vector kernels prefetch their weights
-// into L2 first). On by default; PINFER_CUDA_PDL=0 or this call turns it off. Not thread-safe.
+// griddepcontrol.wait before touching them). On by default; PINFER_CUDA_PDL=0 or this call turns
+// it off. With SetWeightPrefetch (PINFER_CUDA_PREFETCH=1, off by default) dense matrix-vector
+// kernels also prefetch their rows into L2 before that wait. Not thread-safe.
 void SetProgrammaticLaunch(bool on);
+void SetWeightPrefetch(bool on);
 bool ProgrammaticLaunch();
 
-// Which product MatVecRows computes for split-layout block formats: fp32 x against the exactly
-// dequantized weights (default), or llama.cpp's definition, where x is quantized to Q8_0 blocks
-// (d = fp16(max|x| / 127), q = round(x / d)) and each block adds d_w * d_x * (integer dot), the
-// definition of the engine's quantized MatMul when it multiplies int8 activations. On with
-// PINFER_CUDA_Q8X=1 or this call. Not thread-safe.
+// Which product MatVecRows computes for split-layout block formats: llama.cpp's definition
+// (default), where x is quantized to Q8_0 blocks (d = fp16(max|x| / 127), q = round(x / d)) and
+// each block adds d_w * d_x * (integer dot), four products per dp4a, the definition of the
+// engine's quantized MatMul when it multiplies int8 activations; or (PINFER_CUDA_Q8X=0 or this
+// call) fp32 x against the exactly dequantized weights, 1.5x slower on the H200 (compute-bound:
+// a byte permute, an add and an FMA per weight). GGUF-layout matrices always take fp32 x.
+// Not thread-safe.
 void SetQuantizedActivations(bool on);
 bool QuantizedActivations();
 
