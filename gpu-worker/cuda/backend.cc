@@ -245,6 +245,11 @@ class CudaBackend : public Backend {
   // Single-token steps without a cold side replay one graph for the whole step (embedding to
   // logits) instead of one per layer, so no launch gap separates the layers.
   bool step_graph_ = true;
+  // Decode reads the cold contribution from the pinned exchange buffer in place
+  // (PINFER_CUDA_ZERO_COPY_COLD=0: copied to the device first).
+  bool zero_copy_cold_ = true;
+  const void* readable_ptr_ = nullptr;  // last pointer DeviceReadable accepted
+  bool DeviceReadable(const void* p);
   bool repack_ = true;
   void* repack_tmp_ = nullptr;  // upload-time scratch of MaybeSplit, freed at the end of Create
   size_t repack_tmp_bytes_ = 0;
@@ -426,6 +431,10 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   if (const char* g = std::getenv("PINFER_CUDA_PDL")) SetProgrammaticLaunch(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_Q8X")) SetQuantizedActivations(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_PREFETCH")) SetWeightPrefetch(std::string(g) == "1");
+  if (const char* g = std::getenv("PINFER_CUDA_QX_WARPS")) SetQuantWarps(std::atoi(g));
+  if (const char* g = std::getenv("PINFER_CUDA_ZERO_COPY_COLD")) {
+    zero_copy_cold_ = std::string(g) != "0";
+  }
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   cudaDeviceProp prop;
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
@@ -677,7 +686,7 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
     // Decode steps replay one captured graph per layer: one launch instead of about twenty.
     const std::vector<int64_t> key = {
         l, a.seq, static_cast<int>(EffectiveMode(a)), a.run_predictors ? 1 : 0,
-        pend1 != nullptr, pend2 != nullptr, cold ? 1 : 0,
+        pend1 != nullptr, static_cast<int64_t>(reinterpret_cast<uintptr_t>(pend2)), cold ? 1 : 0,
         static_cast<int64_t>(reinterpret_cast<uintptr_t>(cold ? exchange_x : nullptr)),
         collect_gpu_times_ ? 1 : 0};
     auto it = graphs_.find(key);
@@ -931,10 +940,30 @@ BackendStatus CudaBackend::FinishCold(int l, const ForwardArgs& a, float* exchan
   BackendStatus st = a.cold->Run(req);
   stats_.cold_callback += Now() - t1;
   if (!st.ok()) return st;
+  // A single token's cold contribution (one row) is read by the next kernel straight from the
+  // pinned exchange buffer over PCIe (zero-copy), which saves a copy on the critical path;
+  // batches are copied up first.
+  if (n == 1 && zero_copy_cold_ && DeviceReadable(exchange_out)) {
+    pending2_ = exchange_out;
+    return Ok();
+  }
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cold_in_, exchange_out, nh * 4, cudaMemcpyHostToDevice,
                                        stream_));
   pending2_ = cold_in_;
   return Ok();
+}
+
+// Whether kernels can read this pinned host pointer as it is (mapped, same address).
+bool CudaBackend::DeviceReadable(const void* p) {
+  if (p == readable_ptr_) return true;
+  cudaPointerAttributes attr;
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  if (attr.type != cudaMemoryTypeHost || attr.devicePointer != p) return false;
+  readable_ptr_ = p;
+  return true;
 }
 
 BackendStatus CudaBackend::Forward(const ForwardArgs& a) {

@@ -894,7 +894,13 @@ __global__ void __launch_bounds__(kSplitWarps * kWarp)
 // of x / d_x, computed with the same fp32 operations as the CPU reference), and each weight block
 // contributes d_w * d_x * (an exact integer dot product, four products per dp4a). A Q4_0 nibble
 // is used unsigned and its offset of 8 is taken out with the block's sum of q.
-constexpr int kQxWarps = 8;
+// Warps per block (PINFER_CUDA_QX_WARPS: 4, 8 or 16): each block quantizes x once for
+// 4 * kQxWarps rows.
+int g_qx_warps = [] {
+  const char* e = std::getenv("PINFER_CUDA_QX_WARPS");
+  const int w = e != nullptr ? std::atoi(e) : 8;
+  return w == 4 || w == 16 ? w : 8;
+}();
 
 template <WType T>
 __device__ __forceinline__ int SplitBlockIntDot(const uint4* q, const int4* xw) {
@@ -916,7 +922,7 @@ __device__ __forceinline__ int SplitBlockIntDot(const uint4* q, const int4* xw) 
   return s;
 }
 
-template <WType T>
+template <WType T, int kQxWarps>
 __global__ void __launch_bounds__(kQxWarps * kWarp)
     MatVecSplitQ8xKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
                          int64_t cols, const int32_t* __restrict__ rows, int n_rows,
@@ -1440,6 +1446,7 @@ int MatVecWarpRowsMin() { return g_warp_rows_min; }
 void SetProgrammaticLaunch(bool on) { g_pdl = on; }
 void SetQuantizedActivations(bool on) { g_q8x = on; }
 void SetWeightPrefetch(bool on) { g_prefetch = on; }
+void SetQuantWarps(int warps) { g_qx_warps = warps == 4 || warps == 16 ? warps : 8; }
 bool QuantizedActivations() { return g_q8x; }
 bool ProgrammaticLaunch() { return g_pdl; }
 
@@ -1587,11 +1594,14 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
     if (w.split() && g_q8x && qx_smem <= 48 * 1024) {
       // One launch per token (the batches here are at most kMaxTok tokens).
       const auto* sc = static_cast<const uint16_t*>(w.scales);
-      const int rows_per_block = kSplitRows * kQxWarps;
+      const int rows_per_block = kSplitRows * g_qx_warps;
       const int blocks = (n_rows + rows_per_block - 1) / rows_per_block;
+      auto kernel = g_qx_warps == 4    ? MatVecSplitQ8xKernel<T, 4>
+                    : g_qx_warps == 16 ? MatVecSplitQ8xKernel<T, 16>
+                                       : MatVecSplitQ8xKernel<T, 8>;
       for (int t = 0; t < nt; ++t) {
-        cudaError_t e = Launch(MatVecSplitQ8xKernel<T>, blocks, kQxWarps * kWarp, qx_smem, stream,
-                               base, sc, w.cols, rows, n_rows, dev_count, xt + t * w.cols,
+        cudaError_t e = Launch(kernel, blocks, g_qx_warps * kWarp, qx_smem, stream, base, sc,
+                               w.cols, rows, n_rows, dev_count, xt + t * w.cols,
                                yt + static_cast<int64_t>(t) * ldy, g_prefetch);
         if (e != cudaSuccess) return e;
       }

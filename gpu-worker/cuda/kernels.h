@@ -77,6 +77,8 @@ bool ProgrammaticLaunch();
 // a byte permute, an add and an FMA per weight). GGUF-layout matrices always take fp32 x.
 // Not thread-safe.
 void SetQuantizedActivations(bool on);
+// Warps per block of that kernel (4, 8 or 16; PINFER_CUDA_QX_WARPS), a tuning knob.
+void SetQuantWarps(int warps);
 bool QuantizedActivations();
 
 // Whether the matrix's column count suits the row kernels (16-byte loads, whole blocks).

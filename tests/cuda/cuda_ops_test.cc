@@ -909,6 +909,8 @@ std::vector<float> Q8xReference(const HostWeights& w, const std::vector<int32_t>
 TEST_F(CudaOpsTest, QuantizedActivationsMatchLlamaCppDefinition) {
   const bool q8x = cuda::QuantizedActivations();
   cuda::SetQuantizedActivations(true);
+  for (int warps : {4, 8, 16}) {
+  cuda::SetQuantWarps(warps);
   for (DType type : {DType::kQ8_0, DType::kQ4_0}) {
     for (int64_t cols : {512, 1056, 5120}) {
       const int64_t rows = 301;
@@ -945,10 +947,13 @@ TEST_F(CudaOpsTest, QuantizedActivationsMatchLlamaCppDefinition) {
             }
           }
         }
-        EXPECT_LE(Nmse(out2, ref2), kFp32Limit) << DTypeName(type) << " listed, n " << n;
+        EXPECT_LE(Nmse(out2, ref2), kFp32Limit)
+            << DTypeName(type) << " listed, n " << n << ", " << warps << " warps";
       }
     }
   }
+  }
+  cuda::SetQuantWarps(8);
   cuda::SetQuantizedActivations(q8x);
 }
 
