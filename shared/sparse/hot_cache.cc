@@ -75,11 +75,19 @@ std::vector<CacheSwap> AdaptiveHotCache::PlanSwaps() {
   const double gain = options_.min_gain * weight_ * options_.decay;  // in stored units
   for (int l = 0; l < n_layers(); ++l) {
     Layer& L = layers_[l];
+    // A candidate must beat the coldest slot it could take by the gain.
+    double coldest = 1e300;
+    for (int s = 0; s < slots; ++s) {
+      if (L.pending[s]) continue;
+      coldest = std::min(coldest, L.slot_neuron[s] < 0 ? 0.0 : L.count[L.slot_neuron[s]]);
+    }
+    if (coldest == 1e300) continue;  // every slot is being loaded
+    const double floor = coldest + gain;
     // Candidates: cold neurons (not static, not loaded, not pending) by count, highest first.
     std::vector<int32_t>& cand = scratch_cand_;
     cand.clear();
     for (int32_t j = 0; j < ffn_; ++j) {
-      if (L.count[j] > gain && L.static_local[j] < 0 && L.slot_of[j] < 0 && !L.is_pending[j]) {
+      if (L.count[j] > floor && L.static_local[j] < 0 && L.slot_of[j] < 0 && !L.is_pending[j]) {
         cand.push_back(j);
       }
     }
@@ -89,12 +97,15 @@ std::vector<CacheSwap> AdaptiveHotCache::PlanSwaps() {
       return L.count[a] > L.count[b] || (L.count[a] == L.count[b] && a < b);
     });
     cand.resize(top);
-    // Victims: empty slots first, then loaded ones by count, lowest first (only as many as
-    // there are candidates need ordering).
+    // Victims: empty slots first, then loaded ones by count, lowest first. Only slots that the
+    // best candidate could take (count + gain below its count) need ordering: in a steady state
+    // that is a few of them, and sorting all would cost more than the rest of the plan.
+    const double best = L.count[cand[0]];
     std::vector<int>& victims = scratch_victims_;
     victims.clear();
     for (int s = 0; s < slots; ++s) {
-      if (!L.pending[s]) victims.push_back(s);
+      if (L.pending[s]) continue;
+      if (L.slot_neuron[s] < 0 || L.count[L.slot_neuron[s]] + gain < best) victims.push_back(s);
     }
     auto colder = [&](int a, int b) {
       const double ca = L.slot_neuron[a] < 0 ? -1.0 : L.count[L.slot_neuron[a]];
@@ -144,17 +155,35 @@ void AdaptiveHotCache::Split(int layer, const std::vector<int32_t>& active,
   hot_local->clear();
   cold->clear();
   const int32_t n_static = static_cast<int32_t>(L.static_hot.size());
+  // Static locals grow with the neuron id, so for an ascending active list only the slot part
+  // needs sorting, then one merge; the cold ids come out in the order given.
+  std::vector<int32_t> slot_part;
+  slot_part.reserve(64);
   for (int32_t j : active) {
     if (L.static_local[j] >= 0) {
       hot_local->push_back(L.static_local[j]);
     } else if (L.slot_of[j] >= 0) {
-      hot_local->push_back(n_static + L.slot_of[j]);
+      slot_part.push_back(n_static + L.slot_of[j]);
     } else {
       cold->push_back(j);
     }
   }
-  std::sort(hot_local->begin(), hot_local->end());
-  std::sort(cold->begin(), cold->end());
+  if (!std::is_sorted(hot_local->begin(), hot_local->end())) {
+    std::sort(hot_local->begin(), hot_local->end());
+  }
+  if (slot_part.size() > 64) {
+    // Many slots: order them by marking (one pass over the slots) rather than sorting.
+    std::vector<char>& mark = scratch_marks_;
+    mark.assign(L.slot_neuron.size(), 0);
+    for (int32_t x : slot_part) mark[x - n_static] = 1;
+    for (size_t s = 0; s < mark.size(); ++s) {
+      if (mark[s]) hot_local->push_back(n_static + static_cast<int32_t>(s));
+    }
+  } else {
+    std::sort(slot_part.begin(), slot_part.end());
+    hot_local->insert(hot_local->end(), slot_part.begin(), slot_part.end());  // all >= n_static
+  }
+  if (!std::is_sorted(cold->begin(), cold->end())) std::sort(cold->begin(), cold->end());
 }
 
 }  // namespace pinfer

@@ -87,6 +87,7 @@ class AdaptiveHotCache {
   double weight_ = 1.0;
   std::vector<int32_t> scratch_cand_;
   std::vector<int> scratch_victims_;
+  mutable std::vector<char> scratch_marks_;
 };
 
 }  // namespace pinfer
