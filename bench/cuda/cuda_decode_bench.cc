@@ -1091,11 +1091,11 @@ std::vector<std::string> Split(const std::string& s, char sep) {
 // Sets the module's knobs for one variant: every known knob back to its default, then the
 // variant's NAME=VALUE pairs as PINFER_CUDA_NAME.
 void ApplyVariant(const std::string& variant) {
-  for (const char* k : {"PDL", "REPACK", "STEP_GRAPH", "GRAPHS", "ZERO_COPY_COLD"}) {
+  for (const char* k : {"PDL", "REPACK", "STEP_GRAPH", "GRAPHS", "PREFETCH"}) {
     setenv((std::string("PINFER_CUDA_") + k).c_str(), "1", 1);
   }
   setenv("PINFER_CUDA_Q8X", "1", 1);
-  setenv("PINFER_CUDA_PREFETCH", "0", 1);
+  setenv("PINFER_CUDA_ZERO_COPY_COLD", "0", 1);
   setenv("PINFER_CUDA_QX_WARPS", "8", 1);
   if (variant == "base") return;
   for (const std::string& kv : Split(variant, '+')) {

@@ -245,9 +245,9 @@ class CudaBackend : public Backend {
   // Single-token steps without a cold side replay one graph for the whole step (embedding to
   // logits) instead of one per layer, so no launch gap separates the layers.
   bool step_graph_ = true;
-  // Decode reads the cold contribution from the pinned exchange buffer in place
-  // (PINFER_CUDA_ZERO_COPY_COLD=0: copied to the device first).
-  bool zero_copy_cold_ = true;
+  // With PINFER_CUDA_ZERO_COPY_COLD=1 decode reads the cold contribution from the pinned
+  // exchange buffer in place instead of copying it up first. Off: not yet run on a GPU.
+  bool zero_copy_cold_ = false;
   const void* readable_ptr_ = nullptr;  // last pointer DeviceReadable accepted
   bool DeviceReadable(const void* p);
   bool repack_ = true;
@@ -430,10 +430,10 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   if (const char* g = std::getenv("PINFER_CUDA_STEP_GRAPH")) step_graph_ = std::string(g) != "0";
   if (const char* g = std::getenv("PINFER_CUDA_PDL")) SetProgrammaticLaunch(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_Q8X")) SetQuantizedActivations(std::string(g) != "0");
-  if (const char* g = std::getenv("PINFER_CUDA_PREFETCH")) SetWeightPrefetch(std::string(g) == "1");
+  if (const char* g = std::getenv("PINFER_CUDA_PREFETCH")) SetWeightPrefetch(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_QX_WARPS")) SetQuantWarps(std::atoi(g));
   if (const char* g = std::getenv("PINFER_CUDA_ZERO_COPY_COLD")) {
-    zero_copy_cold_ = std::string(g) != "0";
+    zero_copy_cold_ = std::string(g) == "1";
   }
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   cudaDeviceProp prop;

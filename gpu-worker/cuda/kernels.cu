@@ -67,11 +67,13 @@ bool g_q8x = [] {
   return e == nullptr || e[0] != '0';
 }();
 
-// L2 prefetch of a dense matrix-vector kernel's rows before it waits for its predecessor
-// (PINFER_CUDA_PREFETCH=1): measured no better than plain programmatic launch (docs/benchmarks.md).
+// L2 prefetch of a dense matrix-vector kernel's rows before it waits for its predecessor (on;
+// PINFER_CUDA_PREFETCH=0 turns it off). The decode numbers in docs/benchmarks.md were measured
+// with it on; per shape it helps launches that overlap their predecessor and costs a few percent
+// on isolated launches.
 bool g_prefetch = [] {
   const char* e = std::getenv("PINFER_CUDA_PREFETCH");
-  return e != nullptr && e[0] == '1';
+  return e == nullptr || e[0] != '0';
 }();
 
 bool g_pdl = [] {
