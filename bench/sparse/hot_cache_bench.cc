@@ -15,8 +15,7 @@
 namespace {
 
 double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 }  // namespace
@@ -64,9 +63,10 @@ int main(int argc, char** argv) {
       ++measured;
     }
   }
-  std::printf("per token: split %.3f ms, counts %.3f ms, plans %.3f ms (every %d tokens), "
-              "total %.3f ms\n",
-              split / measured * 1e3, observe / measured * 1e3, plan / measured * 1e3, period,
-              (split + observe + plan) / measured * 1e3);
+  std::printf(
+      "per token: split %.3f ms, counts %.3f ms, plans %.3f ms (every %d tokens), "
+      "total %.3f ms\n",
+      split / measured * 1e3, observe / measured * 1e3, plan / measured * 1e3, period,
+      (split + observe + plan) / measured * 1e3);
   return 0;
 }

@@ -1,11 +1,11 @@
 // Streamed cold rows: see cold_stream.h for why and how.
 #include "gpu-worker/cuda/cold_stream.h"
 
-#include "gpu-worker/cuda/gather_rows.h"
-
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+
+#include "gpu-worker/cuda/gather_rows.h"
 
 namespace pinfer {
 namespace cuda {
@@ -14,8 +14,7 @@ namespace {
 int CodeOf(cudaError_t e) { return e == cudaSuccess ? 0 : 1000 + static_cast<int>(e); }
 
 double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 }  // namespace

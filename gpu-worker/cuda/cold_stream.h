@@ -43,9 +43,9 @@ struct ColdRows {
 struct StreamTarget {
   const float* x = nullptr;  // [n, cols] FFN input (device)
   int n = 0;
-  float* out = nullptr;      // [n, cols] += the cold rows' contribution (device)
-  float* gate = nullptr;     // scratch
-  float* up = nullptr;       // scratch
+  float* out = nullptr;   // [n, cols] += the cold rows' contribution (device)
+  float* gate = nullptr;  // scratch
+  float* up = nullptr;    // scratch
   ActKind act = ActKind::kRelu;
 };
 
@@ -88,8 +88,8 @@ class ColdStreamer {
   // Timings of the parts for the cost model: the copies alone, the products alone on slot 0 (the
   // same row count), and Run itself. Uses target's buffers; leaves garbage in target.out.
   int Calibrate(cublasHandle_t h, const ColdRows& rows, const StreamTarget& target,
-                const GemmScratch& scratch, cudaStream_t stream, double* copy_s,
-                double* compute_s, double* overlapped_s);
+                const GemmScratch& scratch, cudaStream_t stream, double* copy_s, double* compute_s,
+                double* overlapped_s);
 
  private:
   int Products(cublasHandle_t h, const ColdRows& rows, int64_t r0, int64_t count, uint8_t* slot,

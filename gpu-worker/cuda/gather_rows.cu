@@ -25,8 +25,8 @@ __global__ void GatherRowsKernel(const uint8_t* __restrict__ s0, const uint8_t* 
 
 }  // namespace
 
-cudaError_t GatherRows(const uint8_t* const src[3], const int64_t* idx, int count,
-                       size_t row_bytes, uint8_t* const dst[3], cudaStream_t stream) {
+cudaError_t GatherRows(const uint8_t* const src[3], const int64_t* idx, int count, size_t row_bytes,
+                       uint8_t* const dst[3], cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
   if (row_bytes % 16 != 0 || count > 65535) return cudaErrorInvalidValue;
   for (int m = 0; m < 3; ++m) {
@@ -38,7 +38,7 @@ cudaError_t GatherRows(const uint8_t* const src[3], const int64_t* idx, int coun
   const int threads = 256;
   const unsigned bx = static_cast<unsigned>((row_bytes / 16 + threads - 1) / threads);
   GatherRowsKernel<<<dim3(bx, count, 3), threads, 0, stream>>>(src[0], src[1], src[2], idx,
-                                                                row_bytes, dst[0], dst[1], dst[2]);
+                                                               row_bytes, dst[0], dst[1], dst[2]);
   return cudaGetLastError();
 }
 

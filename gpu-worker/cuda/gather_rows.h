@@ -12,8 +12,8 @@
 namespace pinfer {
 namespace cuda {
 
-cudaError_t GatherRows(const uint8_t* const src[3], const int64_t* idx, int count,
-                       size_t row_bytes, uint8_t* const dst[3], cudaStream_t stream);
+cudaError_t GatherRows(const uint8_t* const src[3], const int64_t* idx, int count, size_t row_bytes,
+                       uint8_t* const dst[3], cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace pinfer

@@ -21,16 +21,14 @@ absl::StatusOr<ColdPathChoice> ChooseColdPath(const ColdCostParams& p, const Col
   if (p.cpu_s_per_row_token <= 0) {
     return absl::InvalidArgumentError("the CPU cost is not measured (per row-token must be > 0)");
   }
-  if (w.tokens <= 0 || w.cold_rows < 0 || w.bytes < 0 || w.hidden <= 0 ||
-      w.active_row_tokens < 0) {
+  if (w.tokens <= 0 || w.cold_rows < 0 || w.bytes < 0 || w.hidden <= 0 || w.active_row_tokens < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("bad layer work: tokens ", w.tokens, ", cold rows ", w.cold_rows));
   }
   ColdPathChoice c;
   c.cpu_s = p.cpu_fixed_s + w.active_row_tokens * p.cpu_s_per_row_token;
   const double flops = 2.0 * w.tokens * static_cast<double>(w.cold_rows) * 3.0 * w.hidden;
-  c.stream_s =
-      p.stream_fixed_s + std::max(w.bytes / p.h2d_bytes_per_s, flops / p.gpu_flops_per_s);
+  c.stream_s = p.stream_fixed_s + std::max(w.bytes / p.h2d_bytes_per_s, flops / p.gpu_flops_per_s);
   c.stream = c.stream_s < c.cpu_s;
   return c;
 }

@@ -32,10 +32,10 @@ struct ColdCostParams {
 // One layer's cold work for one batch.
 struct ColdLayerWork {
   int tokens = 0;
-  int64_t cold_rows = 0;            // every cold neuron (what streaming moves and multiplies)
-  double bytes = 0;                 // their gate, up and down_t rows
+  int64_t cold_rows = 0;  // every cold neuron (what streaming moves and multiplies)
+  double bytes = 0;       // their gate, up and down_t rows
   int hidden = 0;
-  double active_row_tokens = 0;     // sum over tokens of the active cold rows (the CPU's work)
+  double active_row_tokens = 0;  // sum over tokens of the active cold rows (the CPU's work)
 };
 
 struct ColdPathChoice {

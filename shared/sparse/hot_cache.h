@@ -24,18 +24,18 @@
 namespace pinfer {
 
 struct HotCacheOptions {
-  int slots = 0;               // cache rows per layer
-  double decay = 0.95;         // per token; counts forget with half-life log(0.5)/log(decay)
-  double min_gain = 2.0;       // promote only when count(new) > count(evicted) + min_gain
-                               // (hysteresis: neurons of similar rates do not keep swapping)
-  int max_swaps = 64;          // per layer and PlanSwaps call (bounds the copy per step)
+  int slots = 0;          // cache rows per layer
+  double decay = 0.95;    // per token; counts forget with half-life log(0.5)/log(decay)
+  double min_gain = 2.0;  // promote only when count(new) > count(evicted) + min_gain
+                          // (hysteresis: neurons of similar rates do not keep swapping)
+  int max_swaps = 64;     // per layer and PlanSwaps call (bounds the copy per step)
 };
 
 struct CacheSwap {
   int layer = 0;
   int slot = 0;
-  int32_t neuron = 0;   // promoted (cold until Commit)
-  int32_t evicted = -1; // the slot's previous neuron (cold from PlanSwaps on), -1 if empty
+  int32_t neuron = 0;    // promoted (cold until Commit)
+  int32_t evicted = -1;  // the slot's previous neuron (cold from PlanSwaps on), -1 if empty
 };
 
 class AdaptiveHotCache {
@@ -74,8 +74,8 @@ class AdaptiveHotCache {
     std::vector<int32_t> slot_neuron;   // [slots]: loaded neuron, or -1
     std::vector<char> pending;          // [slots]: a copy is in flight
     std::vector<int32_t> pending_neuron;
-    std::vector<char> is_pending;       // [ffn]: the target of a copy in flight
-    std::vector<double> count;          // [ffn], in units of weight_ (see below)
+    std::vector<char> is_pending;  // [ffn]: the target of a copy in flight
+    std::vector<double> count;     // [ffn], in units of weight_ (see below)
   };
   AdaptiveHotCache() = default;
 

@@ -60,7 +60,7 @@ TEST(AdaptiveHotCacheTest, HandWorkedSequence) {
   EXPECT_EQ(s[0].slot, 1);
   EXPECT_EQ(s[0].neuron, 7);
   EXPECT_EQ(s[0].evicted, 6);
-  EXPECT_EQ(c->SlotNeuron(0, 1), -1);  // pending
+  EXPECT_EQ(c->SlotNeuron(0, 1), -1);   // pending
   c->Split(0, {5, 6, 7}, &hot, &cold);  // 6 is cold at once, 7 not yet hot
   EXPECT_EQ(hot, (std::vector<int32_t>{2}));
   EXPECT_EQ(cold, (std::vector<int32_t>{6, 7}));
@@ -148,7 +148,8 @@ TEST(AdaptiveHotCacheTest, SlotsFollowTheText) {
   }
   c->Commit(c->PlanSwaps());
   EXPECT_EQ(slots_hold(), (std::set<int32_t>{10, 11, 12, 13}));
-  // The text moves on to 20..23: after 20 tokens their counts (8.8) beat the old ones (6.5 * 0.9^20 = 0.8).
+  // The text moves on to 20..23: after 20 tokens their counts (8.8) beat the old ones (6.5 * 0.9^20
+  // = 0.8).
   for (int t = 0; t < 20; ++t) {
     c->Observe(0, {20, 21, 22, 23});
     c->EndToken();
