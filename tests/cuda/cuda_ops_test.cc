@@ -1,5 +1,6 @@
 // Every CUDA operator (gpu-worker/cuda/kernels.h, gemm.h) against the plain CPU reference
-// (NewReferenceOps), ggml test-backend-ops style: fresh random inputs on every run, the
+// (NewReferenceOps; matrix products against the plain loops below, which fix the definition the
+// GPU computes), ggml test-backend-ops style: fresh random inputs on every run, the
 // normalised mean squared error (as in tests/engine/ops_test.cc) at most 1e-6 where the GPU
 // computes in fp32 (every row kernel, whatever the weight type, since weights are expanded to fp32
 // exactly) and 1e-3 for cuBLAS products of fp16 / quantized weights (fp16 tensor-core inputs),
@@ -910,48 +911,48 @@ TEST_F(CudaOpsTest, QuantizedActivationsMatchLlamaCppDefinition) {
   const bool q8x = cuda::QuantizedActivations();
   cuda::SetQuantizedActivations(true);
   for (int warps : {4, 8, 16}) {
-  cuda::SetQuantWarps(warps);
-  for (DType type : {DType::kQ8_0, DType::kQ4_0}) {
-    for (int64_t cols : {512, 1056, 5120}) {
-      const int64_t rows = 301;
-      HostWeights w = RandomWeights(type, rows, cols);
-      DevBuf<uint8_t> dg(w.bytes.size()), ds(w.bytes.size());
-      DeviceMatrix m = ToDeviceSplit(w, &dg, &ds);
-      for (int n : {1, 3}) {
-        std::vector<float> x = Random(static_cast<size_t>(n) * cols);
-        DevBuf<float> dx(x);
-        std::vector<int32_t> all(rows);
-        std::iota(all.begin(), all.end(), 0);
-        std::vector<float> ref = Q8xReference(w, all, x, n);
-        DevBuf<float> dy(ref.size());
-        CUDA_OK(cuda::MatVecRows(m, nullptr, rows, nullptr, dx.get(), n, dy.get(), rows, nullptr));
-        std::vector<float> out = dy.Download();
-        EXPECT_FALSE(AnyNan(out));
-        EXPECT_LE(Nmse(out, ref), kFp32Limit) << DTypeName(type) << " cols " << cols << " n " << n;
-        EXPECT_TRUE(dy.GuardsIntact());
-        const int bound = 120, count = 97, ldy = 128;
-        std::vector<int32_t> ids = RandomRows(rows, bound);
-        std::vector<float> ref2 =
-            Q8xReference(w, std::vector<int32_t>(ids.begin(), ids.begin() + count), x, n);
-        DevBuf<int32_t> dids(ids), dcount(std::vector<int32_t>{count});
-        DevBuf<float> dy2(static_cast<size_t>(n) * ldy);
-        CUDA_OK(cuda::MatVecRows(m, dids.get(), bound, dcount.get(), dx.get(), n, dy2.get(), ldy,
-                                 nullptr));
-        std::vector<float> got = dy2.Download(), out2;
-        for (int t = 0; t < n; ++t) {
-          for (int i = 0; i < ldy; ++i) {
-            if (i < count) {
-              out2.push_back(got[t * ldy + i]);
-            } else {
-              EXPECT_TRUE(std::isnan(got[t * ldy + i])) << "wrote past the count at " << i;
+    cuda::SetQuantWarps(warps);
+    for (DType type : {DType::kQ8_0, DType::kQ4_0}) {
+      for (int64_t cols : {512, 1056, 5120}) {
+        const int64_t rows = 301;
+        HostWeights w = RandomWeights(type, rows, cols);
+        DevBuf<uint8_t> dg(w.bytes.size()), ds(w.bytes.size());
+        DeviceMatrix m = ToDeviceSplit(w, &dg, &ds);
+        for (int n : {1, 3}) {
+          std::vector<float> x = Random(static_cast<size_t>(n) * cols);
+          DevBuf<float> dx(x);
+          std::vector<int32_t> all(rows);
+          std::iota(all.begin(), all.end(), 0);
+          std::vector<float> ref = Q8xReference(w, all, x, n);
+          DevBuf<float> dy(ref.size());
+          CUDA_OK(cuda::MatVecRows(m, nullptr, rows, nullptr, dx.get(), n, dy.get(), rows, nullptr));
+          std::vector<float> out = dy.Download();
+          EXPECT_FALSE(AnyNan(out));
+          EXPECT_LE(Nmse(out, ref), kFp32Limit) << DTypeName(type) << " cols " << cols << " n " << n;
+          EXPECT_TRUE(dy.GuardsIntact());
+          const int bound = 120, count = 97, ldy = 128;
+          std::vector<int32_t> ids = RandomRows(rows, bound);
+          std::vector<float> ref2 =
+              Q8xReference(w, std::vector<int32_t>(ids.begin(), ids.begin() + count), x, n);
+          DevBuf<int32_t> dids(ids), dcount(std::vector<int32_t>{count});
+          DevBuf<float> dy2(static_cast<size_t>(n) * ldy);
+          CUDA_OK(cuda::MatVecRows(m, dids.get(), bound, dcount.get(), dx.get(), n, dy2.get(), ldy,
+                                   nullptr));
+          std::vector<float> got = dy2.Download(), out2;
+          for (int t = 0; t < n; ++t) {
+            for (int i = 0; i < ldy; ++i) {
+              if (i < count) {
+                out2.push_back(got[t * ldy + i]);
+              } else {
+                EXPECT_TRUE(std::isnan(got[t * ldy + i])) << "wrote past the count at " << i;
+              }
             }
           }
+          EXPECT_LE(Nmse(out2, ref2), kFp32Limit)
+              << DTypeName(type) << " listed, n " << n << ", " << warps << " warps";
         }
-        EXPECT_LE(Nmse(out2, ref2), kFp32Limit)
-            << DTypeName(type) << " listed, n " << n << ", " << warps << " warps";
       }
     }
-  }
   }
   cuda::SetQuantWarps(8);
   cuda::SetQuantizedActivations(q8x);
