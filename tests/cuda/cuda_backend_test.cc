@@ -19,6 +19,7 @@
 #include "shared/engine/ops.h"
 #include "shared/engine/transformer.h"
 #include "shared/model/model.h"
+#include "shared/sparse/sparse_ffn.h"
 
 namespace pinfer {
 namespace {
@@ -539,6 +540,144 @@ TEST_F(CudaBackendTest, AdaptiveCacheRowsMatchCpuReference) {
   st = backend->LoadCacheRows(0, {0}, {(*hot_ids_)[0][0]});
   EXPECT_EQ(st.code, cuda::Code::kInvalidArgument);
   EXPECT_NE(st.message.find("is not a cold neuron"), std::string::npos) << st.message;
+}
+
+// Records the predictor scores of one layer, then runs the wrapped FFN.
+class ScoreProbe : public FfnBlock {
+ public:
+  ScoreProbe(FfnBlock* inner, const PredictorSet& p, const CpuOps& ops, int probe)
+      : inner_(inner), p_(p), ops_(ops), probe_(probe) {}
+  absl::Status Forward(int layer, const float* x, int n, float* out) override {
+    if (layer == probe_) {
+      const LayerPredictor& P = p_.layers[layer];
+      std::vector<float> h(static_cast<size_t>(n) * P.rank());
+      std::vector<float> sc(static_cast<size_t>(n) * P.fc2.rows());
+      ops_.MatMul(P.fc1, x, n, h.data());
+      for (float& v : h) v = std::max(v, 0.f);
+      ops_.MatMul(P.fc2, h.data(), n, sc.data());
+      scores.insert(scores.end(), sc.begin(), sc.end());
+    }
+    return inner_->Forward(layer, x, n, out);
+  }
+  std::vector<float> scores;
+
+ private:
+  FfnBlock* inner_;
+  const PredictorSet& p_;
+  const CpuOps& ops_;
+  int probe_;
+};
+
+// --sparse on the GPU: the module's predictors (kPredicted) pick hot and cold neurons, the cold
+// ones reach the callback as a list, and each decode step's logits equal the CPU reference with
+// shared/sparse's PredictedSparseFfn and the same predictors. The predictors are random (rank 16);
+// each layer's threshold sits in the middle of the widest gap between the CPU's scores near the
+// 70% quantile, so that fp32 rounding differences cannot flip a decision.
+TEST_F(CudaBackendTest, PredictedModeMatchesCpuPredictedSparseFfn) {
+  const ModelConfig& c = model_->config;
+  const int rank = 16;
+  std::vector<std::vector<float>> fc1(c.n_layers), fc2(c.n_layers);
+  PredictorSet preds;
+  uint64_t state = 12345;
+  auto normal = [&] {
+    double u = 0;
+    for (int i = 0; i < 12; ++i) {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      u += static_cast<double>(state >> 11) / 9007199254740992.0;
+    }
+    return static_cast<float>(u - 6);
+  };
+  for (int l = 0; l < c.n_layers; ++l) {
+    fc1[l].resize(static_cast<size_t>(rank) * c.hidden_size);
+    fc2[l].resize(static_cast<size_t>(c.ffn_size) * rank);
+    for (float& v : fc1[l]) v = normal() / std::sqrt(float(c.hidden_size));
+    for (float& v : fc2[l]) v = normal() / std::sqrt(float(rank));
+    LayerPredictor p;
+    p.fc1.dtype = p.fc2.dtype = DType::kF32;
+    p.fc1.shape = {rank, c.hidden_size};
+    p.fc1.data = fc1[l].data();
+    p.fc2.shape = {c.ffn_size, rank};
+    p.fc2.data = fc2[l].data();
+    p.threshold = 1e30f;  // set below, layer by layer
+    preds.layers.push_back(p);
+  }
+  std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
+  std::vector<int32_t> tokens =
+      (*reference_)["prompts"][3]["input_ids"].get<std::vector<int32_t>>();
+  const int V = c.vocab_size;
+  // The CPU run, one token at a time; returns the step logits.
+  auto cpu_run = [&](int probe, std::vector<float>* scores) {
+    auto ffn = PredictedSparseFfn::Create(*model_, *ref_ops, *down_t_, &preds);
+    EXPECT_TRUE(ffn.ok()) << ffn.status();
+    ScoreProbe probe_ffn(ffn->get(), preds, *ref_ops, probe);
+    Transformer t(*model_, *ref_ops);
+    t.set_ffn(&probe_ffn);
+    KvCache cache(c, 64);
+    std::vector<float> logits(static_cast<size_t>(tokens.size()) * V);
+    for (size_t pos = 0; pos < tokens.size(); ++pos) {
+      EXPECT_TRUE(t.Forward({&tokens[pos], 1}, static_cast<int>(pos), &cache, LogitsMode::kLast,
+                            logits.data() + pos * V)
+                      .ok());
+    }
+    if (scores != nullptr) *scores = std::move(probe_ffn.scores);
+    return logits;
+  };
+  double min_margin = 1e30;
+  for (int l = 0; l < c.n_layers; ++l) {
+    std::vector<float> sc;
+    cpu_run(l, &sc);
+    std::sort(sc.begin(), sc.end());
+    const size_t lo = sc.size() * 6 / 10, hi = sc.size() * 8 / 10;
+    size_t best = lo;
+    for (size_t i = lo; i < hi; ++i) {
+      if (sc[i + 1] - sc[i] > sc[best + 1] - sc[best]) best = i;
+    }
+    preds.layers[l].threshold = 0.5f * (sc[best] + sc[best + 1]);
+    min_margin = std::min<double>(min_margin, 0.5 * (sc[best + 1] - sc[best]));
+  }
+  ASSERT_GT(min_margin, 1e-4) << "no safe threshold gap; change the seed";
+  const std::vector<float> want = cpu_run(-1, nullptr);
+
+  cuda::ModelUpload u = Upload(/*hot=*/true);
+  for (int l = 0; l < c.n_layers; ++l) {
+    u.layers[l].pred_fc1 = FromView(preds.layers[l].fc1);
+    u.layers[l].pred_fc2 = FromView(preds.layers[l].fc2);
+    u.layers[l].pred_threshold = preds.layers[l].threshold;
+  }
+  auto backend = Create(u);
+  ASSERT_NE(backend, nullptr);
+  CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
+  std::vector<float> got(V);
+  int64_t hot_computed = 0, cold_listed = 0;
+  for (size_t pos = 0; pos < tokens.size(); ++pos) {
+    cuda::ForwardArgs a;
+    a.tokens = &tokens[pos];
+    a.n = 1;
+    a.pos0 = static_cast<int>(pos);
+    a.mode = cuda::FfnMode::kPredicted;
+    a.cold = &cold;
+    a.logits = got.data();
+    cuda::BackendStatus st = backend->Forward(a);
+    ASSERT_TRUE(st.ok()) << st.message;
+    hot_computed += backend->last_stats().hot_rows_computed;
+    cold_listed += backend->last_stats().cold_rows_requested;
+    double err = 0, norm = 0;
+    for (int i = 0; i < V; ++i) {
+      ASSERT_FALSE(std::isnan(got[i]));
+      const double w = want[pos * V + i];
+      err += (got[i] - w) * (got[i] - w);
+      norm += w * w;
+    }
+    EXPECT_LE(err / norm, 1e-6) << "position " << pos;
+  }
+  // About 30% of the neurons are predicted active per token, on both sides of the split.
+  int64_t hot_total = 0;
+  for (const auto& h : *hot_ids_) hot_total += static_cast<int64_t>(h.size());
+  const double steps = static_cast<double>(tokens.size());
+  EXPECT_GT(hot_computed / steps, 0.2 * hot_total);
+  EXPECT_LT(hot_computed / steps, 0.4 * hot_total);
+  EXPECT_GT(cold_listed / steps, 0.2 * (c.n_layers * c.ffn_size - hot_total));
+  EXPECT_LT(cold_listed / steps, 0.4 * (c.n_layers * c.ffn_size - hot_total));
 }
 
 TEST_F(CudaBackendTest, RejectsBadRequestsWithSpecificErrors) {
