@@ -11,7 +11,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -78,6 +80,26 @@ TEST_F(SparseCliTest, PreparedSparsePerplexityIsWithinTwoPercentAtSeventyPercent
   // Recall and sparsity per layer, printed by prepare.
   EXPECT_THAT(r.err, HasSubstr("layer  rank  active  recall  mag.recall  precision  sparsity"));
   std::fprintf(stderr, "%s", r.err.substr(r.err.find("layer  rank")).c_str());
+  // The yardstick: a rank-128 predictor costs about 14% of this FFN's multiply-adds;
+  // pinfer's per-layer ranks must cost less on average (last column of the table).
+  {
+    std::istringstream table(r.err.substr(r.err.find("layer  rank")));
+    std::string line;
+    std::getline(table, line);  // header
+    double cost = 0;
+    int layers = 0;
+    for (int l = 0; l < 6 && std::getline(table, line); ++l) {
+      std::istringstream fields(line);
+      std::vector<double> v;
+      for (double x; fields >> x;) v.push_back(x);
+      ASSERT_EQ(v.size(), 8u) << line;
+      cost += v.back();
+      ++layers;
+    }
+    ASSERT_EQ(layers, 6);
+    std::printf("mean predictor cost %.4f of the FFN\n", cost / layers);
+    EXPECT_LT(cost / layers, 0.14);
+  }
   r = RunPinfer("perplexity --model " + out + " --tokens " + kModel +
                 "/heldout-tokens.u32 --window 512 --threads 2 --sparse --json");
   ASSERT_EQ(r.code, 0) << r.err;
