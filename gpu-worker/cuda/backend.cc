@@ -430,7 +430,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   if (const char* g = std::getenv("PINFER_CUDA_STEP_GRAPH")) step_graph_ = std::string(g) != "0";
   if (const char* g = std::getenv("PINFER_CUDA_PDL")) SetProgrammaticLaunch(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_Q8X")) SetQuantizedActivations(std::string(g) != "0");
-  if (const char* g = std::getenv("PINFER_CUDA_PREFETCH")) SetWeightPrefetch(std::string(g) != "0");
+  if (const char* g = std::getenv("PINFER_CUDA_PREFETCH")) SetWeightPrefetch(std::string(g) == "1");
   if (const char* g = std::getenv("PINFER_CUDA_QX_WARPS")) SetQuantWarps(std::atoi(g));
   if (const char* g = std::getenv("PINFER_CUDA_ZERO_COPY_COLD")) {
     zero_copy_cold_ = std::string(g) == "1";

@@ -63,8 +63,8 @@ cudaError_t RepackSplit(const DeviceMatrix& src, const DeviceMatrix& dst, int64_
 // Programmatic dependent launch (Hopper): every kernel is launched so that it may start while
 // its predecessor in the stream finishes (it waits for the predecessor's results with
 // griddepcontrol.wait before touching them). On by default; PINFER_CUDA_PDL=0 or this call turns
-// it off. With SetWeightPrefetch (PINFER_CUDA_PREFETCH, on by default) dense matrix-vector
-// kernels also prefetch their rows into L2 before that wait. Not thread-safe.
+// it off. With SetWeightPrefetch (PINFER_CUDA_PREFETCH=1; off by default, it measured slower)
+// dense matrix-vector kernels also prefetch their rows into L2 before that wait. Not thread-safe.
 void SetProgrammaticLaunch(bool on);
 void SetWeightPrefetch(bool on);
 bool ProgrammaticLaunch();
