@@ -9,7 +9,9 @@
 #   bench/device_sparse_run.sh SERVICE_BUNDLE CUDA_BUNDLE      # results in $OUT (./sparse-results)
 #
 # Prompt batches on the GPU take the union of their tokens' predicted neurons (the CPU backend
-# uses each token's own), so the two may differ after a prompt; decode steps are per token on both.
+# uses each token's own), so the continuations may differ after the prompt: this is a report, not
+# a test. Step-by-step equality of the GPU's predicted mode with the CPU's is what
+# CudaBackendTest.PredictedModeMatchesCpuPredictedSparseFfn asserts.
 set -uo pipefail
 b=$(realpath "${1:?service bundle}")
 cb=$(realpath "${2:?cuda bundle}")
@@ -52,7 +54,6 @@ for backend in cpu cuda; do
     timeout 300 "$b/bin/service_bench" --address "127.0.0.1:$(cat "$dir/gw.port")" \
       --reference "$out/greedy-cpu.json" --tokens 8 --repeats 1 --streams 1 2>&1 |
       grep -E "reference:|MISMATCH" | tee "$out/cuda-vs-cpu.txt"
-    grep -q "reference: 12/12" "$out/cuda-vs-cpu.txt" || rc=1
   fi
   curl -s "http://127.0.0.1:$(cat "$dir/gpu.mport")/metrics" > "$out/gpu-worker-$backend.metrics"
   grep -E '^pinfer_worker_ffn_sparsity|^pinfer_worker_neurons_computed_total' "$out/gpu-worker-$backend.metrics"
