@@ -387,6 +387,18 @@ class PowerInferZooTest : public ::testing::Test {
     ASSERT_TRUE(exact.ok()) << exact.status();
     EXPECT_LT(MaxRelDiff(Logits(*pm->model, *ops_, exact->get()), dense), 1e-5);
     EXPECT_GT((*exact)->stats().Sparsity(), 0.2);  // ReLU: about half the gates are negative
+
+    // The file's own predictors drive the sparse FFN (folded F32 fc1, fc2 and ffn_down_t in the
+    // stored type); their selection itself is checked in PredictorsSelectWhatPowerInferSelects.
+    // Random predictors: some neurons skipped, not all.
+    auto predicted = PredictedSparseFfn::Create(*pm->model, *ops_, pm->down_t, &pm->predictors);
+    ASSERT_TRUE(predicted.ok()) << predicted.status();
+    const std::vector<float> sparse = Logits(*pm->model, *ops_, predicted->get());
+    ASSERT_EQ(sparse.size(), dense.size());
+    for (float v : sparse) ASSERT_TRUE(std::isfinite(v));
+    const double s = (*predicted)->stats().Sparsity();
+    EXPECT_GT(s, 0.05);
+    EXPECT_LT(s, 0.95);
   }
 
   fs::path dir_;
