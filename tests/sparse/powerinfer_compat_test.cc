@@ -18,6 +18,7 @@
 // References are independent of that path: the Hugging Face directory of the same weights (loaded
 // with rotate-half RoPE and no permutation), or, for quantized files, a plain llama GGUF holding
 // the very same quantized tensors with ffn_down as the exact F32 transpose of ffn_down_t.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -58,9 +59,10 @@ struct ZooModel {
   std::vector<std::pair<Mat, Mat>> predictors;  // per layer: fc1, fc2
 };
 
-ZooModel RandomZooModel(const std::string& arch, uint32_t seed) {
+ZooModel RandomZooModel(const std::string& arch, uint32_t seed, int hidden = 64) {
   ZooModel m;
   m.arch = arch;
+  m.hidden = hidden;
   std::mt19937 rng(seed);
   auto mat = [&](std::vector<int64_t> shape, float scale) {
     Mat a{shape, {}};
@@ -248,8 +250,52 @@ void WriteConvertPy(const ZooModel& m, OutType type, std::optional<float> sparse
   ASSERT_TRUE(w.WriteFile(path).ok());
 }
 
-// PowerInfer's `quantize` of a convert.py F16 file to file type Q4_0 (2) or Q8_0 (7).
-void WriteQuantized(const ZooModel& m, GgmlType qtype, const std::string& path) {
+// A Q6_K encoding of `v` (not llama.cpp's search for the best scales, but a valid block: per 16
+// values a scale amax / 31 in units of d = max scale / 127, q = round(x / (d * scale)) in -32..31),
+// laid out as ggml's block_q6_K: value i = 128h + 32k + l has its low four bits in
+// ql[64h + l + 32(k % 2)] (the high nibble for k >= 2), its two high bits in qh[32h + l] at bit
+// 2k, and its scale in scales[i / 16]. `values` receives what the blocks hold: d * scale * q.
+std::string EncodeQ6K(const std::vector<float>& v, std::vector<float>* values) {
+  std::string out;
+  values->assign(v.size(), 0.f);
+  for (size_t b = 0; b < v.size() / 256; ++b) {
+    const float* x = v.data() + b * 256;
+    float sub[16], max_sub = 0;
+    for (int j = 0; j < 16; ++j) {
+      float amax = 0;
+      for (int i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(x[16 * j + i]));
+      sub[j] = amax / 31;
+      max_sub = std::max(max_sub, sub[j]);
+    }
+    const uint16_t dh = Fp32ToFp16(max_sub / 127);
+    const float d = Fp16ToFp32(dh);
+    uint8_t ql[128] = {}, qh[64] = {};
+    int8_t sc[16];
+    for (int j = 0; j < 16; ++j) {
+      sc[j] = static_cast<int8_t>(d > 0 ? std::min(127.f, std::round(sub[j] / d)) : 0);
+    }
+    for (int i = 0; i < 256; ++i) {
+      const int h = i / 128, k = (i % 128) / 32, l = i % 32, j = i / 16;
+      const float step = d * sc[j];
+      const int q = step > 0 ? std::clamp(static_cast<int>(std::round(x[i] / step)), -32, 31) : 0;
+      const int u = q + 32;
+      uint8_t& low = ql[64 * h + l + 32 * (k % 2)];
+      low |= k < 2 ? (u & 0x0F) : ((u & 0x0F) << 4);
+      qh[32 * h + l] |= static_cast<uint8_t>(((u >> 4) & 3) << (2 * k));
+      (*values)[b * 256 + i] = d * sc[j] * q;
+    }
+    out.append(reinterpret_cast<const char*>(ql), 128);
+    out.append(reinterpret_cast<const char*>(qh), 64);
+    out.append(reinterpret_cast<const char*>(sc), 16);
+    out.append(reinterpret_cast<const char*>(&dh), 2);
+  }
+  return out;
+}
+
+// PowerInfer's `quantize` of a convert.py F16 file to file type Q4_0 (2) or Q8_0 (7). A Q6_K
+// output head's values go to `q6k_values`.
+void WriteQuantized(const ZooModel& m, GgmlType qtype, const std::string& path,
+                    std::map<std::string, std::vector<float>>* q6k_values = nullptr) {
   GgufWriter w(kPowerInferMagic);
   SetArchKeys(m, &w, qtype == GgmlType::kQ4_0 ? 2 : 7, std::nullopt);
   w.SetU32("general.quantization_version", 2);
@@ -262,6 +308,13 @@ void WriteQuantized(const ZooModel& m, GgmlType qtype, const std::string& path) 
     for (float& x : t.v) x = Fp16ToFp32(Fp32ToFp16(x));
     GgmlType type = qtype;
     if (name == "output.weight" && t.shape[1] % 256 != 0) type = GgmlType::kQ8_0;
+    if (name == "output.weight" && t.shape[1] % 256 == 0) {
+      std::vector<float> values;
+      const std::string bytes = EncodeQ6K(t.v, &values);
+      ASSERT_TRUE(w.AddTensor(name, GgmlType::kQ6_K, t.shape, bytes).ok());
+      if (q6k_values != nullptr) (*q6k_values)[name] = values;
+      continue;
+    }
     if (name.find("fc1.weight") != std::string::npos ||
         name.find("fc2.weight") != std::string::npos) {
       type = qtype == GgmlType::kQ4_0 ? GgmlType::kQ4_0 : GgmlType::kQ5_0;
@@ -309,7 +362,8 @@ void WriteHfDir(const ZooModel& m, const std::string& dtype, const std::string& 
 
 // A plain llama GGUF (magic GGUF) holding the PWRI file's tensors byte for byte, except that
 // ffn_down is the exact F32 transpose of ffn_down_t and the predictors are left out.
-void WritePlainTwin(const std::string& pwri, const std::string& path) {
+void WritePlainTwin(const std::string& pwri, const std::string& path,
+                    const std::map<std::string, std::vector<float>>& f32_values = {}) {
   auto f = GgufFile::Open(pwri, {kPowerInferMagic});
   ASSERT_TRUE(f.ok()) << f.status();
   GgufWriter w;
@@ -319,6 +373,11 @@ void WritePlainTwin(const std::string& pwri, const std::string& path) {
   for (const GgufTensorInfo& t : (*f)->tensors()) {
     if (t.name.find(".fc") != std::string::npos) continue;
     std::string bytes(reinterpret_cast<const char*>(t.data), t.nbytes);
+    if (auto it = f32_values.find(t.name); it != f32_values.end()) {
+      ASSERT_TRUE(
+          w.AddTensor(t.name, GgmlType::kF32, t.shape(), ToBytes(it->second, GgmlType::kF32)).ok());
+      continue;
+    }
     if (t.name.find("ffn_down_t") != std::string::npos) {
       const int64_t F = t.shape()[0], H = t.shape()[1];
       std::vector<float> rows(F * H);
@@ -463,6 +522,23 @@ TEST_F(PowerInferZooTest, QuantizedFilesComputeTheirPlainTwin) {
     EXPECT_EQ(pm->down_t[1].dtype, c.down_t == GgmlType::kQ4_0 ? DType::kQ4_0 : DType::kQ8_0);
     EXPECT_EQ(pm->predictors.layers[1].fc1.dtype, DType::kF32);  // folded (and dequantized)
   }
+}
+
+// Hidden 256: `quantize` stores the output head as Q6_K, which pinfer dequantizes at load. The
+// twin holds the values the test's own encoder put in the blocks, as F32.
+TEST_F(PowerInferZooTest, Q6KOutputHeadComputesWhatItHolds) {
+  ZooModel m = RandomZooModel("llama", 16, /*hidden=*/256);
+  const std::string pwri = Path("q6k.powerinfer.gguf"), twin = Path("twin.gguf");
+  std::map<std::string, std::vector<float>> values;
+  WriteQuantized(m, GgmlType::kQ4_0, pwri, &values);
+  ASSERT_EQ(values.size(), 1u);
+  auto f = GgufFile::Open(pwri, {kPowerInferMagic});
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ((*f)->FindTensor("output.weight")->type, static_cast<uint32_t>(GgmlType::kQ6_K));
+  WritePlainTwin(pwri, twin, values);
+  auto reference = LoadModel(twin);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  CheckAgainst(pwri, **reference, 0);
 }
 
 // PowerInfer feeds its predictors the residual before ffn_norm; pinfer's FFN block sees the
