@@ -1,6 +1,9 @@
 // AVX2 + FMA + F16C instantiation of kernels_simd.inc (compiled with -mavx2 -mfma -mf16c).
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
+
 #include "shared/engine/row_kernels.h"
 #include "shared/util/half.h"
 
@@ -46,6 +49,30 @@ inline V q4_block_dot(const uint8_t* qs, const float* x) {
   for (int j = 0; j < 32; j += W) bs = vfma(vload_i8(q + j), vload(x + j), bs);
   return bs;
 }
+// Quantized-activation block dots: maddubs (unsigned x signed pairs to int16, which cannot
+// saturate here: |w| <= 128, |x| <= 127) then madd with ones to eight exact int32 partial sums.
+using F8 = __m256;
+inline F8 f8zero() { return _mm256_setzero_ps(); }
+inline F8 f8set1(float a) { return _mm256_set1_ps(a); }
+inline F8 f8add(F8 a, F8 b) { return _mm256_add_ps(a, b); }
+inline F8 f8fma(F8 a, F8 b, F8 c) { return _mm256_fmadd_ps(a, b, c); }
+inline float f8sum(F8 v) { return vsum(v); }
+inline F8 q8q8_block(const int8_t* w, const int8_t* x) {
+  const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+inline F8 q4q8_block(const uint8_t* qs, const int8_t* x, const int32_t* s8) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i nib = _mm256_and_si256(
+      _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1),
+      _mm256_set1_epi8(0x0f));
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, xv), _mm256_set1_epi16(1));
+  return _mm256_cvtepi32_ps(
+      _mm256_add_epi32(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s8))));
+}
 }  // namespace
 
 #include "shared/engine/kernels_simd.inc"
@@ -59,6 +86,8 @@ const RowKernels* RowKernelsAvx2() {
       Dot4x4F32,
       DotF32,
       AxpyF32,
+      {nullptr, nullptr, nullptr, DotQ8x<BlockQ8_0, Q8BlockDot>, DotQ8x<BlockQ4_0, Q4BlockDot>},
+      QuantizeQ8x,
   };
   return &k;
 }

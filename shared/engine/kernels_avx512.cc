@@ -1,5 +1,9 @@
-// AVX-512 instantiation of kernels_simd.inc (compiled with -mavx512f -mavx512bw -mavx512vl).
+// AVX-512 instantiation of kernels_simd.inc (compiled with -mavx512f -mavx512bw -mavx512vl
+// -mavx512vnni; chosen only on processors with all of them).
 #include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
 
 #include "shared/engine/row_kernels.h"
 #include "shared/util/half.h"
@@ -42,6 +46,38 @@ inline V q4_block_dot(const uint8_t* qs, const float* x) {
   const V a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), vload(x));
   return vfma(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), vload(x + 16), a);
 }
+// Quantized-activation block dots on 256-bit vectors (AVX-512VL + VNNI): eight int32 partial
+// sums of four products each, exact, converted to fp32.
+using F8 = __m256;
+inline F8 f8zero() { return _mm256_setzero_ps(); }
+inline F8 f8set1(float a) { return _mm256_set1_ps(a); }
+inline F8 f8add(F8 a, F8 b) { return _mm256_add_ps(a, b); }
+inline F8 f8fma(F8 a, F8 b, F8 c) { return _mm256_fmadd_ps(a, b, c); }
+inline float f8sum(F8 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// Signed x signed through VNNI's unsigned x signed: |w| times x with w's sign.
+inline F8 q8q8_block(const int8_t* w, const int8_t* x) {
+  const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(wv),
+                                        _mm256_sign_epi8(xv, wv));
+  return _mm256_cvtepi32_ps(p);
+}
+// The nibbles are 0..15 (unsigned, as VNNI wants); starting from -8 * sum(x) removes the offset.
+inline F8 q4q8_block(const uint8_t* qs, const int8_t* x, const int32_t* s8) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i nib = _mm256_and_si256(
+      _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1),
+      _mm256_set1_epi8(0x0f));
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i p =
+      _mm256_dpbusd_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s8)), nib, xv);
+  return _mm256_cvtepi32_ps(p);
+}
 }  // namespace
 
 #include "shared/engine/kernels_simd.inc"
@@ -55,6 +91,8 @@ const RowKernels* RowKernelsAvx512() {
       Dot4x4F32,
       DotF32,
       AxpyF32,
+      {nullptr, nullptr, nullptr, DotQ8x<BlockQ8_0, Q8BlockDot>, DotQ8x<BlockQ4_0, Q4BlockDot>},
+      QuantizeQ8x,
   };
   return &k;
 }

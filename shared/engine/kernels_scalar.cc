@@ -1,5 +1,8 @@
 // Portable instantiation of kernels_simd.inc with one-lane "vectors": the fallback for processors
 // without AVX2, and a third implementation the op tests check.
+#include <algorithm>
+#include <cmath>
+
 #include "shared/engine/row_kernels.h"
 #include "shared/util/half.h"
 
@@ -32,6 +35,23 @@ inline V q4_block_dot(const uint8_t* qs, const float* x) {
   for (int j = 0; j < 32; j += W) bs = vfma(vload_i8(q + j), vload(x + j), bs);
   return bs;
 }
+// Quantized-activation block dots: the whole block's integer sum as one "lane".
+using F8 = float;
+inline F8 f8zero() { return 0.f; }
+inline F8 f8set1(float a) { return a; }
+inline F8 f8add(F8 a, F8 b) { return a + b; }
+inline F8 f8fma(F8 a, F8 b, F8 c) { return a * b + c; }
+inline float f8sum(F8 v) { return v; }
+inline F8 q8q8_block(const int8_t* w, const int8_t* x) {
+  int32_t s = 0;
+  for (int i = 0; i < 32; ++i) s += w[i] * x[i];
+  return static_cast<float>(s);
+}
+inline F8 q4q8_block(const uint8_t* qs, const int8_t* x, const int32_t*) {
+  int32_t s = 0;
+  for (int i = 0; i < 16; ++i) s += ((qs[i] & 0x0f) - 8) * x[i] + ((qs[i] >> 4) - 8) * x[i + 16];
+  return static_cast<float>(s);
+}
 }  // namespace
 
 #include "shared/engine/kernels_simd.inc"
@@ -45,6 +65,8 @@ const RowKernels* RowKernelsScalar() {
       Dot4x4F32,
       DotF32,
       AxpyF32,
+      {nullptr, nullptr, nullptr, DotQ8x<BlockQ8_0, Q8BlockDot>, DotQ8x<BlockQ4_0, Q4BlockDot>},
+      QuantizeQ8x,
   };
   return &k;
 }
@@ -53,6 +75,7 @@ const RowKernels* BestRowKernels() {
   static const RowKernels* best = [] {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
         RowKernelsAvx512() != nullptr) {
       return RowKernelsAvx512();
     }

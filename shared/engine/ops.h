@@ -3,7 +3,11 @@
 // AVX-512 chosen at run time, threaded) that tests compare against the reference op by op.
 //
 // Conventions: activations are fp32, row-major [tokens, features]. Weights are TensorViews in any
-// stored dtype, [out_features, in_features], converted to fp32 on the fly; accumulation is fp32.
+// stored dtype, [out_features, in_features]; accumulation is fp32. F32/F16/BF16 rows are
+// converted to fp32 on the fly. Q8_0 and Q4_0 rows are multiplied as llama.cpp multiplies them:
+// each activation vector is quantized to Q8_0 blocks (d = max|x| / 127 as fp16, q = round(x / d))
+// and every block contributes d_w * d_x * (exact integer dot), so quantized models compute what
+// llama.cpp computes, with integer SIMD. (AccumulateRows keeps fp32 coefficients.)
 #pragma once
 
 #include <cstdint>

@@ -1,43 +1,94 @@
 // The reference operators: plain loops that read like the maths. Everything else is tested
 // against these.
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "absl/strings/string_view.h"
 #include "shared/engine/ops.h"
+#include "shared/util/half.h"
 
 namespace pinfer {
 namespace {
+
+// x quantized to Q8_0 as llama.cpp's quantize_row_q8_0 does it (with the round-half-even of its
+// SIMD versions): per block of 32, d = max|x| / 127, q = round(x * (1 / d)); d kept as fp16.
+struct Q8Block {
+  float d;
+  int32_t q[32];
+};
+
+std::vector<Q8Block> QuantizeToQ8(const float* x, int64_t n) {
+  std::vector<Q8Block> out(n / 32);
+  for (int64_t b = 0; b < n / 32; ++b) {
+    float amax = 0;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
+    const float d = amax / 127.f;
+    const float inv = d != 0.f ? 1.f / d : 0.f;
+    out[b].d = Fp16ToFp32(Fp32ToFp16(d));
+    for (int i = 0; i < 32; ++i) out[b].q[i] = static_cast<int32_t>(std::nearbyint(x[b * 32 + i] * inv));
+  }
+  return out;
+}
+
+// Value i (0..31) of a quantized weight block, as an integer: Q8_0 q, Q4_0 nibble - 8.
+int32_t BlockValue(DType t, const uint8_t* block, int i) {
+  if (t == DType::kQ8_0) return reinterpret_cast<const BlockQ8_0*>(block)->qs[i];
+  const uint8_t byte = reinterpret_cast<const BlockQ4_0*>(block)->qs[i % 16];
+  return (i < 16 ? (byte & 0x0f) : (byte >> 4)) - 8;
+}
+
+// y[t * n_rows + i] = w.row(row_ids[i]) . x[t]. Q8_0 and Q4_0 rows multiply x quantized to Q8_0
+// with exact integer dots per block, sum_b d_w * d_x * sum_i w_i q_i (llama.cpp's definition);
+// other dtypes multiply fp32 x.
+void RowsTimesVectors(const TensorView& w, const std::vector<int64_t>& row_ids, const float* x,
+                      int n, float* y) {
+  const int64_t cols = w.cols(), n_rows = static_cast<int64_t>(row_ids.size());
+  if (IsQuantized(w.dtype)) {
+    std::vector<std::vector<Q8Block>> xq;
+    for (int t = 0; t < n; ++t) xq.push_back(QuantizeToQ8(x + t * cols, cols));
+    const size_t block_bytes = RowBytes(w.dtype, 32);
+    for (int64_t i = 0; i < n_rows; ++i) {
+      for (int t = 0; t < n; ++t) {
+        float sum = 0;
+        for (int64_t b = 0; b < cols / 32; ++b) {
+          const uint8_t* block = w.row(row_ids[i]) + b * block_bytes;
+          int32_t dot = 0;
+          for (int k = 0; k < 32; ++k) dot += BlockValue(w.dtype, block, k) * xq[t][b].q[k];
+          uint16_t d_w;
+          std::memcpy(&d_w, block, 2);  // both block types start with their fp16 scale
+          sum += Fp16ToFp32(d_w) * xq[t][b].d * static_cast<float>(dot);
+        }
+        y[t * n_rows + i] = sum;
+      }
+    }
+    return;
+  }
+  std::vector<float> row(cols);
+  for (int64_t i = 0; i < n_rows; ++i) {
+    DequantizeRow(w.dtype, w.row(row_ids[i]), row.data(), cols);
+    for (int t = 0; t < n; ++t) {
+      float sum = 0;
+      for (int64_t c = 0; c < cols; ++c) sum += row[c] * x[t * cols + c];
+      y[t * n_rows + i] = sum;
+    }
+  }
+}
 
 class ReferenceOps : public CpuOps {
  public:
   absl::string_view name() const override { return "reference"; }
 
   void MatMul(const TensorView& w, const float* x, int n, float* y) const override {
-    const int64_t rows = w.rows(), cols = w.cols();
-    std::vector<float> row(cols);
-    for (int64_t r = 0; r < rows; ++r) {
-      DequantizeRow(w.dtype, w.row(r), row.data(), cols);
-      for (int t = 0; t < n; ++t) {
-        float sum = 0;
-        for (int64_t c = 0; c < cols; ++c) sum += row[c] * x[t * cols + c];
-        y[t * rows + r] = sum;
-      }
-    }
+    std::vector<int64_t> all(w.rows());
+    for (int64_t r = 0; r < w.rows(); ++r) all[r] = r;
+    RowsTimesVectors(w, all, x, n, y);
   }
 
   void MatMulRows(const TensorView& w, const int32_t* rows, int n_rows, const float* x, int n,
                   float* y) const override {
-    const int64_t cols = w.cols();
-    std::vector<float> row(cols);
-    for (int i = 0; i < n_rows; ++i) {
-      DequantizeRow(w.dtype, w.row(rows[i]), row.data(), cols);
-      for (int t = 0; t < n; ++t) {
-        float sum = 0;
-        for (int64_t c = 0; c < cols; ++c) sum += row[c] * x[t * cols + c];
-        y[t * n_rows + i] = sum;
-      }
-    }
+    RowsTimesVectors(w, std::vector<int64_t>(rows, rows + n_rows), x, n, y);
   }
 
   void AccumulateRows(const TensorView& w, const int32_t* rows, int n_rows, const float* a, int n,

@@ -18,15 +18,12 @@ class SimdOps : public CpuOps {
 
   void MatMul(const TensorView& w, const float* x, int n, float* y) const override {
     const int64_t rows = w.rows(), cols = w.cols();
-    const size_t di = static_cast<size_t>(w.dtype);
-    if (n == 1) {
-      For(rows, 16, [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; ++r) y[r] = k_->dot[di](w.row(r), x, cols);
-      });
+    if (n == 1 || IsQuantized(w.dtype)) {
+      RowsTimesVectors(w, nullptr, rows, x, n, y);
       return;
     }
-    // Batched: convert four weight rows to fp32 once, then run them against every token, so the
-    // conversion is amortised and each load of x feeds four dot products.
+    // Batched, unquantized: convert four weight rows to fp32 once, then run them against every
+    // token, so the conversion is amortised and each load of x feeds four dot products.
     For((rows + 3) / 4, 1, [&](int64_t b, int64_t e) {
       std::vector<float> buf(4 * cols);
       for (int64_t blk = b; blk < e; ++blk) {
@@ -58,14 +55,7 @@ class SimdOps : public CpuOps {
 
   void MatMulRows(const TensorView& w, const int32_t* rows, int n_rows, const float* x, int n,
                   float* y) const override {
-    const int64_t cols = w.cols();
-    const size_t di = static_cast<size_t>(w.dtype);
-    For(n_rows, 8, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        const uint8_t* row = w.row(rows[i]);
-        for (int t = 0; t < n; ++t) y[t * n_rows + i] = k_->dot[di](row, x + t * cols, cols);
-      }
-    });
+    RowsTimesVectors(w, rows, n_rows, x, n, y);
   }
 
   void AccumulateRows(const TensorView& w, const int32_t* rows, int n_rows, const float* a, int n,
@@ -128,30 +118,44 @@ class SimdOps : public CpuOps {
     const int group = n_heads / n_kv_heads;
     const int kv_stride = n_kv_heads * head_dim;
     const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+    // Jobs are (token, head) pairs; a thread takes a range of them and, per token, walks the
+    // cache position by position for all its heads at once, so the keys and values stream
+    // through in address order instead of once per head with a stride.
     For(static_cast<int64_t>(n) * n_heads, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> scores(pos0 + n);
-      for (int64_t job = b; job < e; ++job) {
-        const int t = static_cast<int>(job / n_heads), h = static_cast<int>(job % n_heads);
-        const int len = pos0 + t + 1;
-        const float* qh = q + job * head_dim;
-        const int kvh = h / group;
-        float max = -INFINITY;
+      thread_local std::vector<float> scores;
+      for (int64_t t = b / n_heads; t * n_heads < e; ++t) {
+        const int h0 = static_cast<int>(std::max<int64_t>(b, t * n_heads) - t * n_heads);
+        const int h1 = static_cast<int>(std::min<int64_t>(e, (t + 1) * n_heads) - t * n_heads);
+        const int len = pos0 + static_cast<int>(t) + 1;  // causal: keys 0..pos
+        const int nh = h1 - h0;
+        if (scores.size() < static_cast<size_t>(nh) * len) scores.resize(static_cast<size_t>(nh) * len);
+        const float* qt = q + (t * n_heads + h0) * head_dim;
         for (int p = 0; p < len; ++p) {
-          scores[p] = k_->dot_f32(qh, k + static_cast<int64_t>(p) * kv_stride + kvh * head_dim,
-                                  head_dim) * scale;
-          max = std::max(max, scores[p]);
+          const float* kp = k + static_cast<int64_t>(p) * kv_stride;
+          for (int h = 0; h < nh; ++h) {
+            scores[h * len + p] =
+                k_->dot_f32(qt + h * head_dim, kp + ((h0 + h) / group) * head_dim, head_dim) * scale;
+          }
         }
-        float sum = 0;
-        for (int p = 0; p < len; ++p) {
-          scores[p] = std::exp(scores[p] - max);
-          sum += scores[p];
+        float* ot = out + (t * n_heads + h0) * head_dim;
+        std::fill(ot, ot + nh * head_dim, 0.f);
+        for (int h = 0; h < nh; ++h) {
+          float* sc = &scores[h * len];
+          const float max = *std::max_element(sc, sc + len);
+          float sum = 0;
+          for (int p = 0; p < len; ++p) {
+            sc[p] = std::exp(sc[p] - max);
+            sum += sc[p];
+          }
+          const float inv = 1.f / sum;
+          for (int p = 0; p < len; ++p) sc[p] *= inv;
         }
-        float* oh = out + job * head_dim;
-        std::fill(oh, oh + head_dim, 0.f);
-        const float inv = 1.f / sum;
         for (int p = 0; p < len; ++p) {
-          k_->axpy_f32(scores[p] * inv, v + static_cast<int64_t>(p) * kv_stride + kvh * head_dim,
-                       oh, head_dim);
+          const float* vp = v + static_cast<int64_t>(p) * kv_stride;
+          for (int h = 0; h < nh; ++h) {
+            k_->axpy_f32(scores[h * len + p], vp + ((h0 + h) / group) * head_dim,
+                         ot + h * head_dim, head_dim);
+          }
         }
       }
     });
@@ -169,6 +173,56 @@ class SimdOps : public CpuOps {
   }
 
  private:
+  // y[t * n_rows + i] = row(i) . x[t] for the rows 0..n_rows-1 (ids == null) or ids[i]. Q8_0 /
+  // Q4_0 rows multiply x quantized to Q8_0 (each token once), as in ReferenceOps; the others
+  // multiply fp32 x. The same row kernel serves MatMul and MatMulRows, so a row's result is the
+  // same whichever rows it is computed with (dense, sparse and batched paths agree bit for bit).
+  void RowsTimesVectors(const TensorView& w, const int32_t* ids, int64_t n_rows, const float* x,
+                        int n, float* y) const {
+    const int64_t cols = w.cols();
+    const size_t di = static_cast<size_t>(w.dtype);
+    const bool quantized = IsQuantized(w.dtype);
+    Q8Scratch& qx = ThreadQ8Scratch();
+    if (quantized) {
+      const int64_t nb = cols / 32;
+      qx.q.resize(static_cast<size_t>(n) * cols);
+      qx.d.resize(static_cast<size_t>(n) * nb);
+      qx.s8.resize(static_cast<size_t>(n) * nb * 8);
+      for (int t = 0; t < n; ++t) {
+        k_->quantize_q8x(x + t * cols, cols, &qx.q[t * cols], &qx.d[t * nb], &qx.s8[t * nb * 8]);
+      }
+    }
+    const int8_t* xq = qx.q.data();
+    const float* xd = qx.d.data();
+    const int32_t* xs = qx.s8.data();
+    const int64_t nb = cols / 32;
+    const uint8_t* data = static_cast<const uint8_t*>(w.data);
+    const size_t row_bytes = w.row_bytes();
+    For(n_rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const uint8_t* row = data + (ids != nullptr ? ids[i] : i) * row_bytes;
+        for (int t = 0; t < n; ++t) {
+          y[t * n_rows + i] =
+              quantized ? k_->dot_q8x[di](row, Q8Vector{xq + t * cols, xd + t * nb, xs + t * nb * 8},
+                                          cols)
+                        : k_->dot[di](row, x + t * cols, cols);
+        }
+      }
+    });
+  }
+
+  struct Q8Scratch {
+    std::vector<int8_t> q;
+    std::vector<float> d;
+    std::vector<int32_t> s8;
+  };
+  // Per calling thread, so that one SimdOps may serve several threads and decode allocates
+  // nothing once warm.
+  static Q8Scratch& ThreadQ8Scratch() {
+    thread_local Q8Scratch scratch;
+    return scratch;
+  }
+
   template <typename F>
   void For(int64_t n, int64_t grain, F&& fn) const {
     if (pool_ == nullptr) {

@@ -10,6 +10,14 @@
 
 namespace pinfer {
 
+// An activation vector x: [n] quantized to Q8_0 blocks of 32, the form in which Q8_0 and Q4_0
+// weight rows multiply it (llama.cpp's definition of those matrix products; see ops.h).
+struct Q8Vector {
+  const int8_t* q;    // [n]: round-half-even(x / d_fp32), in -127..127
+  const float* d;     // [n / 32]: d = max|x| / 127 of each block, rounded to fp16, as fp32
+  const int32_t* s8;  // [n / 32 * 8]: -8 * (q[4k] + ... + q[4k + 3]), Q4_0's offset of 8
+};
+
 struct RowKernels {
   const char* name;
   // Returns sum_i row[i] * x[i].
@@ -23,6 +31,11 @@ struct RowKernels {
   void (*dot4x4_f32)(const float* rows, const float* x, int64_t ld, int64_t n, float* out);
   float (*dot_f32)(const float* a, const float* b, int64_t n);
   void (*axpy_f32)(float a, const float* x, float* y, int64_t n);
+  // A Q8_0 or Q4_0 row (null for the other dtypes) against a Q8Vector:
+  // sum_b d_row[b] * d_x[b] * (exact integer dot of block b).
+  float (*dot_q8x[5])(const void* row, const Q8Vector& x, int64_t n);
+  // Quantizes x: [n] (n a multiple of 32) into the arrays of a Q8Vector.
+  void (*quantize_q8x)(const float* x, int64_t n, int8_t* q, float* d, int32_t* s8);
 };
 
 const RowKernels* RowKernelsScalar();

@@ -74,8 +74,10 @@ TEST_P(GateSparseFfnTest, EqualsDenseFfn) {
       std::vector<float> want(static_cast<size_t>(n) * o.hidden), got(want.size(), 123.f);
       ASSERT_TRUE(dense.Forward(l, x.data(), n, want.data()).ok());
       ASSERT_TRUE((*sparse)->Forward(l, x.data(), n, got.data()).ok());
-      // Same products, summed in a different order (fp32).
-      EXPECT_LT(Nmse(got, want), 1e-10);
+      // Same products, summed in a different order (fp32). With Q8_0/Q4_0 weights the dense down
+      // projection multiplies its input quantized to Q8_0 (llama.cpp's definition, ops.h) while
+      // the sparse accumulation keeps fp32 coefficients: that rounding alone, ~3e-5 here.
+      EXPECT_LT(Nmse(got, want), IsQuantized(p.dtype) ? 2e-4 : 1e-10);
     }
   }
   // It skipped exactly the neurons whose gate is not positive: count them independently.
@@ -226,7 +228,8 @@ TEST(PredictedSparseFfnTest, PerfectPredictorEqualsDenseWithFullRecall) {
     for (int l = 0; l < o.layers; ++l) {
       ASSERT_TRUE(dense.Forward(l, x.data(), 4, want.data()).ok());
       ASSERT_TRUE((*sparse)->Forward(l, x.data(), 4, got.data()).ok());
-      EXPECT_LT(Nmse(got, want), 1e-9);
+      // Q8_0: the dense down projection's input is quantized to Q8_0 (ops.h), the sparse one's not.
+      EXPECT_LT(Nmse(got, want), IsQuantized(dt) ? 2e-4 : 1e-9);
     }
     const SparseFfnStats& st = (*sparse)->stats();
     // Score and gate are the same linear function computed in different orders, so neurons right
