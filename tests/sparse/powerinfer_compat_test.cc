@@ -521,6 +521,22 @@ TEST_F(PowerInferZooTest, QuantizedFilesComputeTheirPlainTwin) {
     ASSERT_TRUE(pm.ok());
     EXPECT_EQ(pm->down_t[1].dtype, c.down_t == GgmlType::kQ4_0 ? DType::kQ4_0 : DType::kQ8_0);
     EXPECT_EQ(pm->predictors.layers[1].fc1.dtype, DType::kF32);  // folded (and dequantized)
+    // fc2 as stored (Q8_0 or Q4_0 kept, Q5_0 dequantized): within one quantization step of the
+    // predictor's weights (Q4_0/Q5_0 clamp the top level), where a wrong bit layout would miss by
+    // the block's range.
+    const LayerPredictor& P = pm->predictors.layers[1];
+    const Mat& fc2 = m.predictors[1].second;
+    const int R = m.rank;
+    const double levels = c.fc == GgmlType::kQ8_0 ? 127 : c.fc == GgmlType::kQ5_0 ? 16 : 8;
+    std::vector<float> row(R);
+    for (int j = 0; j < m.ffn; ++j) {
+      DequantizeRow(P.fc2.dtype, P.fc2.row(j), row.data(), R);
+      float amax = 0;
+      for (int k = 0; k < R; ++k) amax = std::max(amax, std::fabs(fc2.v[j * R + k]));
+      for (int k = 0; k < R; ++k) {
+        ASSERT_NEAR(row[k], fc2.v[j * R + k], 1.01 * amax / levels + 1e-3 * amax) << j << "," << k;
+      }
+    }
   }
 }
 
