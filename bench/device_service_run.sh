@@ -53,6 +53,19 @@ if [[ -n $cb ]]; then
   kill $gw $gp $cp 2>/dev/null
   wait $gw $gp $cp 2>/dev/null
   cat "$out/gpu-worker.log"
+  # Prompt layers by who computed their cold rows (--cold-prefill); with "stream" forced, some
+  # prompt (relu-llama-tiny's prompts 5 and 10 have more than 8 tokens) must have streamed.
+  streamed=$(awk '/^pinfer_worker_prefill_cold_layers_total\{path="stream"\}/ {print $2}' "$out/gpu-worker.metrics")
+  on_cpu=$(awk '/^pinfer_worker_prefill_cold_layers_total\{path="cpu"\}/ {print $2}' "$out/gpu-worker.metrics")
+  sbytes=$(awk '/^pinfer_worker_streamed_cold_bytes_total/ {print $2}' "$out/gpu-worker.metrics")
+  echo "cold prefill: ${streamed:-?} prompt layers streamed (${sbytes:-?} bytes), ${on_cpu:-?} on the cpu-worker"
+  if [[ " ${GPU_FLAGS:-} " == *" --cold-prefill stream "* ]]; then
+    if awk -v s="${streamed:-0}" 'BEGIN { exit !(s > 0) }'; then
+      echo "cold prefill check: layers were streamed"
+    else
+      echo "cold prefill check FAILED: --cold-prefill stream but no layer streamed"; rc=1
+    fi
+  fi
   if grep -q 'VRAM: planned' "$out/gpu-worker.log"; then
     pct=$(sed -n 's/.*VRAM: planned .*(\([-+][0-9.]*\)%).*/\1/p' "$out/gpu-worker.log")
     if awk -v p="$pct" 'BEGIN { exit !(p <= 5 && p >= -5) }'; then

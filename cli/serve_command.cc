@@ -45,13 +45,17 @@ constexpr char kUsage[] =
     "         [--hot-fraction F] [--max-batch-tokens N] [--max-running N] [--max-queue N]\n"
     "         [--max-new-tokens-limit N] [--drain-timeout-ms MS] [--bin-dir DIR]\n"
     "         [--port-file FILE] [--metrics-port-file FILE] [--status-file FILE] [--sparse]\n"
-    "         [--placement FILE.gpuidx | --vram-budget SIZE]\n"
+    "         [--placement FILE.gpuidx | --vram-budget SIZE] [--cold-prefill auto|cpu|stream]\n"
+    "         [--stream-chunk-rows N] [--stream-slots N]\n"
     "  --port: public gRPC port of the gateway (default 50051; 0 picks one, see --port-file)\n"
     "  --metrics-port: the gateway's /metrics (off unless given); the workers default to M+1\n"
     "                  and M+2 (or 0 = any free port, when M is 0)\n"
     "  --threads / --cpu-threads: compute threads of the gpu-worker / cpu-worker (default 1)\n"
     "  --vram-budget: GPU memory for the gpu-worker (bytes or 8MiB, 24GiB); the most frequently\n"
     "                 active neurons that fit are hot (see pinfer-gpu-worker --help)\n"
+    "  --cold-prefill: who computes prompt batches' cold FFN rows with a GPU: the cpu-worker,\n"
+    "                 the GPU streaming them, or a measured cost model per layer (auto, the\n"
+    "                 default); passed to the gpu-worker (see pinfer-gpu-worker --help)\n"
     "  --status-file: JSON with the children's pids and the segment name, rewritten on restart\n"
     "  --sparse: predictor-driven FFN sparsity; an unprepared model is prepared (and cached)\n"
     "            first, as `pinfer generate --sparse` does\n";
@@ -146,7 +150,8 @@ int ServeCommand(const std::vector<std::string>& args) {
                    {"model", "port", "host", "metrics-port", "gpu-metrics-port", "cpu-metrics-port",
                     "threads", "cpu-threads", "hot-fraction", "max-batch-tokens", "max-running",
                     "max-queue", "max-new-tokens-limit", "drain-timeout-ms", "bin-dir", "port-file",
-                    "metrics-port-file", "status-file", "placement", "vram-budget"},
+                    "metrics-port-file", "status-file", "placement", "vram-budget", "cold-prefill",
+                    "stream-chunk-rows", "stream-slots"},
                    {"sparse"});
   if (!parsed.ok()) return UsageError(kUsage, parsed.status());
   const Flags& f = *parsed;
@@ -166,6 +171,21 @@ int ServeCommand(const std::vector<std::string>& args) {
     if (f.Has("placement") || f.Has("hot-fraction")) {
       return UsageError(kUsage, absl::InvalidArgumentError(
                                     "--vram-budget excludes --placement and --hot-fraction"));
+    }
+  }
+  // Checked here too, so that a typo stops serve at once instead of a gpu-worker restart loop.
+  if (auto v = f.Get("cold-prefill"); v && *v != "auto" && *v != "cpu" && *v != "stream") {
+    return UsageError(
+        kUsage, absl::InvalidArgumentError(
+                    absl::StrCat("--cold-prefill must be auto, cpu or stream (got \"", *v, "\")")));
+  }
+  for (const char* flag : {"stream-chunk-rows", "stream-slots"}) {
+    if (!f.Has(flag)) continue;
+    auto v = f.Int(flag, 0);
+    if (!v.ok()) return UsageError(kUsage, v.status());
+    if (*v < 1) {
+      return UsageError(kUsage,
+                        absl::InvalidArgumentError(absl::StrCat("--", flag, " must be positive")));
     }
   }
   if (!drain.ok() || *drain < 0) {
@@ -236,6 +256,9 @@ int ServeCommand(const std::vector<std::string>& args) {
   pass(&gpu.argv, "vram-budget");
   pass(&gpu.argv, "max-batch-tokens");
   pass(&gpu.argv, "max-new-tokens-limit");
+  pass(&gpu.argv, "cold-prefill");
+  pass(&gpu.argv, "stream-chunk-rows");
+  pass(&gpu.argv, "stream-slots");
   if (f.Has("sparse")) gpu.argv.push_back("--sparse");
   if (!gpu_metrics.empty()) {
     gpu.argv.insert(gpu.argv.end(), {"--metrics-port", gpu_metrics, "--metrics-port-file",

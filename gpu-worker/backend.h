@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "gpu-worker/cold_prefill.h"
 #include "shared/engine/ops.h"
 #include "shared/model/model.h"
 #include "shared/service/ffn_split.h"
@@ -34,6 +35,11 @@ struct BackendStats {
   uint64_t hot_candidates = 0;  // (token, neuron) pairs that could have been computed here
   uint64_t cold_candidates = 0;
   std::vector<double> wait_samples;  // per exchange, seconds (for the wait histogram)
+  // Prompt batches (CUDA backend): layers whose cold rows went to the cpu-worker or were
+  // streamed to the GPU, and the bytes streamed.
+  uint64_t prefill_cold_layers_cpu = 0;
+  uint64_t prefill_cold_layers_stream = 0;
+  double streamed_bytes = 0;
 };
 
 class ComputeBackend {
@@ -92,7 +98,18 @@ struct CudaBackendOptions {
   // --sparse: the predictors (uploaded with the model) choose each layer's neurons on the GPU,
   // hot and cold alike; the cold ones go to the cpu-worker as masks. Null: exact mode.
   const PredictorSet* predictors = nullptr;
+  // Prompt batches' cold rows (cold_prefill.h): kAuto and kStream keep a pinned host copy of the
+  // cold rows and stream them through stream_slots device buffers of stream_chunk_rows neurons
+  // (counted in MeasureCudaFootprint too, so that a VRAM plan includes them).
+  ColdPrefill cold_prefill = ColdPrefill::kCpu;
+  int stream_chunk_rows = 1024;
+  int stream_slots = 2;
 };
+
+// Why the CUDA module cannot stream this model's cold rows ("" when it can): it streams gate, up
+// and the transposed down rows of one stored type, and a quantized down projection is kept as
+// F32 rows (a quantized transpose would re-quantize).
+std::string ColdStreamingProblem(const Model& model);
 
 // What the CUDA module allocates for `model` before any FFN row (measured by creating it once
 // with no hot neurons) and the bytes one hot neuron of each layer adds, so that a placement under

@@ -4,13 +4,21 @@
 // rows and the output head on the GPU; for each layer it calls back ExchangeColdFfn with the FFN
 // input while the GPU works on the hot rows, and this callback runs the same shared-memory
 // exchange with the cpu-worker as the CPU backend does.
+//
+// Prompt batches can instead stream a layer's cold rows to the GPU (--cold-prefill): the module
+// keeps a pinned host copy of them, and ColdPrefillPlanner (cold_prefill.h) picks the path per
+// layer and batch from rates measured here: CalibrateStreaming at start-up for the stream, the
+// timed exchanges of ExchangeColdFfn for the cpu-worker.
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "gpu-worker/backend.h"
+#include "gpu-worker/cold_prefill.h"
 #include "gpu-worker/cuda/backend.h"
 #include "gpu-worker/cuda/model_dims.h"
 #include "shared/engine/transformer.h"
@@ -35,13 +43,17 @@ cuda::HostMatrix FromView(const TensorView& t, bool vector = false) {
   return m;
 }
 
-// The cold side of every layer: the cpu-worker, through the segment.
+// The cold side of every layer: the cpu-worker, through the segment. Each exchange is timed for
+// the cold-prefill cost model (the CPU side's cost per active row-token).
 class ExchangeColdFfn : public cuda::ColdFfn {
  public:
   ExchangeColdFfn(shm::ExchangeClient* exchange, BackendStats* stats, int ffn)
       : exchange_(exchange), stats_(stats), ffn_(ffn) {}
 
+  void set_planner(ColdPrefillPlanner* planner) { planner_ = planner; }
+
   cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
+    const uint64_t start = shm::MonotonicNanos();
     const int H = exchange_->segment().geometry().hidden;
     const int W = exchange_->segment().geometry().words_per_mask();
     const uint64_t* masks = nullptr;
@@ -67,6 +79,10 @@ class ExchangeColdFfn : public cuda::ColdFfn {
     stats_->exchanges += 1;
     stats_->cold_neurons += xs.cold_neurons;
     if (!st.ok()) return Fail(st);
+    if (planner_ != nullptr) {
+      planner_->ObserveCpu(r.layer, r.n, static_cast<double>(xs.cold_neurons),
+                           (shm::MonotonicNanos() - start) * 1e-9);
+    }
     return {};
   }
 
@@ -80,6 +96,7 @@ class ExchangeColdFfn : public cuda::ColdFfn {
   shm::ExchangeClient* exchange_;
   BackendStats* stats_;
   int ffn_;
+  ColdPrefillPlanner* planner_ = nullptr;
   std::vector<uint64_t> masks_;
 };
 
@@ -87,7 +104,8 @@ class CudaBackend : public ComputeBackend {
  public:
   CudaBackend(const Model& model, void* handle, cuda::Backend* backend, PinferCudaDestroyFn destroy,
               shm::ExchangeClient* exchange, int slots, int max_ctx, uint64_t hot_neurons,
-              uint64_t hot_bytes, bool predicted)
+              uint64_t hot_bytes, bool predicted, int cold_layers,
+              std::unique_ptr<ColdPrefillPlanner> planner)
       : model_(model),
         handle_(handle),
         backend_(backend),
@@ -97,7 +115,11 @@ class CudaBackend : public ComputeBackend {
         max_ctx_(max_ctx),
         hot_neurons_(hot_neurons),
         hot_bytes_(hot_bytes),
-        predicted_(predicted) {}
+        predicted_(predicted),
+        cold_layers_(cold_layers),
+        planner_(std::move(planner)) {
+    cold_.set_planner(planner_.get());
+  }
   ~CudaBackend() override { destroy_(backend_); }  // the module stays loaded (CUDA at exit)
 
   std::string name() const override { return "cuda"; }
@@ -120,28 +142,17 @@ class CudaBackend : public ComputeBackend {
 
   absl::Status Forward(int slot, std::span<const int32_t> tokens, int pos0,
                        float* logits) override {
-    cuda::ForwardArgs a;
-    a.seq = slot;
-    a.tokens = tokens.data();
-    a.n = static_cast<int>(tokens.size());
-    a.pos0 = pos0;
-    // Prompt batches take the union of their tokens' predicted neurons (a superset: for ReLU
-    // every extra neuron is computed exactly); a decode step is exactly its token's prediction.
-    a.mode = predicted_ ? cuda::FfnMode::kPredicted : cuda::FfnMode::kExact;
-    a.cold = &cold_;
-    a.logits_mode = logits != nullptr ? cuda::LogitsMode::kLast : cuda::LogitsMode::kNone;
-    a.logits = logits;
-    absl::Status st = ToStatus(backend_->Forward(a));
-    const cuda::ForwardStats& fs = backend_->last_stats();
-    stats_.forward_ns += static_cast<uint64_t>(fs.total * 1e9);
-    stats_.hot_ffn_ns += static_cast<uint64_t>(fs.gpu_hot_ffn * 1e9);
-    stats_.hot_neurons += static_cast<uint64_t>(fs.hot_rows_computed);
-    const uint64_t hot_per_layer = hot_neurons_ / std::max(1, model_.config.n_layers);
-    stats_.hot_candidates += hot_per_layer * model_.config.n_layers * tokens.size();
-    stats_.cold_candidates +=
-        (static_cast<uint64_t>(model_.config.ffn_size) * model_.config.n_layers - hot_neurons_) *
-        tokens.size();
-    return st;
+    return Run(slot, tokens, pos0, logits, /*decode=*/false);
+  }
+
+  // Decode steps run one sequence at a time (the module's Forward takes one); they never stream.
+  absl::Status DecodeBatch(std::span<const DecodeItem> items) override {
+    for (const DecodeItem& it : items) {
+      absl::Status st = Run(it.slot, std::span<const int32_t>(&it.token, 1), it.pos, it.logits,
+                            /*decode=*/true);
+      if (!st.ok()) return st;
+    }
+    return absl::OkStatus();
   }
 
   uint64_t ffn_bytes() const override { return hot_bytes_; }
@@ -153,6 +164,64 @@ class CudaBackend : public ComputeBackend {
   BackendStats TakeStats() override { return std::exchange(stats_, BackendStats{}); }
 
  private:
+  absl::Status Run(int slot, std::span<const int32_t> tokens, int pos0, float* logits,
+                   bool decode) {
+    cuda::ForwardArgs a;
+    a.seq = slot;
+    a.tokens = tokens.data();
+    a.n = static_cast<int>(tokens.size());
+    a.pos0 = pos0;
+    // Prompt batches take the union of their tokens' predicted neurons (a superset: for ReLU
+    // every extra neuron is computed exactly); a decode step is exactly its token's prediction.
+    a.mode = predicted_ ? cuda::FfnMode::kPredicted : cuda::FfnMode::kExact;
+    a.cold = &cold_;
+    a.logits_mode = logits != nullptr ? cuda::LogitsMode::kLast : cuda::LogitsMode::kNone;
+    a.logits = logits;
+    // Prompt batches: who takes each layer's cold rows.
+    ColdPrefillPlanner::Decision decision;
+    const bool choose = !decode && planner_ != nullptr && a.n > kMaxMatvecTokens;
+    if (choose) {
+      decision = planner_->Decide(a.n);
+      cold_paths_.assign(decision.stream.size(), cuda::ColdPath::kCallback);
+      for (size_t l = 0; l < decision.stream.size(); ++l) {
+        if (decision.stream[l]) cold_paths_[l] = cuda::ColdPath::kStream;
+      }
+      a.cold_paths = &cold_paths_;
+    }
+    absl::Status st = ToStatus(backend_->Forward(a));
+    const cuda::ForwardStats& fs = backend_->last_stats();
+    if (!decode) {
+      // What the module did (it never streams a batch on the matrix-vector path).
+      stats_.prefill_cold_layers_stream += static_cast<uint64_t>(fs.streamed_layers);
+      stats_.prefill_cold_layers_cpu +=
+          static_cast<uint64_t>(std::max(0, cold_layers_ - fs.streamed_layers));
+      stats_.streamed_bytes += fs.streamed_bytes;
+      if (choose && st.ok()) LogDecision(a.n, decision, fs);
+    }
+    stats_.forward_ns += static_cast<uint64_t>(fs.total * 1e9);
+    stats_.hot_ffn_ns += static_cast<uint64_t>(fs.gpu_hot_ffn * 1e9);
+    stats_.hot_neurons += static_cast<uint64_t>(fs.hot_rows_computed);
+    const uint64_t hot_per_layer = hot_neurons_ / std::max(1, model_.config.n_layers);
+    stats_.hot_candidates += hot_per_layer * model_.config.n_layers * tokens.size();
+    stats_.cold_candidates +=
+        (static_cast<uint64_t>(model_.config.ffn_size) * model_.config.n_layers - hot_neurons_) *
+        tokens.size();
+    return st;
+  }
+
+  // The first prompt batches' decisions, then (a few) changes, so that the log shows what the
+  // cost model does without a line per batch.
+  void LogDecision(int n, const ColdPrefillPlanner::Decision& d, const cuda::ForwardStats& fs) {
+    const bool changed = fs.streamed_layers != last_logged_streamed_;
+    if (decisions_logged_ >= 4 && !(changed && decisions_logged_ < 24)) return;
+    decisions_logged_ += 1;
+    last_logged_streamed_ = fs.streamed_layers;
+    Log("cold prefill: batch of %d tokens: %d of %d layers' cold rows streamed to the GPU "
+        "(%.2f MiB), %d to the cpu-worker (%s)",
+        n, fs.streamed_layers, cold_layers_, fs.streamed_bytes / 1048576.0,
+        std::max(0, cold_layers_ - fs.streamed_layers), d.reason.c_str());
+  }
+
   const Model& model_;
   void* handle_;
   cuda::Backend* backend_;
@@ -163,6 +232,10 @@ class CudaBackend : public ComputeBackend {
   int max_ctx_;
   uint64_t hot_neurons_, hot_bytes_;
   bool predicted_;
+  int cold_layers_;                              // layers with at least one cold neuron
+  std::unique_ptr<ColdPrefillPlanner> planner_;  // null: every cold row to the cpu-worker
+  std::vector<cuda::ColdPath> cold_paths_;
+  int decisions_logged_ = 0, last_logged_streamed_ = -1;
 };
 
 }  // namespace
@@ -200,6 +273,11 @@ cuda::ModelUpload BaseUpload(const Model& model, int max_batch, const CudaBacken
   u.max_seqs = o.slots;
   u.max_batch = max_batch;
   u.device = o.device;
+  // The same stream settings for the measuring instance and the real one, so that the slots
+  // are part of the measured fixed footprint.
+  u.stream_cold = o.cold_prefill != ColdPrefill::kCpu;
+  u.stream_chunk_rows = o.stream_chunk_rows;
+  u.stream_slots = o.stream_slots;
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = model.layers[l];
     cuda::LayerUpload lu;
@@ -230,7 +308,68 @@ DType DownTransposedType(const Model& model, int layer) {
   return d == DType::kF32 || d == DType::kF16 || d == DType::kBF16 ? d : DType::kF32;
 }
 
+// Times the streamed cold rows of the layer with the most cold rows at a few batch sizes and of
+// the next largest at the largest size, and gives the planner the stream's rates.
+void CalibrateStream(cuda::Backend* b, int max_batch, ColdPrefillPlanner* planner) {
+  const std::vector<ColdLayerShape>& layers = planner->layers();
+  std::vector<int> order;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    if (layers[l].cold_rows > 0) order.push_back(static_cast<int>(l));
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int x, int y) { return layers[x].cold_rows > layers[y].cold_rows; });
+  std::vector<int> sizes;
+  for (int n : {16, 64, 256, 512}) {
+    if (n <= max_batch) sizes.push_back(n);
+  }
+  if (sizes.empty()) sizes.push_back(max_batch);
+  std::vector<std::pair<int, int>> runs;  // (layer, tokens)
+  for (int n : sizes) runs.push_back({order[0], n});
+  if (order.size() > 1) runs.push_back({order[1], sizes.back()});
+  std::vector<StreamSample> samples;
+  for (auto [layer, n] : runs) {
+    cuda::StreamCalibration c;
+    absl::Status st = ToStatus(b->CalibrateStreaming(layer, n, &c));
+    if (!st.ok()) {
+      Log("cold prefill: stream calibration of layer %d at %d tokens failed: %s", layer, n,
+          st.ToString().c_str());
+      continue;
+    }
+    Log("cold prefill: stream calibration, layer %d, %d tokens: %lld cold rows, %.2f MiB; copy "
+        "%.3f ms (%.2f GB/s), products %.3f ms (%.2f TFLOP/s), overlapped %.3f ms",
+        layer, n, static_cast<long long>(c.rows), c.bytes / 1048576.0, c.copy_s * 1e3,
+        c.bytes / c.copy_s * 1e-9, c.compute_s * 1e3, c.flops / c.compute_s * 1e-12,
+        c.overlapped_s * 1e3);
+    samples.push_back({c.n, c.bytes, c.copy_s, c.flops, c.compute_s, c.overlapped_s});
+  }
+  absl::Status st = planner->SetStreamCalibration(samples);
+  if (!st.ok()) {
+    Log("cold prefill: no stream calibration (%s)%s", st.ToString().c_str(),
+        planner->mode() == ColdPrefill::kAuto ? ": every cold row goes to the cpu-worker" : "");
+    return;
+  }
+  const ColdCostParams& p = planner->params();
+  Log("cold prefill: stream model: %.2f GB/s host->GPU, %.2f TFLOP/s products, %.3f ms fixed "
+      "per layer; the CPU side's cost is measured on the first prompt batches (--cold-prefill "
+      "%s)",
+      p.h2d_bytes_per_s * 1e-9, p.gpu_flops_per_s * 1e-12, p.stream_fixed_s * 1e3,
+      ColdPrefillName(planner->mode()));
+}
+
 }  // namespace
+
+std::string ColdStreamingProblem(const Model& model) {
+  for (int l = 0; l < model.config.n_layers; ++l) {
+    const LayerWeights& L = model.layers[l];
+    const DType dt = DownTransposedType(model, l);
+    if (L.gate.dtype != L.up.dtype || L.gate.dtype != dt) {
+      return absl::StrCat("layer ", l, " has gate ", DTypeName(L.gate.dtype), ", up ",
+                          DTypeName(L.up.dtype), " and transposed down ", DTypeName(dt),
+                          " rows; streaming needs one type");
+    }
+  }
+  return "";
+}
 
 absl::StatusOr<CudaFootprint> MeasureCudaFootprint(const Model& model, int max_batch,
                                                    const std::string& module_path,
@@ -268,16 +407,22 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
   // The module takes hot rows of gate, up and of the transposed down projection.
   auto down_t = TransposeDownProjections(model);
   if (!down_t.ok()) return down_t.status();
-  cuda::ModelUpload u = BaseUpload(model, exchange->segment().geometry().max_tokens, o);
+  const int max_batch = exchange->segment().geometry().max_tokens;
+  cuda::ModelUpload u = BaseUpload(model, max_batch, o);
   uint64_t hot_neurons = 0, hot_bytes = 0;
+  std::vector<ColdLayerShape> shapes(c.n_layers);
+  int cold_layers = 0;
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = model.layers[l];
     cuda::LayerUpload& lu = u.layers[l];
     lu.down_t = FromView(down_t->layers[l]);
     lu.hot_ids = placement.hot[l];
     hot_neurons += lu.hot_ids.size();
-    hot_bytes +=
-        lu.hot_ids.size() * (L.gate.row_bytes() + L.up.row_bytes() + down_t->layers[l].row_bytes());
+    const uint64_t row = L.gate.row_bytes() + L.up.row_bytes() + down_t->layers[l].row_bytes();
+    hot_bytes += lu.hot_ids.size() * row;
+    shapes[l].cold_rows = c.ffn_size - static_cast<int64_t>(lu.hot_ids.size());
+    shapes[l].bytes = static_cast<double>(shapes[l].cold_rows) * row;
+    cold_layers += shapes[l].cold_rows > 0 ? 1 : 0;
   }
   cuda::Backend* b = nullptr;
   char err[1024] = {0};
@@ -286,9 +431,28 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
   b->set_collect_gpu_times(o.gpu_timing);
   Log("CUDA backend on %s: %.1f MiB on the device", b->DeviceName().c_str(),
       b->DeviceBytes() / 1048576.0);
-  return std::unique_ptr<ComputeBackend>(new CudaBackend(model, m.handle, b, m.destroy, exchange,
-                                                         o.slots, o.max_ctx, hot_neurons,
-                                                         hot_bytes, o.predictors != nullptr));
+  std::unique_ptr<ColdPrefillPlanner> planner;
+  if (o.cold_prefill != ColdPrefill::kCpu) {
+    if (max_batch <= kMaxMatvecTokens) {
+      Log("cold prefill: batches of at most %d tokens never stream (--max-batch-tokens); every "
+          "cold row goes to the cpu-worker",
+          max_batch);
+    } else if (cold_layers == 0) {
+      Log("cold prefill: every FFN row is on the GPU; nothing to stream");
+    } else {
+      planner = std::make_unique<ColdPrefillPlanner>(o.cold_prefill, c.hidden_size, shapes);
+      double pinned = 0;
+      for (const ColdLayerShape& s : shapes) pinned += s.bytes;
+      Log("cold prefill: --cold-prefill %s, %.1f MiB of cold rows pinned in host memory for "
+          "streaming, %d slots of %d rows on the GPU",
+          ColdPrefillName(o.cold_prefill), pinned / 1048576.0, o.stream_slots,
+          std::min(o.stream_chunk_rows, c.ffn_size));
+      CalibrateStream(b, max_batch, planner.get());
+    }
+  }
+  return std::unique_ptr<ComputeBackend>(
+      new CudaBackend(model, m.handle, b, m.destroy, exchange, o.slots, o.max_ctx, hot_neurons,
+                      hot_bytes, o.predictors != nullptr, cold_layers, std::move(planner)));
 }
 
 }  // namespace pinfer::gpuworker

@@ -58,7 +58,8 @@ constexpr char kUsage[] =
     "         [--exchange-timeout-ms MS] [--liveness-ms MS] [--backend auto|cpu|cuda]\n"
     "         [--cuda-module PATH] [--gpu-slots N] [--max-context N] [--cuda-device N]\n"
     "         [--placement FILE.gpuidx | --vram-budget SIZE] [--sparse] [--gpu-timing]\n"
-    "         [--drain-timeout-ms MS]\n"
+    "         [--drain-timeout-ms MS] [--cold-prefill auto|cpu|stream]\n"
+    "         [--stream-chunk-rows N] [--stream-slots N]\n"
     "  --listen: host:port (port 0 picks one; see --port-file) or unix:/path\n"
     "  --segment: POSIX shared-memory name for the activation exchange (default: a fresh\n"
     "             unique name, printed in the log); give the cpu-worker the same name\n"
@@ -67,7 +68,13 @@ constexpr char kUsage[] =
     "               MODEL.generated.gpuidx when it exists, else --hot-fraction (0.5)\n"
     "  --vram-budget: GPU memory for this worker (bytes or 8MiB, 24GiB): the hot neurons are\n"
     "               the most frequently active ones (profile of a prepared model, else of the\n"
-    "               bundled calibration text) that fit beside what the backend holds anyway\n";
+    "               bundled calibration text) that fit beside what the backend holds anyway\n"
+    "  --cold-prefill: who computes a prompt batch's cold FFN rows on the CUDA backend: the\n"
+    "               cpu-worker (cpu), the GPU streaming them from pinned host memory (stream),\n"
+    "               or per layer and batch by a cost model measured at run time (auto, the\n"
+    "               default); ignored on the CPU backend\n"
+    "  --stream-chunk-rows / --stream-slots: neurons per streamed chunk (1024) and device\n"
+    "               buffers for chunks in flight (2); they count against --vram-budget\n";
 
 struct Options {
   std::string model, listen = "127.0.0.1:0", port_file, segment, metrics_port, metrics_port_file;
@@ -83,6 +90,9 @@ struct Options {
   int64_t exchange_timeout_ms = 30000, liveness_ms = 2000, drain_timeout_ms = 30000;
   bool sparse = false;
   bool gpu_timing = false;
+  ColdPrefill cold_prefill = ColdPrefill::kAuto;
+  bool cold_prefill_given = false;
+  int stream_chunk_rows = 1024, stream_slots = 2;
 };
 
 absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
@@ -107,7 +117,10 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
                                                     "max-context",
                                                     "cuda-device",
                                                     "placement",
-                                                    "vram-budget"},
+                                                    "vram-budget",
+                                                    "cold-prefill",
+                                                    "stream-chunk-rows",
+                                                    "stream-slots"},
                                                    {"sparse", "gpu-timing"}));
   Options o;
   ASSIGN_OR_RETURN(o.model, f.Required("model"));
@@ -169,6 +182,20 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   o.max_new_tokens_limit = static_cast<int>(mnt);
   o.sparse = f.Has("sparse");
   o.gpu_timing = f.Has("gpu-timing");
+  if (auto v = f.Get("cold-prefill")) {
+    ASSIGN_OR_RETURN(o.cold_prefill, ParseColdPrefill(*v));
+    o.cold_prefill_given = true;
+  }
+  ASSIGN_OR_RETURN(int64_t chunk, f.Int("stream-chunk-rows", 1024));
+  ASSIGN_OR_RETURN(int64_t stream_slots, f.Int("stream-slots", 2));
+  if (chunk < 1 || chunk > (1 << 20)) {
+    return absl::InvalidArgumentError("--stream-chunk-rows must be in [1, 1048576]");
+  }
+  if (stream_slots < 1 || stream_slots > 16) {
+    return absl::InvalidArgumentError("--stream-slots must be in [1, 16]");
+  }
+  o.stream_chunk_rows = static_cast<int>(chunk);
+  o.stream_slots = static_cast<int>(stream_slots);
   return o;
 }
 
@@ -248,6 +275,7 @@ struct State {
   GpuProbe gpu;
   uint64_t cold_bytes_estimate = 0;
   std::optional<PlacementPlan> vram_plan;  // with --vram-budget
+  ColdPrefill cold_prefill = ColdPrefill::kCpu;  // in effect on the CUDA backend
 };
 
 v1::ModelInfo BuildModelInfo(const State& s) {
@@ -446,6 +474,9 @@ CudaBackendOptions CudaOptions(const State& s) {
   cbo.device = s.options.cuda_device;
   cbo.gpu_timing = s.options.gpu_timing;
   if (s.options.sparse) cbo.predictors = s.service_model.predictors();
+  cbo.cold_prefill = s.cold_prefill;
+  cbo.stream_chunk_rows = s.options.stream_chunk_rows;
+  cbo.stream_slots = s.options.stream_slots;
   return cbo;
 }
 
@@ -543,6 +574,20 @@ int Main(const std::vector<std::string>& args) {
     return 1;
   }
   if (o.max_context > 0) s.model->config.max_context = std::min(c.max_context, o.max_context);
+  // Streamed cold rows for prompt batches (CUDA only; decided before the VRAM plan, which counts
+  // the stream's device buffers).
+  s.cold_prefill = o.cold_prefill;
+  if (s.gpu.available && s.cold_prefill != ColdPrefill::kCpu) {
+    const std::string problem = ColdStreamingProblem(*s.model);
+    if (!problem.empty()) {
+      if (o.cold_prefill_given && o.cold_prefill == ColdPrefill::kStream) {
+        Log("--cold-prefill stream: cannot stream this model's cold rows: %s", problem.c_str());
+        return 1;
+      }
+      Log("cold prefill: the cpu-worker computes every cold row (%s)", problem.c_str());
+      s.cold_prefill = ColdPrefill::kCpu;
+    }
+  }
 
   // Placement: a PowerInfer GPU index (given, or beside the model as `pinfer prepare` and
   // PowerInfer write it), else a fixed fraction of every layer.
@@ -615,6 +660,10 @@ int Main(const std::vector<std::string>& args) {
   if (s.backend == nullptr) {
     Log("no usable GPU (%s): computing the gpu-worker's share on the CPU with %d thread(s)",
         s.gpu.reason.c_str(), o.threads);
+    if (o.cold_prefill_given) {
+      Log("--cold-prefill %s ignored: the CPU backend sends every cold row to the cpu-worker",
+          ColdPrefillName(o.cold_prefill));
+    }
     auto backend =
         NewCpuBackend(*s.model, *s.ops, s.placement, s.exchange.get(), s.service_model.down_t(),
                       o.sparse ? s.service_model.predictors() : nullptr);
@@ -683,6 +732,20 @@ int Main(const std::vector<std::string>& args) {
                          .Help("Sequences whose decode steps ran together in one forward pass")
                          .Register(*registry)
                          .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64});
+  auto& prefill_layers = prometheus::BuildCounter()
+                             .Name("pinfer_worker_prefill_cold_layers_total")
+                             .Help(
+                                 "Layers of prompt batches by who computed their cold FFN rows: "
+                                 "the cpu-worker (cpu) or the GPU streaming them (stream); CUDA "
+                                 "backend")
+                             .Register(*registry);
+  auto& prefill_cpu = prefill_layers.Add({{"path", "cpu"}});
+  auto& prefill_stream = prefill_layers.Add({{"path", "stream"}});
+  auto& streamed_bytes = prometheus::BuildCounter()
+                             .Name("pinfer_worker_streamed_cold_bytes_total")
+                             .Help("Bytes of cold FFN rows streamed host->GPU for prompt batches")
+                             .Register(*registry)
+                             .Add({});
   auto& running = prometheus::BuildGauge()
                       .Name("pinfer_worker_sequences_running")
                       .Help("Sequences in the gpu-worker's schedule")
@@ -751,6 +814,9 @@ int Main(const std::vector<std::string>& args) {
     neurons_cpu.Increment(static_cast<double>(st.cold_neurons));
     cand_gpu.Increment(static_cast<double>(st.hot_candidates));
     cand_cpu.Increment(static_cast<double>(st.cold_candidates));
+    prefill_cpu.Increment(static_cast<double>(st.prefill_cold_layers_cpu));
+    prefill_stream.Increment(static_cast<double>(st.prefill_cold_layers_stream));
+    streamed_bytes.Increment(st.streamed_bytes);
   };
   hooks.on_running = [&](int n) { running.Set(n); };
   hooks.on_tokens = [&](int n) { tokens.Increment(n); };

@@ -4,6 +4,7 @@
 // stories260K) and against the in-process engine; failure behaviour (invalid requests, full
 // queue, deadlines, cancellation, killed workers, drain on SIGTERM) is checked by status code
 // and message.
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -704,6 +705,98 @@ TEST(ServicePlacementTest, VramBudgetFlagErrors) {
   EXPECT_EQ(rc4, 1);
   EXPECT_THAT(err4, ::testing::HasSubstr("cannot place the model in a VRAM budget of 1.0 MiB"));
   EXPECT_THAT(err4, ::testing::HasSubstr("bytes the dense tensors, KV cache"));
+}
+
+// Runs a command line with stdout and stderr into a file; returns the exit code and the output.
+std::pair<int, std::string> RunCommand(const std::string& cmd, const std::string& name) {
+  const std::string out = ::testing::TempDir() + "/" + name + ".txt";
+  const int rc = std::system((cmd + " > " + out + " 2>&1").c_str());
+  std::ifstream in(out);
+  std::stringstream text;
+  text << in.rdbuf();
+  return {WEXITSTATUS(rc), text.str()};
+}
+
+TEST(ServiceColdPrefillTest, GpuWorkerFlagErrors) {
+  const std::string worker = std::string(PINFER_BINARY_DIR) + "/bin/pinfer-gpu-worker --model " +
+                             kTiny + " --backend cpu ";
+  auto [rc1, err1] = RunCommand(worker + "--cold-prefill gpu", "cold-prefill-1");
+  EXPECT_EQ(rc1, 2);
+  EXPECT_THAT(err1, HasSubstr("--cold-prefill must be auto, cpu or stream (got \"gpu\")"));
+  EXPECT_THAT(err1, HasSubstr("usage: pinfer-gpu-worker"));
+  auto [rc2, err2] = RunCommand(worker + "--stream-slots 0", "cold-prefill-2");
+  EXPECT_EQ(rc2, 2);
+  EXPECT_THAT(err2, HasSubstr("--stream-slots must be in [1, 16]"));
+  auto [rc3, err3] = RunCommand(worker + "--stream-chunk-rows many", "cold-prefill-3");
+  EXPECT_EQ(rc3, 2);
+  EXPECT_THAT(err3, HasSubstr("stream-chunk-rows"));
+  auto [rc4, err4] = RunCommand(std::string(PINFER_BINARY_DIR) + "/cli/pinfer serve --model " +
+                                    kTiny + " --port 0 --cold-prefill fast",
+                                "cold-prefill-4");
+  EXPECT_EQ(rc4, 2);
+  EXPECT_THAT(err4, HasSubstr("--cold-prefill must be auto, cpu or stream (got \"fast\")"));
+}
+
+TEST(ServiceColdPrefillTest, CpuBackendIgnoresTheFlagAndStaysExact) {
+  // Without a GPU the flag changes nothing: a log line says so, the tokens are the reference's
+  // and no prompt layer is counted as streamed.
+  DeploymentOptions o;
+  o.model = kTiny;
+  o.gpu_flags = {"--backend", "cpu", "--cold-prefill", "stream"};
+  Deployment d(o);
+  ASSERT_TRUE(d.Start().ok()) << d.Logs();
+  EXPECT_THAT(d.Logs(), HasSubstr("--cold-prefill stream ignored: the CPU backend"));
+  const auto ref = ReadJson(kTiny + "/reference.json");
+  const auto& p = ref["prompts"][10];  // 14 tokens: a batch past the matrix-vector size
+  GenerateResult r = RunGenerate(d.stub(), GreedyRequest(p["prompt"], 48));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.ids, U32(p["greedy_ids"]));
+  auto m = ScrapeMetrics(d.gpu_metrics_port());
+  ASSERT_TRUE(m.ok()) << m.status();
+  // Exported (so that dashboards see the series) and zero.
+  EXPECT_EQ(m->count("pinfer_worker_prefill_cold_layers_total{path=\"stream\"}"), 1u);
+  EXPECT_EQ(MetricSum(*m, "pinfer_worker_prefill_cold_layers_total", "stream"), 0);
+  EXPECT_EQ(MetricSum(*m, "pinfer_worker_streamed_cold_bytes_total"), 0);
+}
+
+TEST(ServiceColdPrefillTest, ServePassesTheFlagsToTheGpuWorker) {
+  const std::string dir = ::testing::TempDir() + "/serve-cold-prefill";
+  std::filesystem::create_directories(dir);
+  const std::string log = dir + "/serve.log";
+  std::filesystem::remove(log);  // before the child starts: never read an earlier run's log
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    const std::string bin = std::string(PINFER_BINARY_DIR) + "/cli/pinfer";
+    ::execl(bin.c_str(), bin.c_str(), "serve", "--model", kTiny.c_str(), "--port", "0",
+            "--bin-dir", (std::string(PINFER_BINARY_DIR) + "/bin").c_str(), "--cold-prefill",
+            "stream", "--stream-slots", "3", "--stream-chunk-rows", "256", nullptr);
+    ::_exit(127);
+  }
+  ASSERT_GT(pid, 0);
+  auto read_log = [&] {
+    std::ifstream in(log);
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  };
+  // The gpu-worker got the flags (serve's log prints each child's command line) and, on this
+  // machine's CPU backend, says it ignores them.
+  const auto t0 = Clock::now();
+  while (Since(t0) < 30 && read_log().find("ignored: the CPU backend") == std::string::npos) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const std::string text = read_log();
+  ::kill(pid, SIGTERM);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  EXPECT_THAT(text, HasSubstr("--cold-prefill stream --stream-chunk-rows 256 --stream-slots 3"));
+  EXPECT_THAT(text, HasSubstr("--cold-prefill stream ignored: the CPU backend"));
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "wait status " << status << "\n"
+      << text;
 }
 
 // Greedy tokens of the in-process engine with a given FFN block, the prompt fed one token at a
