@@ -49,6 +49,11 @@ if [[ -n $cb ]]; then
   timeout 300 "$b/bin/service_bench" --address "127.0.0.1:$(cat "$dir/gw.port")" \
     --reference $model/reference.json --tokens "${TOKENS:-256}" --repeats "${REPEATS:-3}" \
     2>&1 | tee "$out/bench_cuda_service.md" || rc=1
+  if grep -Eq 'reference: ([0-9]+)/\1 prompts match' "$out/bench_cuda_service.md"; then
+    echo "reference check: every prompt's greedy tokens match"
+  else
+    echo "reference check FAILED: $(grep -E 'reference:' "$out/bench_cuda_service.md")"; rc=1
+  fi
   curl -s "http://127.0.0.1:$(cat "$dir/gpu.mport")/metrics" > "$out/gpu-worker.metrics" 2>/dev/null || true
   kill $gw $gp $cp 2>/dev/null
   wait $gw $gp $cp 2>/dev/null
