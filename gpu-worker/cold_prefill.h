@@ -81,6 +81,10 @@ class ColdPrefillPlanner {
   void ObserveCpu(int layer, int tokens, double row_tokens, double seconds);
   // Whether the CPU's costs are fitted (refits if samples arrived since the last call).
   bool cpu_calibrated();
+  // Timed exchanges kept for the fit.
+  int cpu_samples() const {
+    return static_cast<int>(decode_samples_.size() + prompt_samples_.size());
+  }
   // Mean active cold rows per token of `layer` over its recent exchanges; < 0 before any.
   double RowsPerToken(int layer) const;
   const ColdCostParams& params() const { return params_; }

@@ -197,6 +197,11 @@ class CudaBackend : public ComputeBackend {
           static_cast<uint64_t>(std::max(0, cold_layers_ - fs.streamed_layers));
       stats_.streamed_bytes += fs.streamed_bytes;
       if (choose && st.ok()) LogDecision(a.n, decision, fs);
+      if (planner_ != nullptr && !cpu_fit_logged_ && planner_->mode() == ColdPrefill::kAuto &&
+          planner_->cpu_calibrated()) {
+        cpu_fit_logged_ = true;
+        LogCpuFit();
+      }
     }
     stats_.forward_ns += static_cast<uint64_t>(fs.total * 1e9);
     stats_.hot_ffn_ns += static_cast<uint64_t>(fs.gpu_hot_ffn * 1e9);
@@ -222,6 +227,34 @@ class CudaBackend : public ComputeBackend {
         std::max(0, cold_layers_ - fs.streamed_layers), d.reason.c_str());
   }
 
+  // Once, when the CPU side's costs are first fitted: the fit and where streaming starts to win
+  // for the layer with the most cold rows.
+  void LogCpuFit() {
+    const std::vector<ColdLayerShape>& layers = planner_->layers();
+    int big = -1;
+    for (size_t l = 0; l < layers.size(); ++l) {
+      if (planner_->RowsPerToken(static_cast<int>(l)) < 0 || layers[l].cold_rows == 0) continue;
+      if (big < 0 || layers[l].cold_rows > layers[big].cold_rows) big = static_cast<int>(l);
+    }
+    const ColdCostParams& p = planner_->params();
+    std::string crossover;
+    if (big >= 0 && planner_->stream_calibrated()) {
+      const double rows = planner_->RowsPerToken(big);
+      const int n = StreamCrossover(p, layers[big].cold_rows, layers[big].bytes,
+                                    model_.config.hidden_size, rows, 1 << 16);
+      crossover =
+          absl::StrFormat("; layer %d (%lld cold rows, %.1f active per token) streams from %s", big,
+                          static_cast<long long>(layers[big].cold_rows), rows,
+                          n > kMaxMatvecTokens ? absl::StrCat(n, " tokens")
+                          : n > 0              ? absl::StrCat(kMaxMatvecTokens + 1, " tokens")
+                                               : std::string("no batch size"));
+    }
+    Log("cold prefill: CPU side fitted from %d timed exchanges: %.3f ms + %.4f us per active "
+        "row-token%s",
+        planner_->cpu_samples(), p.cpu_fixed_s * 1e3, p.cpu_s_per_row_token * 1e6,
+        crossover.c_str());
+  }
+
   const Model& model_;
   void* handle_;
   cuda::Backend* backend_;
@@ -236,6 +269,7 @@ class CudaBackend : public ComputeBackend {
   std::unique_ptr<ColdPrefillPlanner> planner_;  // null: every cold row to the cpu-worker
   std::vector<cuda::ColdPath> cold_paths_;
   int decisions_logged_ = 0, last_logged_streamed_ = -1;
+  bool cpu_fit_logged_ = false;
 };
 
 }  // namespace

@@ -89,6 +89,7 @@ TEST(ColdPrefillTest, AutoPicksPerLayerAndBatchFromMeasuredRates) {
   EXPECT_FALSE(p.cpu_calibrated());
   p.ObserveCpu(2, 1, 40, 0.24e-3);
   ASSERT_TRUE(p.cpu_calibrated());
+  EXPECT_EQ(p.cpu_samples(), 2);
   EXPECT_NEAR(p.params().cpu_fixed_s, 0.2e-3, 1e-12);
   EXPECT_NEAR(p.params().cpu_s_per_row_token, 1e-6, 1e-15);
   EXPECT_DOUBLE_EQ(p.RowsPerToken(1), 100);
