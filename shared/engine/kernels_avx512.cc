@@ -82,6 +82,50 @@ inline F8 q4q8_block(const uint8_t* qs, const int8_t* x, const int32_t* s8) {
 
 #include "shared/engine/kernels_simd.inc"
 
+namespace {
+#ifndef PINFER_Q4_PREFETCH
+#define PINFER_Q4_PREFETCH 2048
+#endif
+// Q4_0 rows against a Q8Vector two blocks per 512-bit step: the two blocks' nibbles are laid out
+// in x's element order ([lo0, hi0, lo1, hi1] 128-bit lanes), so one VNNI dot, one conversion and
+// one FMA serve both blocks and x, its Q4_0 offsets and its scales load contiguously. The
+// software prefetch runs ahead of the hardware's: measured ~12% faster here, while the same
+// prefetch made Q8_0 rows ~6% and F16 rows much slower, so only this kernel has it.
+float DotQ4x512(const void* row, const Q8Vector& x, int64_t n) {
+  const BlockQ4_0* r = static_cast<const BlockQ4_0*>(row);
+  const int64_t nb = n / 32;
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  auto two_blocks = [&](int64_t b) {
+    const __m256i q01 = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r[b].qs))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(r[b + 1].qs)), 1);
+    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(q01), _mm256_srli_epi16(q01, 4), 1);
+    z = _mm512_and_si512(_mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), m4);
+    const __m512i p = _mm512_dpbusd_epi32(_mm512_loadu_si512(x.s8 + b * 8), z,
+                                          _mm512_loadu_si512(x.q + b * 32));
+    const __m128i dw = _mm_insert_epi16(_mm_cvtsi32_si128(r[b].d), r[b + 1].d, 1);
+    const __m128 sc = _mm_mul_ps(_mm_cvtph_ps(dw),
+                                 _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x.d + b))));
+    return _mm512_mul_ps(_mm512_permutexvar_ps(pair, _mm512_castps128_ps512(sc)),
+                         _mm512_cvtepi32_ps(p));
+  };
+  int64_t b = 0;
+  for (; b + 3 < nb; b += 4) {
+    if (PINFER_Q4_PREFETCH > 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(r + b) + PINFER_Q4_PREFETCH, _MM_HINT_T0);
+    }
+    acc0 = _mm512_add_ps(acc0, two_blocks(b));
+    acc1 = _mm512_add_ps(acc1, two_blocks(b + 2));
+  }
+  for (; b + 1 < nb; b += 2) acc0 = _mm512_add_ps(acc0, two_blocks(b));
+  float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+  if (b < nb) sum += f8sum(f8set1(half_to_float(r[b].d) * x.d[b]) * q4q8_block(r[b].qs, x.q + b * 32, x.s8 + b * 8));
+  return sum;
+}
+}  // namespace
+
 const RowKernels* RowKernelsAvx512() {
   static const RowKernels k = {
       "avx512",
@@ -91,7 +135,7 @@ const RowKernels* RowKernelsAvx512() {
       Dot4x4F32,
       DotF32,
       AxpyF32,
-      {nullptr, nullptr, nullptr, DotQ8x<BlockQ8_0, Q8BlockDot>, DotQ8x<BlockQ4_0, Q4BlockDot>},
+      {nullptr, nullptr, nullptr, DotQ8x<BlockQ8_0, Q8BlockDot>, DotQ4x512},
       QuantizeQ8x,
   };
   return &k;

@@ -11,6 +11,7 @@
 #include "shared/engine/ops.h"
 #include "shared/engine/row_kernels.h"
 #include "shared/model/tensor.h"
+#include "shared/util/half.h"
 
 namespace pinfer {
 namespace {
@@ -123,7 +124,7 @@ const DType kDTypes[] = {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, D
 TEST_P(OpsTest, MatMulEveryDtypeAndBatch) {
   for (DType dt : kDTypes) {
     for (int n : {1, 2, 7}) {
-      for (auto [rows, cols] : {std::pair<int, int>{37, 64}, {64, 96}, {5, 32}}) {
+      for (auto [rows, cols] : {std::pair<int, int>{37, 64}, {64, 96}, {5, 32}, {6, 288}}) {
         SCOPED_TRACE(testing::Message() << DTypeName(dt) << " n=" << n << " " << rows << "x" << cols);
         Weight w = MakeWeight(dt, rows, cols, rng_);
         auto x = Random(n * cols, rng_);
@@ -133,6 +134,45 @@ TEST_P(OpsTest, MatMulEveryDtypeAndBatch) {
         ExpectClose(got, want, 1e-10);
       }
     }
+  }
+}
+
+// Dense and listed-row products use the same row kernels, so a row's result never depends on
+// which other rows are computed with it (batched decode and sparse paths rely on this).
+TEST_P(OpsTest, MatMulRowsIsBitIdenticalToMatMul) {
+  for (DType dt : kDTypes) {
+    SCOPED_TRACE(DTypeName(dt));
+    const int rows = 45, cols = 320;
+    Weight w = MakeWeight(dt, rows, cols, rng_);
+    auto x = Random(cols, rng_);
+    std::vector<float> all(rows);
+    ops_->MatMul(w.view, x.data(), 1, all.data());
+    std::vector<int32_t> idx = {44, 3, 0, 17, 18, 19, 2};
+    std::vector<float> some(idx.size());
+    ops_->MatMulRows(w.view, idx.data(), idx.size(), x.data(), 1, some.data());
+    for (size_t i = 0; i < idx.size(); ++i) EXPECT_EQ(some[i], all[idx[i]]) << "row " << idx[i];
+  }
+}
+
+// Q8_0 and Q4_0 rows multiply x quantized to Q8_0 (llama.cpp's definition): checked by hand on
+// one block, where x's rounding changes the exact fp32 answer.
+TEST(QuantizedMatMulTest, ActivationsAreQuantizedToQ8_0) {
+  std::vector<float> wf(32, 0.f), x(32, 0.f);
+  wf[0] = wf[1] = 1.f;  // Q8_0: q = 127, 127 with d_w = fp16(1 / 127)
+  x[0] = 0.5f;          // the block's largest |x|: d_x = fp16(0.5 / 127), q = 127
+  x[1] = 0.003f;        // q = round(0.003 * 254) = round(0.762) = 1
+  std::vector<uint8_t> wq(RowBytes(DType::kQ8_0, 32));
+  QuantizeRow(DType::kQ8_0, wf.data(), wq.data(), 32);
+  TensorView w{"w", DType::kQ8_0, {1, 32}, wq.data()};
+  const float d_w = Fp16ToFp32(reinterpret_cast<const BlockQ8_0*>(wq.data())->d);
+  const float d_x = Fp16ToFp32(Fp32ToFp16(0.5f / 127.f));
+  const float want = d_w * d_x * static_cast<float>(127 * 127 + 127 * 1);
+  ThreadPool pool(1);
+  for (auto& ops : {NewReferenceOps(), NewSimdOps(&pool)}) {
+    float y = 0;
+    ops->MatMul(w, x.data(), 1, &y);
+    EXPECT_FLOAT_EQ(y, want) << ops->name();
+    EXPECT_NE(y, d_w * 127 * (0.5f + 0.003f)) << "fp32 activations";
   }
 }
 
@@ -153,7 +193,7 @@ TEST_P(OpsTest, MatMulOddWidthsFp) {
 TEST_P(OpsTest, MatMulRowsAndAccumulateRows) {
   for (DType dt : kDTypes) {
     SCOPED_TRACE(DTypeName(dt));
-    const int rows = 200, cols = 96, n = 3;
+    const int rows = 200, cols = 160, n = 3;
     Weight w = MakeWeight(dt, rows, cols, rng_);
     std::vector<int32_t> idx = {0, 3, 4, 17, 101, 150, 199, 42};
     auto x = Random(n * cols, rng_);
