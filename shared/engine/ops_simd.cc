@@ -198,6 +198,23 @@ class SimdOps : public CpuOps {
     const int64_t nb = cols / 32;
     const uint8_t* data = static_cast<const uint8_t*>(w.data);
     const size_t row_bytes = w.row_bytes();
+    if (n == 1) {  // decode: the tightest loop, one kernel call per row
+      const Q8Vector v{xq, xd, xs};
+      auto dot_q8x = k_->dot_q8x[di];
+      auto dot = k_->dot[di];
+      For(n_rows, 16, [&](int64_t b, int64_t e) {
+        if (quantized) {
+          for (int64_t i = b; i < e; ++i) {
+            y[i] = dot_q8x(data + (ids != nullptr ? ids[i] : i) * row_bytes, v, cols);
+          }
+        } else {
+          for (int64_t i = b; i < e; ++i) {
+            y[i] = dot(data + (ids != nullptr ? ids[i] : i) * row_bytes, x, cols);
+          }
+        }
+      });
+      return;
+    }
     For(n_rows, 16, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         const uint8_t* row = data + (ids != nullptr ? ids[i] : i) * row_bytes;
