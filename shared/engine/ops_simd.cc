@@ -18,12 +18,29 @@ class SimdOps : public CpuOps {
 
   void MatMul(const TensorView& w, const float* x, int n, float* y) const override {
     const int64_t rows = w.rows(), cols = w.cols();
-    if (n == 1 || IsQuantized(w.dtype)) {
+    if (n == 1) {
       RowsTimesVectors(w, nullptr, rows, x, n, y);
       return;
     }
-    // Batched, unquantized: convert four weight rows to fp32 once, then run them against every
-    // token, so the conversion is amortised and each load of x feeds four dot products.
+    if (IsQuantized(w.dtype)) {
+      // Batched Q8_0 / Q4_0: the same products as the integer path (weights d_w * w_i, x rounded
+      // to Q8_0, d_x * q_i), formed in fp32 by the tiled kernel below: equal to the definition up
+      // to fp32 rounding, and the tiles reuse each converted row for every token.
+      thread_local std::vector<float> xr;
+      xr.resize(static_cast<size_t>(n) * cols);
+      Q8Scratch& qx = ThreadQ8Scratch();
+      const int64_t nb = cols / 32;
+      qx.q.resize(cols);
+      qx.d.resize(nb);
+      qx.s8.resize(nb * 8);
+      for (int t = 0; t < n; ++t) {
+        k_->quantize_q8x(x + t * cols, cols, qx.q.data(), qx.d.data(), qx.s8.data());
+        for (int64_t c = 0; c < cols; ++c) xr[t * cols + c] = qx.d[c / 32] * qx.q[c];
+      }
+      x = xr.data();
+    }
+    // Batched: convert four weight rows to fp32 once, then run them against every token, so the
+    // conversion is amortised and each load of x feeds four dot products.
     For((rows + 3) / 4, 1, [&](int64_t b, int64_t e) {
       std::vector<float> buf(4 * cols);
       for (int64_t blk = b; blk < e; ++blk) {

@@ -40,7 +40,10 @@ struct RowKernels {
 
 const RowKernels* RowKernelsScalar();
 const RowKernels* RowKernelsAvx2();    // null when not compiled in
-const RowKernels* RowKernelsAvx512();  // null when not compiled in
+const RowKernels* RowKernelsAvx512();  // null when not compiled in; uses VBMI where present
+// The AVX-512 set with (only where the CPU has AVX-512 VBMI) or without its VBMI kernels; tests
+// run both.
+const RowKernels* RowKernelsAvx512(bool vbmi);
 
 // The best kernels this processor supports.
 const RowKernels* BestRowKernels();

@@ -2,6 +2,7 @@
 // random inputs, normalised mean squared error limits, NaN checks and guard bytes around every
 // output. Runs each compiled-in instruction set (scalar, AVX2, AVX-512 where the CPU has it),
 // single- and multi-threaded.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -91,10 +92,14 @@ struct Impl {
 
 std::vector<Impl> Implementations() {
   std::vector<Impl> out;
-  for (const RowKernels* k : {RowKernelsScalar(), RowKernelsAvx2(), RowKernelsAvx512()}) {
+  const bool avx512 = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512vnni");
+  for (const RowKernels* k : {RowKernelsScalar(), RowKernelsAvx2(), RowKernelsAvx512(false),
+                              RowKernelsAvx512(true)}) {
     if (k == nullptr) continue;
     if (k == RowKernelsAvx2() && !__builtin_cpu_supports("avx2")) continue;
-    if (k == RowKernelsAvx512() && !__builtin_cpu_supports("avx512bw")) continue;
+    if (k == RowKernelsAvx512(false) && !avx512) continue;
+    if (k == RowKernelsAvx512(true) && !(avx512 && __builtin_cpu_supports("avx512vbmi"))) continue;
     out.push_back({k, 1});
     out.push_back({k, 3});
   }
@@ -265,7 +270,9 @@ TEST_P(OpsTest, GatedActivations) {
 
 INSTANTIATE_TEST_SUITE_P(AllKernels, OpsTest, ::testing::ValuesIn(Implementations()),
                          [](const auto& info) {
-                           return std::string(info.param.kernels->name) + "_t" +
+                           std::string name = info.param.kernels->name;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name + "_t" +
                                   std::to_string(info.param.threads);
                          });
 
