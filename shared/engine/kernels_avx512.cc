@@ -114,8 +114,9 @@ float DotQ4x512(const void* row, const Q8Vector& x, int64_t n) {
   };
   int64_t b = 0;
   for (; b + 3 < nb; b += 4) {
-    if (PINFER_Q4_PREFETCH > 0) {
+    if (PINFER_Q4_PREFETCH > 0) {  // 72 bytes a step: two prefetches miss no cache line
       _mm_prefetch(reinterpret_cast<const char*>(r + b) + PINFER_Q4_PREFETCH, _MM_HINT_NTA);
+      _mm_prefetch(reinterpret_cast<const char*>(r + b + 2) + PINFER_Q4_PREFETCH, _MM_HINT_NTA);
     }
     acc0 = _mm512_add_ps(acc0, two_blocks(b));
     acc1 = _mm512_add_ps(acc1, two_blocks(b + 2));
@@ -167,8 +168,9 @@ __attribute__((target("avx512vbmi"))) float DotQ4x512Vbmi(const void* row, const
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   int64_t b = 0;
   for (; b + 3 < nb; b += 4) {
-    if (PINFER_Q4_PREFETCH > 0) {
+    if (PINFER_Q4_PREFETCH > 0) {  // 72 bytes a step: two prefetches miss no cache line
       _mm_prefetch(reinterpret_cast<const char*>(r + b) + PINFER_Q4_PREFETCH, _MM_HINT_NTA);
+      _mm_prefetch(reinterpret_cast<const char*>(r + b + 2) + PINFER_Q4_PREFETCH, _MM_HINT_NTA);
     }
     acc0 = Q4PairVbmi(r, x, b, acc0);
     acc1 = Q4PairVbmi(r, x, b + 2, acc1);

@@ -1,13 +1,29 @@
 // See transformer.h. The pass reads top to bottom like llama2.c's, batched over n tokens.
 #include "shared/engine/transformer.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <new>
 #include <numbers>
 
 #include "absl/strings/str_cat.h"
 
 namespace pinfer {
+
+std::unique_ptr<float[], KvCache::Free> KvCache::Allocate(size_t n) {
+  constexpr size_t kHugePage = size_t{2} << 20;
+  const size_t bytes = n * sizeof(float);
+  const size_t align = bytes >= kHugePage ? kHugePage : 64;
+  const size_t rounded = (std::max<size_t>(bytes, 1) + align - 1) / align * align;
+  float* p = static_cast<float*>(std::aligned_alloc(align, rounded));
+  if (p == nullptr) throw std::bad_alloc();
+  if (align == kHugePage) madvise(p, rounded, MADV_HUGEPAGE);  // a hint: failure is harmless
+  std::memset(p, 0, rounded);
+  return std::unique_ptr<float[], Free>(p);
+}
 
 std::vector<float> RopeInverseFrequencies(const ModelConfig& c) {
   const int half = c.head_dim / 2;
