@@ -29,6 +29,27 @@ inline V vload_i8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline float vsum(V v) { return _mm512_reduce_add_ps(v); }
+inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
+// exp(x), Cephes' expf: ~1 ulp, arguments clamped to [-87, 88.38] (results stay normal).
+inline V vexp(V x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, vset1(-87.f)), vset1(88.3762626647949f));
+  const V fx = _mm512_roundscale_ps(_mm512_mul_ps(x, vset1(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, vset1(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, vset1(-2.12194440e-4f), x);
+  V y = vset1(1.9875691500e-4f);
+  y = vfma(y, x, vset1(1.3981999507e-3f));
+  y = vfma(y, x, vset1(8.3334519073e-3f));
+  y = vfma(y, x, vset1(4.1665795894e-2f));
+  y = vfma(y, x, vset1(1.6666665459e-1f));
+  y = vfma(y, x, vset1(5.0000001201e-1f));
+  y = vadd(vfma(y, _mm512_mul_ps(x, x), x), vset1(1.f));
+  const __m512i e =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 inline void unpack_q4(const uint8_t* qs, int8_t* q) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
@@ -218,6 +239,8 @@ const RowKernels* RowKernelsAvx512(bool vbmi) {
       AxpyF32,
       {nullptr, nullptr, nullptr, DotQ8x<BlockQ8_0, Q8BlockDot>, DotQ4x512Vbmi},
       QuantizeQ8x512,
+      SiluMul,
+      ExpSubSum,
   };
   static const RowKernels without_vbmi = {
       "avx512-novbmi",
@@ -229,6 +252,8 @@ const RowKernels* RowKernelsAvx512(bool vbmi) {
       AxpyF32,
       {nullptr, nullptr, nullptr, DotQ8x<BlockQ8_0, Q8BlockDot>, DotQ4x512},
       QuantizeQ8x512,
+      SiluMul,
+      ExpSubSum,
   };
   return vbmi ? &with_vbmi : &without_vbmi;
 }

@@ -20,6 +20,10 @@ inline V vload_f16(const uint16_t* p) { return Fp16ToFp32(*p); }
 inline V vload_bf16(const uint16_t* p) { return Bf16ToFp32(*p); }
 inline V vload_i8(const int8_t* p) { return static_cast<float>(*p); }
 inline float vsum(V v) { return v; }
+inline V vsub(V a, V b) { return a - b; }
+inline V vmul(V a, V b) { return a * b; }
+inline V vdiv(V a, V b) { return a / b; }
+inline V vexp(V x) { return std::exp(x); }
 inline float half_to_float(uint16_t h) { return Fp16ToFp32(h); }
 inline void unpack_q4(const uint8_t* qs, int8_t* q) {
   for (int j = 0; j < 16; ++j) {
@@ -67,6 +71,8 @@ const RowKernels* RowKernelsScalar() {
       AxpyF32,
       {nullptr, nullptr, nullptr, DotQ8x<BlockQ8_0, Q8BlockDot>, DotQ8x<BlockQ4_0, Q4BlockDot>},
       QuantizeQ8x,
+      SiluMul,
+      ExpSubSum,
   };
   return &k;
 }

@@ -159,12 +159,7 @@ class SimdOps : public CpuOps {
         for (int h = 0; h < nh; ++h) {
           float* sc = &scores[h * len];
           const float max = *std::max_element(sc, sc + len);
-          float sum = 0;
-          for (int p = 0; p < len; ++p) {
-            sc[p] = std::exp(sc[p] - max);
-            sum += sc[p];
-          }
-          const float inv = 1.f / sum;
+          const float inv = 1.f / k_->exp_sub_sum(sc, len, max);
           for (int p = 0; p < len; ++p) sc[p] *= inv;
         }
         for (int p = 0; p < len; ++p) {
@@ -179,6 +174,10 @@ class SimdOps : public CpuOps {
   }
 
   void GatedActivation(Activation act, float* gate, const float* up, int64_t n) const override {
+    if (act == Activation::kSilu) {
+      k_->silu_mul(gate, up, n);
+      return;
+    }
     for (int64_t i = 0; i < n; ++i) {
       float g = gate[i];
       switch (act) {

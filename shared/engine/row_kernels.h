@@ -36,6 +36,10 @@ struct RowKernels {
   float (*dot_q8x[5])(const void* row, const Q8Vector& x, int64_t n);
   // Quantizes x: [n] (n a multiple of 32) into the arrays of a Q8Vector.
   void (*quantize_q8x)(const float* x, int64_t n, int8_t* q, float* d, int32_t* s8);
+  // gate[i] = silu(gate[i]) * up[i]; x[i] = exp(x[i] - m) returning the sum (softmax). Vector exp
+  // within a few ulp of std::exp.
+  void (*silu_mul)(float* gate, const float* up, int64_t n);
+  float (*exp_sub_sum)(float* x, int64_t n, float m);
 };
 
 const RowKernels* RowKernelsScalar();
