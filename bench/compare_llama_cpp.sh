@@ -28,8 +28,11 @@ done
 median() { /usr/bin/python3 -c 'import sys,statistics; print(f"{statistics.median(map(float, sys.argv[1:])):.1f}")' "$@"; }
 values() { /usr/bin/python3 -c 'import sys,json; print(" ".join(str(x) for x in json.loads(sys.argv[1])[sys.argv[2]]))' "$1" "$2"; }
 
-echo "| format | pinfer prompt tok/s | llama.cpp prompt tok/s | ratio | pinfer decode tok/s | llama.cpp decode tok/s | ratio |"
-echo "|---|---|---|---|---|---|---|"
+# Per-round decode ratios (each round runs the two engines back to back) show the spread.
+ratio_range() { /usr/bin/python3 -c 'import sys; a, b = (list(map(float, s.split())) for s in sys.argv[1:3]); r = [x / y for x, y in zip(a, b)]; print(f"{min(r):.2f}-{max(r):.2f}")' "$1" "$2"; }
+
+echo "| format | pinfer prompt tok/s | llama.cpp prompt tok/s | ratio | pinfer decode tok/s | llama.cpp decode tok/s | ratio | per-round decode ratios |"
+echo "|---|---|---|---|---|---|---|---|"
 for t in f16 q8_0 q4_0; do
   pp=() lp=() pd=() ld=()
   for r in $(seq "$ROUNDS"); do
@@ -39,7 +42,7 @@ for t in f16 q8_0 q4_0; do
     lp+=($(values "$b" prompt_tokens_per_second)); ld+=($(values "$b" decode_tokens_per_second))
   done
   mpp=$(median "${pp[@]}"); mlp=$(median "${lp[@]}"); mpd=$(median "${pd[@]}"); mld=$(median "${ld[@]}")
-  echo "| ${t^^} | $mpp | $mlp | $(/usr/bin/python3 -c "print(f'{$mpp/$mlp:.2f}')") | $mpd | $mld | $(/usr/bin/python3 -c "print(f'{$mpd/$mld:.2f}')") |"
+  echo "| ${t^^} | $mpp | $mlp | $(/usr/bin/python3 -c "print(f'{$mpp/$mlp:.2f}')") | $mpd | $mld | $(/usr/bin/python3 -c "print(f'{$mpd/$mld:.2f}')") | $(ratio_range "${pd[*]}" "${ld[*]}") |"
 done
 echo
 echo "Command: bench/compare_llama_cpp.sh $BUILD $ROUNDS  (prompt $PROMPT tokens, decode $DECODE tokens, 1 thread, medians of $ROUNDS alternating rounds)"

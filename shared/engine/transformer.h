@@ -36,7 +36,7 @@ struct KvCache {
   };
   // Caches of 2 MiB and more get transparent huge pages where the kernel grants them on request:
   // each decode step reads every cached row of every layer, a new 4 KiB page every row or so,
-  // and the TLB misses cost ~6% of an F16 decode step (measured on the benchmark model).
+  // and the TLB misses cost ~6% of a Q4_0 decode step (measured on the benchmark model).
   static std::unique_ptr<float[], Free> Allocate(size_t n);
   std::unique_ptr<float[], Free> k, v;
 };
