@@ -25,7 +25,8 @@ inline V vload_bf16(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 inline V vload_i8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline float vsum(V v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -86,9 +87,9 @@ inline F8 q8q8_block(const int8_t* w, const int8_t* x) {
 }
 inline F8 q4q8_block(const uint8_t* qs, const int8_t* x, const int32_t* s8) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m256i nib = _mm256_and_si256(
-      _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1),
-      _mm256_set1_epi8(0x0f));
+  const __m256i nib =
+      _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1),
+                       _mm256_set1_epi8(0x0f));
   const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, xv), _mm256_set1_epi16(1));
   return _mm256_cvtepi32_ps(

@@ -26,7 +26,8 @@ inline V vload_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 inline V vload_i8(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline float vsum(V v) { return _mm512_reduce_add_ps(v); }
 inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
@@ -84,16 +85,16 @@ inline float f8sum(F8 v) {
 inline F8 q8q8_block(const int8_t* w, const int8_t* x) {
   const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
   const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(wv),
-                                        _mm256_sign_epi8(xv, wv));
+  const __m256i p =
+      _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
   return _mm256_cvtepi32_ps(p);
 }
 // The nibbles are 0..15 (unsigned, as VNNI wants); starting from -8 * sum(x) removes the offset.
 inline F8 q4q8_block(const uint8_t* qs, const int8_t* x, const int32_t* s8) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m256i nib = _mm256_and_si256(
-      _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1),
-      _mm256_set1_epi8(0x0f));
+  const __m256i nib =
+      _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1),
+                       _mm256_set1_epi8(0x0f));
   const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   const __m256i p =
       _mm256_dpbusd_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s8)), nib, xv);
@@ -125,11 +126,11 @@ float DotQ4x512(const void* row, const Q8Vector& x, int64_t n) {
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(r[b + 1].qs)), 1);
     __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(q01), _mm256_srli_epi16(q01, 4), 1);
     z = _mm512_and_si512(_mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), m4);
-    const __m512i p = _mm512_dpbusd_epi32(_mm512_loadu_si512(x.s8 + b * 8), z,
-                                          _mm512_loadu_si512(x.q + b * 32));
+    const __m512i p =
+        _mm512_dpbusd_epi32(_mm512_loadu_si512(x.s8 + b * 8), z, _mm512_loadu_si512(x.q + b * 32));
     const __m128i dw = _mm_insert_epi16(_mm_cvtsi32_si128(r[b].d), r[b + 1].d, 1);
-    const __m128 sc = _mm_mul_ps(_mm_cvtph_ps(dw),
-                                 _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x.d + b))));
+    const __m128 sc = _mm_mul_ps(
+        _mm_cvtph_ps(dw), _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x.d + b))));
     return _mm512_mul_ps(_mm512_permutexvar_ps(pair, _mm512_castps128_ps512(sc)),
                          _mm512_cvtepi32_ps(p));
   };
@@ -144,7 +145,9 @@ float DotQ4x512(const void* row, const Q8Vector& x, int64_t n) {
   }
   for (; b + 1 < nb; b += 2) acc0 = _mm512_add_ps(acc0, two_blocks(b));
   float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-  if (b < nb) sum += f8sum(f8set1(half_to_float(r[b].d) * x.d[b]) * q4q8_block(r[b].qs, x.q + b * 32, x.s8 + b * 8));
+  if (b < nb)
+    sum += f8sum(f8set1(half_to_float(r[b].d) * x.d[b]) *
+                 q4q8_block(r[b].qs, x.q + b * 32, x.s8 + b * 8));
   return sum;
 }
 // The same with AVX-512 VBMI (Ice Lake, Zen 4 and later): one masked load takes both blocks
@@ -152,14 +155,16 @@ float DotQ4x512(const void* row, const Q8Vector& x, int64_t n) {
 // one variable shift moves the high nibbles down; the scales come from the same register.
 // About half the instructions of DotQ4x512 per pair of blocks.
 alignas(64) constexpr uint8_t kNibbleBytes[64] = {
-    2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17,  // qs0: low nibbles
-    2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17,  // qs0: high nibbles
-    20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35,  // qs1: low nibbles
+    2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17,   // qs0: low nibbles
+    2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17,   // qs0: high nibbles
+    20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35,   // qs1: low nibbles
     20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35};  // qs1: high nibbles
 
 // acc + (blocks b and b + 1 of r against x), lanes as in DotQ4x512.
-__attribute__((target("avx512vbmi"), always_inline)) inline __m512 Q4PairVbmi(
-    const BlockQ4_0* r, const Q8Vector& x, int64_t b, __m512 acc) {
+__attribute__((target("avx512vbmi"), always_inline)) inline __m512 Q4PairVbmi(const BlockQ4_0* r,
+                                                                              const Q8Vector& x,
+                                                                              int64_t b,
+                                                                              __m512 acc) {
   const __m512i shifts = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0, 0,
                                           0x0004000400040004, 0x0004000400040004, 0, 0);
   const __m512i scale_words = _mm512_zextsi128_si512(_mm_set_epi16(0, 0, 0, 0, 0, 0, 9, 0));
@@ -169,11 +174,11 @@ __attribute__((target("avx512vbmi"), always_inline)) inline __m512 Q4PairVbmi(
   const __m512i z = _mm512_and_si512(
       _mm512_srlv_epi16(_mm512_permutexvar_epi8(_mm512_load_si512(kNibbleBytes), raw), shifts),
       _mm512_set1_epi8(0x0f));
-  const __m512i p = _mm512_dpbusd_epi32(_mm512_loadu_si512(x.s8 + b * 8), z,
-                                        _mm512_loadu_si512(x.q + b * 32));
+  const __m512i p =
+      _mm512_dpbusd_epi32(_mm512_loadu_si512(x.s8 + b * 8), z, _mm512_loadu_si512(x.q + b * 32));
   const __m128i dw = _mm512_castsi512_si128(_mm512_permutexvar_epi16(scale_words, raw));
-  const __m128 sc = _mm_mul_ps(_mm_cvtph_ps(dw),
-                               _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x.d + b))));
+  const __m128 sc = _mm_mul_ps(
+      _mm_cvtph_ps(dw), _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x.d + b))));
   return _mm512_fmadd_ps(_mm512_permutexvar_ps(pair, _mm512_castps128_ps512(sc)),
                          _mm512_cvtepi32_ps(p), acc);
 }
@@ -183,7 +188,7 @@ __attribute__((target("avx512vbmi"), always_inline)) inline __m512 Q4PairVbmi(
 // one variable shift moves the high nibbles down; the scales come from the same register.
 // About half the instructions of DotQ4x512 per pair of blocks.
 __attribute__((target("avx512vbmi"))) float DotQ4x512Vbmi(const void* row, const Q8Vector& x,
-                                                           int64_t n) {
+                                                          int64_t n) {
   const BlockQ4_0* r = static_cast<const BlockQ4_0*>(row);
   const int64_t nb = n / 32;
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();

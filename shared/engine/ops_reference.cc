@@ -27,7 +27,8 @@ std::vector<Q8Block> QuantizeToQ8(const float* x, int64_t n) {
     const float d = amax / 127.f;
     const float inv = d != 0.f ? 1.f / d : 0.f;
     out[b].d = Fp16ToFp32(Fp32ToFp16(d));
-    for (int i = 0; i < 32; ++i) out[b].q[i] = static_cast<int32_t>(std::nearbyint(x[b * 32 + i] * inv));
+    for (int i = 0; i < 32; ++i)
+      out[b].q[i] = static_cast<int32_t>(std::nearbyint(x[b * 32 + i] * inv));
   }
   return out;
 }
@@ -174,9 +175,15 @@ class ReferenceOps : public CpuOps {
     for (int64_t i = 0; i < n; ++i) {
       float g = gate[i];
       switch (act) {
-        case Activation::kSilu: gate[i] = g / (1.f + std::exp(-g)) * up[i]; break;
-        case Activation::kRelu: gate[i] = (g > 0 ? g : 0.f) * up[i]; break;
-        case Activation::kDRelu: gate[i] = (g > 0 ? g : 0.f) * (up[i] > 0 ? up[i] : 0.f); break;
+        case Activation::kSilu:
+          gate[i] = g / (1.f + std::exp(-g)) * up[i];
+          break;
+        case Activation::kRelu:
+          gate[i] = (g > 0 ? g : 0.f) * up[i];
+          break;
+        case Activation::kDRelu:
+          gate[i] = (g > 0 ? g : 0.f) * (up[i] > 0 ? up[i] : 0.f);
+          break;
       }
     }
   }

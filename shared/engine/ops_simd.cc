@@ -62,8 +62,8 @@ class SimdOps : public CpuOps {
           }
         }
         for (; t < n; ++t) {
-          k_->dot4_f32(buf.data(), buf.data() + cols, buf.data() + 2 * cols,
-                       buf.data() + 3 * cols, x + t * cols, cols, out);
+          k_->dot4_f32(buf.data(), buf.data() + cols, buf.data() + 2 * cols, buf.data() + 3 * cols,
+                       x + t * cols, cols, out);
           for (int j = 0; j < nr; ++j) y[t * rows + r0 + j] = out[j];
         }
       }
@@ -86,8 +86,8 @@ class SimdOps : public CpuOps {
     For(blocks, 4, [&](int64_t b, int64_t e) {
       const int64_t c0 = b * 32, c1 = std::min(cols, e * 32);
       for (int i = 0; i < n_rows; ++i) {
-        const uint8_t* row = w.row(rows[i]) + (IsQuantized(w.dtype)
-                                                   ? b * elem_bytes_per_block
+        const uint8_t* row =
+            w.row(rows[i]) + (IsQuantized(w.dtype) ? b * elem_bytes_per_block
                                                    : c0 * (w.dtype == DType::kF32 ? 4 : 2));
         for (int t = 0; t < n; ++t) {
           float coef = a[t * n_rows + i];
@@ -145,13 +145,15 @@ class SimdOps : public CpuOps {
         const int h1 = static_cast<int>(std::min<int64_t>(e, (t + 1) * n_heads) - t * n_heads);
         const int len = pos0 + static_cast<int>(t) + 1;  // causal: keys 0..pos
         const int nh = h1 - h0;
-        if (scores.size() < static_cast<size_t>(nh) * len) scores.resize(static_cast<size_t>(nh) * len);
+        if (scores.size() < static_cast<size_t>(nh) * len)
+          scores.resize(static_cast<size_t>(nh) * len);
         const float* qt = q + (t * n_heads + h0) * head_dim;
         for (int p = 0; p < len; ++p) {
           const float* kp = k + static_cast<int64_t>(p) * kv_stride;
           for (int h = 0; h < nh; ++h) {
             scores[h * len + p] =
-                k_->dot_f32(qt + h * head_dim, kp + ((h0 + h) / group) * head_dim, head_dim) * scale;
+                k_->dot_f32(qt + h * head_dim, kp + ((h0 + h) / group) * head_dim, head_dim) *
+                scale;
           }
         }
         float* ot = out + (t * n_heads + h0) * head_dim;
@@ -165,8 +167,8 @@ class SimdOps : public CpuOps {
         for (int p = 0; p < len; ++p) {
           const float* vp = v + static_cast<int64_t>(p) * kv_stride;
           for (int h = 0; h < nh; ++h) {
-            k_->axpy_f32(scores[h * len + p], vp + ((h0 + h) / group) * head_dim,
-                         ot + h * head_dim, head_dim);
+            k_->axpy_f32(scores[h * len + p], vp + ((h0 + h) / group) * head_dim, ot + h * head_dim,
+                         head_dim);
           }
         }
       }
@@ -181,9 +183,15 @@ class SimdOps : public CpuOps {
     for (int64_t i = 0; i < n; ++i) {
       float g = gate[i];
       switch (act) {
-        case Activation::kSilu: gate[i] = g / (1.f + std::exp(-g)) * up[i]; break;
-        case Activation::kRelu: gate[i] = (g > 0 ? g : 0.f) * up[i]; break;
-        case Activation::kDRelu: gate[i] = (g > 0 ? g : 0.f) * (up[i] > 0 ? up[i] : 0.f); break;
+        case Activation::kSilu:
+          gate[i] = g / (1.f + std::exp(-g)) * up[i];
+          break;
+        case Activation::kRelu:
+          gate[i] = (g > 0 ? g : 0.f) * up[i];
+          break;
+        case Activation::kDRelu:
+          gate[i] = (g > 0 ? g : 0.f) * (up[i] > 0 ? up[i] : 0.f);
+          break;
       }
     }
   }
@@ -236,8 +244,8 @@ class SimdOps : public CpuOps {
         const uint8_t* row = data + (ids != nullptr ? ids[i] : i) * row_bytes;
         for (int t = 0; t < n; ++t) {
           y[t * n_rows + i] =
-              quantized ? k_->dot_q8x[di](row, Q8Vector{xq + t * cols, xd + t * nb, xs + t * nb * 8},
-                                          cols)
+              quantized ? k_->dot_q8x[di](
+                              row, Q8Vector{xq + t * cols, xd + t * nb, xs + t * nb * 8}, cols)
                         : k_->dot[di](row, x + t * cols, cols);
         }
       }

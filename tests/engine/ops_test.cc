@@ -2,6 +2,8 @@
 // random inputs, normalised mean squared error limits, NaN checks and guard bytes around every
 // output. Runs each compiled-in instruction set (scalar, AVX2, AVX-512 where the CPU has it),
 // single- and multi-threaded.
+#include "shared/engine/ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -9,7 +11,6 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "shared/engine/ops.h"
 #include "shared/engine/row_kernels.h"
 #include "shared/model/tensor.h"
 #include "shared/util/half.h"
@@ -94,8 +95,8 @@ std::vector<Impl> Implementations() {
   std::vector<Impl> out;
   const bool avx512 = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                       __builtin_cpu_supports("avx512vnni");
-  for (const RowKernels* k : {RowKernelsScalar(), RowKernelsAvx2(), RowKernelsAvx512(false),
-                              RowKernelsAvx512(true)}) {
+  for (const RowKernels* k :
+       {RowKernelsScalar(), RowKernelsAvx2(), RowKernelsAvx512(false), RowKernelsAvx512(true)}) {
     if (k == nullptr) continue;
     if (k == RowKernelsAvx2() && !__builtin_cpu_supports("avx2")) continue;
     if (k == RowKernelsAvx512(false) && !avx512) continue;
@@ -130,7 +131,8 @@ TEST_P(OpsTest, MatMulEveryDtypeAndBatch) {
   for (DType dt : kDTypes) {
     for (int n : {1, 2, 7}) {
       for (auto [rows, cols] : {std::pair<int, int>{37, 64}, {64, 96}, {5, 32}, {6, 288}}) {
-        SCOPED_TRACE(testing::Message() << DTypeName(dt) << " n=" << n << " " << rows << "x" << cols);
+        SCOPED_TRACE(testing::Message()
+                     << DTypeName(dt) << " n=" << n << " " << rows << "x" << cols);
         Weight w = MakeWeight(dt, rows, cols, rng_);
         auto x = Random(n * cols, rng_);
         Guarded got(n * rows), want(n * rows);
@@ -273,16 +275,17 @@ INSTANTIATE_TEST_SUITE_P(AllKernels, OpsTest, ::testing::ValuesIn(Implementation
                          [](const auto& info) {
                            std::string name = info.param.kernels->name;
                            std::replace(name.begin(), name.end(), '-', '_');
-                           return name + "_t" +
-                                  std::to_string(info.param.threads);
+                           return name + "_t" + std::to_string(info.param.threads);
                          });
 
 // The storage formats round-trip within their precision.
 TEST(QuantizeTest, RoundTripErrorWithinFormatPrecision) {
   std::mt19937 rng(7);
   auto x = Random(1024, rng);
-  const std::pair<DType, double> limits[] = {{DType::kF32, 0},      {DType::kF16, 1e-6},
-                                             {DType::kBF16, 1e-4},  {DType::kQ8_0, 1e-4},
+  const std::pair<DType, double> limits[] = {{DType::kF32, 0},
+                                             {DType::kF16, 1e-6},
+                                             {DType::kBF16, 1e-4},
+                                             {DType::kQ8_0, 1e-4},
                                              {DType::kQ4_0, 1.5e-2}};
   for (auto [dt, limit] : limits) {
     std::vector<uint8_t> q(RowBytes(dt, 1024));
