@@ -129,8 +129,9 @@ float DotQ4x512(const void* row, const Q8Vector& x, int64_t n) {
     const __m512i p =
         _mm512_dpbusd_epi32(_mm512_loadu_si512(x.s8 + b * 8), z, _mm512_loadu_si512(x.q + b * 32));
     const __m128i dw = _mm_insert_epi16(_mm_cvtsi32_si128(r[b].d), r[b + 1].d, 1);
-    const __m128 sc = _mm_mul_ps(
-        _mm_cvtph_ps(dw), _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x.d + b))));
+    const __m128 sc =
+        _mm_mul_ps(_mm_cvtph_ps(dw),
+                   _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x.d + b))));
     return _mm512_mul_ps(_mm512_permutexvar_ps(pair, _mm512_castps128_ps512(sc)),
                          _mm512_cvtepi32_ps(p));
   };
@@ -177,8 +178,9 @@ __attribute__((target("avx512vbmi"), always_inline)) inline __m512 Q4PairVbmi(co
   const __m512i p =
       _mm512_dpbusd_epi32(_mm512_loadu_si512(x.s8 + b * 8), z, _mm512_loadu_si512(x.q + b * 32));
   const __m128i dw = _mm512_castsi512_si128(_mm512_permutexvar_epi16(scale_words, raw));
-  const __m128 sc = _mm_mul_ps(
-      _mm_cvtph_ps(dw), _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x.d + b))));
+  const __m128 sc =
+      _mm_mul_ps(_mm_cvtph_ps(dw),
+                 _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x.d + b))));
   return _mm512_fmadd_ps(_mm512_permutexvar_ps(pair, _mm512_castps128_ps512(sc)),
                          _mm512_cvtepi32_ps(p), acc);
 }
