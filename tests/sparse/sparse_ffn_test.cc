@@ -41,6 +41,28 @@ std::vector<float> RandomInput(int n, int hidden, uint32_t seed) {
   return x;
 }
 
+// The dense FFN as the sparse paths define it: gate and up as DenseFfn computes them, then the
+// down projection over the exact fp32 values of the stored down weights. For float weights this
+// is DenseFfn; for Q8_0/Q4_0 DenseFfn also rounds the down projection's input to Q8_0 (llama.cpp's
+// definition, ops.h), which sparse accumulation over active rows cannot do (a block's scale spans
+// neurons on both sides of a hot/cold split), so it keeps fp32 coefficients.
+std::vector<float> DenseFfnFp32Down(const Model& m, const CpuOps& ops, int layer,
+                                    const std::vector<float>& x, int n) {
+  const LayerWeights& L = m.layers[layer];
+  const int F = m.config.ffn_size, H = m.config.hidden_size;
+  std::vector<float> gate(static_cast<size_t>(n) * F), up(gate.size()),
+      out(static_cast<size_t>(n) * H);
+  ops.MatMul(L.gate, x.data(), n, gate.data());
+  ops.MatMul(L.up, x.data(), n, up.data());
+  ops.GatedActivation(m.config.activation, gate.data(), up.data(),
+                      static_cast<int64_t>(gate.size()));
+  std::vector<float> down(static_cast<size_t>(H) * F);
+  for (int r = 0; r < H; ++r) DequantizeRow(L.down.dtype, L.down.row(r), down.data() + r * F, F);
+  const TensorView down32{"down_fp32", DType::kF32, {H, F}, down.data()};
+  ops.MatMul(down32, gate.data(), n, out.data());
+  return out;
+}
+
 struct Case {
   DType dtype;
   Activation act;
@@ -74,9 +96,9 @@ TEST_P(GateSparseFfnTest, EqualsDenseFfn) {
       std::vector<float> want(static_cast<size_t>(n) * o.hidden), got(want.size(), 123.f);
       ASSERT_TRUE(dense.Forward(l, x.data(), n, want.data()).ok());
       ASSERT_TRUE((*sparse)->Forward(l, x.data(), n, got.data()).ok());
-      // Same products, summed in a different order (fp32). With Q8_0/Q4_0 weights the dense down
-      // projection multiplies its input quantized to Q8_0 (llama.cpp's definition, ops.h) while
-      // the sparse accumulation keeps fp32 coefficients: that rounding alone, ~3e-5 here.
+      // Same products as the definition, summed in a different order (fp32).
+      EXPECT_LT(Nmse(got, DenseFfnFp32Down(*model, *ops, l, x, n)), 1e-10);
+      // And DenseFfn itself up to its Q8_0 rounding of the down input (none for float weights).
       EXPECT_LT(Nmse(got, want), IsQuantized(p.dtype) ? 2e-4 : 1e-10);
     }
   }
@@ -228,7 +250,8 @@ TEST(PredictedSparseFfnTest, PerfectPredictorEqualsDenseWithFullRecall) {
     for (int l = 0; l < o.layers; ++l) {
       ASSERT_TRUE(dense.Forward(l, x.data(), 4, want.data()).ok());
       ASSERT_TRUE((*sparse)->Forward(l, x.data(), 4, got.data()).ok());
-      // Q8_0: the dense down projection's input is quantized to Q8_0 (ops.h), the sparse one's not.
+      EXPECT_LT(Nmse(got, DenseFfnFp32Down(*model, *ops, l, x, 4)), 1e-9);
+      // DenseFfn rounds the down input to Q8_0 for quantized weights (see DenseFfnFp32Down).
       EXPECT_LT(Nmse(got, want), IsQuantized(dt) ? 2e-4 : 1e-9);
     }
     const SparseFfnStats& st = (*sparse)->stats();
