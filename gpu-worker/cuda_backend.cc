@@ -335,11 +335,9 @@ cuda::ModelUpload BaseUpload(const Model& model, int max_batch, const CudaBacken
   return u;
 }
 
-// The module keeps the transposed down rows in down's dtype when that is a float type and in F32
-// otherwise (TransposeDownProjections' default), since a quantized transpose would re-quantize.
+// The module gets the transposed down rows from TransposeDownProjections (F32 for quantized down).
 DType DownTransposedType(const Model& model, int layer) {
-  const DType d = model.layers[layer].down.dtype;
-  return d == DType::kF32 || d == DType::kF16 || d == DType::kBF16 ? d : DType::kF32;
+  return TransposedDownType(model.layers[layer].down.dtype);
 }
 
 // Times the streamed cold rows of the layer with the most cold rows at a few batch sizes and of

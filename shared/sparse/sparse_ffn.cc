@@ -75,10 +75,14 @@ absl::StatusOr<TensorView> TransposeMatrix(const TensorView& w, DType dtype,
   return t;
 }
 
+DType TransposedDownType(DType down, DType quantized_as) {
+  return IsQuantized(down) ? quantized_as : down;
+}
+
 absl::StatusOr<DownTransposed> TransposeDownProjections(const Model& model, DType quantized_as) {
   DownTransposed out;
   for (const LayerWeights& L : model.layers) {
-    const DType dt = IsQuantized(L.down.dtype) ? quantized_as : L.down.dtype;
+    const DType dt = TransposedDownType(L.down.dtype, quantized_as);
     auto storage = std::make_shared<std::vector<uint8_t>>();
     ASSIGN_OR_RETURN(TensorView t, TransposeMatrix(L.down, dt, storage.get()));
     out.layers.push_back(std::move(t));

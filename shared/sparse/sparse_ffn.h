@@ -44,6 +44,8 @@ struct DownTransposed {
 // (F32 keeps the dequantized values exactly; Q8_0/Q4_0 are what a prepared file stores).
 absl::StatusOr<DownTransposed> TransposeDownProjections(const Model& model,
                                                         DType quantized_as = DType::kF32);
+// The dtype TransposeDownProjections gives a down projection stored as `down`.
+DType TransposedDownType(DType down, DType quantized_as = DType::kF32);
 absl::StatusOr<TensorView> TransposeMatrix(const TensorView& w, DType dtype,
                                            std::vector<uint8_t>* storage);
 

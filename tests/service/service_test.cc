@@ -677,17 +677,21 @@ TEST(ServicePlacementTest, VramBudgetHotSetIsWhatFitsByHand) {
   ::unsetenv("PINFER_AUTO_PREPARE_MAX_TOKENS");
 }
 
+// Runs a command line with stdout and stderr into a file; returns the exit code and the output.
+std::pair<int, std::string> RunCommand(const std::string& cmd, const std::string& name) {
+  const std::string out = ::testing::TempDir() + "/" + name + ".txt";
+  const int rc = std::system((cmd + " > " + out + " 2>&1").c_str());
+  std::ifstream in(out);
+  std::stringstream text;
+  text << in.rdbuf();
+  return {WEXITSTATUS(rc), text.str()};
+}
+
 TEST(ServicePlacementTest, VramBudgetFlagErrors) {
-  const std::string bin = std::string(PINFER_BINARY_DIR) + "/bin/pinfer-gpu-worker";
   auto run = [&](const std::string& flags) {
-    const std::string out = ::testing::TempDir() + "/vram-budget-err.txt";
-    const int rc = std::system((bin + " --model " + kTiny + " --backend cpu " + flags + " > " +
-                                out + " 2>&1")
-                                   .c_str());
-    std::ifstream in(out);
-    std::stringstream text;
-    text << in.rdbuf();
-    return std::make_pair(WEXITSTATUS(rc), text.str());
+    return RunCommand(std::string(PINFER_BINARY_DIR) + "/bin/pinfer-gpu-worker --model " + kTiny +
+                          " --backend cpu " + flags,
+                      "vram-budget-err");
   };
   auto [rc1, err1] = run("--vram-budget 1GiB --hot-fraction 0.3");
   EXPECT_EQ(rc1, 2);
@@ -705,16 +709,6 @@ TEST(ServicePlacementTest, VramBudgetFlagErrors) {
   EXPECT_EQ(rc4, 1);
   EXPECT_THAT(err4, ::testing::HasSubstr("cannot place the model in a VRAM budget of 1.0 MiB"));
   EXPECT_THAT(err4, ::testing::HasSubstr("bytes the dense tensors, KV cache"));
-}
-
-// Runs a command line with stdout and stderr into a file; returns the exit code and the output.
-std::pair<int, std::string> RunCommand(const std::string& cmd, const std::string& name) {
-  const std::string out = ::testing::TempDir() + "/" + name + ".txt";
-  const int rc = std::system((cmd + " > " + out + " 2>&1").c_str());
-  std::ifstream in(out);
-  std::stringstream text;
-  text << in.rdbuf();
-  return {WEXITSTATUS(rc), text.str()};
 }
 
 TEST(ServiceColdPrefillTest, GpuWorkerFlagErrors) {
