@@ -2,19 +2,27 @@
 // model's shape (Llama-2-7B: hidden 4096, FFN 11008), for F16, Q8_0 and Q4_0 weights.
 //
 // Sparse = what PredictedSparseFfn does for one token: the predictor (fc1 -> ReLU -> fc2, F16, at
-// the given ranks), gate rows of the selected neurons (MatMulRows), up rows of the same neurons
-// and the rows of the transposed down projection (AccumulateRows). The selected set is drawn per
-// token from a Zipf-skewed distribution: neuron j (in a random order) is active with probability
-// min(1, c / (rank_j + 1)^s), s = 1, c chosen so that the expected active fraction is `active`
-// (10% by default) — a few neurons fire on most tokens, most rarely, as profiled ReLU models show.
+// the given ranks), then CpuOps::SparseFfnToken over the selected neurons (gate row, up row and
+// row of the transposed down projection of each, back to back). For comparison the same work as
+// three separate row passes (MatMulRows gate, MatMulRows up, AccumulateRows down), which is what
+// pinfer did before the fused op. The selected set is drawn per token from a Zipf-skewed
+// distribution: neuron j (in a random order) is active with probability min(1, c / (rank_j + 1)),
+// c chosen so that the expected active fraction is `active` (10% by default): a few neurons fire
+// on most tokens, most rarely, as profiled ReLU models show.
+//
+// Between timed tokens the bench reads 96 MiB of other memory (flush=1, the default), as the
+// other layers of a real model would, so neither path finds the previous token's rows in the
+// caches.
 //
 // usage: ffn_bench [hidden=4096] [ffn=11008] [active=0.1] [tokens=20] [ranks=0,256,1024]
-//                  [dtypes=f16,q8_0,q4_0]
+//                  [dtypes=f16,q8_0,q4_0] [flush=1]
 // Prints one JSON object per dtype.
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <random>
@@ -26,6 +34,7 @@
 #include "nlohmann/json.hpp"
 #include "shared/engine/ops.h"
 #include "shared/model/tensor.h"
+#include "shared/util/aligned_buffer.h"
 
 using namespace pinfer;
 
@@ -33,22 +42,54 @@ namespace {
 
 struct Matrix {
   TensorView view;
-  std::vector<uint8_t> bytes;
+  AlignedBytes storage;
+  const uint8_t* data() const { return static_cast<const uint8_t*>(view.data); }
+  size_t size() const { return view.nbytes(); }
 };
 
 Matrix RandomMatrix(int64_t rows, int64_t cols, DType dt, std::mt19937& rng, float scale) {
   Matrix m;
   m.view.dtype = dt;
   m.view.shape = {rows, cols};
-  m.bytes.resize(m.view.nbytes());
-  m.view.data = m.bytes.data();
+  // Aligned like the cpu-worker's row store (FfnRowStore).
+  m.storage = AllocateAligned(m.view.nbytes());
+  uint8_t* base = m.storage.get();
+  m.view.data = base;
   std::normal_distribution<float> d(0.f, scale);
   std::vector<float> row(cols);
   for (int64_t r = 0; r < rows; ++r) {
     for (float& v : row) v = d(rng);
-    QuantizeRow(dt, row.data(), m.bytes.data() + r * m.view.row_bytes(), cols);
+    QuantizeRow(dt, row.data(), base + r * m.view.row_bytes(), cols);
   }
   return m;
+}
+
+// Reads a buffer larger than the last-level cache (the caches then hold none of the weights).
+void FlushCaches() {
+  static std::vector<uint8_t> junk(96u << 20, 1);
+  uint8_t acc = 0;
+  for (size_t i = 0; i < junk.size(); i += 64) acc ^= junk[i];
+  asm volatile("" : : "r"(acc));  // keeps the reads
+}
+
+// Reads k rows of `bytes` each, 256 bytes of each in turn, without arithmetic beyond a sum:
+// what the memory system alone allows for that access pattern.
+uint64_t ReadRows(const uint8_t* const* rows, int k, size_t bytes) {
+  uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+  for (size_t c = 0; c + 256 <= bytes; c += 256) {
+    for (int j = 0; j < k; ++j) {
+      const uint8_t* p = rows[j] + c;
+      for (size_t o = 0; o < 256; o += 32) {
+        uint64_t v[4];
+        std::memcpy(v, p + o, 32);
+        a0 += v[0];
+        a1 += v[1];
+        a2 += v[2];
+        a3 += v[3];
+      }
+    }
+  }
+  return a0 ^ a1 ^ a2 ^ a3;
 }
 
 double Median(std::vector<double> v) {
@@ -72,6 +113,7 @@ int main(int argc, char** argv) {
   const int H = static_cast<int>(num("hidden", 4096)), F = static_cast<int>(num("ffn", 11008));
   const double active = num("active", 0.1);
   const int tokens = static_cast<int>(num("tokens", 20));
+  const bool flush = num("flush", 1) != 0;
   std::vector<int> ranks = {0, 256, 1024};
   if (kv.count("ranks")) {
     ranks.clear();
@@ -122,59 +164,102 @@ int main(int argc, char** argv) {
     std::normal_distribution<float> nd;
     for (float& v : x) v = nd(rng);
 
+    // Median milliseconds of fn(token) over the tokens, each started with cold caches.
+    auto time_tokens = [&](const std::function<void(int)>& fn) {
+      std::vector<double> ms;
+      for (int t = 0; t < tokens; ++t) {
+        if (flush) FlushCaches();
+        const auto t0 = std::chrono::steady_clock::now();
+        fn(t);
+        ms.push_back(
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                .count());
+      }
+      return Median(ms);
+    };
     // Dense: gate, up, activation, down (n = 1).
-    std::vector<double> dense_ms;
-    for (int t = 0; t < tokens; ++t) {
-      const auto t0 = std::chrono::steady_clock::now();
+    const double dense = time_tokens([&](int) {
       ops->MatMul(gate.view, x.data(), 1, g.data());
       ops->MatMul(up.view, x.data(), 1, up_v.data());
       ops->GatedActivation(Activation::kRelu, g.data(), up_v.data(), F);
       ops->MatMul(down.view, g.data(), 1, out.data());
-      dense_ms.push_back(
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    }
-    // Sparse rows for each token's mask.
-    std::vector<double> sparse_ms;
-    for (int t = 0; t < tokens; ++t) {
+    });
+    // Sparse, fused. The masks stand for the truly active neurons, so every selected neuron must
+    // run its up and down rows: SiLU never skips one (ReLU would skip the half whose random gate
+    // is negative and flatter the result).
+    const double fused = time_tokens([&](int t) {
+      std::fill(out.begin(), out.end(), 0.f);
+      ops->SparseFfnToken(gate.view, up.view, down_t.view, masks[t].data(),
+                          static_cast<int>(masks[t].size()), Activation::kSilu, x.data(), nullptr,
+                          a.data(), out.data());
+    });
+    // Sparse as three row passes.
+    const double separate = time_tokens([&](int t) {
       const std::vector<int32_t>& rows = masks[t];
       const int k = static_cast<int>(rows.size());
-      const auto t0 = std::chrono::steady_clock::now();
       ops->MatMulRows(gate.view, rows.data(), k, x.data(), 1, g.data());
       ops->MatMulRows(up.view, rows.data(), k, x.data(), 1, up_v.data());
-      for (int i = 0; i < k; ++i) a[i] = std::max(g[i], 0.f) * up_v[i] + 1e-3f;  // all used
+      ops->GatedActivation(Activation::kSilu, g.data(), up_v.data(), k);
       std::fill(out.begin(), out.end(), 0.f);
-      ops->AccumulateRows(down_t.view, rows.data(), k, a.data(), 1, out.data());
-      sparse_ms.push_back(
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    }
+      ops->AccumulateRows(down_t.view, rows.data(), k, g.data(), 1, out.data());
+    });
+    // The memory system's ceiling: the same rows only read, one at a time and four at a time,
+    // against reading the dense matrices front to back (GB/s).
+    const size_t rb = gate.view.row_bytes();
+    auto read_rate = [&](int group) {
+      size_t bytes = 0;
+      for (const auto& m : masks) bytes += 3 * m.size() * rb;
+      const double ms = time_tokens([&](int t) {
+        uint64_t acc = 0;
+        const std::vector<int32_t>& rows = masks[t];
+        for (const Matrix* w : {&gate, &up, &down_t}) {
+          for (size_t i = 0; i < rows.size(); i += group) {
+            const uint8_t* p[4];
+            const int k = static_cast<int>(std::min<size_t>(group, rows.size() - i));
+            for (int q = 0; q < k; ++q) p[q] = w->view.row(rows[i + q]);
+            acc ^= ReadRows(p, k, rb);
+          }
+        }
+        asm volatile("" : : "r"(acc));
+      });
+      return bytes / static_cast<double>(tokens) / ms / 1e6;
+    };
+    const double dense_read_ms = time_tokens([&](int) {
+      uint64_t acc = 0;
+      for (const Matrix* w : {&gate, &up, &down}) {
+        const uint8_t* p = w->data();
+        acc ^= ReadRows(&p, 1, w->size());
+      }
+      asm volatile("" : : "r"(acc));
+    });
     nlohmann::json j;
+    j["read_gbps"] = {{"sequential", 3.0 * gate.size() / dense_read_ms / 1e6},
+                      {"random_rows_one_at_a_time", read_rate(1)},
+                      {"random_rows_four_at_a_time", read_rate(4)}};
     j["dtype"] = name;
     j["hidden"] = H;
     j["ffn"] = F;
     j["active_fraction"] = mean_active;
-    j["dense_ms_per_token"] = Median(dense_ms);
-    j["sparse_rows_ms_per_token"] = Median(sparse_ms);
-    j["speedup_rows_only"] = Median(dense_ms) / Median(sparse_ms);
+    j["dense_ms_per_token"] = dense;
+    j["sparse_ms_per_token"] = fused;
+    j["speedup_rows_only"] = dense / fused;
+    j["three_passes_ms_per_token"] = separate;
+    j["three_passes_speedup"] = dense / separate;
     for (int r : ranks) {
       if (r == 0) continue;
       Matrix fc1 = RandomMatrix(r, H, DType::kF16, rng, 0.02f);
       Matrix fc2 = RandomMatrix(F, r, DType::kF16, rng, 0.02f);
       std::vector<float> h(r), s(F);
-      std::vector<double> pred_ms;
-      for (int t = 0; t < tokens; ++t) {
-        const auto t0 = std::chrono::steady_clock::now();
+      const double pred = time_tokens([&](int) {
         ops->MatMul(fc1.view, x.data(), 1, h.data());
         for (float& v : h) v = std::max(v, 0.f);
         ops->MatMul(fc2.view, h.data(), 1, s.data());
-        pred_ms.push_back(
-            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                .count());
-      }
-      const double total = Median(sparse_ms) + Median(pred_ms);
+      });
+      const double total = fused + pred;
       j["predictor"].push_back({{"rank", r},
-                                {"predictor_ms_per_token", Median(pred_ms)},
+                                {"predictor_ms_per_token", pred},
                                 {"sparse_total_ms_per_token", total},
-                                {"speedup", Median(dense_ms) / total}});
+                                {"speedup", dense / total}});
     }
     std::printf("%s\n", j.dump().c_str());
     std::fflush(stdout);

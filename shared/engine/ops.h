@@ -35,6 +35,18 @@ class CpuOps {
   // skipped, which is how a transposed down projection touches only active neurons.
   virtual void AccumulateRows(const TensorView& w, const int32_t* rows, int n_rows, const float* a,
                               int n, float* y) const = 0;
+  // One token's FFN over the listed neurons, fused so that each neuron's gate, up and down rows
+  // are read back to back while out stays in cache (three separate row passes re-stream out and
+  // restart the hardware prefetchers three times). For each i, with j = rows[i]:
+  //   g = gate_values != null ? gate_values[i] : gate.row(j) . x
+  //   a[i] = act(g, up.row(j) . x); for ReLU and dReLU the up row is skipped when g <= 0 (a = 0)
+  //   out: [down_t.cols()] += a[i] * down_t.row(j)
+  // The products are MatMulRows' and AccumulateRows' (equal to them up to fp32 summation order;
+  // the SIMD version sums fixed chunks of neurons in order, the same for any thread count).
+  // Returns how many up rows were computed.
+  virtual int SparseFfnToken(const TensorView& gate, const TensorView& up, const TensorView& down_t,
+                             const int32_t* rows, int n_rows, Activation act, const float* x,
+                             const float* gate_values, float* a, float* out) const = 0;
   // out: [n, dim] = x * rsqrt(mean(x^2) + eps) * weight
   virtual void RmsNorm(const float* x, const float* weight, int n, int dim, float eps,
                        float* out) const = 0;

@@ -106,6 +106,29 @@ class ReferenceOps : public CpuOps {
     }
   }
 
+  int SparseFfnToken(const TensorView& gate, const TensorView& up, const TensorView& down_t,
+                     const int32_t* rows, int n_rows, Activation act, const float* x,
+                     const float* gate_values, float* a, float* out) const override {
+    const bool gate_decides = act != Activation::kSilu;
+    int ups = 0;
+    for (int i = 0; i < n_rows; ++i) {
+      float g, u;
+      if (gate_values != nullptr) {
+        g = gate_values[i];
+      } else {
+        MatMulRows(gate, rows + i, 1, x, 1, &g);
+      }
+      a[i] = 0;
+      if (gate_decides && g <= 0) continue;
+      MatMulRows(up, rows + i, 1, x, 1, &u);
+      ++ups;
+      a[i] = g;
+      GatedActivation(act, &a[i], &u, 1);
+    }
+    AccumulateRows(down_t, rows, n_rows, a, 1, out);
+    return ups;
+  }
+
   void RmsNorm(const float* x, const float* weight, int n, int dim, float eps,
                float* out) const override {
     for (int t = 0; t < n; ++t) {

@@ -120,12 +120,12 @@ absl::StatusOr<std::unique_ptr<FfnRowStore>> FfnRowStore::Build(
     // gate and up: copy the rows as stored.
     for (auto [src, dst] : {std::pair{&L.gate, &layer.gate}, std::pair{&L.up, &layer.up}}) {
       const size_t rb = src->row_bytes();
-      std::vector<uint8_t> buf(std::max<size_t>(1, rb * k));
-      for (int64_t i = 0; i < k; ++i) std::memcpy(buf.data() + i * rb, src->row(ids[i]), rb);
+      AlignedBytes buf = AllocateAligned(rb * k);
+      for (int64_t i = 0; i < k; ++i) std::memcpy(buf.get() + i * rb, src->row(ids[i]), rb);
       dst->name = src->name;
       dst->dtype = src->dtype;
       dst->shape = {k, H};
-      dst->data = buf.data();
+      dst->data = buf.get();
       store->bytes_ += rb * k;
       store->storage_.push_back(std::move(buf));
     }
@@ -137,12 +137,12 @@ absl::StatusOr<std::unique_ptr<FfnRowStore>> FfnRowStore::Build(
             absl::StrCat("layer ", l, ": down_t must be [", F, ", ", H, "]"));
       }
       const size_t rb = src.row_bytes();
-      std::vector<uint8_t> buf(std::max<size_t>(1, rb * k));
-      for (int64_t i = 0; i < k; ++i) std::memcpy(buf.data() + i * rb, src.row(ids[i]), rb);
+      AlignedBytes buf = AllocateAligned(rb * k);
+      for (int64_t i = 0; i < k; ++i) std::memcpy(buf.get() + i * rb, src.row(ids[i]), rb);
       layer.down_t.name = absl::StrCat("blk.", l, ".ffn_down_t");
       layer.down_t.dtype = src.dtype;
       layer.down_t.shape = {k, H};
-      layer.down_t.data = buf.data();
+      layer.down_t.data = buf.get();
       store->bytes_ += rb * k;
       store->storage_.push_back(std::move(buf));
       store->layers_.push_back(std::move(layer));
@@ -157,12 +157,12 @@ absl::StatusOr<std::unique_ptr<FfnRowStore>> FfnRowStore::Build(
       for (int64_t i = 0; i < k; ++i) tmp[i * H + h] = down_row[ids[i]];
     }
     const size_t rb = RowBytes(dt, H);
-    std::vector<uint8_t> buf(std::max<size_t>(1, rb * k));
-    for (int64_t i = 0; i < k; ++i) QuantizeRow(dt, &tmp[i * H], buf.data() + i * rb, H);
+    AlignedBytes buf = AllocateAligned(rb * k);
+    for (int64_t i = 0; i < k; ++i) QuantizeRow(dt, &tmp[i * H], buf.get() + i * rb, H);
     layer.down_t.name = absl::StrCat("blk.", l, ".ffn_down_t");
     layer.down_t.dtype = dt;
     layer.down_t.shape = {k, H};
-    layer.down_t.data = buf.data();
+    layer.down_t.data = buf.get();
     store->bytes_ += rb * k;
     store->storage_.push_back(std::move(buf));
     store->layers_.push_back(std::move(layer));
@@ -196,22 +196,49 @@ uint64_t PartialFfn::Accumulate(int layer, const float* x, int n, const uint64_t
     return (masks[static_cast<size_t>(t) * words_per_mask + (neuron >> 6)] >> (neuron & 63)) & 1;
   };
 
-  // sel: the local rows computed for at least one token; g: [n, |sel|] their gate values.
-  sel_.clear();
-  if (masks == nullptr && gate_decides) {
-    // Exact mode: the gate of every row, then keep rows positive for some token. Small batches
-    // (decode steps of several sequences) go row by row like a single token does, so a
-    // sequence's result never depends on what else is in the batch; prompts use the tiled MatMul.
-    gate_.resize(static_cast<size_t>(n) * k);
-    if (n <= kBatchInvariantTokens) {
+  if (n <= kBatchInvariantTokens) {
+    // Decode steps: token by token through the fused per-neuron op (each neuron's three rows read
+    // back to back), so a sequence's result never depends on what else is in the batch.
+    const float* gate = nullptr;  // exact mode: gate: [n, k], every row's gate
+    if (masks == nullptr && gate_decides) {
       if (static_cast<int>(iota_.size()) < k) {
         iota_.resize(k);
         for (int i = 0; i < k; ++i) iota_[i] = i;
       }
-      ops_.MatMulRows(L.gate, iota_.data(), k, x, n, gate_.data());  // gate: [n, k]
-    } else {
-      ops_.MatMul(L.gate, x, n, gate_.data());  // gate: [n, k]
+      gate_.resize(static_cast<size_t>(n) * k);
+      ops_.MatMulRows(L.gate, iota_.data(), k, x, n, gate_.data());
+      gate = gate_.data();
     }
+    uint64_t active = 0;
+    for (int t = 0; t < n; ++t) {
+      sel_.clear();
+      sel_gate_.clear();
+      for (int i = 0; i < k; ++i) {
+        if (gate != nullptr ? gate[static_cast<size_t>(t) * k + i] > 0
+                            : masks == nullptr || bit(t, L.neurons[i])) {
+          sel_.push_back(i);
+          if (gate != nullptr) sel_gate_.push_back(gate[static_cast<size_t>(t) * k + i]);
+        }
+      }
+      const int m = static_cast<int>(sel_.size());
+      up_.resize(std::max(m, 1));
+      const size_t H = L.down_t.cols();
+      ops_.SparseFfnToken(L.gate, L.up, L.down_t, sel_.data(), m, act_, x + t * L.gate.cols(),
+                          gate != nullptr ? sel_gate_.data() : nullptr, up_.data(),
+                          out + t * H);  // out[t]: [hidden]
+      for (int i = 0; i < m; ++i) active += up_[i] != 0;
+    }
+    return active;
+  }
+
+  // Prompt batches. sel: the local rows computed for at least one token; g: [n, |sel|] their
+  // gate values.
+  sel_.clear();
+  if (masks == nullptr && gate_decides) {
+    // Exact mode: the gate of every row (the tiled MatMul), then keep rows positive for some
+    // token.
+    gate_.resize(static_cast<size_t>(n) * k);
+    ops_.MatMul(L.gate, x, n, gate_.data());  // gate: [n, k]
     for (int i = 0; i < k; ++i) {
       for (int t = 0; t < n; ++t) {
         if (gate_[static_cast<size_t>(t) * k + i] > 0) {

@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "shared/engine/ops.h"
 #include "shared/model/model.h"
+#include "shared/util/aligned_buffer.h"
 
 namespace pinfer {
 
@@ -64,7 +65,7 @@ class FfnRowStore {
 
  private:
   std::vector<Layer> layers_;
-  std::vector<std::vector<uint8_t>> storage_;
+  std::vector<AlignedBytes> storage_;  // page-aligned, huge pages where large
   size_t bytes_ = 0;
 };
 

@@ -193,9 +193,8 @@ absl::Status GateSparseFfn::Forward(int layer, const float* x, int n, float* out
   const LayerWeights& L = model_.layers[layer];
   const int F = c.ffn_size, H = c.hidden_size;
   const size_t nf = static_cast<size_t>(n) * F;
-  if (gate_.size() < nf) gate_.resize(nf);
-  if (up_.size() < static_cast<size_t>(F)) {
-    up_.resize(F);
+  if (gate_.size() < nf + F) gate_.resize(nf + F);  // [n, ffn] then one token's selected gates
+  if (act_.size() < static_cast<size_t>(F)) {
     act_.resize(F);
     rows_.resize(F);
   }
@@ -219,9 +218,9 @@ absl::Status GateSparseFfn::Forward(int layer, const float* x, int n, float* out
         if (g[j] > 0) rows_[k++] = j;
       }
     }
-    ops_.MatMulRows(L.up, rows_.data(), k, xt, 1, up_.data());  // up: [k]
-    for (int i = 0; i < k; ++i) act_[i] = Activate(c.activation, g[rows_[i]], up_[i]);
-    ops_.AccumulateRows(down_t_[layer], rows_.data(), k, act_.data(), 1,
+    for (int i = 0; i < k; ++i) gate_[nf + i] = g[rows_[i]];  // the gate values of the rows
+    ops_.SparseFfnToken(L.gate, L.up, down_t_[layer], rows_.data(), k, c.activation, xt,
+                        gate_.data() + nf, act_.data(),
                         out + static_cast<size_t>(t) * H);  // out[t]: [hidden]
     st.tokens += 1;
     st.selected += k;
@@ -290,12 +289,9 @@ absl::Status PredictedSparseFfn::Forward(int layer, const float* x, int n, float
   const size_t nf = static_cast<size_t>(n) * F;
   if (score_.size() < nf) score_.resize(nf);
   if (hidden_.size() < static_cast<size_t>(n) * R) hidden_.resize(static_cast<size_t>(n) * R);
-  if (gate_.size() < static_cast<size_t>(F)) {
-    gate_.resize(F);
-    up_.resize(F);
+  if (act_.size() < static_cast<size_t>(F)) {
     act_.resize(F);
     rows_.resize(F);
-    active_rows_.resize(F);
     selected_.resize(F);
   }
   SparseFfnLayerStats& st = stats_.layers[layer];
@@ -314,19 +310,10 @@ absl::Status PredictedSparseFfn::Forward(int layer, const float* x, int n, float
     for (int j = 0; j < F; ++j) {
       if (s[j] >= P.threshold) rows_[k++] = j;
     }
-    ops_.MatMulRows(L.gate, rows_.data(), k, xt, 1, gate_.data());  // gate: [k]
-    // Keep the selected neurons whose gate is really active; remember their gate values.
-    int m = 0;
-    for (int i = 0; i < k; ++i) {
-      if (c.activation == Activation::kSilu || gate_[i] > 0) {
-        active_rows_[m] = rows_[i];
-        act_[m++] = gate_[i];
-      }
-    }
-    ops_.MatMulRows(L.up, active_rows_.data(), m, xt, 1, up_.data());  // up: [m]
-    for (int i = 0; i < m; ++i) act_[i] = Activate(c.activation, act_[i], up_[i]);
-    ops_.AccumulateRows(down_t_[layer], active_rows_.data(), m, act_.data(), 1,
-                        out + static_cast<size_t>(t) * H);  // out[t]: [hidden]
+    // Gate rows of the selected neurons; up and down rows only where the gate is really active.
+    const int m = ops_.SparseFfnToken(L.gate, L.up, down_t_[layer], rows_.data(), k, c.activation,
+                                      xt, /*gate_values=*/nullptr, act_.data(),
+                                      out + static_cast<size_t>(t) * H);  // out[t]: [hidden]
     st.tokens += 1;
     st.selected += k;
     st.gate_rows += k;

@@ -17,8 +17,9 @@
 // Batches: every token uses its own mask (no union over the batch). A token's output therefore
 // does not depend on what else is in the batch, so prompt processing and token-by-token decoding
 // give the same results, and a long prompt does not degrade to dense compute the way a union of
-// masks does. All arithmetic runs through CpuOps (MatMulRows / AccumulateRows), which thread over
-// rows and output columns without data races.
+// masks does. All arithmetic runs through CpuOps: per token, SparseFfnToken reads each selected
+// neuron's gate, up and down rows back to back (threaded over fixed chunks of neurons whose sums
+// are added in order: no data races, the same result at any thread count).
 #pragma once
 
 #include <cstdint>
@@ -114,7 +115,7 @@ class GateSparseFfn : public FfnBlock {
   std::vector<TensorView> down_t_;
   std::vector<float> thresholds_;
   SparseFfnStats stats_;
-  std::vector<float> gate_, up_, act_;
+  std::vector<float> gate_, act_;
   std::vector<int32_t> rows_;
 };
 
@@ -146,8 +147,8 @@ class PredictedSparseFfn : public FfnBlock {
   bool measure_recall_ = false;
   SparseFfnStats stats_;
   std::vector<std::vector<float>> down_norms_;  // [layer][ffn]: |row j of down_t|
-  std::vector<float> hidden_, score_, gate_, up_, act_, dense_gate_, dense_up_;
-  std::vector<int32_t> rows_, active_rows_;
+  std::vector<float> hidden_, score_, act_, dense_gate_, dense_up_;
+  std::vector<int32_t> rows_;
   std::vector<uint8_t> selected_;
 };
 

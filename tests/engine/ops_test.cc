@@ -221,6 +221,80 @@ TEST_P(OpsTest, MatMulRowsAndAccumulateRows) {
   }
 }
 
+// The fused per-token FFN against the reference: every dtype and activation, with the gate
+// computed by the op or given, over lists shorter and longer than one chunk of neurons.
+TEST_P(OpsTest, SparseFfnToken) {
+  for (DType dt : kDTypes) {
+    for (Activation act : {Activation::kSilu, Activation::kRelu, Activation::kDRelu}) {
+      for (int n_rows : {0, 7, 150}) {
+        SCOPED_TRACE(::testing::Message()
+                     << DTypeName(dt) << " act " << static_cast<int>(act) << " rows " << n_rows);
+        const int ffn = 300, hidden = 96;
+        Weight gate = MakeWeight(dt, ffn, hidden, rng_), up = MakeWeight(dt, ffn, hidden, rng_);
+        Weight down_t = MakeWeight(dt, ffn, hidden, rng_);
+        std::vector<int32_t> idx(ffn);
+        for (int i = 0; i < ffn; ++i) idx[i] = i;
+        std::shuffle(idx.begin(), idx.end(), rng_);
+        idx.resize(n_rows);
+        std::sort(idx.begin(), idx.end());
+        auto x = Random(hidden, rng_), y0 = Random(hidden, rng_);
+        auto given = Random(std::max(n_rows, 1), rng_);
+        const std::vector<const float*> gate_values = {nullptr, given.data()};
+        for (const float* gv : gate_values) {
+          Guarded got(hidden), want(hidden), a(std::max(n_rows, 1)), a_ref(std::max(n_rows, 1));
+          std::copy(y0.begin(), y0.end(), got.data());
+          std::copy(y0.begin(), y0.end(), want.data());
+          const int ups = ops_->SparseFfnToken(gate.view, up.view, down_t.view, idx.data(), n_rows,
+                                               act, x.data(), gv, a.data(), got.data());
+          const int ups_ref =
+              ref_->SparseFfnToken(gate.view, up.view, down_t.view, idx.data(), n_rows, act,
+                                   x.data(), gv, a_ref.data(), want.data());
+          EXPECT_EQ(ups, ups_ref);
+          if (act != Activation::kSilu && n_rows > 0) {
+            EXPECT_LT(ups, n_rows);  // some gates are <= 0
+          }
+          ExpectClose(a, a_ref, 1e-10);
+          ExpectClose(got, want, 1e-10);
+          // A neuron skipped by its gate has a zero coefficient; the others match their gate.
+          for (int i = 0; i < n_rows; ++i) {
+            if (act != Activation::kSilu && a_ref.data()[i] == 0) {
+              EXPECT_EQ(a.data()[i], 0.f);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Rows wider than the row ops' column chunk, and sparse row lists that group rows: every dtype.
+TEST_P(OpsTest, WideRowsDenseAndSparse) {
+  for (DType dt : kDTypes) {
+    SCOPED_TRACE(DTypeName(dt));
+    const int rows = 37, cols = 4096 + 96;
+    Weight w = MakeWeight(dt, rows, cols, rng_);
+    auto x = Random(cols, rng_);
+    Guarded got(rows), want(rows);
+    ops_->MatMul(w.view, x.data(), 1, got.data());
+    ref_->MatMul(w.view, x.data(), 1, want.data());
+    ExpectClose(got, want, 1e-10);
+    std::vector<int32_t> idx = {36, 0, 5, 6, 7, 20, 21, 2, 33};
+    Guarded got_rows(idx.size()), want_rows(idx.size());
+    ops_->MatMulRows(w.view, idx.data(), idx.size(), x.data(), 1, got_rows.data());
+    ref_->MatMulRows(w.view, idx.data(), idx.size(), x.data(), 1, want_rows.data());
+    ExpectClose(got_rows, want_rows, 1e-10);
+    for (size_t i = 0; i < idx.size(); ++i) {
+      EXPECT_EQ(got_rows.data()[i], got.data()[idx[i]]) << "row " << idx[i];
+    }
+    auto a = Random(idx.size(), rng_);
+    a[3] = 0;
+    Guarded acc(cols), acc_ref(cols);
+    ops_->AccumulateRows(w.view, idx.data(), idx.size(), a.data(), 1, acc.data());
+    ref_->AccumulateRows(w.view, idx.data(), idx.size(), a.data(), 1, acc_ref.data());
+    ExpectClose(acc, acc_ref, 1e-10);
+  }
+}
+
 TEST_P(OpsTest, RmsNorm) {
   const int n = 5, dim = 72;
   auto x = Random(n * dim, rng_), w = Random(dim, rng_);
