@@ -310,20 +310,28 @@ class SpinPool {
   std::atomic<bool> stop_{false};
 };
 
-// The cold rows on the CPU: each thread takes a share of the active cold neurons, computes gate
-// and up dot products and adds act * down_t row into its own partial sum; the partials are then
-// reduced. One pass over each active row, no shared writes.
+// The cold rows on the CPU, as the cpu-worker computes them (PartialFfn): each thread takes a
+// share of the active cold neurons and runs CpuOps::SparseFfnToken on it (gate, up and down rows
+// of four neurons at a time, Q4_0 against Q8_0-quantized x with integer dots) into its own
+// partial sum; the partials are then reduced. One pass over each active row, no shared writes.
 class CpuColdFfn : public cuda::ColdFfn {
  public:
   CpuColdFfn(const SynthModel& m, SpinPool& pool)
-      : m_(m), pool_(pool), k_(BestRowKernels()),
-        partial_(static_cast<size_t>(pool.size()) * m.config.hidden_size) {}
+      : m_(m), pool_(pool), ops_(NewSimdOps(nullptr)),
+        partial_(static_cast<size_t>(pool.size()) * m.config.hidden_size),
+        coef_(static_cast<size_t>(m.config.ffn_size)) {}
 
   cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
-    const int H = m_.config.hidden_size;
+    const int H = m_.config.hidden_size, F = m_.config.ffn_size;
     const SynthLayer& L = m_.layers[r.layer];
-    const size_t rb = m_.Rb(H);
-    const size_t di = static_cast<size_t>(m_.dtype);
+    auto view = [&](const Buffer& b) {
+      TensorView v;
+      v.dtype = m_.dtype;
+      v.shape = {F, H};
+      v.data = b.p;
+      return v;
+    };
+    const TensorView gate = view(*L.gate), up = view(*L.up), down_t = view(*L.down_t);
     const int T = pool_.size();
     for (int t = 0; t < r.n; ++t) {
       const float* x = r.x + static_cast<size_t>(t) * H;
@@ -332,12 +340,8 @@ class CpuColdFfn : public cuda::ColdFfn {
         std::fill(y, y + H, 0.f);
         const int i0 = static_cast<int>(static_cast<int64_t>(r.n_active) * part / T);
         const int i1 = static_cast<int>(static_cast<int64_t>(r.n_active) * (part + 1) / T);
-        for (int i = i0; i < i1; ++i) {
-          const int64_t j = r.active[i];
-          const float g = k_->dot[di](L.gate->p + j * rb, x, H);
-          const float u = k_->dot[di](L.up->p + j * rb, x, H);
-          k_->axpy[di](g / (1.f + std::exp(-g)) * u, L.down_t->p + j * rb, y, H);
-        }
+        ops_->SparseFfnToken(gate, up, down_t, r.active + i0, i1 - i0, Activation::kSilu, x,
+                             nullptr, coef_.data() + i0, y);
       });
       float* out = r.out + static_cast<size_t>(t) * H;
       pool_.Run([&](int part) {
@@ -355,8 +359,8 @@ class CpuColdFfn : public cuda::ColdFfn {
  private:
   const SynthModel& m_;
   SpinPool& pool_;
-  const RowKernels* k_;
-  std::vector<float> partial_;
+  std::unique_ptr<CpuOps> ops_;
+  std::vector<float> partial_, coef_;
 };
 
 // The cold side's row bandwidth on one layer-sized set of gate, up and down_t rows: 10% of the

@@ -902,6 +902,17 @@ int g_qx_warps = [] {
   const int w = e != nullptr ? std::atoi(e) : 8;
   return w == 4 || w == 16 ? w : 8;
 }();
+// Rows per warp (R: 1, 2 or 4, PINFER_CUDA_QX_ROWS; 0 = the most rows per warp that still give
+// every SM four blocks). Four rows per warp keep the most loads in flight per warp, but a
+// 5120-row matrix then makes only 160 blocks for 132 SMs, and a list of a thousand hot rows a
+// few dozen. Measured on the H200 (docs/cuda-runs/rows-per-warp): the automatic choice changed
+// neither whole-model decode (204 vs 206 tokens/s, Q4_0) nor clearly the sparse modes, so the
+// default stays 4.
+int g_qx_rows = [] {
+  const char* e = std::getenv("PINFER_CUDA_QX_ROWS");
+  const int r = e != nullptr ? std::atoi(e) : 4;
+  return r == 1 || r == 2 || r == 4 ? r : 0;
+}();
 
 template <WType T>
 __device__ __forceinline__ int SplitBlockIntDot(const uint4* q, const int4* xw) {
@@ -923,7 +934,7 @@ __device__ __forceinline__ int SplitBlockIntDot(const uint4* q, const int4* xw) 
   return s;
 }
 
-template <WType T, int kQxWarps>
+template <WType T, int kQxWarps, int R>
 __global__ void __launch_bounds__(kQxWarps * kWarp)
     MatVecSplitQ8xKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
                          int64_t cols, const int32_t* __restrict__ rows, int n_rows,
@@ -938,9 +949,9 @@ __global__ void __launch_bounds__(kQxWarps * kWarp)
   float* xd = reinterpret_cast<float*>(xq + cols);     // [nblk]
   int* xsum = reinterpret_cast<int*>(xd + nblk);       // [nblk]
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int i0 = (blockIdx.x * kQxWarps + warp) * kSplitRows;
+  const int i0 = (blockIdx.x * kQxWarps + warp) * R;
   PdlTrigger();
-  if (prefetch && rows == nullptr && dev_count == nullptr && lane < kSplitRows &&
+  if (prefetch && rows == nullptr && dev_count == nullptr && lane < R &&
       i0 + lane < n_rows) {
     PrefetchL2(qs + static_cast<size_t>(i0 + lane) * qrb, static_cast<uint32_t>(qrb));
   }
@@ -977,27 +988,27 @@ __global__ void __launch_bounds__(kQxWarps * kWarp)
   __syncthreads();
   const int count = dev_count != nullptr ? *dev_count : n_rows;
   if (i0 >= count) return;
-  const int nr = min(kSplitRows, count - i0);
-  const uint8_t* rq[kSplitRows];
-  const uint16_t* rs[kSplitRows];
+  const int nr = min(R, count - i0);
+  const uint8_t* rq[R];
+  const uint16_t* rs[R];
 #pragma unroll
-  for (int r = 0; r < kSplitRows; ++r) {
+  for (int r = 0; r < R; ++r) {
     const int i = i0 + min(r, nr - 1);
     const int64_t rid = rows != nullptr ? rows[i] : i;
     rq[r] = qs + static_cast<size_t>(rid) * qrb;
     rs[r] = scales + static_cast<size_t>(rid) * nblk;
   }
-  float acc[kSplitRows];
+  float acc[R];
 #pragma unroll
-  for (int r = 0; r < kSplitRows; ++r) acc[r] = 0.f;
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
   int b = lane;
   for (; b + kWarp < nblk; b += 2 * kWarp) {
-    uint4 q[2][kSplitRows][QV];
-    float dw[2][kSplitRows];
+    uint4 q[2][R][QV];
+    float dw[2][R];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
-      for (int r = 0; r < kSplitRows; ++r) {
+      for (int r = 0; r < R; ++r) {
         const uint4* src =
             reinterpret_cast<const uint4*>(rq[r] + static_cast<size_t>(b + h * kWarp) * QB);
 #pragma unroll
@@ -1007,7 +1018,7 @@ __global__ void __launch_bounds__(kQxWarps * kWarp)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
-      for (int r = 0; r < kSplitRows; ++r) dw[h][r] = H2F(rs[r][b + h * kWarp]);
+      for (int r = 0; r < R; ++r) dw[h][r] = H2F(rs[r][b + h * kWarp]);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -1016,16 +1027,16 @@ __global__ void __launch_bounds__(kQxWarps * kWarp)
       const float dx = xd[bb];
       const int off = T == WType::kQ4_0 ? 8 * xsum[bb] : 0;
 #pragma unroll
-      for (int r = 0; r < kSplitRows; ++r) {
+      for (int r = 0; r < R; ++r) {
         acc[r] += dw[h][r] * dx * static_cast<float>(SplitBlockIntDot<T>(q[h][r], xw) - off);
       }
     }
   }
   if (b < nblk) {
-    uint4 q[kSplitRows][QV];
-    float dw[kSplitRows];
+    uint4 q[R][QV];
+    float dw[R];
 #pragma unroll
-    for (int r = 0; r < kSplitRows; ++r) {
+    for (int r = 0; r < R; ++r) {
       const uint4* src = reinterpret_cast<const uint4*>(rq[r] + static_cast<size_t>(b) * QB);
 #pragma unroll
       for (int v = 0; v < QV; ++v) q[r][v] = LoadStream(src + v);
@@ -1035,12 +1046,12 @@ __global__ void __launch_bounds__(kQxWarps * kWarp)
     const float dx = xd[b];
     const int off = T == WType::kQ4_0 ? 8 * xsum[b] : 0;
 #pragma unroll
-    for (int r = 0; r < kSplitRows; ++r) {
+    for (int r = 0; r < R; ++r) {
       acc[r] += dw[r] * dx * static_cast<float>(SplitBlockIntDot<T>(q[r], xw) - off);
     }
   }
 #pragma unroll
-  for (int r = 0; r < kSplitRows; ++r) {
+  for (int r = 0; r < R; ++r) {
     const float v = WarpSum(acc[r]);
     if (lane == 0 && r < nr) y[i0 + r] = v;
   }
@@ -1448,6 +1459,7 @@ void SetProgrammaticLaunch(bool on) { g_pdl = on; }
 void SetQuantizedActivations(bool on) { g_q8x = on; }
 void SetWeightPrefetch(bool on) { g_prefetch = on; }
 void SetQuantWarps(int warps) { g_qx_warps = warps == 4 || warps == 16 ? warps : 8; }
+void SetQuantRowsPerWarp(int rows) { g_qx_rows = rows == 1 || rows == 2 || rows == 4 ? rows : 0; }
 bool QuantizedActivations() { return g_q8x; }
 bool ProgrammaticLaunch() { return g_pdl; }
 
@@ -1595,11 +1607,22 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
     if (w.split() && g_q8x && qx_smem <= 48 * 1024) {
       // One launch per token (the batches here are at most kMaxTok tokens).
       const auto* sc = static_cast<const uint16_t*>(w.scales);
-      const int rows_per_block = kSplitRows * g_qx_warps;
+      int r = g_qx_rows;
+      if (r == 0) {
+        r = 4;
+        while (r > 1 && (n_rows + r * g_qx_warps - 1) / (r * g_qx_warps) < 4 * SmCount()) r /= 2;
+      }
+      const int rows_per_block = r * g_qx_warps;
       const int blocks = (n_rows + rows_per_block - 1) / rows_per_block;
-      auto kernel = g_qx_warps == 4    ? MatVecSplitQ8xKernel<T, 4>
-                    : g_qx_warps == 16 ? MatVecSplitQ8xKernel<T, 16>
-                                       : MatVecSplitQ8xKernel<T, 8>;
+      auto pick = [&](auto w) {
+        constexpr int W = decltype(w)::value;
+        return r == 1 ? MatVecSplitQ8xKernel<T, W, 1>
+               : r == 2 ? MatVecSplitQ8xKernel<T, W, 2>
+                        : MatVecSplitQ8xKernel<T, W, 4>;
+      };
+      auto kernel = g_qx_warps == 4    ? pick(std::integral_constant<int, 4>())
+                    : g_qx_warps == 16 ? pick(std::integral_constant<int, 16>())
+                                       : pick(std::integral_constant<int, 8>());
       for (int t = 0; t < nt; ++t) {
         cudaError_t e = Launch(kernel, blocks, g_qx_warps * kWarp, qx_smem, stream, base, sc,
                                w.cols, rows, n_rows, dev_count, xt + t * w.cols,

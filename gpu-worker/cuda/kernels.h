@@ -79,6 +79,9 @@ bool ProgrammaticLaunch();
 void SetQuantizedActivations(bool on);
 // Warps per block of that kernel (4, 8 or 16; PINFER_CUDA_QX_WARPS), a tuning knob.
 void SetQuantWarps(int warps);
+// Rows per warp of that kernel (1, 2, 4 (default); 0: chosen by the row count;
+// PINFER_CUDA_QX_ROWS).
+void SetQuantRowsPerWarp(int rows);
 bool QuantizedActivations();
 
 // Whether the matrix's column count suits the row kernels (16-byte loads, whole blocks).

@@ -906,12 +906,15 @@ std::vector<float> Q8xReference(const HostWeights& w, const std::vector<int32_t>
 }
 
 // The split layout's llama.cpp-definition path (SetQuantizedActivations) against that
-// definition: all rows and listed rows with a device count, one and several tokens.
+// definition: all rows and listed rows with a device count, one and several tokens, for the
+// kernel's warps per block and rows per warp (0: chosen by the row count).
 TEST_F(CudaOpsTest, QuantizedActivationsMatchLlamaCppDefinition) {
   const bool q8x = cuda::QuantizedActivations();
   cuda::SetQuantizedActivations(true);
-  for (int warps : {4, 8, 16}) {
+  for (auto [warps, rows_per_warp] :
+       {std::pair{4, 0}, {8, 0}, {16, 0}, {8, 1}, {8, 2}, {8, 4}, {4, 4}, {16, 1}}) {
     cuda::SetQuantWarps(warps);
+    cuda::SetQuantRowsPerWarp(rows_per_warp);
     for (DType type : {DType::kQ8_0, DType::kQ4_0}) {
       for (int64_t cols : {512, 1056, 5120}) {
         const int64_t rows = 301;
@@ -949,12 +952,14 @@ TEST_F(CudaOpsTest, QuantizedActivationsMatchLlamaCppDefinition) {
             }
           }
           EXPECT_LE(Nmse(out2, ref2), kFp32Limit)
-              << DTypeName(type) << " listed, n " << n << ", " << warps << " warps";
+              << DTypeName(type) << " listed, n " << n << ", " << warps << " warps, "
+              << rows_per_warp << " rows per warp";
         }
       }
     }
   }
   cuda::SetQuantWarps(8);
+  cuda::SetQuantRowsPerWarp(4);
   cuda::SetQuantizedActivations(q8x);
 }
 
