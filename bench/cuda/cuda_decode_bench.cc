@@ -29,12 +29,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <functional>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -43,8 +43,8 @@
 #include <vector>
 
 #include "gpu-worker/cuda/backend.h"
-#include "gpu-worker/cuda/model_dims.h"
 #include "gpu-worker/cuda/kernels.h"
+#include "gpu-worker/cuda/model_dims.h"
 #include "shared/engine/ops.h"
 #include "shared/engine/row_kernels.h"
 #include "shared/engine/transformer.h"
@@ -57,8 +57,7 @@ namespace pinfer {
 namespace {
 
 double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 struct Options {
@@ -100,7 +99,8 @@ struct Buffer {
       std::fprintf(stderr, "out of host memory (%zu bytes)\n", bytes);
       std::exit(1);
     }
-    if (bytes >= k2M) madvise(p, (bytes + align - 1) / align * align, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+    if (bytes >= k2M)
+      madvise(p, (bytes + align - 1) / align * align, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
   }
   ~Buffer() { std::free(p); }
 };
@@ -317,7 +317,9 @@ class SpinPool {
 class CpuColdFfn : public cuda::ColdFfn {
  public:
   CpuColdFfn(const SynthModel& m, SpinPool& pool)
-      : m_(m), pool_(pool), ops_(NewSimdOps(nullptr)),
+      : m_(m),
+        pool_(pool),
+        ops_(NewSimdOps(nullptr)),
         partial_(static_cast<size_t>(pool.size()) * m.config.hidden_size),
         coef_(static_cast<size_t>(m.config.ffn_size)) {}
 
@@ -459,23 +461,23 @@ class CpuDenseLayers {
 // Bandwidths, measured in this run.
 
 struct Bandwidths {
-  double gpu_copy = 0;   // device-to-device copy, bytes read + written per second
-  double gpu_gemv = 0;   // our F16/Q4_0 matrix-vector kernel over a 2 GB matrix
+  double gpu_copy = 0;       // device-to-device copy, bytes read + written per second
+  double gpu_gemv = 0;       // our F16/Q4_0 matrix-vector kernel over a 2 GB matrix
   double gpu_gemv_gguf = 0;  // block formats: the same in GGUF's layout (not what runs)
-  double cpu_gemv = 0;   // SimdOps matrix-vector over all threads, 2 GB matrix
-  double h2d = 0;        // pinned host to device
-  double launch_us = 0;  // host time to enqueue one small kernel
-  double kernel_us = 0;  // GPU time per small dependent kernel (back to back)
+  double cpu_gemv = 0;       // SimdOps matrix-vector over all threads, 2 GB matrix
+  double h2d = 0;            // pinned host to device
+  double launch_us = 0;      // host time to enqueue one small kernel
+  double kernel_us = 0;      // GPU time per small dependent kernel (back to back)
   double gpu() const { return std::max(gpu_copy, gpu_gemv); }
 };
 
-#define CHECK_CUDA(expr)                                                              \
-  do {                                                                                \
-    cudaError_t _e = (expr);                                                          \
-    if (_e != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(_e));                \
-      std::exit(1);                                                                   \
-    }                                                                                 \
+#define CHECK_CUDA(expr)                                               \
+  do {                                                                 \
+    cudaError_t _e = (expr);                                           \
+    if (_e != cudaSuccess) {                                           \
+      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(_e)); \
+      std::exit(1);                                                    \
+    }                                                                  \
   } while (0)
 
 double MedianOf(std::vector<double> v) {
@@ -521,8 +523,7 @@ Bandwidths MeasureBandwidths(DType dtype, ThreadPool& pool) {
       for (int i = 0; i < 12; ++i) {
         CHECK_CUDA(cudaEventRecord(e0));
         CHECK_CUDA(cuda::MatVecRows(w, nullptr, static_cast<int>(rows), nullptr,
-                                    static_cast<float*>(b), 1, y, static_cast<int>(rows),
-                                    nullptr));
+                                    static_cast<float*>(b), 1, y, static_cast<int>(rows), nullptr));
         CHECK_CUDA(cudaEventRecord(e1));
         CHECK_CUDA(cudaEventSynchronize(e1));
         float ms;
@@ -600,8 +601,11 @@ void MeasureShapes(DType dtype, ThreadPool& pool) {
     const char* name;
     int64_t rows, cols;
   };
-  const Shape shapes[] = {{"wqkv", 15360, 5120}, {"wo", 5120, 5120}, {"gate_up", 27648, 5120},
-                          {"down", 5120, 13824}, {"output", 32000, 5120}};
+  const Shape shapes[] = {{"wqkv", 15360, 5120},
+                          {"wo", 5120, 5120},
+                          {"gate_up", 27648, 5120},
+                          {"down", 5120, 13824},
+                          {"output", 32000, 5120}};
   const int saved = cuda::MatVecWarpRowsMin();
   cudaEvent_t e0, e1;
   CHECK_CUDA(cudaEventCreate(&e0));
@@ -635,7 +639,8 @@ void MeasureShapes(DType dtype, ThreadPool& pool) {
     CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     const bool pdl = cuda::ProgrammaticLaunch();
     for (int variant = 0; variant < 4; ++variant) {
-      const char* names[] = {quant ? "gguf" : "warp", quant ? "split" : "block", "chain", "chain+pdl"};
+      const char* names[] = {quant ? "gguf" : "warp", quant ? "split" : "block", "chain",
+                             "chain+pdl"};
       if (!quant) cuda::SetMatVecWarpRowsMin(variant == 0 ? 1 : 1 << 30);  // warp rows, block rows
       const cuda::DeviceMatrix& mv = quant && variant > 0 ? sm : m;
       const int reps = variant >= 2 ? 20 : 1;
@@ -734,7 +739,8 @@ double ScratchBytes(const SynthModel& m, int max_ctx, int kv_layers, int max_bat
   const ModelConfig& c = m.config;
   const double B = max_batch;
   double s = 2.0 * kv_layers * max_ctx * c.kv_dim() * 4;  // KV cache (fp32)
-  s += B * (6.0 * c.hidden_size + 2.0 * c.q_dim() + 3.0 * c.ffn_size + m.pred_rank + c.vocab_size) * 4;
+  s += B * (6.0 * c.hidden_size + 2.0 * c.q_dim() + 3.0 * c.ffn_size + m.pred_rank + c.vocab_size) *
+       4;
   s += 2.0 * c.ffn_size * 4 + 4.0 * B * 4 + c.head_dim * 2.0 + 8;
   s += 4.0 * c.hidden_size * (kv_layers * 2 + 1);  // fp32 norms
   return s;
@@ -746,8 +752,9 @@ void PrintResults(const Options& o, const SynthModel& m, const Bandwidths& bw,
   for (const Result& r : rs) {
     if (r.mode == "offload" && offload == 0) offload = r.tok_s;
   }
-  std::printf("\n| dtype | mode | skew | placement | tokens/s | ms/token | vs offload | GPU GB/token |"
-              " CPU GB/token | roofline ms | %% of roofline | VRAM plan GB | VRAM actual GB |\n");
+  std::printf(
+      "\n| dtype | mode | skew | placement | tokens/s | ms/token | vs offload | GPU GB/token |"
+      " CPU GB/token | roofline ms | %% of roofline | VRAM plan GB | VRAM actual GB |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Result& r : rs) {
     const double ms = 1e3 / r.tok_s;
@@ -757,10 +764,11 @@ void PrintResults(const Options& o, const SynthModel& m, const Bandwidths& bw,
     if (offload > 0) std::snprintf(vs, sizeof(vs), "%.1fx", r.tok_s / offload);
     const std::string mode =
         r.variant.empty() || r.variant == "base" ? r.mode : r.mode + " [" + r.variant + "]";
-    std::printf("| %s | %s | %s | %s | %.2f | %.2f | %s | %.2f | %.2f | %.2f | %.0f%% | %.2f | %.2f |\n",
-                DTypeName(m.dtype).data(), mode.c_str(), skew, r.placement.c_str(), r.tok_s, ms,
-                vs, r.gpu_bytes / 1e9, r.cpu_bytes / 1e9, r.floor_s * 1e3,
-                100.0 * r.floor_s * r.tok_s, r.plan_bytes / 1e9, r.actual_bytes / 1e9);
+    std::printf(
+        "| %s | %s | %s | %s | %.2f | %.2f | %s | %.2f | %.2f | %.2f | %.0f%% | %.2f | %.2f |\n",
+        DTypeName(m.dtype).data(), mode.c_str(), skew, r.placement.c_str(), r.tok_s, ms, vs,
+        r.gpu_bytes / 1e9, r.cpu_bytes / 1e9, r.floor_s * 1e3, 100.0 * r.floor_s * r.tok_s,
+        r.plan_bytes / 1e9, r.actual_bytes / 1e9);
   }
   for (const Result& r : rs) {
     if (r.mode == "gpu") {
@@ -769,10 +777,10 @@ void PrintResults(const Options& o, const SynthModel& m, const Bandwidths& bw,
                   100.0 * r.gpu_bytes * r.tok_s / bw.gpu());
     }
     if (r.mode == "pinfer") {
-      std::printf("pinfer [%s] skew %.0f%%: per token cold callback %.2f ms, host wait for x "
-                  "%.2f ms, GPU hot FFN %.2f ms\n",
-                  r.variant.c_str(), r.skew * 100, r.cold_s * 1e3, r.wait_s * 1e3,
-                  r.gpu_hot_s * 1e3);
+      std::printf(
+          "pinfer [%s] skew %.0f%%: per token cold callback %.2f ms, host wait for x "
+          "%.2f ms, GPU hot FFN %.2f ms\n",
+          r.variant.c_str(), r.skew * 100, r.cold_s * 1e3, r.wait_s * 1e3, r.gpu_hot_s * 1e3);
     }
   }
   (void)o;
@@ -828,21 +836,23 @@ int PrefillBench(const Options& o, const SynthModel& m, ThreadPool& pool, int th
   const double budget = o.budget_fraction * m.ModelBytes();
   // Fixed device bytes: as decode, plus the cuBLAS scratch of B-token batches (fp16 hi/lo
   // activations of the widest product; fp16 weights for block formats) and the stream slots.
-  const int64_t widest = std::max<int64_t>(
-      {int64_t{H}, int64_t{2} * F, int64_t{c.q_dim()} + 2 * c.kv_dim(), int64_t{c.vocab_size},
-       int64_t{m.pred_rank}});
+  const int64_t widest =
+      std::max<int64_t>({int64_t{H}, int64_t{2} * F, int64_t{c.q_dim()} + 2 * c.kv_dim(),
+                         int64_t{c.vocab_size}, int64_t{m.pred_rank}});
   double w_half = 0;
   if (m.dtype != DType::kF16) {
-    w_half = 2.0 * std::max<int64_t>({int64_t{c.vocab_size}, int64_t{c.q_dim()} + 2 * c.kv_dim(),
-                                      int64_t{F}}) * H;
+    w_half = 2.0 *
+             std::max<int64_t>(
+                 {int64_t{c.vocab_size}, int64_t{c.q_dim()} + 2 * c.kv_dim(), int64_t{F}}) *
+             H;
   }
   const double gemm_scratch = 2.0 * B * widest * 2 + w_half;
   const double slots = static_cast<double>(o.stream_slots) * 3 * std::min(o.stream_chunk, F) * rb;
   const double fixed = m.HeadBytes() + c.n_layers * (m.AttnBytes() + m.PredBytes()) +
                        ScratchBytes(m, max_ctx, c.n_layers, B) + gemm_scratch + slots;
   const double per_neuron = 3.0 * rb + 4;
-  const int n_hot = std::max(
-      0, std::min(F, static_cast<int>((budget - fixed) / (c.n_layers * per_neuron))));
+  const int n_hot =
+      std::max(0, std::min(F, static_cast<int>((budget - fixed) / (c.n_layers * per_neuron))));
   const int n_cold = F - n_hot;
   cuda::ModelUpload u = BaseUpload(m, max_ctx);
   u.max_batch = B;
@@ -875,12 +885,12 @@ int PrefillBench(const Options& o, const SynthModel& m, ThreadPool& pool, int th
     std::fprintf(stderr, "prefill backend: %s\n", err);
     return 1;
   }
-  std::printf("prefill: %d of %d FFN neurons per layer on the GPU (%.1f%%), %d cold streamed in "
-              "chunks of %d through %d slots; created (upload + pinned cold rows) in %.1f s; "
-              "VRAM plan %.2f GB, actual %.2f GB (%+.2f%%)\n",
-              n_hot, F, 100.0 * n_hot / F, n_cold, o.stream_chunk, o.stream_slots, Now() - t0,
-              plan / 1e9, be.b->DeviceBytes() / 1e9,
-              100.0 * (be.b->DeviceBytes() - plan) / plan);
+  std::printf(
+      "prefill: %d of %d FFN neurons per layer on the GPU (%.1f%%), %d cold streamed in "
+      "chunks of %d through %d slots; created (upload + pinned cold rows) in %.1f s; "
+      "VRAM plan %.2f GB, actual %.2f GB (%+.2f%%)\n",
+      n_hot, F, 100.0 * n_hot / F, n_cold, o.stream_chunk, o.stream_slots, Now() - t0, plan / 1e9,
+      be.b->DeviceBytes() / 1e9, 100.0 * (be.b->DeviceBytes() - plan) / plan);
 
   SpinPool spin(threads);
   CpuColdFfn one(m, spin);
@@ -888,8 +898,8 @@ int PrefillBench(const Options& o, const SynthModel& m, ThreadPool& pool, int th
   // Per-token masks for the largest batch; smaller batches use its first tokens.
   const double skew = o.skews.empty() ? 0.2 : o.skews[0];
   Masks masks = DrawMasks(m, o.active, skew, max_n, pool);
-  std::vector<std::vector<std::vector<int32_t>>> cold_tok(max_n,
-                                                          std::vector<std::vector<int32_t>>(c.n_layers));
+  std::vector<std::vector<std::vector<int32_t>>> cold_tok(
+      max_n, std::vector<std::vector<int32_t>>(c.n_layers));
   double cold_rows_per_token = 0;
   for (int t = 0; t < max_n; ++t) {
     for (int l = 0; l < c.n_layers; ++l) {
@@ -932,8 +942,10 @@ int PrefillBench(const Options& o, const SynthModel& m, ThreadPool& pool, int th
           sec += dt;
         }
       }
-      std::printf("calibration: CPU cold, %d tokens, %.0f row-tokens per layer: %.3f ms (mean of "
-                  "7 layers)\n", n, rt / 7, sec / 7 * 1e3);
+      std::printf(
+          "calibration: CPU cold, %d tokens, %.0f row-tokens per layer: %.3f ms (mean of "
+          "7 layers)\n",
+          n, rt / 7, sec / 7 * 1e3);
     }
     if (absl::Status st = FitCpuCosts(samples, &params); !st.ok()) {
       std::fprintf(stderr, "CPU fit: %s\n", std::string(st.message()).c_str());
@@ -952,17 +964,18 @@ int PrefillBench(const Options& o, const SynthModel& m, ThreadPool& pool, int th
       std::fprintf(stderr, "stream fit: %s\n", std::string(st.message()).c_str());
       return 1;
     }
-    std::printf("calibration: stream layer 0, %d tokens, %.1f MB: copy %.3f ms (%.1f GB/s), "
-                "products %.3f ms (%.0f TFLOP/s), overlapped %.3f ms\n",
-                cal_n, cal.bytes / 1e6, cal.copy_s * 1e3, params.h2d_bytes_per_s / 1e9,
-                cal.compute_s * 1e3, params.gpu_flops_per_s / 1e12, cal.overlapped_s * 1e3);
-    std::printf("cost model: cpu %.3f ms + %.4f us per row-token; stream %.3f ms + max(bytes / "
-                "%.1f GB/s, flops / %.0f TFLOP/s); %.1f active cold rows per token per layer; "
-                "crossover at %d tokens\n",
-                params.cpu_fixed_s * 1e3, params.cpu_s_per_row_token * 1e6,
-                params.stream_fixed_s * 1e3, params.h2d_bytes_per_s / 1e9,
-                params.gpu_flops_per_s / 1e12, cold_rows_per_token,
-                StreamCrossover(params, n_cold, cal.bytes, H, cold_rows_per_token, B));
+    std::printf(
+        "calibration: stream layer 0, %d tokens, %.1f MB: copy %.3f ms (%.1f GB/s), "
+        "products %.3f ms (%.0f TFLOP/s), overlapped %.3f ms\n",
+        cal_n, cal.bytes / 1e6, cal.copy_s * 1e3, params.h2d_bytes_per_s / 1e9, cal.compute_s * 1e3,
+        params.gpu_flops_per_s / 1e12, cal.overlapped_s * 1e3);
+    std::printf(
+        "cost model: cpu %.3f ms + %.4f us per row-token; stream %.3f ms + max(bytes / "
+        "%.1f GB/s, flops / %.0f TFLOP/s); %.1f active cold rows per token per layer; "
+        "crossover at %d tokens\n",
+        params.cpu_fixed_s * 1e3, params.cpu_s_per_row_token * 1e6, params.stream_fixed_s * 1e3,
+        params.h2d_bytes_per_s / 1e9, params.gpu_flops_per_s / 1e12, cold_rows_per_token,
+        StreamCrossover(params, n_cold, cal.bytes, H, cold_rows_per_token, B));
   }
 
   // --- Batches.
@@ -1059,9 +1072,11 @@ int PrefillBench(const Options& o, const SynthModel& m, ThreadPool& pool, int th
     }
     rows.push_back(row);
   }
-  std::printf("\n| dtype | tokens | CPU-cold tok/s | streamed-cold tok/s | model's choice "
-              "(streamed layers) | model tok/s | predicted CPU cold ms | measured CPU cold ms | batch ms, CPU cold | predicted "
-              "stream ms | batch ms, streamed |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "\n| dtype | tokens | CPU-cold tok/s | streamed-cold tok/s | model's choice "
+      "(streamed layers) | model tok/s | predicted CPU cold ms | measured CPU cold ms | batch ms, "
+      "CPU cold | predicted "
+      "stream ms | batch ms, streamed |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Row& r : rows) {
     char st[32] = "-", sm[32] = "-";
     if (r.stream_s > 0) {
@@ -1073,10 +1088,9 @@ int PrefillBench(const Options& o, const SynthModel& m, ThreadPool& pool, int th
                          : r.model_stream_layers == 0        ? "cpu"
                                                              : "mixed";
     std::printf("| %s | %d | %.1f | %s | %s (%d)%s | %.1f | %.1f | %.1f | %.1f | %.1f | %s |\n",
-                DTypeName(m.dtype).data(), r.n, r.n / r.cpu_s, st, choice,
-                r.model_stream_layers, r.model_s > best * 1.05 ? ", slower than the best path" : "",
-                r.n / r.model_s, r.pred_cpu_s * 1e3, r.cold_cb_s * 1e3, r.cpu_s * 1e3,
-                r.pred_stream_s * 1e3, sm);
+                DTypeName(m.dtype).data(), r.n, r.n / r.cpu_s, st, choice, r.model_stream_layers,
+                r.model_s > best * 1.05 ? ", slower than the best path" : "", r.n / r.model_s,
+                r.pred_cpu_s * 1e3, r.cold_cb_s * 1e3, r.cpu_s * 1e3, r.pred_stream_s * 1e3, sm);
   }
   return 0;
 }
@@ -1149,8 +1163,8 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
   const double fixed = m.HeadBytes() + c.n_layers * (m.AttnBytes() + m.PredBytes()) +
                        ScratchBytes(m, max_ctx, c.n_layers, 8);
   const double per_neuron = 3.0 * rb + 4;
-  const int n_gpu = std::max(0, std::min(F, static_cast<int>((budget - fixed) /
-                                                             (c.n_layers * per_neuron))));
+  const int n_gpu =
+      std::max(0, std::min(F, static_cast<int>((budget - fixed) / (c.n_layers * per_neuron))));
   const double skew = o.skews.empty() ? 0.2 : o.skews[0];
   std::vector<std::vector<int32_t>> calib_rank(c.n_layers), shifted_rank(c.n_layers);
   std::mt19937 rng(4242);
@@ -1164,10 +1178,11 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
   }
   SpinPool spin(threads);
   CpuColdFfn cold(m, spin);
-  std::printf("adaptive: %d GPU FFN rows per layer in the budget; skew %.0f%%; %d warm-up + %d "
-              "measured tokens; decay %.2f, gain %.1f, up to %d swaps per layer every %d tokens\n",
-              n_gpu, skew * 100, o.warmup, o.steps, o.cache_decay, o.cache_gain, o.cache_swaps,
-              o.cache_period);
+  std::printf(
+      "adaptive: %d GPU FFN rows per layer in the budget; skew %.0f%%; %d warm-up + %d "
+      "measured tokens; decay %.2f, gain %.1f, up to %d swaps per layer every %d tokens\n",
+      n_gpu, skew * 100, o.warmup, o.steps, o.cache_decay, o.cache_gain, o.cache_swaps,
+      o.cache_period);
   struct Row {
     std::string profile;
     double fraction = 0;
@@ -1201,8 +1216,8 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
       static_hot[l] = lu.hot_ids;
     }
     // Slots cost the rows' bytes but no id (the bookkeeping stays on the host).
-    const double plan = fixed + c.n_layers * (per_neuron * n_static + 3.0 * rb * slots +
-                                              4.0 * (F - n_static));
+    const double plan =
+        fixed + c.n_layers * (per_neuron * n_static + 3.0 * rb * slots + 4.0 * (F - n_static));
     Backend be;
     char err[512] = {0};
     const double t0 = Now();
@@ -1306,18 +1321,20 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
       row.tok_s = o.steps / (Now() - start);
       row.gpu_share = hot_rows / all_rows;
       row.gpu_share_last = hot_last / all_last;
-      std::printf("%s, cache fraction %.2f: %.2f tokens/s, GPU share of activations %.1f%% "
-                  "(last 8 tokens %.1f%%), %lld swaps, host bookkeeping %.3f ms/token\n",
-                  profile, fraction, row.tok_s, 100 * row.gpu_share, 100 * row.gpu_share_last,
-                  static_cast<long long>(row.swaps), row.host_s * 1e3);
+      std::printf(
+          "%s, cache fraction %.2f: %.2f tokens/s, GPU share of activations %.1f%% "
+          "(last 8 tokens %.1f%%), %lld swaps, host bookkeeping %.3f ms/token\n",
+          profile, fraction, row.tok_s, 100 * row.gpu_share, 100 * row.gpu_share_last,
+          static_cast<long long>(row.swaps), row.host_s * 1e3);
       rows.push_back(row);
       bool landed = false;
       be.b->CacheRowsLanded(/*wait=*/true, &landed);
     }
   }
-  std::printf("\n| dtype | run-time profile | placement | tokens/s | vs static | GPU share of "
-              "activations | last 8 tokens | swaps | host bookkeeping ms/token | VRAM plan GB | VRAM "
-              "actual GB |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "\n| dtype | run-time profile | placement | tokens/s | vs static | GPU share of "
+      "activations | last 8 tokens | swaps | host bookkeeping ms/token | VRAM plan GB | VRAM "
+      "actual GB |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Row& r : rows) {
     double base = 0;
     for (const Row& q : rows) {
@@ -1345,24 +1362,42 @@ int Main(int argc, char** argv) {
       const size_t n = std::strlen(key);
       return a.compare(0, n, key) == 0 ? a.c_str() + n : nullptr;
     };
-    if (const char* v = val("--dtype=")) o.dtype = v;
-    else if (const char* v = val("--layers=")) o.layers = std::atoi(v);
-    else if (const char* v = val("--hidden=")) o.hidden = std::atoi(v);
-    else if (const char* v = val("--ffn=")) o.ffn = std::atoi(v);
-    else if (const char* v = val("--heads=")) o.heads = std::atoi(v);
-    else if (const char* v = val("--vocab=")) o.vocab = std::atoi(v);
-    else if (const char* v = val("--pred-rank=")) o.pred_rank = std::atoi(v);
-    else if (const char* v = val("--budget-fraction=")) o.budget_fraction = std::atof(v);
-    else if (const char* v = val("--active=")) o.active = std::atof(v);
-    else if (const char* v = val("--steps=")) o.steps = std::atoi(v);
-    else if (const char* v = val("--warmup=")) o.warmup = std::atoi(v);
-    else if (const char* v = val("--threads=")) o.threads = std::atoi(v);
-    else if (const char* v = val("--modes=")) o.modes = v;
-    else if (const char* v = val("--variants=")) o.variants = Split(v, ';');
-    else if (const char* v = val("--variant-modes=")) o.variant_modes = v;
-    else if (const char* v = val("--graphs=")) o.graphs = std::atoi(v) != 0;
-    else if (const char* v = val("--stream-chunk=")) o.stream_chunk = std::atoi(v);
-    else if (const char* v = val("--stream-slots=")) o.stream_slots = std::atoi(v);
+    if (const char* v = val("--dtype="))
+      o.dtype = v;
+    else if (const char* v = val("--layers="))
+      o.layers = std::atoi(v);
+    else if (const char* v = val("--hidden="))
+      o.hidden = std::atoi(v);
+    else if (const char* v = val("--ffn="))
+      o.ffn = std::atoi(v);
+    else if (const char* v = val("--heads="))
+      o.heads = std::atoi(v);
+    else if (const char* v = val("--vocab="))
+      o.vocab = std::atoi(v);
+    else if (const char* v = val("--pred-rank="))
+      o.pred_rank = std::atoi(v);
+    else if (const char* v = val("--budget-fraction="))
+      o.budget_fraction = std::atof(v);
+    else if (const char* v = val("--active="))
+      o.active = std::atof(v);
+    else if (const char* v = val("--steps="))
+      o.steps = std::atoi(v);
+    else if (const char* v = val("--warmup="))
+      o.warmup = std::atoi(v);
+    else if (const char* v = val("--threads="))
+      o.threads = std::atoi(v);
+    else if (const char* v = val("--modes="))
+      o.modes = v;
+    else if (const char* v = val("--variants="))
+      o.variants = Split(v, ';');
+    else if (const char* v = val("--variant-modes="))
+      o.variant_modes = v;
+    else if (const char* v = val("--graphs="))
+      o.graphs = std::atoi(v) != 0;
+    else if (const char* v = val("--stream-chunk="))
+      o.stream_chunk = std::atoi(v);
+    else if (const char* v = val("--stream-slots="))
+      o.stream_slots = std::atoi(v);
     else if (const char* v = val("--cache-fractions=")) {
       o.cache_fractions.clear();
       for (const char* p = v; *p;) {
@@ -1371,11 +1406,14 @@ int Main(int argc, char** argv) {
         if (q == nullptr) break;
         p = q + 1;
       }
-    }
-    else if (const char* v = val("--cache-decay=")) o.cache_decay = std::atof(v);
-    else if (const char* v = val("--cache-gain=")) o.cache_gain = std::atof(v);
-    else if (const char* v = val("--cache-swaps=")) o.cache_swaps = std::atoi(v);
-    else if (const char* v = val("--cache-period=")) o.cache_period = std::max(1, std::atoi(v));
+    } else if (const char* v = val("--cache-decay="))
+      o.cache_decay = std::atof(v);
+    else if (const char* v = val("--cache-gain="))
+      o.cache_gain = std::atof(v);
+    else if (const char* v = val("--cache-swaps="))
+      o.cache_swaps = std::atoi(v);
+    else if (const char* v = val("--cache-period="))
+      o.cache_period = std::max(1, std::atoi(v));
     else if (const char* v = val("--prefill-batches=")) {
       o.prefill_batches.clear();
       for (const char* p = v; *p;) {
@@ -1384,8 +1422,7 @@ int Main(int argc, char** argv) {
         if (q == nullptr) break;
         p = q + 1;
       }
-    }
-    else if (const char* v = val("--skews=")) {
+    } else if (const char* v = val("--skews=")) {
       o.skews.clear();
       for (const char* p = v; *p;) {
         o.skews.push_back(std::atof(p));
@@ -1406,7 +1443,8 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "no CUDA device\n");
     return 1;
   }
-  const int threads = o.threads > 0 ? o.threads : static_cast<int>(std::thread::hardware_concurrency());
+  const int threads =
+      o.threads > 0 ? o.threads : static_cast<int>(std::thread::hardware_concurrency());
   ThreadPool pool(threads);
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -1419,22 +1457,22 @@ int Main(int argc, char** argv) {
   const ModelConfig& c = m.config;
   const double model_bytes = m.ModelBytes();
   const double budget = o.budget_fraction * model_bytes;
-  std::printf("model: %d layers, hidden %d, ffn %d, heads %d, vocab %d, %s: %.2f GB (+ predictors "
-              "rank %d: %.2f GB); VRAM budget %.2f GB; built in %.1f s\n",
-              c.n_layers, c.hidden_size, c.ffn_size, c.n_heads, c.vocab_size,
-              DTypeName(m.dtype).data(), model_bytes / 1e9, m.pred_rank,
-              c.n_layers * m.PredBytes() / 1e9, budget / 1e9, Now() - t0);
+  std::printf(
+      "model: %d layers, hidden %d, ffn %d, heads %d, vocab %d, %s: %.2f GB (+ predictors "
+      "rank %d: %.2f GB); VRAM budget %.2f GB; built in %.1f s\n",
+      c.n_layers, c.hidden_size, c.ffn_size, c.n_heads, c.vocab_size, DTypeName(m.dtype).data(),
+      model_bytes / 1e9, m.pred_rank, c.n_layers * m.PredBytes() / 1e9, budget / 1e9, Now() - t0);
 
   if (o.modes == "prefill") return PrefillBench(o, m, pool, threads);
   if (o.modes == "adaptive") return AdaptiveBench(o, m, pool, threads);
   Bandwidths bw = MeasureBandwidths(m.dtype, pool);
-  std::printf("bandwidth: GPU copy %.0f GB/s, GPU %s matvec %.0f GB/s (GGUF layout %.0f), CPU %s "
-              "matvec (%d threads) %.1f GB/s, host->GPU %.1f GB/s; kernel launch %.2f us host, "
-              "%.2f us GPU\n",
-              bw.gpu_copy / 1e9, DTypeName(m.dtype).data(), bw.gpu_gemv / 1e9,
-              bw.gpu_gemv_gguf / 1e9,
-              DTypeName(m.dtype).data(), threads, bw.cpu_gemv / 1e9, bw.h2d / 1e9, bw.launch_us,
-              bw.kernel_us);
+  std::printf(
+      "bandwidth: GPU copy %.0f GB/s, GPU %s matvec %.0f GB/s (GGUF layout %.0f), CPU %s "
+      "matvec (%d threads) %.1f GB/s, host->GPU %.1f GB/s; kernel launch %.2f us host, "
+      "%.2f us GPU\n",
+      bw.gpu_copy / 1e9, DTypeName(m.dtype).data(), bw.gpu_gemv / 1e9, bw.gpu_gemv_gguf / 1e9,
+      DTypeName(m.dtype).data(), threads, bw.cpu_gemv / 1e9, bw.h2d / 1e9, bw.launch_us,
+      bw.kernel_us);
 
   MeasureShapes(m.dtype, pool);
   MeasureColdRows(m.dtype, c.hidden_size, c.ffn_size, threads, pool);
@@ -1465,8 +1503,8 @@ int Main(int argc, char** argv) {
       const double fixed = m.HeadBytes() + c.n_layers * (m.AttnBytes() + m.PredBytes()) +
                            ScratchBytes(m, max_ctx, c.n_layers, 8);
       const double per_neuron = 3.0 * rb + 4;  // gate, up, down_t rows and the id
-      const int n_hot = std::max(0, std::min(c.ffn_size, static_cast<int>((budget - fixed) /
-                                                                            (c.n_layers * per_neuron))));
+      const int n_hot = std::max(
+          0, std::min(c.ffn_size, static_cast<int>((budget - fixed) / (c.n_layers * per_neuron))));
       cuda::ModelUpload u = BaseUpload(m, max_ctx);
       std::vector<std::vector<int32_t>> local_of(c.n_layers);  // global -> hot local or -1
       for (int l = 0; l < c.n_layers; ++l) {
@@ -1483,7 +1521,8 @@ int Main(int argc, char** argv) {
         for (int j = 0; j < c.ffn_size; ++j) {
           if (L.rank_of[j] < n_hot) lu.hot_ids.push_back(j);
         }
-        for (size_t i = 0; i < lu.hot_ids.size(); ++i) local_of[l][lu.hot_ids[i]] = static_cast<int>(i);
+        for (size_t i = 0; i < lu.hot_ids.size(); ++i)
+          local_of[l][lu.hot_ids[i]] = static_cast<int>(i);
       }
       const double plan = fixed + c.n_layers * per_neuron * n_hot +
                           4.0 * c.n_layers * (c.ffn_size - n_hot);  // cold ids
@@ -1494,8 +1533,9 @@ int Main(int argc, char** argv) {
         std::fprintf(stderr, "pinfer backend: %s\n", err);
         return 1;
       }
-      std::printf("pinfer: %d of %d FFN neurons per layer on the GPU (%.1f%%), uploaded in %.1f s\n",
-                  n_hot, c.ffn_size, 100.0 * n_hot / c.ffn_size, Now() - t0);
+      std::printf(
+          "pinfer: %d of %d FFN neurons per layer on the GPU (%.1f%%), uploaded in %.1f s\n", n_hot,
+          c.ffn_size, 100.0 * n_hot / c.ffn_size, Now() - t0);
       be.b->set_collect_gpu_times(true);
       be.b->set_use_graphs(o.graphs);
       SpinPool spin(threads);
@@ -1509,8 +1549,10 @@ int Main(int argc, char** argv) {
           cold_ids[s].resize(c.n_layers);
           for (int l = 0; l < c.n_layers; ++l) {
             for (int32_t j : masks[s][l]) {
-              if (local_of[l][j] >= 0) hot[s][l].push_back(local_of[l][j]);
-              else cold_ids[s][l].push_back(j);
+              if (local_of[l][j] >= 0)
+                hot[s][l].push_back(local_of[l][j]);
+              else
+                cold_ids[s][l].push_back(j);
             }
             if (s >= o.warmup) {
               hot_rows += hot[s][l].size();
@@ -1572,7 +1614,8 @@ int Main(int argc, char** argv) {
     if (has_mode("offload")) {
       const double layer_bytes = m.AttnBytes() + m.FfnBytes() + kv_per_layer + 8.0 * c.hidden_size;
       const double fixed = m.HeadBytes() + ScratchBytes(m, max_ctx, 0, 8);
-      const int gpu_layers = std::max(0, std::min(c.n_layers, static_cast<int>((budget - fixed) / layer_bytes)));
+      const int gpu_layers =
+          std::max(0, std::min(c.n_layers, static_cast<int>((budget - fixed) / layer_bytes)));
       cuda::ModelUpload u = BaseUpload(m, max_ctx);
       for (int l = 0; l < c.n_layers; ++l) {
         if (l < gpu_layers) {

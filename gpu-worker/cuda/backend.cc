@@ -6,6 +6,8 @@
 // per layer the GPU runs attention, publishes the FFN input, and goes straight on to the hot
 // rows, while the host hands the same input to the cold side; when the cold side returns, its
 // contribution is copied up and added together with the hot one.
+#include "gpu-worker/cuda/backend.h"
+
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
@@ -20,7 +22,6 @@
 #include <string>
 #include <vector>
 
-#include "gpu-worker/cuda/backend.h"
 #include "gpu-worker/cuda/cold_stream.h"
 #include "gpu-worker/cuda/gemm.h"
 #include "gpu-worker/cuda/kernels.h"
@@ -34,7 +35,9 @@ namespace {
 // larger ones go through cuBLAS.
 constexpr int kSmallBatch = 8;
 
-BackendStatus Error(Code code, std::string message) { return BackendStatus{code, std::move(message)}; }
+BackendStatus Error(Code code, std::string message) {
+  return BackendStatus{code, std::move(message)};
+}
 BackendStatus Ok() { return BackendStatus{}; }
 
 BackendStatus CudaError(cudaError_t e, const char* what, int line) {
@@ -42,21 +45,20 @@ BackendStatus CudaError(cudaError_t e, const char* what, int line) {
                                     "): " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
 }
 
-#define CUDA_RETURN_IF_ERROR(expr)                                        \
-  do {                                                                    \
-    cudaError_t _e = (expr);                                              \
-    if (_e != cudaSuccess) return CudaError(_e, #expr, __LINE__);         \
+#define CUDA_RETURN_IF_ERROR(expr)                                \
+  do {                                                            \
+    cudaError_t _e = (expr);                                      \
+    if (_e != cudaSuccess) return CudaError(_e, #expr, __LINE__); \
   } while (0)
 
-#define BACKEND_RETURN_IF_ERROR(expr)        \
-  do {                                       \
-    BackendStatus _s = (expr);               \
-    if (!_s.ok()) return _s;                 \
+#define BACKEND_RETURN_IF_ERROR(expr) \
+  do {                                \
+    BackendStatus _s = (expr);        \
+    if (!_s.ok()) return _s;          \
   } while (0)
 
 double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 size_t HostRowBytes(HostType t, int64_t cols) { return WRowBytes(static_cast<WType>(t), cols); }
@@ -67,14 +69,17 @@ bool HostToFloat(const HostMatrix& m, std::vector<float>* out) {
   out->resize(n);
   const auto* u16 = static_cast<const uint16_t*>(m.data);
   switch (m.type) {
-    case HostType::kF32: std::memcpy(out->data(), m.data, n * 4); return true;
+    case HostType::kF32:
+      std::memcpy(out->data(), m.data, n * 4);
+      return true;
     case HostType::kF16:
       for (int64_t i = 0; i < n; ++i) (*out)[i] = pinfer::Fp16ToFp32(u16[i]);
       return true;
     case HostType::kBF16:
       for (int64_t i = 0; i < n; ++i) (*out)[i] = pinfer::Bf16ToFp32(u16[i]);
       return true;
-    default: return false;
+    default:
+      return false;
   }
 }
 
@@ -86,12 +91,12 @@ struct DeviceLayer {
   DeviceMatrix gate_up;                 // kDense: rows of gate then up stacked
   DeviceMatrix gate, up, down, down_t;  // kHot: compact hot rows (gate, up, down_t)
   int n_hot = 0;
-  int32_t* hot_ids = nullptr;           // device [n_hot] global ids
-  std::vector<int32_t> cold_ids_host;   // ascending global ids not in hot_ids
-  int32_t* cold_ids = nullptr;          // device [n_cold]
+  int32_t* hot_ids = nullptr;          // device [n_hot] global ids
+  std::vector<int32_t> cold_ids_host;  // ascending global ids not in hot_ids
+  int32_t* cold_ids = nullptr;         // device [n_cold]
   DeviceMatrix fc1, fc2;
   float pred_cut = 0;  // predicted active when score > pred_cut (just below pred_threshold)
-  int kv_index = -1;                    // KV cache layer slot
+  int kv_index = -1;   // KV cache layer slot
   ColdRows cold_rows;  // stream_cold: pinned host copy of the cold rows, in cold_ids_host order
   int n_cache = 0;     // adaptive cache slots after the hot rows (LayerUpload::cache_rows)
   DeviceMatrix gate_c, up_c, down_t_c;  // the hot rows and the slots, for kGiven decode steps
@@ -133,10 +138,10 @@ class CudaBackend : public Backend {
       cudaError_t e = cudaMalloc(&p, bytes);
       if (e != cudaSuccess) {
         cudaGetLastError();
-        return Error(Code::kResourceExhausted,
-                     "cudaMalloc of " + std::to_string(bytes) + " bytes failed: " +
-                         cudaGetErrorString(e) + " (" + std::to_string(device_bytes_) +
-                         " bytes already allocated)");
+        return Error(Code::kResourceExhausted, "cudaMalloc of " + std::to_string(bytes) +
+                                                   " bytes failed: " + cudaGetErrorString(e) +
+                                                   " (" + std::to_string(device_bytes_) +
+                                                   " bytes already allocated)");
       }
       allocations_.push_back(p);
       device_bytes_ += bytes;
@@ -155,8 +160,8 @@ class CudaBackend : public Backend {
   }
 
   // Uploads a whole matrix, or only rows `ids` of it (in that order).
-  BackendStatus UploadMatrix(const HostMatrix& h, const std::vector<int32_t>* ids,
-                             const char* name, DeviceMatrix* out, int64_t extra_rows = 0);
+  BackendStatus UploadMatrix(const HostMatrix& h, const std::vector<int32_t>* ids, const char* name,
+                             DeviceMatrix* out, int64_t extra_rows = 0);
   BackendStatus UploadVector(const HostMatrix& h, int64_t expect, const char* name, float** out);
   // Uploads matrices of one type and width as one, rows stacked in order.
   // Block formats go to the split layout (kernels.h) unless PINFER_CUDA_REPACK=0.
@@ -228,13 +233,13 @@ class CudaBackend : public Backend {
   GemmScratch gemm_;
 
   // Pinned host staging.
-  int32_t* tokens_host_ = nullptr;   // [2 * max_batch]: tokens, positions
-  int32_t* given_host_ = nullptr;    // [n_layers, ffn + 1]
-  int32_t* counts_host_ = nullptr;   // [n_layers, 2]
-  int32_t* cold_idx_host_ = nullptr; // [ffn]
-  float* x_host_ = nullptr;          // [max_batch, hidden]
+  int32_t* tokens_host_ = nullptr;    // [2 * max_batch]: tokens, positions
+  int32_t* given_host_ = nullptr;     // [n_layers, ffn + 1]
+  int32_t* counts_host_ = nullptr;    // [n_layers, 2]
+  int32_t* cold_idx_host_ = nullptr;  // [ffn]
+  float* x_host_ = nullptr;           // [max_batch, hidden]
   float* out_host_ = nullptr;
-  int32_t* active_host_ = nullptr;   // [ffn]
+  int32_t* active_host_ = nullptr;  // [ffn]
 
   // Per-layer events: x published, hot start, hot end; plus step start/end.
   std::vector<cudaEvent_t> ev_x_, ev_hot0_, ev_hot1_;
@@ -295,9 +300,9 @@ BackendStatus CudaBackend::UploadMatrix(const HostMatrix& h, const std::vector<i
   d.rows = ids != nullptr ? static_cast<int64_t>(ids->size()) : h.rows;
   d.data = reinterpret_cast<const void*>(16);  // shape check only
   if (CheckMatrixShape(d) != cudaSuccess) {
-    return Error(Code::kInvalidArgument,
-                 std::string(name) + ": " + std::to_string(h.cols) + " columns of type " +
-                     WTypeName(d.type) + " do not suit the GPU row kernels");
+    return Error(Code::kInvalidArgument, std::string(name) + ": " + std::to_string(h.cols) +
+                                             " columns of type " + WTypeName(d.type) +
+                                             " do not suit the GPU row kernels");
   }
   const size_t rb = HostRowBytes(h.type, h.cols);
   uint8_t* dev = nullptr;
@@ -314,8 +319,8 @@ BackendStatus CudaBackend::UploadMatrix(const HostMatrix& h, const std::vector<i
       for (size_t i = 0; i < nr; ++i) {
         const int32_t id = (*ids)[r0 + i];
         if (id < 0 || id >= h.rows) {
-          return Error(Code::kInvalidArgument, std::string(name) + ": row id " +
-                                                   std::to_string(id) + " out of range");
+          return Error(Code::kInvalidArgument,
+                       std::string(name) + ": row id " + std::to_string(id) + " out of range");
         }
         std::memcpy(staging.data() + i * rb, static_cast<const uint8_t*>(h.data) + id * rb, rb);
       }
@@ -379,9 +384,9 @@ BackendStatus CudaBackend::UploadStacked(const std::vector<const HostMatrix*>& p
   }
   d.data = reinterpret_cast<const void*>(16);
   if (CheckMatrixShape(d) != cudaSuccess) {
-    return Error(Code::kInvalidArgument,
-                 std::string(name) + ": " + std::to_string(d.cols) + " columns of type " +
-                     WTypeName(d.type) + " do not suit the GPU row kernels");
+    return Error(Code::kInvalidArgument, std::string(name) + ": " + std::to_string(d.cols) +
+                                             " columns of type " + WTypeName(d.type) +
+                                             " do not suit the GPU row kernels");
   }
   const size_t rb = HostRowBytes(parts[0]->type, d.cols);
   uint8_t* dev = nullptr;
@@ -404,9 +409,8 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   max_seqs_ = m.max_seqs;
   max_batch_ = m.max_batch;
   device_ = m.device;
-  if (c.hidden <= 0 || c.n_layers <= 0 || c.n_heads <= 0 || c.n_kv_heads <= 0 ||
-      c.head_dim <= 0 || c.ffn <= 0 || c.vocab <= 0 ||
-      static_cast<int>(m.layers.size()) != c.n_layers ||
+  if (c.hidden <= 0 || c.n_layers <= 0 || c.n_heads <= 0 || c.n_kv_heads <= 0 || c.head_dim <= 0 ||
+      c.ffn <= 0 || c.vocab <= 0 || static_cast<int>(m.layers.size()) != c.n_layers ||
       static_cast<int>(c.inv_freq.size()) != c.head_dim / 2 || max_ctx_ <= 0 || max_seqs_ <= 0 ||
       max_batch_ <= 0) {
     return Error(Code::kInvalidArgument, "inconsistent model dimensions for the CUDA backend");
@@ -422,14 +426,15 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
     return Error(Code::kUnavailable, "no CUDA device");
   }
   if (device_ < 0 || device_ >= n_dev) {
-    return Error(Code::kInvalidArgument, "CUDA device " + std::to_string(device_) + " of " +
-                                             std::to_string(n_dev));
+    return Error(Code::kInvalidArgument,
+                 "CUDA device " + std::to_string(device_) + " of " + std::to_string(n_dev));
   }
   if (const char* g = std::getenv("PINFER_CUDA_GRAPHS")) use_graphs_ = std::string(g) != "0";
   if (const char* g = std::getenv("PINFER_CUDA_REPACK")) repack_ = std::string(g) != "0";
   if (const char* g = std::getenv("PINFER_CUDA_STEP_GRAPH")) step_graph_ = std::string(g) != "0";
   if (const char* g = std::getenv("PINFER_CUDA_PDL")) SetProgrammaticLaunch(std::string(g) != "0");
-  if (const char* g = std::getenv("PINFER_CUDA_Q8X")) SetQuantizedActivations(std::string(g) != "0");
+  if (const char* g = std::getenv("PINFER_CUDA_Q8X"))
+    SetQuantizedActivations(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_PREFETCH")) SetWeightPrefetch(std::string(g) == "1");
   if (const char* g = std::getenv("PINFER_CUDA_QX_WARPS")) SetQuantWarps(std::atoi(g));
   if (const char* g = std::getenv("PINFER_CUDA_QX_ROWS")) SetQuantRowsPerWarp(std::atoi(g));
@@ -447,16 +452,17 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
 
   const int H = c.hidden, B = max_batch_, F = c.ffn;
   const int qdim = c.n_heads * c.head_dim, kvdim = c.n_kv_heads * c.head_dim;
-  BACKEND_RETURN_IF_ERROR(UploadMatrix(m.tok_embeddings, nullptr, "tok_embeddings", &tok_embeddings_));
+  BACKEND_RETURN_IF_ERROR(
+      UploadMatrix(m.tok_embeddings, nullptr, "tok_embeddings", &tok_embeddings_));
   BACKEND_RETURN_IF_ERROR(UploadMatrix(m.output, nullptr, "output", &output_));
   BACKEND_RETURN_IF_ERROR(UploadVector(m.output_norm, H, "output_norm", &output_norm_));
   BACKEND_RETURN_IF_ERROR(Alloc(c.inv_freq.size(), &inv_freq_));
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(inv_freq_, c.inv_freq.data(), c.inv_freq.size() * 4,
-                                  cudaMemcpyHostToDevice));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(inv_freq_, c.inv_freq.data(), c.inv_freq.size() * 4, cudaMemcpyHostToDevice));
 
   size_t w_half = GemmWeightScratchBytes(output_);
-  int64_t widest = std::max<int64_t>(
-      {int64_t{H}, int64_t{2} * F, int64_t{qdim} + 2 * kvdim, int64_t{c.vocab}});
+  int64_t widest =
+      std::max<int64_t>({int64_t{H}, int64_t{2} * F, int64_t{qdim} + 2 * kvdim, int64_t{c.vocab}});
   layers_.resize(c.n_layers);
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerUpload& u = m.layers[l];
@@ -499,16 +505,15 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
       if (d.n_hot > 0 || d.n_cache > 0) {
         BACKEND_RETURN_IF_ERROR(UploadMatrix(u.gate, &u.hot_ids, "gate", &d.gate, d.n_cache));
         BACKEND_RETURN_IF_ERROR(UploadMatrix(u.up, &u.hot_ids, "up", &d.up, d.n_cache));
-        BACKEND_RETURN_IF_ERROR(
-            UploadMatrix(u.down_t, &u.hot_ids, "down_t", &d.down_t, d.n_cache));
+        BACKEND_RETURN_IF_ERROR(UploadMatrix(u.down_t, &u.hot_ids, "down_t", &d.down_t, d.n_cache));
         if (u.gate.rows != F || u.down_t.rows != F || u.down_t.cols != H) {
           return Error(Code::kInvalidArgument, "layer " + std::to_string(l) + ": FFN shapes");
         }
       }
       if (d.n_hot > 0) {
         BACKEND_RETURN_IF_ERROR(Alloc(d.n_hot, &d.hot_ids));
-        CUDA_RETURN_IF_ERROR(cudaMemcpy(d.hot_ids, u.hot_ids.data(), d.n_hot * 4,
-                                        cudaMemcpyHostToDevice));
+        CUDA_RETURN_IF_ERROR(
+            cudaMemcpy(d.hot_ids, u.hot_ids.data(), d.n_hot * 4, cudaMemcpyHostToDevice));
       }
       for (auto [all, part] : {std::pair{&d.gate_c, &d.gate}, std::pair{&d.up_c, &d.up},
                                std::pair{&d.down_t_c, &d.down_t}}) {
@@ -537,8 +542,8 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
       // score >= threshold, the CPU predictors' rule.
       d.pred_cut = std::nextafter(u.pred_threshold, -INFINITY);
     }
-    for (const DeviceMatrix* w : {&d.wqkv, &d.wo, &d.gate_up, &d.gate, &d.up, &d.down, &d.down_t,
-                                  &d.fc1, &d.fc2}) {
+    for (const DeviceMatrix* w :
+         {&d.wqkv, &d.wo, &d.gate_up, &d.gate, &d.up, &d.down, &d.down_t, &d.fc1, &d.fc2}) {
       if (w->data != nullptr) w_half = std::max(w_half, GemmWeightScratchBytes(*w));
     }
   }
@@ -612,8 +617,8 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
 
 BackendStatus CudaBackend::Proj(const DeviceMatrix& w, const float* x, int n, float* y, int ldy) {
   if (n <= kSmallBatch) {
-    CUDA_RETURN_IF_ERROR(MatVecRows(w, nullptr, static_cast<int>(w.rows), nullptr, x, n, y, ldy,
-                                    stream_));
+    CUDA_RETURN_IF_ERROR(
+        MatVecRows(w, nullptr, static_cast<int>(w.rows), nullptr, x, n, y, ldy, stream_));
     return Ok();
   }
   const int rc = GemmXWt(cublas_, w, x, n, y, ldy, 0.f, gemm_, stream_);
@@ -679,15 +684,20 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
                                     float* exchange_out, int32_t* exchange_active) {
   BACKEND_RETURN_IF_ERROR(PrepareLayer(l, a));
   const DeviceLayer& L = layers_[l];
-  const bool cold = L.ffn == FfnPlacement::kHot && a.cold != nullptr &&
-                    !L.cold_ids_host.empty() && !StreamsLayer(l, a);
+  const bool cold = L.ffn == FfnPlacement::kHot && a.cold != nullptr && !L.cold_ids_host.empty() &&
+                    !StreamsLayer(l, a);
   const float* pend1 = pending1_;
   const float* pend2 = pending2_;
   if (use_graphs_ && a.n == 1) {
     // Decode steps replay one captured graph per layer: one launch instead of about twenty.
     const std::vector<int64_t> key = {
-        l, a.seq, static_cast<int>(EffectiveMode(a)), a.run_predictors ? 1 : 0,
-        pend1 != nullptr, static_cast<int64_t>(reinterpret_cast<uintptr_t>(pend2)), cold ? 1 : 0,
+        l,
+        a.seq,
+        static_cast<int>(EffectiveMode(a)),
+        a.run_predictors ? 1 : 0,
+        pend1 != nullptr,
+        static_cast<int64_t>(reinterpret_cast<uintptr_t>(pend2)),
+        cold ? 1 : 0,
         static_cast<int64_t>(reinterpret_cast<uintptr_t>(cold ? exchange_x : nullptr)),
         collect_gpu_times_ ? 1 : 0};
     auto it = graphs_.find(key);
@@ -732,27 +742,27 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
   float* v_seq = v_cache_ + slot * kvdim;
   // The previous layer's FFN output joins the residual inside this norm.
   if (pend1 != nullptr) {
-    CUDA_RETURN_IF_ERROR(ResidualRmsNorm(x_, pend1, pend2, L.attn_norm, n, H, c.norm_eps, xb_,
-                                         stream_));
+    CUDA_RETURN_IF_ERROR(
+        ResidualRmsNorm(x_, pend1, pend2, L.attn_norm, n, H, c.norm_eps, xb_, stream_));
   } else {
     CUDA_RETURN_IF_ERROR(RmsNorm(x_, L.attn_norm, n, H, c.norm_eps, xb_, stream_));
   }
   BACKEND_RETURN_IF_ERROR(Proj(L.wqkv, xb_, n, qkv_, qdim + 2 * kvdim));  // [n, q + 2 kv]
-  CUDA_RETURN_IF_ERROR(RopeQkvToCache(qkv_, n, c.n_heads, c.n_kv_heads, c.head_dim,
-                                      positions_dev_, inv_freq_, c.rope_interleaved, q_, k_seq,
-                                      v_seq, stream_));  // q: [n, q_dim]; k, v into the cache
+  CUDA_RETURN_IF_ERROR(RopeQkvToCache(qkv_, n, c.n_heads, c.n_kv_heads, c.head_dim, positions_dev_,
+                                      inv_freq_, c.rope_interleaved, q_, k_seq, v_seq,
+                                      stream_));  // q: [n, q_dim]; k, v into the cache
   CUDA_RETURN_IF_ERROR(AttentionAt(q_, k_seq, v_seq, n, positions_dev_, max_ctx_, c.n_heads,
                                    c.n_kv_heads, c.head_dim, att_, stream_));  // [n, q_dim]
-  BACKEND_RETURN_IF_ERROR(Proj(L.wo, att_, n, xb_, H));         // xb: [n, hidden]
+  BACKEND_RETURN_IF_ERROR(Proj(L.wo, att_, n, xb_, H));                        // xb: [n, hidden]
 
   // FFN block: x += attention output, xb = the FFN input.
-  CUDA_RETURN_IF_ERROR(ResidualRmsNorm(x_, xb_, nullptr, L.ffn_norm, n, H, c.norm_eps, xb_,
-                                       stream_));
+  CUDA_RETURN_IF_ERROR(
+      ResidualRmsNorm(x_, xb_, nullptr, L.ffn_norm, n, H, c.norm_eps, xb_, stream_));
   if (L.ffn == FfnPlacement::kDense) {
     if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot0_[l]));
     BACKEND_RETURN_IF_ERROR(Proj(L.gate_up, xb_, n, gate_, 2 * F));  // [n, 2 ffn]: gate | up
     CUDA_RETURN_IF_ERROR(GatedActivationPacked(act, gate_, n, F, up_, stream_));  // [n, ffn]
-    BACKEND_RETURN_IF_ERROR(Proj(L.down, up_, n, hot_out_, H));  // [n, hidden]
+    BACKEND_RETURN_IF_ERROR(Proj(L.down, up_, n, hot_out_, H));                   // [n, hidden]
     if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot1_[l]));
     return Ok();
   }
@@ -781,14 +791,14 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
   }
   if (mode == FfnMode::kPredicted) {
     if (n_hot > 0) {
-      CUDA_RETURN_IF_ERROR(CompactActive(scores_, n, F, L.hot_ids, n_hot, L.pred_cut, hot_idx_,
-                                         hot_count, stream_));
+      CUDA_RETURN_IF_ERROR(
+          CompactActive(scores_, n, F, L.hot_ids, n_hot, L.pred_cut, hot_idx_, hot_count, stream_));
     }
     if (cold) {
       CUDA_RETURN_IF_ERROR(CompactActive(scores_, n, F, L.cold_ids, n_cold, L.pred_cut, cold_idx_,
                                          cold_count, stream_));
-      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cold_idx_host_, cold_idx_, n_cold * 4,
-                                           cudaMemcpyDeviceToHost, stream_));
+      CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(cold_idx_host_, cold_idx_, n_cold * 4, cudaMemcpyDeviceToHost, stream_));
       CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(counts_host_ + 2 * l + 1, cold_count, 4,
                                            cudaMemcpyDeviceToHost, stream_));
     }
@@ -811,40 +821,39 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
       float* coef = nullptr;  // [n, n_hot] activations of the listed rows
       if (mode == FfnMode::kExact) {
         // The gate decides: every hot gate row, then up and down for the active ones only.
-        CUDA_RETURN_IF_ERROR(MatVecRows(G, nullptr, n_hot, nullptr, xb_, n, gate_, n_hot,
-                                        stream_));
+        CUDA_RETURN_IF_ERROR(MatVecRows(G, nullptr, n_hot, nullptr, xb_, n, gate_, n_hot, stream_));
         const float threshold = act == ActKind::kSilu ? -INFINITY : 0.f;
         CUDA_RETURN_IF_ERROR(CompactActive(gate_, n, n_hot, nullptr, n_hot, threshold, hot_idx_,
                                            hot_count, stream_));
-        CUDA_RETURN_IF_ERROR(MatVecRows(U, hot_idx_, n_hot, hot_count, xb_, n, up_, n_hot,
-                                        stream_));
+        CUDA_RETURN_IF_ERROR(
+            MatVecRows(U, hot_idx_, n_hot, hot_count, xb_, n, up_, n_hot, stream_));
         CUDA_RETURN_IF_ERROR(GatherGatedActivation(act, gate_, n_hot, hot_idx_, n_hot, hot_count,
                                                    up_, n_hot, n, stream_));
         coef = up_;
       } else {
-        CUDA_RETURN_IF_ERROR(MatVecRows(G, hot_idx_, n_hot, hot_count, xb_, n, gate_, n_hot,
-                                        stream_));
-        CUDA_RETURN_IF_ERROR(MatVecRows(U, hot_idx_, n_hot, hot_count, xb_, n, up_, n_hot,
-                                        stream_));
+        CUDA_RETURN_IF_ERROR(
+            MatVecRows(G, hot_idx_, n_hot, hot_count, xb_, n, gate_, n_hot, stream_));
+        CUDA_RETURN_IF_ERROR(
+            MatVecRows(U, hot_idx_, n_hot, hot_count, xb_, n, up_, n_hot, stream_));
         // Elements past the count are stale and never read.
-        CUDA_RETURN_IF_ERROR(GatedActivation(act, gate_, up_, static_cast<int64_t>(n) * n_hot,
-                                             stream_));
+        CUDA_RETURN_IF_ERROR(
+            GatedActivation(act, gate_, up_, static_cast<int64_t>(n) * n_hot, stream_));
         coef = gate_;
       }
       CUDA_RETURN_IF_ERROR(cudaMemsetAsync(hot_out_, 0, nh * 4, stream_));
-      CUDA_RETURN_IF_ERROR(AccumulateRows(Dt, hot_idx_, n_hot, hot_count, coef, n_hot, n,
-                                          hot_out_, stream_));
+      CUDA_RETURN_IF_ERROR(
+          AccumulateRows(Dt, hot_idx_, n_hot, hot_count, coef, n_hot, n, hot_out_, stream_));
       if (mode != FfnMode::kGiven) {
-        CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(counts_host_ + 2 * l, hot_count, 4,
-                                             cudaMemcpyDeviceToHost, stream_));
+        CUDA_RETURN_IF_ERROR(
+            cudaMemcpyAsync(counts_host_ + 2 * l, hot_count, 4, cudaMemcpyDeviceToHost, stream_));
       }
     } else {
       // Prompt batches: every hot row through cuBLAS (a superset of any active set).
       int rc = GemmXWt(cublas_, G, xb_, n, gate_, n_hot, 0.f, gemm_, stream_);
       if (rc == 0) rc = GemmXWt(cublas_, U, xb_, n, up_, n_hot, 0.f, gemm_, stream_);
       if (rc != 0) return Error(Code::kInternal, std::string("cuBLAS: ") + GemmErrorString(rc));
-      CUDA_RETURN_IF_ERROR(GatedActivation(act, gate_, up_, static_cast<int64_t>(n) * n_hot,
-                                           stream_));
+      CUDA_RETURN_IF_ERROR(
+          GatedActivation(act, gate_, up_, static_cast<int64_t>(n) * n_hot, stream_));
       rc = GemmAW(cublas_, Dt, gate_, n_hot, n, hot_out_, 0.f, gemm_, stream_);
       if (rc != 0) return Error(Code::kInternal, std::string("cuBLAS: ") + GemmErrorString(rc));
     }
@@ -872,8 +881,12 @@ bool CudaBackend::UsesStepGraph(const ForwardArgs& a, int layer_end) const {
 
 BackendStatus CudaBackend::RunStepGraph(const ForwardArgs& a, int layer_end, bool head) {
   for (int l = a.layer_begin; l < layer_end; ++l) BACKEND_RETURN_IF_ERROR(PrepareLayer(l, a));
-  const std::vector<int64_t> key = {-1, a.seq, static_cast<int>(EffectiveMode(a)),
-                                    a.run_predictors ? 1 : 0, a.layer_begin, layer_end,
+  const std::vector<int64_t> key = {-1,
+                                    a.seq,
+                                    static_cast<int>(EffectiveMode(a)),
+                                    a.run_predictors ? 1 : 0,
+                                    a.layer_begin,
+                                    layer_end,
                                     head ? 1 : 0};
   auto it = graphs_.find(key);
   if (it == graphs_.end()) {
@@ -948,8 +961,8 @@ BackendStatus CudaBackend::FinishCold(int l, const ForwardArgs& a, float* exchan
     pending2_ = exchange_out;
     return Ok();
   }
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cold_in_, exchange_out, nh * 4, cudaMemcpyHostToDevice,
-                                       stream_));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(cold_in_, exchange_out, nh * 4, cudaMemcpyHostToDevice, stream_));
   pending2_ = cold_in_;
   return Ok();
 }
@@ -982,8 +995,8 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
   }
   if (a.pos0 < 0 || a.pos0 + n > max_ctx_) {
     return Error(Code::kOutOfRange, "positions " + std::to_string(a.pos0) + ".." +
-                                        std::to_string(a.pos0 + n - 1) +
-                                        " exceed the context of " + std::to_string(max_ctx_));
+                                        std::to_string(a.pos0 + n - 1) + " exceed the context of " +
+                                        std::to_string(max_ctx_));
   }
   if (a.layer_begin < 0 || a.layer_begin > layer_end || layer_end > c.n_layers) {
     return Error(Code::kInvalidArgument, "bad layer range");
@@ -992,8 +1005,8 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
     if (a.tokens == nullptr) return Error(Code::kInvalidArgument, "no tokens");
     for (int t = 0; t < n; ++t) {
       if (a.tokens[t] < 0 || a.tokens[t] >= c.vocab) {
-        return Error(Code::kInvalidArgument, "token id " + std::to_string(a.tokens[t]) +
-                                                 " out of range");
+        return Error(Code::kInvalidArgument,
+                     "token id " + std::to_string(a.tokens[t]) + " out of range");
       }
     }
   }
@@ -1012,8 +1025,8 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tokens_dev_, tokens_host_, 2 * max_batch_ * 4,
                                        cudaMemcpyHostToDevice, stream_));
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_start_, stream_));
-  const bool head = a.logits_mode != LogitsMode::kNone && a.logits != nullptr &&
-                    layer_end == c.n_layers;
+  const bool head =
+      a.logits_mode != LogitsMode::kNone && a.logits != nullptr && layer_end == c.n_layers;
   const bool step_graph = UsesStepGraph(a, layer_end);
   // x: [n, hidden] (the step graph starts with the embedding)
   if (a.hidden_in != nullptr) {
@@ -1039,8 +1052,8 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
   }
   if (pending1_ != nullptr) {  // the last layer's FFN output
     if (pending2_ != nullptr) {
-      CUDA_RETURN_IF_ERROR(Add2InPlace(x_, pending1_, pending2_, static_cast<int64_t>(n) * H,
-                                       stream_));
+      CUDA_RETURN_IF_ERROR(
+          Add2InPlace(x_, pending1_, pending2_, static_cast<int64_t>(n) * H, stream_));
     } else {
       CUDA_RETURN_IF_ERROR(AddInPlace(x_, pending1_, static_cast<int64_t>(n) * H, stream_));
     }
@@ -1098,8 +1111,7 @@ extern "C" int pinfer_cuda_device_count() {
 }
 
 extern "C" int pinfer_cuda_create_backend(const pinfer::cuda::ModelUpload* model,
-                                          pinfer::cuda::Backend** out, char* err,
-                                          size_t err_len) {
+                                          pinfer::cuda::Backend** out, char* err, size_t err_len) {
   auto backend = std::make_unique<pinfer::cuda::CudaBackend>();
   pinfer::cuda::BackendStatus st = backend->Create(*model);
   if (!st.ok()) {
@@ -1130,8 +1142,8 @@ BackendStatus CudaBackend::SetUpStreaming(const ModelUpload& m, bool slots) {
                                                "of one type");
     }
     CUDA_RETURN_IF_ERROR(streamer_->PinRows(static_cast<WType>(u.gate.type), dims_.hidden,
-                                            u.gate.data, u.up.data, u.down_t.data,
-                                            d.cold_ids_host, &d.cold_rows));
+                                            u.gate.data, u.up.data, u.down_t.data, d.cold_ids_host,
+                                            &d.cold_rows));
     max_rb = std::max(max_rb, d.cold_rows.row_bytes());
   }
   if (max_rb == 0) return Ok();  // no cold rows anywhere
@@ -1141,9 +1153,8 @@ BackendStatus CudaBackend::SetUpStreaming(const ModelUpload& m, bool slots) {
   device_bytes_ += bytes;
   if (e != cudaSuccess) {
     cudaGetLastError();
-    return Error(Code::kResourceExhausted,
-                 "streaming slots of " + std::to_string(bytes) + " bytes: " +
-                     cudaGetErrorString(e));
+    return Error(Code::kResourceExhausted, "streaming slots of " + std::to_string(bytes) +
+                                               " bytes: " + cudaGetErrorString(e));
   }
   return Ok();
 }
@@ -1168,7 +1179,8 @@ BackendStatus CudaBackend::StreamCold(int l, int n) {
   t.up = up_;
   t.act = static_cast<ActKind>(dims_.activation);
   const int rc = streamer_->Run(cublas_, L.cold_rows, t, gemm_, stream_);
-  if (rc != 0) return Error(Code::kInternal, std::string("streamed cold rows: ") + GemmErrorString(rc));
+  if (rc != 0)
+    return Error(Code::kInternal, std::string("streamed cold rows: ") + GemmErrorString(rc));
   stats_.streamed_layers += 1;
   stats_.streamed_bytes += static_cast<double>(L.cold_rows.bytes());
   return Ok();
@@ -1217,8 +1229,8 @@ BackendStatus CudaBackend::CalibrateStreaming(int layer, int n, StreamCalibratio
 // Adaptive hot set: cold rows into cache slots, from the pinned copy, in the background.
 BackendStatus CudaBackend::LoadCacheRows(int layer, const std::vector<int32_t>& slots,
                                          const std::vector<int32_t>& neurons) {
-  if (layer < 0 || layer >= dims_.n_layers || layers_[layer].n_cache == 0 ||
-      streamer_ == nullptr || !streamer_->ready()) {
+  if (layer < 0 || layer >= dims_.n_layers || layers_[layer].n_cache == 0 || streamer_ == nullptr ||
+      !streamer_->ready()) {
     return Error(Code::kFailedPrecondition,
                  "layer " + std::to_string(layer) + " has no adaptive cache rows");
   }
@@ -1235,8 +1247,8 @@ BackendStatus CudaBackend::LoadCacheRows(int layer, const std::vector<int32_t>& 
                                                std::to_string(layer));
     }
     if (slots[i] < 0 || slots[i] >= L.n_cache) {
-      return Error(Code::kInvalidArgument, "cache slot " + std::to_string(slots[i]) + " of " +
-                                               std::to_string(L.n_cache));
+      return Error(Code::kInvalidArgument,
+                   "cache slot " + std::to_string(slots[i]) + " of " + std::to_string(L.n_cache));
     }
     cold_index[i] = it - L.cold_ids_host.begin();
   }

@@ -83,8 +83,8 @@ bool g_pdl = [] {
 // Launches a kernel, with the programmatic-serialization attribute when it is on and the stream
 // is an explicit one (the legacy default stream keeps plain launches).
 template <typename... P, typename... A>
-cudaError_t Launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
-                   cudaStream_t stream, A&&... args) {
+cudaError_t Launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   A&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -109,8 +109,8 @@ cudaError_t Launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
       pdl = n_deps > 0;
       for (size_t i = 0; i < n_deps && pdl; ++i) {
         cudaGraphNodeType type;
-        pdl = cudaGraphNodeGetType(deps[i], &type) == cudaSuccess &&
-              type == cudaGraphNodeTypeKernel;
+        pdl =
+            cudaGraphNodeGetType(deps[i], &type) == cudaSuccess && type == cudaGraphNodeTypeKernel;
       }
       cudaGetLastError();
     }
@@ -178,9 +178,12 @@ __device__ __forceinline__ void DequantQ4Block(const uint8_t* blk, float* w) {
 // Element c of a row in any type (slow path: embeddings and conversions).
 __device__ __forceinline__ float LoadElem(WType t, const uint8_t* row, int64_t c) {
   switch (t) {
-    case WType::kF32: return reinterpret_cast<const float*>(row)[c];
-    case WType::kF16: return H2F(reinterpret_cast<const uint16_t*>(row)[c]);
-    case WType::kBF16: return Bf2F(reinterpret_cast<const uint16_t*>(row)[c]);
+    case WType::kF32:
+      return reinterpret_cast<const float*>(row)[c];
+    case WType::kF16:
+      return H2F(reinterpret_cast<const uint16_t*>(row)[c]);
+    case WType::kBF16:
+      return Bf2F(reinterpret_cast<const uint16_t*>(row)[c]);
     case WType::kQ8_0: {
       const uint8_t* blk = row + (c / 32) * 34;
       const float d = H2F(*reinterpret_cast<const uint16_t*>(blk));
@@ -198,9 +201,8 @@ __device__ __forceinline__ float LoadElem(WType t, const uint8_t* row, int64_t c
 }
 
 // Element (r, c) of a split-layout matrix (slow path: embeddings and conversions).
-__device__ __forceinline__ float LoadElemSplit(WType t, const uint8_t* qs,
-                                               const uint16_t* scales, int64_t cols, int64_t r,
-                                               int64_t c) {
+__device__ __forceinline__ float LoadElemSplit(WType t, const uint8_t* qs, const uint16_t* scales,
+                                               int64_t cols, int64_t r, int64_t c) {
   const int64_t nblk = cols / 32, b = c / 32;
   const int j = static_cast<int>(c % 32);
   const float d = H2F(scales[r * nblk + b]);
@@ -371,8 +373,8 @@ constexpr int kAttnMaxSmemBytes = 200 * 1024;
 
 __global__ void AttentionKernel(const float* __restrict__ q, const float* __restrict__ k,
                                 const float* __restrict__ v, int pos0,
-                                const int32_t* __restrict__ positions, int n_heads,
-                                int n_kv_heads, int head_dim, float* __restrict__ out) {
+                                const int32_t* __restrict__ positions, int n_heads, int n_kv_heads,
+                                int head_dim, float* __restrict__ out) {
   PdlStart();
   extern __shared__ float smem[];
   const int h = blockIdx.x, t = blockIdx.y;
@@ -381,9 +383,9 @@ __global__ void AttentionKernel(const float* __restrict__ q, const float* __rest
   const int len = (positions != nullptr ? positions[0] : pos0) + t + 1;
   const int kv_stride = n_kv_heads * head_dim;
   const int kvh = h / (n_heads / n_kv_heads);
-  float* qs = smem;                        // [head_dim]
-  float* red = qs + head_dim;              // [kAttnThreads] reductions, value partial sums
-  float* scores = red + kAttnThreads;      // [len]
+  float* qs = smem;                    // [head_dim]
+  float* red = qs + head_dim;          // [kAttnThreads] reductions, value partial sums
+  float* scores = red + kAttnThreads;  // [len]
   const float* qh = q + (static_cast<int64_t>(t) * n_heads + h) * head_dim;
   for (int i = threadIdx.x; i < head_dim; i += blockDim.x) qs[i] = qh[i];
   __syncthreads();
@@ -457,7 +459,7 @@ __device__ __forceinline__ float DotUnit(const float* w, const float* x) {
 constexpr int kRowWarps = 8;
 
 template <WType T, int NT>
-__global__ void __launch_bounds__(kRowWarps * kWarp)
+__global__ void __launch_bounds__(kRowWarps* kWarp)
     MatVecWarpKernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t cols,
                      const int32_t* __restrict__ rows, int n_rows,
                      const int32_t* __restrict__ dev_count, const float* __restrict__ x, int n,
@@ -524,7 +526,6 @@ constexpr int kMaxStageBytes = 48 * 1024;
 
 template <WType T>
 constexpr bool kVec16 = T == WType::kF32 || T == WType::kF16 || T == WType::kBF16;
-
 
 template <WType T, int NT>
 __global__ void __launch_bounds__(kMvThreads)
@@ -670,7 +671,10 @@ __global__ void __launch_bounds__(kMvThreads)
         if (r < nr) {
           float wv[32];
           const uint8_t* blk = base + static_cast<size_t>(r) * n16 * 16 + u * kUnitBytes;
-          if constexpr (T == WType::kQ8_0) DequantQ8Block(blk, wv); else DequantQ4Block(blk, wv);
+          if constexpr (T == WType::kQ8_0)
+            DequantQ8Block(blk, wv);
+          else
+            DequantQ4Block(blk, wv);
           float s = 0.f;
 #pragma unroll
           for (int e = 0; e < 32; ++e) s += wv[e] * xs[e];
@@ -701,7 +705,6 @@ __global__ void __launch_bounds__(kMvThreads)
     }
   }
 }
-
 
 // ---------------------------------------------------------------------------------------------
 // Split layout (DeviceMatrix::scales): quants and scales in separate arrays, so that every lane
@@ -790,7 +793,8 @@ __device__ __forceinline__ void SplitConsume(const uint4 (&q)[kSplitRows][kSplit
   for (int t = 0; t < NT; ++t) {
     if (t < n) {
       float xs[32];
-      const float4* xp = reinterpret_cast<const float4*>(x + t * cols + static_cast<int64_t>(b) * 32);
+      const float4* xp =
+          reinterpret_cast<const float4*>(x + t * cols + static_cast<int64_t>(b) * 32);
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         const float4 v = __ldg(xp + k);
@@ -808,7 +812,7 @@ __device__ __forceinline__ void SplitConsume(const uint4 (&q)[kSplitRows][kSplit
 }
 
 template <WType T, int NT>
-__global__ void __launch_bounds__(kSplitWarps * kWarp)
+__global__ void __launch_bounds__(kSplitWarps* kWarp)
     MatVecSplitKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
                       int64_t cols, const int32_t* __restrict__ rows, int n_rows,
                       const int32_t* __restrict__ dev_count, const float* __restrict__ x, int n,
@@ -852,7 +856,8 @@ __global__ void __launch_bounds__(kSplitWarps * kWarp)
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
       for (int r = 0; r < kSplitRows; ++r) {
-        const uint4* src = reinterpret_cast<const uint4*>(rq[r] + static_cast<size_t>(b + h * kWarp) * QB);
+        const uint4* src =
+            reinterpret_cast<const uint4*>(rq[r] + static_cast<size_t>(b + h * kWarp) * QB);
 #pragma unroll
         for (int v = 0; v < QV; ++v) q[h][r][v] = LoadStream(src + v);
       }
@@ -888,7 +893,6 @@ __global__ void __launch_bounds__(kSplitWarps * kWarp)
     }
   }
 }
-
 
 // The same product with llama.cpp's definition (SetQuantizedActivations): x is quantized to Q8_0
 // blocks in shared memory by each block of warps (d_x = fp16(max|x| / 127), q = round-half-even
@@ -935,7 +939,7 @@ __device__ __forceinline__ int SplitBlockIntDot(const uint4* q, const int4* xw) 
 }
 
 template <WType T, int kQxWarps, int R>
-__global__ void __launch_bounds__(kQxWarps * kWarp)
+__global__ void __launch_bounds__(kQxWarps* kWarp)
     MatVecSplitQ8xKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
                          int64_t cols, const int32_t* __restrict__ rows, int n_rows,
                          const int32_t* __restrict__ dev_count, const float* __restrict__ x,
@@ -945,14 +949,13 @@ __global__ void __launch_bounds__(kQxWarps * kWarp)
   constexpr int QV = QB / 16;
   const int nblk = static_cast<int>(cols / 32);
   const size_t qrb = static_cast<size_t>(nblk) * QB;
-  int8_t* xq = reinterpret_cast<int8_t*>(xsh);         // [cols]
-  float* xd = reinterpret_cast<float*>(xq + cols);     // [nblk]
-  int* xsum = reinterpret_cast<int*>(xd + nblk);       // [nblk]
+  int8_t* xq = reinterpret_cast<int8_t*>(xsh);      // [cols]
+  float* xd = reinterpret_cast<float*>(xq + cols);  // [nblk]
+  int* xsum = reinterpret_cast<int*>(xd + nblk);    // [nblk]
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int i0 = (blockIdx.x * kQxWarps + warp) * R;
   PdlTrigger();
-  if (prefetch && rows == nullptr && dev_count == nullptr && lane < R &&
-      i0 + lane < n_rows) {
+  if (prefetch && rows == nullptr && dev_count == nullptr && lane < R && i0 + lane < n_rows) {
     PrefetchL2(qs + static_cast<size_t>(i0 + lane) * qrb, static_cast<uint32_t>(qrb));
   }
   PdlWait();
@@ -1084,14 +1087,15 @@ __global__ void __launch_bounds__(128)
   for (int e = 0; e < 32; ++e) acc[e] = 0.f;
   bool any = false;
   auto row_id = [&](int i) -> int64_t { return rows != nullptr ? rows[i] : i; };
-  auto load = [&](int64_t r, uint4 (&q)[QV], float& d) {
+  auto load = [&](int64_t r, uint4(&q)[QV], float& d) {
 #pragma unroll
     for (int v = 0; v < QV; ++v) {
-      q[v] = LoadStream(reinterpret_cast<const uint4*>(qs + r * qrb + static_cast<size_t>(u) * QB) + v);
+      q[v] = LoadStream(reinterpret_cast<const uint4*>(qs + r * qrb + static_cast<size_t>(u) * QB) +
+                        v);
     }
     d = H2F(scales[r * nblk + u]);
   };
-  auto add = [&](const uint4 (&q)[QV], float cd) {
+  auto add = [&](const uint4(&q)[QV], float cd) {
     float w[32];
     SplitBlockValues<T>(q, cd, w);
 #pragma unroll
@@ -1247,7 +1251,10 @@ __global__ void __launch_bounds__(kAccThreads)
         any = true;
         const uint8_t* b0 = reinterpret_cast<const uint8_t*>(seg) + threadIdx.x * kUnitBytes;
         float w0[E];
-        if constexpr (T == WType::kQ8_0) DequantQ8Block(b0, w0); else DequantQ4Block(b0, w0);
+        if constexpr (T == WType::kQ8_0)
+          DequantQ8Block(b0, w0);
+        else
+          DequantQ4Block(b0, w0);
 #pragma unroll
         for (int e = 0; e < E; ++e) acc[e] += c0 * w0[e];
         if (c1 != 0.f) {
@@ -1274,9 +1281,12 @@ __global__ void __launch_bounds__(kAccThreads)
 
 __device__ __forceinline__ float ApplyGated(ActKind act, float g, float u) {
   switch (act) {
-    case ActKind::kSilu: return g / (1.f + expf(-g)) * u;
-    case ActKind::kRelu: return (g > 0.f ? g : 0.f) * u;
-    case ActKind::kDRelu: return (g > 0.f ? g : 0.f) * (u > 0.f ? u : 0.f);
+    case ActKind::kSilu:
+      return g / (1.f + expf(-g)) * u;
+    case ActKind::kRelu:
+      return (g > 0.f ? g : 0.f) * u;
+    case ActKind::kDRelu:
+      return (g > 0.f ? g : 0.f) * (u > 0.f ? u : 0.f);
   }
   return 0.f;
 }
@@ -1406,7 +1416,8 @@ __global__ void __launch_bounds__(kCompactThreads)
     bool active = false;
     if (j < len) {
       const int g = map != nullptr ? map[j] : j;
-      for (int t = 0; t < n && !active; ++t) active = v[static_cast<int64_t>(t) * ldv + g] > threshold;
+      for (int t = 0; t < n && !active; ++t)
+        active = v[static_cast<int64_t>(t) * ldv + g] > threshold;
     }
     const unsigned ballot = __ballot_sync(0xffffffffu, active);
     if (lane == 0) warp_totals[warp] = __popc(ballot);
@@ -1465,11 +1476,15 @@ bool ProgrammaticLaunch() { return g_pdl; }
 
 size_t WRowBytes(WType t, int64_t cols) {
   switch (t) {
-    case WType::kF32: return 4 * static_cast<size_t>(cols);
+    case WType::kF32:
+      return 4 * static_cast<size_t>(cols);
     case WType::kF16:
-    case WType::kBF16: return 2 * static_cast<size_t>(cols);
-    case WType::kQ8_0: return 34 * static_cast<size_t>(cols / 32);
-    case WType::kQ4_0: return 18 * static_cast<size_t>(cols / 32);
+    case WType::kBF16:
+      return 2 * static_cast<size_t>(cols);
+    case WType::kQ8_0:
+      return 34 * static_cast<size_t>(cols / 32);
+    case WType::kQ4_0:
+      return 18 * static_cast<size_t>(cols / 32);
   }
   return 0;
 }
@@ -1480,17 +1495,24 @@ size_t QuantRowBytes(WType t, int64_t cols) {
 
 const char* WTypeName(WType t) {
   switch (t) {
-    case WType::kF32: return "F32";
-    case WType::kF16: return "F16";
-    case WType::kBF16: return "BF16";
-    case WType::kQ8_0: return "Q8_0";
-    case WType::kQ4_0: return "Q4_0";
+    case WType::kF32:
+      return "F32";
+    case WType::kF16:
+      return "F16";
+    case WType::kBF16:
+      return "BF16";
+    case WType::kQ8_0:
+      return "Q8_0";
+    case WType::kQ4_0:
+      return "Q4_0";
   }
   return "?";
 }
 
 cudaError_t CheckMatrixShape(const DeviceMatrix& w) {
-  const int64_t unit = (w.type == WType::kF32) ? 4 : (w.type == WType::kF16 || w.type == WType::kBF16) ? 8 : 32;
+  const int64_t unit = (w.type == WType::kF32)                             ? 4
+                       : (w.type == WType::kF16 || w.type == WType::kBF16) ? 8
+                                                                           : 32;
   if (w.cols <= 0 || w.cols % unit != 0 || w.rows < 0) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(w.data) % 16 != 0) return cudaErrorMisalignedAddress;
   if (w.split() && w.type != WType::kQ8_0 && w.type != WType::kQ4_0) return cudaErrorInvalidValue;
@@ -1513,8 +1535,8 @@ cudaError_t RepackSplit(const DeviceMatrix& src, const DeviceMatrix& dst, int64_
     return Launch(RepackSplitKernel<WType::kQ8_0>, GridFor(total, 256), 256, 0, stream, in,
                   src.rows, src.cols, qs, sc, row0);
   }
-  return Launch(RepackSplitKernel<WType::kQ4_0>, GridFor(total, 256), 256, 0, stream, in,
-                src.rows, src.cols, qs, sc, row0);
+  return Launch(RepackSplitKernel<WType::kQ4_0>, GridFor(total, 256), 256, 0, stream, in, src.rows,
+                src.cols, qs, sc, row0);
 }
 
 cudaError_t RmsNorm(const float* x, const float* weight, int n, int dim, float eps, float* out,
@@ -1523,8 +1545,8 @@ cudaError_t RmsNorm(const float* x, const float* weight, int n, int dim, float e
   return Launch(RmsNormKernel, n, 256, 0, stream, x, weight, dim, eps, out);
 }
 
-cudaError_t ResidualRmsNorm(float* x, const float* d1, const float* d2, const float* weight,
-                            int n, int dim, float eps, float* out, cudaStream_t stream) {
+cudaError_t ResidualRmsNorm(float* x, const float* d1, const float* d2, const float* weight, int n,
+                            int dim, float eps, float* out, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   return Launch(ResidualRmsNormKernel, n, 256, 0, stream, x, d1, d2, weight, dim, eps, out);
 }
@@ -1547,13 +1569,10 @@ cudaError_t Rope(float* x, int n, int n_heads, int head_dim, const int32_t* posi
                 inv_freq, interleaved);
 }
 
-int MaxAttentionContext() {
-  return (kAttnMaxSmemBytes / 4) - kAttnThreads - 256;
-}
+int MaxAttentionContext() { return (kAttnMaxSmemBytes / 4) - kAttnThreads - 256; }
 
-cudaError_t Attention(const float* q, const float* k, const float* v, int n, int pos0,
-                      int n_heads, int n_kv_heads, int head_dim, float* out,
-                      cudaStream_t stream) {
+cudaError_t Attention(const float* q, const float* k, const float* v, int n, int pos0, int n_heads,
+                      int n_kv_heads, int head_dim, float* out, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   if (head_dim > kAttnThreads || head_dim <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 ||
       pos0 < 0) {
@@ -1564,9 +1583,8 @@ cudaError_t Attention(const float* q, const float* k, const float* v, int n, int
   const size_t smem = (static_cast<size_t>(head_dim) + kAttnThreads + len) * sizeof(float);
   if (smem > 48 * 1024) {
     // Above 48 KB a kernel needs an explicit opt-in (per device; cheap to repeat).
-    cudaError_t e = cudaFuncSetAttribute(AttentionKernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         kAttnMaxSmemBytes);
+    cudaError_t e = cudaFuncSetAttribute(
+        AttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmemBytes);
     if (e != cudaSuccess) return e;
   }
   const int32_t* no_positions = nullptr;
@@ -1584,9 +1602,8 @@ cudaError_t AttentionAt(const float* q, const float* k, const float* v, int n,
   }
   const size_t smem = (static_cast<size_t>(head_dim) + kAttnThreads + max_ctx) * sizeof(float);
   if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(AttentionKernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         kAttnMaxSmemBytes);
+    cudaError_t e = cudaFuncSetAttribute(
+        AttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmemBytes);
     if (e != cudaSuccess) return e;
   }
   return Launch(AttentionKernel, dim3(n_heads, n), kAttnThreads, smem, stream, q, k, v, 0,
@@ -1616,7 +1633,7 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
       const int blocks = (n_rows + rows_per_block - 1) / rows_per_block;
       auto pick = [&](auto w) {
         constexpr int W = decltype(w)::value;
-        return r == 1 ? MatVecSplitQ8xKernel<T, W, 1>
+        return r == 1   ? MatVecSplitQ8xKernel<T, W, 1>
                : r == 2 ? MatVecSplitQ8xKernel<T, W, 2>
                         : MatVecSplitQ8xKernel<T, W, 4>;
       };
@@ -1639,8 +1656,8 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
         return Launch(MatVecSplitKernel<T, 1>, blocks, kSplitWarps * kWarp, 0, stream, base, sc,
                       w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, g_prefetch);
       }
-      return Launch(MatVecSplitKernel<T, kMaxTok>, blocks, kSplitWarps * kWarp, 0, stream, base,
-                    sc, w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, g_prefetch);
+      return Launch(MatVecSplitKernel<T, kMaxTok>, blocks, kSplitWarps * kWarp, 0, stream, base, sc,
+                    w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, g_prefetch);
     }
     const bool stage = w.row_bytes() % 16 == 0 && w.row_bytes() <= kMaxStageBytes;
     // Four rows per block when four rows fit the shared-memory stage.
@@ -1655,7 +1672,8 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
                     w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, stage, g_prefetch);
     }
     return Launch(MatVecRowsKernel<T, kMaxTok>, n_rows, kMvThreads, smem, stream, base,
-                  w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, stage, g_prefetch);
+                  w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, stage,
+                  g_prefetch);
   } else {
     // Tall matrices: one warp per row when asked for (see MatVecWarpKernel).
     if (n_rows >= g_warp_rows_min) {
@@ -1672,8 +1690,8 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
       return Launch(MatVecRowsKernel<T, 1>, n_rows, kMvThreads, 0, stream, base, w.row_bytes(),
                     w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, no_stage, g_prefetch);
     }
-    return Launch(MatVecRowsKernel<T, kMaxTok>, n_rows, kMvThreads, 0, stream, base,
-                  w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, no_stage, g_prefetch);
+    return Launch(MatVecRowsKernel<T, kMaxTok>, n_rows, kMvThreads, 0, stream, base, w.row_bytes(),
+                  w.cols, rows, n_rows, dev_count, xt, nt, yt, ldy, no_stage, g_prefetch);
   }
 }
 
@@ -1740,8 +1758,8 @@ cudaError_t AccumulateRows(const DeviceMatrix& w, const int32_t* rows, int n_row
   if (w.split()) {
     const auto* sc = static_cast<const uint16_t*>(w.scales);
     if (w.type == WType::kQ8_0) {
-      return Launch(AccumulateRowsSplitKernel<WType::kQ8_0>, grid, kAccThreads, 0, stream, base,
-                    sc, w.cols, rows, n_rows, dev_count, a, lda, rows_per_split, y);
+      return Launch(AccumulateRowsSplitKernel<WType::kQ8_0>, grid, kAccThreads, 0, stream, base, sc,
+                    w.cols, rows, n_rows, dev_count, a, lda, rows_per_split, y);
     }
     return Launch(AccumulateRowsSplitKernel<WType::kQ4_0>, grid, kAccThreads, 0, stream, base, sc,
                   w.cols, rows, n_rows, dev_count, a, lda, rows_per_split, y);
@@ -1750,8 +1768,8 @@ cudaError_t AccumulateRows(const DeviceMatrix& w, const int32_t* rows, int n_row
   const bool stage = quant && w.row_bytes() % 16 == 0;
   const size_t smem = stage ? 2 * kAccThreads * (w.type == WType::kQ8_0 ? 34 : 18) : 0;
   switch (w.type) {
-#define PINFER_LAUNCH(T)                                                                        \
-  case T:                                                                                       \
+#define PINFER_LAUNCH(T)                                                                         \
+  case T:                                                                                        \
     return Launch(AccumulateRowsKernel<T>, grid, kAccThreads, smem, stream, base, w.row_bytes(), \
                   w.cols, rows, n_rows, dev_count, a, lda, rows_per_split, y, stage);
     PINFER_LAUNCH(WType::kF32)
@@ -1783,8 +1801,8 @@ cudaError_t GatedActivationPacked(ActKind act, const float* gu, int n, int width
                                   cudaStream_t stream) {
   if (n <= 0 || width <= 0) return cudaSuccess;
   if (n > 65535) return cudaErrorInvalidValue;
-  return Launch(GatedActivationPackedKernel, dim3(GridFor(width, 256), n), 256, 0, stream, act,
-                gu, width, out);
+  return Launch(GatedActivationPackedKernel, dim3(GridFor(width, 256), n), 256, 0, stream, act, gu,
+                width, out);
 }
 
 cudaError_t Relu(float* x, int64_t count, cudaStream_t stream) {
@@ -1809,15 +1827,14 @@ cudaError_t Embed(const DeviceMatrix& table, const int32_t* tokens, int n, float
   if (n > 65535) return cudaErrorInvalidValue;
   const int bx = static_cast<int>((table.cols + 255) / 256);
   return Launch(EmbedKernel, dim3(bx, n), 256, 0, stream, table.type,
-                static_cast<const uint8_t*>(table.data),
-                static_cast<const uint16_t*>(table.scales), table.row_bytes(), table.cols, tokens,
-                out);
+                static_cast<const uint8_t*>(table.data), static_cast<const uint16_t*>(table.scales),
+                table.row_bytes(), table.cols, tokens, out);
 }
 
 cudaError_t CompactActive(const float* v, int n, int ldv, const int32_t* map, int len,
                           float threshold, int32_t* idx, int32_t* count, cudaStream_t stream) {
-  return Launch(CompactActiveKernel, 1, kCompactThreads, 0, stream, v, n, ldv, map, len,
-                threshold, idx, count);
+  return Launch(CompactActiveKernel, 1, kCompactThreads, 0, stream, v, n, ldv, map, len, threshold,
+                idx, count);
 }
 
 cudaError_t DequantizeToHalf(const DeviceMatrix& w, void* out, cudaStream_t stream) {

@@ -93,8 +93,8 @@ cudaError_t RmsNorm(const float* x, const float* weight, int n, int dim, float e
 
 // The residual add fused with the next norm: x[t] += d1[t] (+ d2[t] when d2 is not null), then
 // out = RmsNorm(x). out may alias d1 or d2. x, d1, d2, out: [n, dim].
-cudaError_t ResidualRmsNorm(float* x, const float* d1, const float* d2, const float* weight,
-                            int n, int dim, float eps, float* out, cudaStream_t stream);
+cudaError_t ResidualRmsNorm(float* x, const float* d1, const float* d2, const float* weight, int n,
+                            int dim, float eps, float* out, cudaStream_t stream);
 
 // Rotates x: [n, n_heads, head_dim] in place at positions[t] (device array). inv_freq: device
 // [head_dim / 2]. interleaved: pairs (2i, 2i+1) (GGUF); otherwise (i, i + head_dim/2) (HF).
@@ -111,8 +111,8 @@ cudaError_t RopeQkvToCache(const float* qkv, int n, int n_heads, int n_kv_heads,
 // Causal attention of n queries at positions pos0..pos0+n-1 over cache rows 0..pos (decode is
 // n = 1, a prompt batch n > 1). q: [n, n_heads, hd]; k, v: [ctx, n_kv_heads, hd];
 // out: [n, n_heads, hd]. head_dim <= 256, context up to MaxAttentionContext().
-cudaError_t Attention(const float* q, const float* k, const float* v, int n, int pos0,
-                      int n_heads, int n_kv_heads, int head_dim, float* out, cudaStream_t stream);
+cudaError_t Attention(const float* q, const float* k, const float* v, int n, int pos0, int n_heads,
+                      int n_kv_heads, int head_dim, float* out, cudaStream_t stream);
 int MaxAttentionContext();
 // The same with the first position read from positions[0] (device memory), so that a decode
 // step does not depend on host values and can be captured in a CUDA graph; shared memory is

@@ -12,8 +12,8 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
-#include <utility>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "gpu-worker/cuda/gemm.h"
@@ -49,10 +49,10 @@ bool HaveGpu() {
   return n > 0;
 }
 
-#define CUDA_OK(expr)                                                         \
-  do {                                                                        \
-    const cudaError_t _e = (expr);                                            \
-    ASSERT_EQ(_e, cudaSuccess) << #expr << ": " << cudaGetErrorString(_e);    \
+#define CUDA_OK(expr)                                                      \
+  do {                                                                     \
+    const cudaError_t _e = (expr);                                         \
+    ASSERT_EQ(_e, cudaSuccess) << #expr << ": " << cudaGetErrorString(_e); \
   } while (0)
 
 // A device buffer of T with guard regions on both sides. The payload starts poisoned (all bytes
@@ -76,9 +76,9 @@ class DevBuf {
   T* get() { return reinterpret_cast<T*>(static_cast<uint8_t*>(raw_) + kGuardBytes); }
   size_t Bytes() const { return n_ * sizeof(T); }
   void Upload(const std::vector<T>& v) {
-    EXPECT_EQ(cudaMemcpy(get(), v.data(), std::min(v.size(), n_) * sizeof(T),
-                         cudaMemcpyHostToDevice),
-              cudaSuccess);
+    EXPECT_EQ(
+        cudaMemcpy(get(), v.data(), std::min(v.size(), n_) * sizeof(T), cudaMemcpyHostToDevice),
+        cudaSuccess);
   }
   std::vector<T> Download() {
     std::vector<T> v(n_);
@@ -245,8 +245,8 @@ TEST_F(CudaOpsTest, ResidualRmsNormMatchesReference) {
     for (int i = 0; i < n * dim; ++i) ref_x[i] += two ? d1[i] + d2[i] : d1[i];
     ref_->RmsNorm(ref_x.data(), w.data(), n, dim, 1e-5f, ref.data());
     DevBuf<float> dx(x), dd1(d1), dd2(d2), dw(w);
-    CUDA_OK(cuda::ResidualRmsNorm(dx.get(), dd1.get(), two ? dd2.get() : nullptr, dw.get(), n,
-                                  dim, 1e-5f, dd1.get(), nullptr));
+    CUDA_OK(cuda::ResidualRmsNorm(dx.get(), dd1.get(), two ? dd2.get() : nullptr, dw.get(), n, dim,
+                                  1e-5f, dd1.get(), nullptr));
     std::vector<float> out = dd1.Download();
     EXPECT_FALSE(AnyNan(out));
     EXPECT_LE(Nmse(out, ref), kFp32Limit);
@@ -262,7 +262,8 @@ TEST_F(CudaOpsTest, RopeQkvToCacheMatchesReference) {
     const int n = 4, heads = 8, kv_heads = 2, hd = 64, pos0 = 21, ctx = 32;
     const int qd = heads * hd, kvd = kv_heads * hd;
     std::vector<float> inv(hd / 2);
-    for (int i = 0; i < hd / 2; ++i) inv[i] = static_cast<float>(1.0 / std::pow(10000.0, 2.0 * i / hd));
+    for (int i = 0; i < hd / 2; ++i)
+      inv[i] = static_cast<float>(1.0 / std::pow(10000.0, 2.0 * i / hd));
     std::vector<int32_t> pos(n);
     for (int t = 0; t < n; ++t) pos[t] = pos0 + t;
     std::vector<float> qkv = Random(static_cast<size_t>(n) * (qd + 2 * kvd));
@@ -310,8 +311,8 @@ TEST_F(CudaOpsTest, RopeBothLayoutsMatchReference) {
       ref_->Rope(ref.data(), n, heads, head_dim, pos.data(), inv.data(), interleaved);
       DevBuf<float> dx(x), dinv(inv);
       DevBuf<int32_t> dpos(pos);
-      CUDA_OK(cuda::Rope(dx.get(), n, heads, head_dim, dpos.get(), dinv.get(), interleaved,
-                         nullptr));
+      CUDA_OK(
+          cuda::Rope(dx.get(), n, heads, head_dim, dpos.get(), dinv.get(), interleaved, nullptr));
       std::vector<float> out = dx.Download();
       EXPECT_FALSE(AnyNan(out));
       EXPECT_LE(Nmse(out, ref), kFp32Limit) << "interleaved " << interleaved << " hd " << head_dim;
@@ -326,9 +327,9 @@ TEST_F(CudaOpsTest, AttentionDecodeAndPromptMatchReference) {
   struct Case {
     int n, pos0, heads, kv_heads, head_dim;
   };
-  for (const Case& c : {Case{1, 0, 4, 4, 64}, Case{1, 37, 8, 2, 64}, Case{1, 300, 6, 2, 128},
-                        Case{9, 0, 6, 2, 64}, Case{7, 13, 8, 8, 128}, Case{33, 100, 4, 1, 96},
-                        Case{1, 15000, 2, 1, 128}}) {
+  for (const Case& c :
+       {Case{1, 0, 4, 4, 64}, Case{1, 37, 8, 2, 64}, Case{1, 300, 6, 2, 128}, Case{9, 0, 6, 2, 64},
+        Case{7, 13, 8, 8, 128}, Case{33, 100, 4, 1, 96}, Case{1, 15000, 2, 1, 128}}) {
     const int ctx = c.pos0 + c.n;
     const size_t kv = static_cast<size_t>(ctx) * c.kv_heads * c.head_dim;
     std::vector<float> q = Random(static_cast<size_t>(c.n) * c.heads * c.head_dim);
@@ -360,9 +361,14 @@ TEST_F(CudaOpsTest, AttentionDecodeAndPromptMatchReference) {
 TEST_F(CudaOpsTest, MatVecRowsMatchesReferenceForEveryType) {
   // 1056 columns (33 blocks): rows not 16-byte aligned for the block formats, read in place;
   // 512 and 5120: staged in shared memory, four rows per block.
-  for (const auto& [type, cols] : std::vector<std::pair<DType, int64_t>>{
-           {DType::kF32, 1056}, {DType::kF16, 1056}, {DType::kBF16, 1056}, {DType::kQ8_0, 1056},
-           {DType::kQ4_0, 1056}, {DType::kQ8_0, 512}, {DType::kQ4_0, 512}, {DType::kQ4_0, 5120}}) {
+  for (const auto& [type, cols] : std::vector<std::pair<DType, int64_t>>{{DType::kF32, 1056},
+                                                                         {DType::kF16, 1056},
+                                                                         {DType::kBF16, 1056},
+                                                                         {DType::kQ8_0, 1056},
+                                                                         {DType::kQ4_0, 1056},
+                                                                         {DType::kQ8_0, 512},
+                                                                         {DType::kQ4_0, 512},
+                                                                         {DType::kQ4_0, 5120}}) {
     const int64_t rows = 301;
     HostWeights w = RandomWeights(type, rows, cols);
     DevBuf<uint8_t> dw(w.bytes.size());
@@ -457,9 +463,13 @@ TEST_F(CudaOpsTest, OutputHeadMatchesReference) {
 // coefficients (inactive neurons for some tokens) and a device-side count.
 TEST_F(CudaOpsTest, AccumulateRowsMatchesReferenceForEveryType) {
   // 1056 columns: block formats read in place; 4096: staged in shared memory.
-  for (const auto& [type, cols] : std::vector<std::pair<DType, int64_t>>{
-           {DType::kF32, 1056}, {DType::kF16, 1056}, {DType::kBF16, 1056}, {DType::kQ8_0, 1056},
-           {DType::kQ4_0, 1056}, {DType::kQ8_0, 4096}, {DType::kQ4_0, 4096}}) {
+  for (const auto& [type, cols] : std::vector<std::pair<DType, int64_t>>{{DType::kF32, 1056},
+                                                                         {DType::kF16, 1056},
+                                                                         {DType::kBF16, 1056},
+                                                                         {DType::kQ8_0, 1056},
+                                                                         {DType::kQ4_0, 1056},
+                                                                         {DType::kQ8_0, 4096},
+                                                                         {DType::kQ4_0, 4096}}) {
     const int64_t rows = 700;
     HostWeights w = RandomWeights(type, rows, cols);
     DevBuf<uint8_t> dw(w.bytes.size());
@@ -484,8 +494,8 @@ TEST_F(CudaOpsTest, AccumulateRowsMatchesReferenceForEveryType) {
         }
         std::vector<float> y0 = Random(static_cast<size_t>(n) * cols);
         std::vector<float> ref = y0;
-        ref_->AccumulateRows(w.view(), listed ? ids.data() : all_ids.data(), count,
-                             packed.data(), n, ref.data());
+        ref_->AccumulateRows(w.view(), listed ? ids.data() : all_ids.data(), count, packed.data(),
+                             n, ref.data());
         DevBuf<int32_t> dids(listed ? ids : all_ids), dcount(std::vector<int32_t>{count});
         DevBuf<float> da(a), dy(y0);
         CUDA_OK(cuda::AccumulateRows(m, listed ? dids.get() : nullptr, bound,
@@ -508,8 +518,8 @@ TEST_F(CudaOpsTest, GatedActivationsMatchReference) {
     std::vector<float> ref = g;
     ref_->GatedActivation(act, ref.data(), u.data(), count);
     DevBuf<float> dg(g), du(u);
-    CUDA_OK(cuda::GatedActivation(static_cast<cuda::ActKind>(act), dg.get(), du.get(), count,
-                                  nullptr));
+    CUDA_OK(
+        cuda::GatedActivation(static_cast<cuda::ActKind>(act), dg.get(), du.get(), count, nullptr));
     std::vector<float> out = dg.Download();
     EXPECT_FALSE(AnyNan(out));
     EXPECT_LE(Nmse(out, ref), kFp32Limit) << ActivationName(act);
@@ -557,9 +567,8 @@ TEST_F(CudaOpsTest, GatherGatedActivationMatchesReference) {
     ref_->GatedActivation(act, ref_g.data(), ref_u.data(), static_cast<int64_t>(ref_g.size()));
     DevBuf<float> dg(gate), du(up);
     DevBuf<int32_t> didx(idx), dcount(std::vector<int32_t>{count});
-    CUDA_OK(cuda::GatherGatedActivation(static_cast<cuda::ActKind>(act), dg.get(), full,
-                                        didx.get(), bound, dcount.get(), du.get(), ld, n,
-                                        nullptr));
+    CUDA_OK(cuda::GatherGatedActivation(static_cast<cuda::ActKind>(act), dg.get(), full, didx.get(),
+                                        bound, dcount.get(), du.get(), ld, n, nullptr));
     std::vector<float> all = du.Download(), out;
     for (int t = 0; t < n; ++t) {
       for (int i = 0; i < count; ++i) out.push_back(all[t * ld + i]);
@@ -695,13 +704,14 @@ TEST_F(CudaOpsTest, SparseHotFfnMatchesReference) {
     DeviceMatrix mg = ToDevice(gate, &dg), mu = ToDevice(up, &du), md = ToDevice(down_t, &dd);
     DevBuf<float> dx(x), dgate(n_hot), dup(n_hot), dout(std::vector<float>(hidden, 0.f));
     DevBuf<int32_t> didx(n_hot), dcount(1);
-    CUDA_OK(cuda::MatVecRows(mg, nullptr, n_hot, nullptr, dx.get(), 1, dgate.get(), n_hot, nullptr));
+    CUDA_OK(
+        cuda::MatVecRows(mg, nullptr, n_hot, nullptr, dx.get(), 1, dgate.get(), n_hot, nullptr));
     CUDA_OK(cuda::CompactActive(dgate.get(), 1, n_hot, nullptr, n_hot, 0.f, didx.get(),
                                 dcount.get(), nullptr));
     CUDA_OK(cuda::MatVecRows(mu, didx.get(), n_hot, dcount.get(), dx.get(), 1, dup.get(), n_hot,
                              nullptr));
-    CUDA_OK(cuda::GatherGatedActivation(cuda::ActKind::kRelu, dgate.get(), n_hot, didx.get(),
-                                        n_hot, dcount.get(), dup.get(), n_hot, 1, nullptr));
+    CUDA_OK(cuda::GatherGatedActivation(cuda::ActKind::kRelu, dgate.get(), n_hot, didx.get(), n_hot,
+                                        dcount.get(), dup.get(), n_hot, 1, nullptr));
     CUDA_OK(cuda::AccumulateRows(md, didx.get(), n_hot, dcount.get(), dup.get(), n_hot, 1,
                                  dout.get(), nullptr));
     EXPECT_EQ(dcount.Download()[0], count);
@@ -745,8 +755,8 @@ TEST_F(CudaOpsTest, CublasGemmsMatchReference) {
       std::vector<float> ref(static_cast<size_t>(n) * cols, 0.f);
       ref_->AccumulateRows(w.view(), all.data(), static_cast<int>(rows), a.data(), n, ref.data());
       DevBuf<float> da(a), dy(ref.size());
-      ASSERT_EQ(cuda::GemmAW(h, m, da.get(), static_cast<int>(rows), n, dy.get(), 0.f, s,
-                             nullptr), 0);
+      ASSERT_EQ(cuda::GemmAW(h, m, da.get(), static_cast<int>(rows), n, dy.get(), 0.f, s, nullptr),
+                0);
       std::vector<float> out = dy.Download();
       EXPECT_FALSE(AnyNan(out));
       EXPECT_LE(Nmse(out, ref), limit) << DTypeName(type) << " (a w)";
@@ -822,8 +832,8 @@ TEST_F(CudaOpsTest, SplitLayoutMatchesReferenceForBlockTypes) {
         ref_->AccumulateRows(w.view(), ids.data(), count, packed.data(), n, ref.data());
         DevBuf<int32_t> dids(ids), dcount(std::vector<int32_t>{count});
         DevBuf<float> da(a), dy(y0);
-        CUDA_OK(cuda::AccumulateRows(m, dids.get(), bound, dcount.get(), da.get(), lda, n,
-                                     dy.get(), nullptr));
+        CUDA_OK(cuda::AccumulateRows(m, dids.get(), bound, dcount.get(), da.get(), lda, n, dy.get(),
+                                     nullptr));
         std::vector<float> out = dy.Download();
         EXPECT_FALSE(AnyNan(out));
         EXPECT_LE(Nmse(out, ref), kFp32Limit) << DTypeName(type) << " accumulate, n " << n;
@@ -928,10 +938,12 @@ TEST_F(CudaOpsTest, QuantizedActivationsMatchLlamaCppDefinition) {
           std::iota(all.begin(), all.end(), 0);
           std::vector<float> ref = Q8xReference(w, all, x, n);
           DevBuf<float> dy(ref.size());
-          CUDA_OK(cuda::MatVecRows(m, nullptr, rows, nullptr, dx.get(), n, dy.get(), rows, nullptr));
+          CUDA_OK(
+              cuda::MatVecRows(m, nullptr, rows, nullptr, dx.get(), n, dy.get(), rows, nullptr));
           std::vector<float> out = dy.Download();
           EXPECT_FALSE(AnyNan(out));
-          EXPECT_LE(Nmse(out, ref), kFp32Limit) << DTypeName(type) << " cols " << cols << " n " << n;
+          EXPECT_LE(Nmse(out, ref), kFp32Limit)
+              << DTypeName(type) << " cols " << cols << " n " << n;
           EXPECT_TRUE(dy.GuardsIntact());
           const int bound = 120, count = 97, ldy = 128;
           std::vector<int32_t> ids = RandomRows(rows, bound);
@@ -1032,7 +1044,7 @@ TEST_F(CudaOpsTest, RejectsShapesTheKernelsCannotRead) {
   DevBuf<uint8_t> buf(4096);
   DeviceMatrix m{WType::kQ4_0, 2, 48, buf.get()};  // 48 is not a whole number of blocks
   EXPECT_EQ(cuda::CheckMatrixShape(m), cudaErrorInvalidValue);
-  DeviceMatrix f{WType::kF16, 2, 36, buf.get()};   // rows not 16-byte aligned
+  DeviceMatrix f{WType::kF16, 2, 36, buf.get()};  // rows not 16-byte aligned
   EXPECT_EQ(cuda::CheckMatrixShape(f), cudaErrorInvalidValue);
   EXPECT_EQ(cuda::Attention(nullptr, nullptr, nullptr, 1, 0, 4, 4, 512, nullptr, nullptr),
             cudaErrorInvalidValue);
