@@ -904,22 +904,21 @@ __global__ void __launch_bounds__(kSplitWarps* kWarp)
 // of x / d_x, computed with the same fp32 operations as the CPU reference), and each weight block
 // contributes d_w * d_x * (an exact integer dot product, four products per dp4a). A Q4_0 nibble
 // is used unsigned and its offset of 8 is taken out with the block's sum of q.
-// Warps per block (PINFER_CUDA_QX_WARPS: 4, 8 or 16): each block quantizes x once for
-// 4 * kQxWarps rows.
+// Shape of the launch: kQxWarps warps per block (PINFER_CUDA_QX_WARPS: 4, 8 or 16), R rows per
+// warp (PINFER_CUDA_QX_ROWS: 1, 2 or 4; 0 = the most rows per warp that still give every SM four
+// blocks). Every block quantizes all of x before it streams its rows, so more rows per block
+// means less repeated work, while more rows per warp means more loads in flight per warp. On the
+// H200, Q4_0 13B-shape decode with the whole model on the GPU (docs/cuda-runs/qx-shape/):
+// 16 warps x 2 rows 292 tokens/s, 16 x 4 282-292, 8 x 2 284, 8 x 4 (the old default) 272-273,
+// automatic 272, 4 x 4 246; the sparse modes were within noise of each other. Default 16 x 2.
 int g_qx_warps = [] {
   const char* e = std::getenv("PINFER_CUDA_QX_WARPS");
-  const int w = e != nullptr ? std::atoi(e) : 8;
-  return w == 4 || w == 16 ? w : 8;
+  const int w = e != nullptr ? std::atoi(e) : 16;
+  return w == 4 || w == 8 ? w : 16;
 }();
-// Rows per warp (R: 1, 2 or 4, PINFER_CUDA_QX_ROWS; 0 = the most rows per warp that still give
-// every SM four blocks). Four rows per warp keep the most loads in flight per warp, but a
-// 5120-row matrix then makes only 160 blocks for 132 SMs, and a list of a thousand hot rows a
-// few dozen. Measured on the H200 (docs/cuda-runs/rows-per-warp): the automatic choice changed
-// neither whole-model decode (204 vs 206 tokens/s, Q4_0) nor clearly the sparse modes, so the
-// default stays 4.
 int g_qx_rows = [] {
   const char* e = std::getenv("PINFER_CUDA_QX_ROWS");
-  const int r = e != nullptr ? std::atoi(e) : 4;
+  const int r = e != nullptr ? std::atoi(e) : 2;
   return r == 1 || r == 2 || r == 4 ? r : 0;
 }();
 
@@ -1474,7 +1473,7 @@ int MatVecWarpRowsMin() { return g_warp_rows_min; }
 void SetProgrammaticLaunch(bool on) { g_pdl = on; }
 void SetQuantizedActivations(bool on) { g_q8x = on; }
 void SetWeightPrefetch(bool on) { g_prefetch = on; }
-void SetQuantWarps(int warps) { g_qx_warps = warps == 4 || warps == 16 ? warps : 8; }
+void SetQuantWarps(int warps) { g_qx_warps = warps == 4 || warps == 8 ? warps : 16; }
 void SetQuantRowsPerWarp(int rows) { g_qx_rows = rows == 1 || rows == 2 || rows == 4 ? rows : 0; }
 bool QuantizedActivations() { return g_q8x; }
 bool ProgrammaticLaunch() { return g_pdl; }

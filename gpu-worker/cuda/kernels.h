@@ -77,9 +77,9 @@ bool ProgrammaticLaunch();
 // a byte permute, an add and an FMA per weight). GGUF-layout matrices always take fp32 x.
 // Not thread-safe.
 void SetQuantizedActivations(bool on);
-// Warps per block of that kernel (4, 8 or 16; PINFER_CUDA_QX_WARPS), a tuning knob.
+// Warps per block of that kernel (4, 8 or 16 (default); PINFER_CUDA_QX_WARPS), a tuning knob.
 void SetQuantWarps(int warps);
-// Rows per warp of that kernel (1, 2, 4 (default); 0: chosen by the row count;
+// Rows per warp of that kernel (1, 2 (default), 4; 0: chosen by the row count;
 // PINFER_CUDA_QX_ROWS).
 void SetQuantRowsPerWarp(int rows);
 bool QuantizedActivations();

@@ -922,7 +922,7 @@ TEST_F(CudaOpsTest, QuantizedActivationsMatchLlamaCppDefinition) {
   const bool q8x = cuda::QuantizedActivations();
   cuda::SetQuantizedActivations(true);
   for (auto [warps, rows_per_warp] :
-       {std::pair{4, 0}, {8, 0}, {16, 0}, {8, 1}, {8, 2}, {8, 4}, {4, 4}, {16, 1}}) {
+       {std::pair{16, 2}, {4, 0}, {8, 0}, {16, 0}, {8, 1}, {8, 4}, {4, 4}, {16, 4}}) {
     cuda::SetQuantWarps(warps);
     cuda::SetQuantRowsPerWarp(rows_per_warp);
     for (DType type : {DType::kQ8_0, DType::kQ4_0}) {
@@ -970,8 +970,8 @@ TEST_F(CudaOpsTest, QuantizedActivationsMatchLlamaCppDefinition) {
       }
     }
   }
-  cuda::SetQuantWarps(8);
-  cuda::SetQuantRowsPerWarp(4);
+  cuda::SetQuantWarps(16);  // the defaults
+  cuda::SetQuantRowsPerWarp(2);
   cuda::SetQuantizedActivations(q8x);
 }
 
