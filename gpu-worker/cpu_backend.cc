@@ -2,6 +2,7 @@
 // which publishes each layer's FFN input to the cpu-worker, computes the hot neurons meanwhile
 // (so both processes work on the layer at the same time), then adds the cold contribution.
 #include <chrono>
+#include <cmath>
 #include <map>
 
 #include "absl/strings/str_cat.h"
@@ -25,6 +26,14 @@ class SplitFfn : public FfnBlock {
         stats_(stats),
         predictors_(predictors) {}
 
+  absl::Status ForwardFromResidual(int layer, const float* residual, const float* x, int n,
+                                   float* out) override {
+    residual_ = residual;
+    absl::Status st = Forward(layer, x, n, out);
+    residual_ = nullptr;
+    return st;
+  }
+
   absl::Status Forward(int layer, const float* x, int n, float* out) override {
     const int H = model_.config.hidden_size;
     const int max_tokens = exchange_->segment().geometry().max_tokens;
@@ -35,7 +44,13 @@ class SplitFfn : public FfnBlock {
       const float* xc = x + static_cast<size_t>(t0) * H;
       float* oc = out + static_cast<size_t>(t0) * H;
       // Sparse mode: the predictor picks each token's neurons, for both sides.
-      const uint64_t* masks = predictors_ != nullptr ? Predict(layer, xc, m, W) : nullptr;
+      const uint64_t* masks = nullptr;
+      if (predictors_ != nullptr) {
+        const float* rc = residual_ != nullptr ? residual_ + static_cast<size_t>(t0) * H : nullptr;
+        absl::StatusOr<const uint64_t*> predicted = Predict(layer, xc, rc, m, W);
+        if (!predicted.ok()) return predicted.status();
+        masks = *predicted;
+      }
       // x: [m, hidden] goes to the cpu-worker first, so that it computes while we do.
       absl::StatusOr<uint32_t> seq = exchange_->Post(layer, xc, m, masks);
       if (!seq.ok()) return seq.status();
@@ -63,10 +78,20 @@ class SplitFfn : public FfnBlock {
 
  private:
   // masks: [n][W], bit j set when fc2(relu(fc1(x))) >= the layer's threshold (PowerInfer's
-  // rule, as shared/sparse's PredictedSparseFfn applies it). Small batches go row by row so that
+  // rule, as shared/sparse's PredictedSparseFfn applies it, including its rescaling by
+  // rms(residual) for predictors of the pre-norm residual). Small batches go row by row so that
   // a token's decision never depends on the rest of the batch.
-  const uint64_t* Predict(int layer, const float* x, int n, int W) {
+  absl::StatusOr<const uint64_t*> Predict(int layer, const float* x, const float* residual, int n,
+                                          int W) {
     const LayerPredictor& P = predictors_->layers[layer];
+    const bool rescale = P.reads_residual && P.threshold != 0;
+    if (rescale && residual == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("layer ", layer,
+                       ": predictors of the residual before ffn_norm with "
+                       "threshold ",
+                       P.threshold, " need the residual"));
+    }
     const int F = model_.config.ffn_size, R = P.rank();
     hidden_.resize(static_cast<size_t>(n) * R);
     score_.resize(static_cast<size_t>(n) * F);
@@ -87,11 +112,19 @@ class SplitFfn : public FfnBlock {
       ops_.MatMul(P.fc2, hidden_.data(), n, score_.data());
     }
     masks_.assign(static_cast<size_t>(n) * W, 0);
+    const int H = model_.config.hidden_size;
     for (int t = 0; t < n; ++t) {
       const float* s = &score_[static_cast<size_t>(t) * F];
       uint64_t* mk = &masks_[static_cast<size_t>(t) * W];
+      float scale = 1.f;
+      if (rescale) {
+        const float* r = residual + static_cast<size_t>(t) * H;
+        double ss = 0;
+        for (int i = 0; i < H; ++i) ss += static_cast<double>(r[i]) * r[i];
+        scale = static_cast<float>(std::sqrt(ss / H + model_.config.norm_eps));
+      }
       for (int j = 0; j < F; ++j) {
-        if (s[j] >= P.threshold) mk[j >> 6] |= 1ull << (j & 63);
+        if (s[j] * scale >= P.threshold) mk[j >> 6] |= 1ull << (j & 63);
       }
     }
     return masks_.data();
@@ -104,6 +137,7 @@ class SplitFfn : public FfnBlock {
   shm::ExchangeClient* exchange_;
   BackendStats* stats_;
   const PredictorSet* predictors_;
+  const float* residual_ = nullptr;  // during ForwardFromResidual
   std::vector<float> hidden_, score_;
   std::vector<int32_t> iota_;
   std::vector<uint64_t> masks_;

@@ -436,6 +436,23 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
                                                                const CudaBackendOptions& o) {
   ASSIGN_OR_RETURN(Module m, OpenModule(module_path));
   const ModelConfig& c = model.config;
+  if (o.predictors != nullptr) {
+    // The module's predictors score the normalized FFN input; a pre-norm predictor's non-zero
+    // threshold needs rms(residual) per token, which only the CPU paths apply so far. Refuse
+    // rather than select other neurons than the file's authors meant.
+    for (int l = 0; l < c.n_layers; ++l) {
+      const LayerPredictor& p = o.predictors->layers[l];
+      if (p.reads_residual && p.threshold != 0) {
+        return absl::UnimplementedError(
+            absl::StrCat("layer ", l,
+                         "'s predictors read the residual before ffn_norm (PowerInfer's) and the "
+                         "file's threshold is ",
+                         p.threshold,
+                         "; the CUDA backend applies thresholds to the "
+                         "normalized input only: serve this model with --backend cpu"));
+      }
+    }
+  }
   // The module takes hot rows of gate, up and of the transposed down projection.
   auto down_t = TransposeDownProjections(model);
   if (!down_t.ok()) return down_t.status();

@@ -30,8 +30,8 @@ std::vector<float> RopeInverseFrequencies(const ModelConfig& c) {
   std::vector<float> inv(half);
   for (int i = 0; i < half; ++i) {
     // Same expression as transformers: theta ** (-(2i / d)), computed in double then rounded.
-    inv[i] = static_cast<float>(1.0 / std::pow(static_cast<double>(c.rope_theta),
-                                               static_cast<double>(2 * i) / c.head_dim));
+    inv[i] = static_cast<float>(
+        1.0 / std::pow(static_cast<double>(c.rope_theta), static_cast<double>(2 * i) / c.head_dim));
   }
   if (c.rope_scaling.llama3) {
     const RopeScaling& s = c.rope_scaling;
@@ -59,10 +59,10 @@ absl::Status DenseFfn::Forward(int layer, const float* x, int n, float* out) {
     gate_.resize(nf);
     up_.resize(nf);
   }
-  ops_.MatMul(L.gate, x, n, gate_.data());                    // gate: [n, ffn]
-  ops_.MatMul(L.up, x, n, up_.data());                        // up:   [n, ffn]
+  ops_.MatMul(L.gate, x, n, gate_.data());  // gate: [n, ffn]
+  ops_.MatMul(L.up, x, n, up_.data());      // up:   [n, ffn]
   ops_.GatedActivation(c.activation, gate_.data(), up_.data(), static_cast<int64_t>(nf));
-  ops_.MatMul(L.down, gate_.data(), n, out);                  // out:  [n, hidden]
+  ops_.MatMul(L.down, gate_.data(), n, out);  // out:  [n, hidden]
   return absl::OkStatus();
 }
 
@@ -95,7 +95,8 @@ absl::Status Transformer::Forward(std::span<const int32_t> tokens, int pos0, KvC
                                               " exceed the context of ", cache->max_ctx));
   }
   for (int32_t t : tokens) {
-    if (t < 0 || t >= V) return absl::InvalidArgumentError(absl::StrCat("token id ", t, " out of range"));
+    if (t < 0 || t >= V)
+      return absl::InvalidArgumentError(absl::StrCat("token id ", t, " out of range"));
   }
   const size_t nh = static_cast<size_t>(n) * H;
   if (x_.size() < nh) {
@@ -135,7 +136,7 @@ absl::Status Transformer::Forward(std::span<const int32_t> tokens, int pos0, KvC
     // FFN block.
     ops_.RmsNorm(x_.data(), ffn_norm_[l].data(), n, H, c.norm_eps, xb_.data());
     if (keep_ffn_inputs_) ffn_inputs_[l].assign(xb_.begin(), xb_.begin() + nh);
-    absl::Status st = ffn_->Forward(l, xb_.data(), n, ffn_out_.data());
+    absl::Status st = ffn_->ForwardFromResidual(l, x_.data(), xb_.data(), n, ffn_out_.data());
     if (!st.ok()) return st;
     for (size_t i = 0; i < nh; ++i) x_[i] += ffn_out_[i];
   }
@@ -159,8 +160,8 @@ absl::Status Transformer::ForwardDecodeBatch(std::span<const DecodeStep> steps) 
       return absl::InvalidArgumentError(absl::StrCat("token id ", s.token, " out of range"));
     }
     if (s.pos < 0 || s.pos >= s.cache->max_ctx) {
-      return absl::OutOfRangeError(absl::StrCat("position ", s.pos, " exceeds the context of ",
-                                                s.cache->max_ctx));
+      return absl::OutOfRangeError(
+          absl::StrCat("position ", s.pos, " exceeds the context of ", s.cache->max_ctx));
     }
   }
   const size_t nh = static_cast<size_t>(n) * H;
@@ -193,7 +194,7 @@ absl::Status Transformer::ForwardDecodeBatch(std::span<const DecodeStep> steps) 
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = model_.layers[l];
     ops_.RmsNorm(x_.data(), attn_norm_[l].data(), n, H, c.norm_eps, xb_.data());
-    ops_.MatMulRows(L.wq, rows, Q, xb_.data(), n, q_.data());  // q: [n, q_dim]
+    ops_.MatMulRows(L.wq, rows, Q, xb_.data(), n, q_.data());   // q: [n, q_dim]
     ops_.MatMulRows(L.wk, rows, KV, xb_.data(), n, k_.data());  // k, v: [n, kv_dim]
     ops_.MatMulRows(L.wv, rows, KV, xb_.data(), n, v_.data());
     ops_.Rope(q_.data(), n, c.n_heads, c.head_dim, positions.data(), inv_freq_.data(),
@@ -213,7 +214,7 @@ absl::Status Transformer::ForwardDecodeBatch(std::span<const DecodeStep> steps) 
 
     ops_.RmsNorm(x_.data(), ffn_norm_[l].data(), n, H, c.norm_eps, xb_.data());
     if (keep_ffn_inputs_) ffn_inputs_[l].assign(xb_.begin(), xb_.begin() + nh);
-    absl::Status st = ffn_->Forward(l, xb_.data(), n, ffn_out_.data());
+    absl::Status st = ffn_->ForwardFromResidual(l, x_.data(), xb_.data(), n, ffn_out_.data());
     if (!st.ok()) return st;
     for (size_t i = 0; i < nh; ++i) x_[i] += ffn_out_[i];
   }

@@ -7,14 +7,12 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <span>
 #include <vector>
 
 #include "absl/status/status.h"
-#include <cstdlib>
-#include <memory>
-
 #include "shared/engine/ops.h"
 #include "shared/model/model.h"
 
@@ -27,8 +25,12 @@ struct KvCache {
         kv_dim(c.kv_dim()),
         k(Allocate(static_cast<size_t>(c.n_layers) * max_ctx * c.kv_dim())),
         v(Allocate(static_cast<size_t>(c.n_layers) * max_ctx * c.kv_dim())) {}
-  float* k_at(int layer, int pos) { return k.get() + (static_cast<size_t>(layer) * max_ctx + pos) * kv_dim; }
-  float* v_at(int layer, int pos) { return v.get() + (static_cast<size_t>(layer) * max_ctx + pos) * kv_dim; }
+  float* k_at(int layer, int pos) {
+    return k.get() + (static_cast<size_t>(layer) * max_ctx + pos) * kv_dim;
+  }
+  float* v_at(int layer, int pos) {
+    return v.get() + (static_cast<size_t>(layer) * max_ctx + pos) * kv_dim;
+  }
   int max_ctx;
   int kv_dim;
   struct Free {
@@ -47,6 +49,14 @@ class FfnBlock {
  public:
   virtual ~FfnBlock() = default;
   virtual absl::Status Forward(int layer, const float* x, int n, float* out) = 0;
+  // The same, also given the FFN's input before its norm (residual: [n, hidden]; x is
+  // RmsNorm(residual) * ffn_norm). Blocks whose predictors were trained on the residual
+  // (PowerInfer's) need it to apply a non-zero score threshold exactly; the others ignore it.
+  virtual absl::Status ForwardFromResidual(int layer, const float* residual, const float* x, int n,
+                                           float* out) {
+    (void)residual;
+    return Forward(layer, x, n, out);
+  }
 };
 
 // The dense FFN: every neuron, exactly as the model defines it.
@@ -73,8 +83,8 @@ class Transformer {
 
   // Runs `tokens` at positions pos0.. of one sequence, appending to `cache`.
   // logits: [vocab] for kLast, [n, vocab] for kAll.
-  absl::Status Forward(std::span<const int32_t> tokens, int pos0, KvCache* cache,
-                       LogitsMode mode, float* logits);
+  absl::Status Forward(std::span<const int32_t> tokens, int pos0, KvCache* cache, LogitsMode mode,
+                       float* logits);
 
   // One decode step (one new token) for each of several sequences at once, so that every weight
   // is read once for the whole batch (continuous batching in the gpu-worker). Every projection
@@ -103,15 +113,15 @@ class Transformer {
   const CpuOps& ops_;
   DenseFfn dense_ffn_;
   FfnBlock* ffn_;
-  std::vector<float> inv_freq_;                  // [head_dim / 2]
+  std::vector<float> inv_freq_;                           // [head_dim / 2]
   std::vector<std::vector<float>> attn_norm_, ffn_norm_;  // fp32 copies of the norm weights
   std::vector<float> out_norm_;
   bool keep_ffn_inputs_ = false;
   std::vector<std::vector<float>> ffn_inputs_;
   // Scratch, grown to the largest batch seen.
   std::vector<float> x_, xb_, q_, k_, v_, att_, ffn_out_;
-  std::vector<float> batch_logits_;      // ForwardDecodeBatch: [batch, vocab]
-  std::vector<int32_t> all_rows_;        // 0, 1, 2, ... for MatMulRows over whole matrices
+  std::vector<float> batch_logits_;  // ForwardDecodeBatch: [batch, vocab]
+  std::vector<int32_t> all_rows_;    // 0, 1, 2, ... for MatMulRows over whole matrices
 };
 
 // RoPE inverse frequencies, including Llama-3 scaling.

@@ -308,6 +308,7 @@ absl::StatusOr<PreparedModel> LoadPreparedModel(const std::string& path) {
     lp.threshold = thresholds[l];
     if (pm.powerinfer_predictors) {
       lp.fc1 = FoldInverseNorm(lp.fc1, pm.model->layers[l].ffn_norm, &pm.predictors.owned);
+      lp.reads_residual = true;
     }
     pm.predictors.layers.push_back(lp);
     TensorView dt;

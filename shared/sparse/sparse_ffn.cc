@@ -281,6 +281,14 @@ void PredictedSparseFfn::MeasureRecall(int layer, const float* x, int n) {
   ops_.MatMul(L.up, x, n, dense_up_.data());      // [n, ffn]
 }
 
+absl::Status PredictedSparseFfn::ForwardFromResidual(int layer, const float* residual,
+                                                     const float* x, int n, float* out) {
+  residual_ = residual;
+  absl::Status st = Forward(layer, x, n, out);
+  residual_ = nullptr;
+  return st;
+}
+
 absl::Status PredictedSparseFfn::Forward(int layer, const float* x, int n, float* out) {
   const ModelConfig& c = model_.config;
   const LayerWeights& L = model_.layers[layer];
@@ -302,13 +310,27 @@ absl::Status PredictedSparseFfn::Forward(int layer, const float* x, int n, float
   ops_.MatMul(P.fc2, hidden_.data(), n, score_.data());
   if (measure_recall_) MeasureRecall(layer, x, n);
 
+  const bool rescale = P.reads_residual && P.threshold != 0;
+  if (rescale && residual_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "layer ", layer, ": predictors of the residual before ffn_norm with threshold ",
+        P.threshold, " need the residual (FfnBlock::ForwardFromResidual)"));
+  }
   std::fill(out, out + static_cast<size_t>(n) * H, 0.f);
   for (int t = 0; t < n; ++t) {
     const float* s = score_.data() + static_cast<size_t>(t) * F;
     const float* xt = x + static_cast<size_t>(t) * H;
+    // The original predictor's score is s * rms(residual) (ReLU commutes with a positive scale).
+    float scale = 1.f;
+    if (rescale) {
+      const float* r = residual_ + static_cast<size_t>(t) * H;
+      double ss = 0;
+      for (int i = 0; i < H; ++i) ss += static_cast<double>(r[i]) * r[i];
+      scale = static_cast<float>(std::sqrt(ss / H + c.norm_eps));
+    }
     int k = 0;
     for (int j = 0; j < F; ++j) {
-      if (s[j] >= P.threshold) rows_[k++] = j;
+      if (s[j] * scale >= P.threshold) rows_[k++] = j;
     }
     // Gate rows of the selected neurons; up and down rows only where the gate is really active.
     const int m = ops_.SparseFfnToken(L.gate, L.up, down_t_[layer], rows_.data(), k, c.activation,

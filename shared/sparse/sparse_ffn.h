@@ -56,6 +56,10 @@ struct LayerPredictor {
   TensorView fc1;  // [rank, hidden]
   TensorView fc2;  // [ffn, rank]
   float threshold = 0;
+  // fc1 was folded from a predictor of the residual before ffn_norm (PowerInfer's): its scores
+  // are the original's divided by rms(residual), so a non-zero threshold is applied to
+  // score * rms(residual) (FfnBlock::ForwardFromResidual).
+  bool reads_residual = false;
   int rank() const { return static_cast<int>(fc1.rows()); }
 };
 
@@ -129,6 +133,8 @@ class PredictedSparseFfn : public FfnBlock {
                                                                     const PredictorSet* predictors);
 
   absl::Status Forward(int layer, const float* x, int n, float* out) override;
+  absl::Status ForwardFromResidual(int layer, const float* residual, const float* x, int n,
+                                   float* out) override;
   // Also runs the dense gate and up to compare the prediction with the true activations
   // (perplexity's predictor_recall). Costs a dense FFN's gate and up.
   void set_measure_recall(bool on) { measure_recall_ = on; }
@@ -145,6 +151,7 @@ class PredictedSparseFfn : public FfnBlock {
   std::vector<TensorView> down_t_;
   const PredictorSet* predictors_;
   bool measure_recall_ = false;
+  const float* residual_ = nullptr;  // during ForwardFromResidual
   SparseFfnStats stats_;
   std::vector<std::vector<float>> down_norms_;  // [layer][ffn]: |row j of down_t|
   std::vector<float> hidden_, score_, act_, dense_gate_, dense_up_;

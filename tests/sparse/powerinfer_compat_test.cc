@@ -611,6 +611,105 @@ TEST_F(PowerInferZooTest, PredictorsSelectWhatPowerInferSelects) {
   EXPECT_EQ(agree, total);
 }
 
+// Runs PowerInfer's rule beside pinfer's block: for every layer and token, the number of neurons
+// whose score on the residual before ffn_norm (the file's own fc1 and fc2) reaches the threshold,
+// against the number PredictedSparseFfn selected from the normalized input.
+class PowerInferRuleProbe : public FfnBlock {
+ public:
+  PowerInferRuleProbe(const ZooModel& m, float threshold, PredictedSparseFfn* inner)
+      : m_(m), threshold_(threshold), inner_(inner) {}
+  absl::Status Forward(int layer, const float* x, int n, float* out) override {
+    return inner_->Forward(layer, x, n, out);
+  }
+  absl::Status ForwardFromResidual(int layer, const float* residual, const float* x, int n,
+                                   float* out) override {
+    const int H = m_.hidden, F = m_.ffn, R = m_.rank;
+    const Mat& fc1 = m_.predictors[layer].first;
+    const Mat& fc2 = m_.predictors[layer].second;
+    for (int t = 0; t < n; ++t) {
+      const float* r = residual + static_cast<size_t>(t) * H;
+      std::vector<double> h(R, 0.0);
+      for (int k = 0; k < R; ++k) {
+        for (int i = 0; i < H; ++i) h[k] += static_cast<double>(fc1.v[k * H + i]) * r[i];
+        h[k] = std::max(h[k], 0.0);
+      }
+      double ss = 0;
+      for (int i = 0; i < H; ++i) ss += static_cast<double>(r[i]) * r[i];
+      const double rms = std::sqrt(ss / H + m_.eps);
+      for (int j = 0; j < F; ++j) {
+        double score = 0;
+        for (int k = 0; k < R; ++k) score += fc2.v[j * R + k] * h[k];
+        scores.push_back(score);
+        reference_selected += score >= threshold_;
+        unscaled_selected += score / rms >= threshold_;  // the folded score, not rescaled
+      }
+    }
+    const int64_t before = inner_->stats().layers[layer].selected;
+    absl::Status st = inner_->ForwardFromResidual(layer, residual, x, n, out);
+    pinfer_selected += inner_->stats().layers[layer].selected - before;
+    return st;
+  }
+  int64_t reference_selected = 0, pinfer_selected = 0, unscaled_selected = 0;
+  std::vector<double> scores;
+
+ private:
+  const ZooModel& m_;
+  float threshold_;
+  PredictedSparseFfn* inner_;
+};
+
+// A non-zero powerinfer.sparse_threshold (ProSparse's files carry one): the folded predictor's
+// score is PowerInfer's divided by rms(residual), so pinfer rescales it by the residual's rms
+// before comparing. Through the Transformer, the selections must match PowerInfer's rule applied
+// to the residual; without the residual the block refuses instead of selecting differently.
+TEST_F(PowerInferZooTest, NonZeroThresholdSelectsWhatPowerInferSelects) {
+  ZooModel m = RandomZooModel("llama", 15);
+  // First the scores themselves (threshold 0), to put the threshold amid the positive ones.
+  const std::string probe_file = Path("probe.powerinfer.gguf");
+  WriteConvertPy(m, OutType::kF32, 0.f, probe_file);
+  auto probe_pm = LoadPreparedModel(probe_file);
+  ASSERT_TRUE(probe_pm.ok()) << probe_pm.status();
+  auto probe_block =
+      PredictedSparseFfn::Create(*probe_pm->model, *ops_, probe_pm->down_t, &probe_pm->predictors);
+  ASSERT_TRUE(probe_block.ok()) << probe_block.status();
+  PowerInferRuleProbe probe(m, 0.f, probe_block->get());
+  Logits(*probe_pm->model, *ops_, &probe);
+  std::vector<double> positive;
+  for (double v : probe.scores) {
+    if (v > 0) positive.push_back(v);
+  }
+  ASSERT_GT(positive.size(), 100u);
+  std::nth_element(positive.begin(), positive.begin() + positive.size() / 2, positive.end());
+  const float threshold = static_cast<float>(positive[positive.size() / 2]);
+
+  const std::string pwri = Path("t.powerinfer.gguf");
+  WriteConvertPy(m, OutType::kF32, threshold, pwri);
+  auto pm = LoadPreparedModel(pwri);
+  ASSERT_TRUE(pm.ok()) << pm.status();
+  EXPECT_EQ(pm->sparse_threshold, threshold);
+  ASSERT_TRUE(pm->predictors.layers[0].reads_residual);
+  auto block = PredictedSparseFfn::Create(*pm->model, *ops_, pm->down_t, &pm->predictors);
+  ASSERT_TRUE(block.ok()) << block.status();
+  PowerInferRuleProbe rule(m, threshold, block->get());
+  Logits(*pm->model, *ops_, &rule);
+  // Half the positive scores lie above the threshold: a real cut, not all or nothing.
+  EXPECT_GT(rule.reference_selected, 0.2 * rule.scores.size() / 2);
+  EXPECT_LT(rule.reference_selected, 0.8 * rule.scores.size());
+  // Equal but for scores within rounding of the threshold (float against double sums).
+  EXPECT_NEAR(static_cast<double>(rule.pinfer_selected), rule.reference_selected,
+              1e-3 * rule.reference_selected + 1);
+
+  // Without the rescaling by rms(residual) the selection would differ: the check above can fail.
+  EXPECT_GT(std::abs(rule.unscaled_selected - rule.reference_selected),
+            0.05 * rule.reference_selected);
+
+  // Called without the residual, the block refuses (FailedPrecondition) instead of guessing.
+  std::vector<float> x(m.hidden, 0.5f), out(m.hidden);
+  absl::Status st = (*block)->Forward(0, x.data(), 1, out.data());
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("need the residual"));
+}
+
 TEST_F(PowerInferZooTest, MalformedZooFilesGiveSpecificErrors) {
   ZooModel m = RandomZooModel("llama", 15);
   const std::string pwri = Path("bad.powerinfer.gguf");
