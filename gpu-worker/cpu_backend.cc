@@ -2,12 +2,12 @@
 // which publishes each layer's FFN input to the cpu-worker, computes the hot neurons meanwhile
 // (so both processes work on the layer at the same time), then adds the cold contribution.
 #include <chrono>
-#include <cmath>
 #include <map>
 
 #include "absl/strings/str_cat.h"
 #include "gpu-worker/backend.h"
 #include "shared/engine/transformer.h"
+#include "shared/sparse/sparse_ffn.h"
 
 namespace pinfer::gpuworker {
 namespace {
@@ -84,8 +84,7 @@ class SplitFfn : public FfnBlock {
   absl::StatusOr<const uint64_t*> Predict(int layer, const float* x, const float* residual, int n,
                                           int W) {
     const LayerPredictor& P = predictors_->layers[layer];
-    const bool rescale = P.reads_residual && P.threshold != 0;
-    if (rescale && residual == nullptr) {
+    if (ScoresNeedResidual(P) && residual == nullptr) {
       return absl::FailedPreconditionError(
           absl::StrCat("layer ", layer,
                        ": predictors of the residual before ffn_norm with "
@@ -116,13 +115,9 @@ class SplitFfn : public FfnBlock {
     for (int t = 0; t < n; ++t) {
       const float* s = &score_[static_cast<size_t>(t) * F];
       uint64_t* mk = &masks_[static_cast<size_t>(t) * W];
-      float scale = 1.f;
-      if (rescale) {
-        const float* r = residual + static_cast<size_t>(t) * H;
-        double ss = 0;
-        for (int i = 0; i < H; ++i) ss += static_cast<double>(r[i]) * r[i];
-        scale = static_cast<float>(std::sqrt(ss / H + model_.config.norm_eps));
-      }
+      const float scale =
+          ScoreScale(P, residual != nullptr ? residual + static_cast<size_t>(t) * H : nullptr, H,
+                     model_.config.norm_eps);
       for (int j = 0; j < F; ++j) {
         if (s[j] * scale >= P.threshold) mk[j >> 6] |= 1ull << (j & 63);
       }

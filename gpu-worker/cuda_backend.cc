@@ -434,7 +434,6 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
                                                                shm::ExchangeClient* exchange,
                                                                const std::string& module_path,
                                                                const CudaBackendOptions& o) {
-  ASSIGN_OR_RETURN(Module m, OpenModule(module_path));
   const ModelConfig& c = model.config;
   if (o.predictors != nullptr) {
     // The module's predictors score the normalized FFN input; a pre-norm predictor's non-zero
@@ -442,7 +441,7 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
     // rather than select other neurons than the file's authors meant.
     for (int l = 0; l < c.n_layers; ++l) {
       const LayerPredictor& p = o.predictors->layers[l];
-      if (p.reads_residual && p.threshold != 0) {
+      if (ScoresNeedResidual(p)) {
         return absl::UnimplementedError(
             absl::StrCat("layer ", l,
                          "'s predictors read the residual before ffn_norm (PowerInfer's) and the "
@@ -453,6 +452,7 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
       }
     }
   }
+  ASSIGN_OR_RETURN(Module m, OpenModule(module_path));
   // The module takes hot rows of gate, up and of the transposed down projection.
   auto down_t = TransposeDownProjections(model);
   if (!down_t.ok()) return down_t.status();

@@ -134,7 +134,12 @@ class SimdOps : public CpuOps {
     // each set read interleaved.
     constexpr int kNeuronsPerChunk = 64;
     const int chunks = (n_rows + kNeuronsPerChunk - 1) / kNeuronsPerChunk;
-    std::vector<int> ups(std::max(chunks, 1), 0);
+    // Up rows per chunk, in the calling thread's buffer (reused: decode allocates nothing once
+    // warm). The workers reach it through this pointer: a thread_local named inside the lambda
+    // would be each worker's own.
+    thread_local std::vector<int> ups_buffer;
+    ups_buffer.assign(std::max(chunks, 1), 0);
+    int* ups = ups_buffer.data();
     auto run_chunk = [&](int c, float* acc) {
       const int end = std::min(n_rows, (c + 1) * kNeuronsPerChunk);
       for (int i0 = c * kNeuronsPerChunk; i0 < end; i0 += kGroup) {
@@ -187,7 +192,7 @@ class SimdOps : public CpuOps {
       }
     });
     int total = 0;
-    for (int u : ups) total += u;
+    for (int c = 0; c < chunks; ++c) total += ups[c];
     return total;
   }
 

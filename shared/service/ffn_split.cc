@@ -221,12 +221,12 @@ uint64_t PartialFfn::Accumulate(int layer, const float* x, int n, const uint64_t
         }
       }
       const int m = static_cast<int>(sel_.size());
-      up_.resize(std::max(m, 1));
+      coef_.resize(std::max(m, 1));
       const size_t H = L.down_t.cols();
       ops_.SparseFfnToken(L.gate, L.up, L.down_t, sel_.data(), m, act_, x + t * L.gate.cols(),
-                          gate != nullptr ? sel_gate_.data() : nullptr, up_.data(),
+                          gate != nullptr ? sel_gate_.data() : nullptr, coef_.data(),
                           out + t * H);  // out[t]: [hidden]
-      for (int i = 0; i < m; ++i) active += up_[i] != 0;
+      for (int i = 0; i < m; ++i) active += coef_[i] != 0;
     }
     return active;
   }

@@ -93,7 +93,7 @@ class PartialFfn {
   const FfnRowStore& rows_;
   Activation act_;
   const CpuOps& ops_;
-  std::vector<float> gate_, sel_gate_, up_;
+  std::vector<float> gate_, sel_gate_, up_, coef_;
   std::vector<int32_t> sel_, iota_;
 };
 

@@ -103,6 +103,15 @@ std::vector<float> RowNorms(const TensorView& w) {
   return norms;
 }
 
+float ScoreScale(const LayerPredictor& p, const float* residual, int hidden, float eps) {
+  if (!ScoresNeedResidual(p)) return 1.f;
+  // The original predictor's score is the folded one times rms(residual): ReLU commutes with a
+  // positive scale.
+  double ss = 0;
+  for (int i = 0; i < hidden; ++i) ss += static_cast<double>(residual[i]) * residual[i];
+  return static_cast<float>(std::sqrt(ss / hidden + eps));
+}
+
 // --- statistics --------------------------------------------------------------------------------
 
 double SparseFfnStats::Sparsity(int layer) const {
@@ -310,8 +319,7 @@ absl::Status PredictedSparseFfn::Forward(int layer, const float* x, int n, float
   ops_.MatMul(P.fc2, hidden_.data(), n, score_.data());
   if (measure_recall_) MeasureRecall(layer, x, n);
 
-  const bool rescale = P.reads_residual && P.threshold != 0;
-  if (rescale && residual_ == nullptr) {
+  if (ScoresNeedResidual(P) && residual_ == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         "layer ", layer, ": predictors of the residual before ffn_norm with threshold ",
         P.threshold, " need the residual (FfnBlock::ForwardFromResidual)"));
@@ -320,14 +328,8 @@ absl::Status PredictedSparseFfn::Forward(int layer, const float* x, int n, float
   for (int t = 0; t < n; ++t) {
     const float* s = score_.data() + static_cast<size_t>(t) * F;
     const float* xt = x + static_cast<size_t>(t) * H;
-    // The original predictor's score is s * rms(residual) (ReLU commutes with a positive scale).
-    float scale = 1.f;
-    if (rescale) {
-      const float* r = residual_ + static_cast<size_t>(t) * H;
-      double ss = 0;
-      for (int i = 0; i < H; ++i) ss += static_cast<double>(r[i]) * r[i];
-      scale = static_cast<float>(std::sqrt(ss / H + c.norm_eps));
-    }
+    const float scale = ScoreScale(
+        P, residual_ != nullptr ? residual_ + static_cast<size_t>(t) * H : nullptr, H, c.norm_eps);
     int k = 0;
     for (int j = 0; j < F; ++j) {
       if (s[j] * scale >= P.threshold) rows_[k++] = j;

@@ -63,6 +63,14 @@ struct LayerPredictor {
   int rank() const { return static_cast<int>(fc1.rows()); }
 };
 
+// What a token's scores are multiplied by before the layer's threshold: rms(residual) (the
+// token's FFN input before ffn_norm, [hidden]) when the predictor reads the residual and the
+// threshold is non-zero, 1 otherwise (residual may then be null). See LayerPredictor.
+inline bool ScoresNeedResidual(const LayerPredictor& p) {
+  return p.reads_residual && p.threshold != 0;
+}
+float ScoreScale(const LayerPredictor& p, const float* residual, int hidden, float eps);
+
 struct PredictorSet {
   std::vector<LayerPredictor> layers;
   std::vector<std::shared_ptr<std::vector<uint8_t>>> owned;
