@@ -46,7 +46,7 @@ constexpr char kUsage[] =
     "         [--max-new-tokens-limit N] [--drain-timeout-ms MS] [--bin-dir DIR]\n"
     "         [--port-file FILE] [--metrics-port-file FILE] [--status-file FILE] [--sparse]\n"
     "         [--placement FILE.gpuidx | --vram-budget SIZE] [--cold-prefill auto|cpu|stream]\n"
-    "         [--stream-chunk-rows N] [--stream-slots N]\n"
+    "         [--stream-chunk-rows N] [--stream-slots N] [--adaptive-cache-rows N]\n"
     "  --port: public gRPC port of the gateway (default 50051; 0 picks one, see --port-file)\n"
     "  --metrics-port: the gateway's /metrics (off unless given); the workers default to M+1\n"
     "                  and M+2 (or 0 = any free port, when M is 0)\n"
@@ -58,7 +58,9 @@ constexpr char kUsage[] =
     "                 default); passed to the gpu-worker (see pinfer-gpu-worker --help)\n"
     "  --status-file: JSON with the children's pids and the segment name, rewritten on restart\n"
     "  --sparse: predictor-driven FFN sparsity; an unprepared model is prepared (and cached)\n"
-    "            first, as `pinfer generate --sparse` does\n";
+    "            first, as `pinfer generate --sparse` does\n"
+    "  --adaptive-cache-rows: with --sparse and a GPU, extra GPU rows per layer that follow the\n"
+    "            cold neurons the text keeps activating (see pinfer-gpu-worker --help)\n";
 
 struct Child {
   std::string role;
@@ -151,7 +153,7 @@ int ServeCommand(const std::vector<std::string>& args) {
                     "threads", "cpu-threads", "hot-fraction", "max-batch-tokens", "max-running",
                     "max-queue", "max-new-tokens-limit", "drain-timeout-ms", "bin-dir", "port-file",
                     "metrics-port-file", "status-file", "placement", "vram-budget", "cold-prefill",
-                    "stream-chunk-rows", "stream-slots"},
+                    "stream-chunk-rows", "stream-slots", "adaptive-cache-rows"},
                    {"sparse"});
   if (!parsed.ok()) return UsageError(kUsage, parsed.status());
   const Flags& f = *parsed;
@@ -179,7 +181,10 @@ int ServeCommand(const std::vector<std::string>& args) {
         kUsage, absl::InvalidArgumentError(
                     absl::StrCat("--cold-prefill must be auto, cpu or stream (got \"", *v, "\")")));
   }
-  for (const char* flag : {"stream-chunk-rows", "stream-slots"}) {
+  if (f.Has("adaptive-cache-rows") && !f.Has("sparse")) {
+    return UsageError(kUsage, absl::InvalidArgumentError("--adaptive-cache-rows needs --sparse"));
+  }
+  for (const char* flag : {"stream-chunk-rows", "stream-slots", "adaptive-cache-rows"}) {
     if (!f.Has(flag)) continue;
     auto v = f.Int(flag, 0);
     if (!v.ok()) return UsageError(kUsage, v.status());
@@ -259,6 +264,7 @@ int ServeCommand(const std::vector<std::string>& args) {
   pass(&gpu.argv, "cold-prefill");
   pass(&gpu.argv, "stream-chunk-rows");
   pass(&gpu.argv, "stream-slots");
+  pass(&gpu.argv, "adaptive-cache-rows");
   if (f.Has("sparse")) gpu.argv.push_back("--sparse");
   if (!gpu_metrics.empty()) {
     gpu.argv.insert(gpu.argv.end(), {"--metrics-port", gpu_metrics, "--metrics-port-file",

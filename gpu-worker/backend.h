@@ -20,6 +20,7 @@
 #include "shared/model/model.h"
 #include "shared/service/ffn_split.h"
 #include "shared/shm/activation_channel.h"
+#include "shared/sparse/hot_cache.h"
 #include "shared/sparse/sparse_ffn.h"
 
 namespace pinfer::gpuworker {
@@ -40,6 +41,8 @@ struct BackendStats {
   uint64_t prefill_cold_layers_cpu = 0;
   uint64_t prefill_cold_layers_stream = 0;
   double streamed_bytes = 0;
+  // Adaptive hot set (CUDA backend): cold neurons moved into cache slots.
+  uint64_t cache_swaps = 0;
 };
 
 class ComputeBackend {
@@ -104,7 +107,16 @@ struct CudaBackendOptions {
   ColdPrefill cold_prefill = ColdPrefill::kCpu;
   int stream_chunk_rows = 1024;
   int stream_slots = 2;
+  // Adaptive hot set (shared/sparse/hot_cache.h; needs predictors): this many cache slots per
+  // layer after the hot rows, refilled during decoding with the cold neurons the current text
+  // keeps activating. 0: the static placement only.
+  int adaptive_cache_rows = 0;
+  HotCacheOptions cache_options;  // its slots field is set from adaptive_cache_rows
+  int cache_plan_every = 4;       // decode steps between swap plans
 };
+
+// Device bytes of `rows` adaptive cache slots per layer and their maps (for the VRAM plan).
+uint64_t AdaptiveCacheBytes(const Model& model, int rows);
 
 // Why the CUDA module cannot stream this model's cold rows ("" when it can): it streams gate, up
 // and the transposed down rows of one stored type, and a quantized down projection is kept as

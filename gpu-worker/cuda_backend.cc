@@ -100,6 +100,28 @@ class ExchangeColdFfn : public cuda::ColdFfn {
   std::vector<uint64_t> masks_;
 };
 
+// The adaptive hot set's view of the module (shared/sparse/hot_cache.h).
+class ModuleSlots : public CacheSlotTarget {
+ public:
+  explicit ModuleSlots(cuda::Backend* b) : b_(b) {}
+  absl::Status LoadRows(int layer, const std::vector<int32_t>& slots,
+                        const std::vector<int32_t>& neurons) override {
+    return ToStatus(b_->LoadCacheRows(layer, slots, neurons));
+  }
+  absl::StatusOr<bool> RowsLanded() override {
+    bool landed = false;
+    RETURN_IF_ERROR(ToStatus(b_->CacheRowsLanded(/*wait=*/false, &landed)));
+    return landed;
+  }
+  absl::Status AssignSlots(int layer, const std::vector<int32_t>& slots,
+                           const std::vector<int32_t>& neurons) override {
+    return ToStatus(b_->SetCacheSlots(layer, slots, neurons));
+  }
+
+ private:
+  cuda::Backend* b_;
+};
+
 class CudaBackend : public ComputeBackend {
  public:
   CudaBackend(const Model& model, void* handle, cuda::Backend* backend, PinferCudaDestroyFn destroy,
@@ -120,7 +142,16 @@ class CudaBackend : public ComputeBackend {
         planner_(std::move(planner)) {
     cold_.set_planner(planner_.get());
   }
-  ~CudaBackend() override { destroy_(backend_); }  // the module stays loaded (CUDA at exit)
+  ~CudaBackend() override {
+    adaptive_.reset();
+    destroy_(backend_);  // the module stays loaded (CUDA at exit)
+  }
+
+  // Decode steps keep the cache slots filled with the cold neurons the text activates.
+  void StartAdaptiveHotSet(AdaptiveHotCache cache, int plan_every) {
+    slots_ = std::make_unique<ModuleSlots>(backend_);
+    adaptive_ = std::make_unique<AdaptiveHotSet>(std::move(cache), slots_.get(), plan_every);
+  }
 
   std::string name() const override { return "cuda"; }
 
@@ -177,6 +208,8 @@ class CudaBackend : public ComputeBackend {
     a.cold = &cold_;
     a.logits_mode = logits != nullptr ? cuda::LogitsMode::kLast : cuda::LogitsMode::kNone;
     a.logits = logits;
+    const bool adapt = decode && adaptive_ != nullptr && a.n == 1;
+    if (adapt) a.active_out = &active_;
     // Prompt batches: who takes each layer's cold rows.
     ColdPrefillPlanner::Decision decision;
     const bool choose = !decode && planner_ != nullptr && a.n > kMaxMatvecTokens;
@@ -190,6 +223,18 @@ class CudaBackend : public ComputeBackend {
     }
     absl::Status st = ToStatus(backend_->Forward(a));
     const cuda::ForwardStats& fs = backend_->last_stats();
+    if (adapt && st.ok()) {
+      const uint64_t before = adaptive_->swaps_committed();
+      absl::Status ast = adaptive_->AfterStep(active_);
+      stats_.cache_swaps += adaptive_->swaps_committed() - before;
+      if (!ast.ok()) {
+        // Each call left the module consistent (every neuron computed by one side), so decoding
+        // goes on with the slots as they are.
+        Log("adaptive hot set stopped after %llu steps: %s",
+            static_cast<unsigned long long>(adaptive_->steps()), ast.ToString().c_str());
+        adaptive_.reset();
+      }
+    }
     if (!decode) {
       // What the module did (it never streams a batch on the matrix-vector path).
       stats_.prefill_cold_layers_stream += static_cast<uint64_t>(fs.streamed_layers);
@@ -268,6 +313,9 @@ class CudaBackend : public ComputeBackend {
   int cold_layers_;                              // layers with at least one cold neuron
   std::unique_ptr<ColdPrefillPlanner> planner_;  // null: every cold row to the cpu-worker
   std::vector<cuda::ColdPath> cold_paths_;
+  std::unique_ptr<ModuleSlots> slots_;
+  std::unique_ptr<AdaptiveHotSet> adaptive_;  // null: the static placement only
+  std::vector<std::vector<int32_t>> active_;  // the last decode step's active neurons per layer
   int decisions_logged_ = 0, last_logged_streamed_ = -1;
   bool cpu_fit_logged_ = false;
 };
@@ -452,6 +500,26 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
       }
     }
   }
+  int cache_rows = o.adaptive_cache_rows;
+  if (cache_rows > 0) {
+    if (o.predictors == nullptr) {
+      return absl::FailedPreconditionError(
+          "the adaptive hot set needs --sparse: in exact mode the cpu-worker decides its neurons "
+          "with its own gate rows, so it cannot hand any to the GPU's cache");
+    }
+    if (std::string why = ColdStreamingProblem(model); !why.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the adaptive hot set copies gate, up and down rows of one type: ", why));
+    }
+    for (int l = 0; l < c.n_layers; ++l) {
+      cache_rows = std::min<int>(cache_rows, c.ffn_size - static_cast<int>(placement.hot[l].size()));
+    }
+    if (cache_rows < o.adaptive_cache_rows) {
+      Log("adaptive hot set: %d cache rows per layer (the least any layer has cold neurons) "
+          "instead of %d",
+          cache_rows, o.adaptive_cache_rows);
+    }
+  }
   ASSIGN_OR_RETURN(Module m, OpenModule(module_path));
   // The module takes hot rows of gate, up and of the transposed down projection.
   auto down_t = TransposeDownProjections(model);
@@ -466,6 +534,7 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
     cuda::LayerUpload& lu = u.layers[l];
     lu.down_t = FromView(down_t->layers[l]);
     lu.hot_ids = placement.hot[l];
+    lu.cache_rows = cache_rows;
     hot_neurons += lu.hot_ids.size();
     const uint64_t row = L.gate.row_bytes() + L.up.row_bytes() + down_t->layers[l].row_bytes();
     hot_bytes += lu.hot_ids.size() * row;
@@ -499,9 +568,36 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
       CalibrateStream(b, max_batch, planner.get());
     }
   }
-  return std::unique_ptr<ComputeBackend>(
-      new CudaBackend(model, m.handle, b, m.destroy, exchange, o.slots, o.max_ctx, hot_neurons,
-                      hot_bytes, o.predictors != nullptr, cold_layers, std::move(planner)));
+  auto backend = std::make_unique<CudaBackend>(model, m.handle, b, m.destroy, exchange, o.slots,
+                                               o.max_ctx, hot_neurons, hot_bytes,
+                                               o.predictors != nullptr, cold_layers,
+                                               std::move(planner));
+  if (cache_rows > 0) {
+    HotCacheOptions ho = o.cache_options;
+    ho.slots = cache_rows;
+    ASSIGN_OR_RETURN(AdaptiveHotCache cache,
+                     AdaptiveHotCache::Create(c.ffn_size, placement.hot, ho));
+    backend->StartAdaptiveHotSet(std::move(cache), o.cache_plan_every);
+    Log("adaptive hot set: %d cache rows per layer (%.1f MiB), counts decaying by %.3g per token, "
+        "swaps planned every %d decode steps",
+        cache_rows, AdaptiveCacheBytes(model, cache_rows) / 1048576.0, ho.decay,
+        o.cache_plan_every);
+  }
+  return std::unique_ptr<ComputeBackend>(std::move(backend));
+}
+
+uint64_t AdaptiveCacheBytes(const Model& model, int rows) {
+  const ModelConfig& c = model.config;
+  uint64_t bytes = 0;
+  if (rows <= 0) return 0;  // no cache, no maps
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights& L = model.layers[l];
+    const uint64_t row = L.gate.row_bytes() + L.up.row_bytes() +
+                         RowBytes(DownTransposedType(model, l), c.hidden_size);
+    // The slots' rows, and the maps: hot rows + slots and cold neurons, an int32 each.
+    bytes += rows * row + 4 * (static_cast<uint64_t>(c.ffn_size) + rows);
+  }
+  return bytes;
 }
 
 }  // namespace pinfer::gpuworker

@@ -59,7 +59,7 @@ constexpr char kUsage[] =
     "         [--cuda-module PATH] [--gpu-slots N] [--max-context N] [--cuda-device N]\n"
     "         [--placement FILE.gpuidx | --vram-budget SIZE] [--sparse] [--gpu-timing]\n"
     "         [--drain-timeout-ms MS] [--cold-prefill auto|cpu|stream]\n"
-    "         [--stream-chunk-rows N] [--stream-slots N]\n"
+    "         [--stream-chunk-rows N] [--stream-slots N] [--adaptive-cache-rows N]\n"
     "  --listen: host:port (port 0 picks one; see --port-file) or unix:/path\n"
     "  --segment: POSIX shared-memory name for the activation exchange (default: a fresh\n"
     "             unique name, printed in the log); give the cpu-worker the same name\n"
@@ -74,7 +74,11 @@ constexpr char kUsage[] =
     "               or per layer and batch by a cost model measured at run time (auto, the\n"
     "               default); ignored on the CPU backend\n"
     "  --stream-chunk-rows / --stream-slots: neurons per streamed chunk (1024) and device\n"
-    "               buffers for chunks in flight (2); they count against --vram-budget\n";
+    "               buffers for chunks in flight (2); they count against --vram-budget\n"
+    "  --adaptive-cache-rows: with --sparse on the CUDA backend, N extra GPU rows per layer\n"
+    "               that decoding refills with the cold neurons the current text keeps\n"
+    "               activating (the adaptive hot set; 0, the default: static placement only);\n"
+    "               they count against --vram-budget\n";
 
 struct Options {
   std::string model, listen = "127.0.0.1:0", port_file, segment, metrics_port, metrics_port_file;
@@ -93,6 +97,7 @@ struct Options {
   ColdPrefill cold_prefill = ColdPrefill::kAuto;
   bool cold_prefill_given = false;
   int stream_chunk_rows = 1024, stream_slots = 2;
+  int adaptive_cache_rows = 0;
 };
 
 absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
@@ -120,7 +125,8 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
                                                     "vram-budget",
                                                     "cold-prefill",
                                                     "stream-chunk-rows",
-                                                    "stream-slots"},
+                                                    "stream-slots",
+                                                    "adaptive-cache-rows"},
                                                    {"sparse", "gpu-timing"}));
   Options o;
   ASSIGN_OR_RETURN(o.model, f.Required("model"));
@@ -196,6 +202,16 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   }
   o.stream_chunk_rows = static_cast<int>(chunk);
   o.stream_slots = static_cast<int>(stream_slots);
+  ASSIGN_OR_RETURN(int64_t cache_rows, f.Int("adaptive-cache-rows", 0));
+  if (cache_rows < 0 || cache_rows > (1 << 20)) {
+    return absl::InvalidArgumentError("--adaptive-cache-rows must be in [0, 1048576]");
+  }
+  if (cache_rows > 0 && !o.sparse) {
+    return absl::InvalidArgumentError(
+        "--adaptive-cache-rows needs --sparse: in exact mode the cpu-worker decides its neurons "
+        "with its own gate rows");
+  }
+  o.adaptive_cache_rows = static_cast<int>(cache_rows);
   return o;
 }
 
@@ -477,6 +493,7 @@ CudaBackendOptions CudaOptions(const State& s) {
   cbo.cold_prefill = s.cold_prefill;
   cbo.stream_chunk_rows = s.options.stream_chunk_rows;
   cbo.stream_slots = s.options.stream_slots;
+  cbo.adaptive_cache_rows = s.options.adaptive_cache_rows;
   return cbo;
 }
 
@@ -520,6 +537,7 @@ absl::StatusOr<PlacementPlan> PlanForBudget(const State& s) {
     Log("the CUDA backend holds %s before any FFN row", MiB(f.fixed_bytes).c_str());
     po.measured_fixed_bytes = f.fixed_bytes;
     po.backend_neuron_bytes = std::move(f.neuron_bytes);
+    po.cache_bytes = AdaptiveCacheBytes(model, o.adaptive_cache_rows);
   }
   return PlanPlacement(model, profile, s.options.sparse ? s.service_model.predictors() : nullptr,
                        po);
@@ -664,6 +682,10 @@ int Main(const std::vector<std::string>& args) {
       Log("--cold-prefill %s ignored: the CPU backend sends every cold row to the cpu-worker",
           ColdPrefillName(o.cold_prefill));
     }
+    if (o.adaptive_cache_rows > 0) {
+      Log("--adaptive-cache-rows %d ignored: the CPU backend has no device memory to cache in",
+          o.adaptive_cache_rows);
+    }
     auto backend =
         NewCpuBackend(*s.model, *s.ops, s.placement, s.exchange.get(), s.service_model.down_t(),
                       o.sparse ? s.service_model.predictors() : nullptr);
@@ -746,6 +768,12 @@ int Main(const std::vector<std::string>& args) {
                              .Help("Bytes of cold FFN rows streamed host->GPU for prompt batches")
                              .Register(*registry)
                              .Add({});
+  auto& cache_swaps = prometheus::BuildCounter()
+                          .Name("pinfer_worker_adaptive_cache_swaps_total")
+                          .Help("Cold neurons moved into the GPU's adaptive cache slots "
+                                "(--adaptive-cache-rows; CUDA backend)")
+                          .Register(*registry)
+                          .Add({});
   auto& running = prometheus::BuildGauge()
                       .Name("pinfer_worker_sequences_running")
                       .Help("Sequences in the gpu-worker's schedule")
@@ -817,6 +845,7 @@ int Main(const std::vector<std::string>& args) {
     prefill_cpu.Increment(static_cast<double>(st.prefill_cold_layers_cpu));
     prefill_stream.Increment(static_cast<double>(st.prefill_cold_layers_stream));
     streamed_bytes.Increment(st.streamed_bytes);
+    cache_swaps.Increment(static_cast<double>(st.cache_swaps));
   };
   hooks.on_running = [&](int n) { running.Set(n); };
   hooks.on_tokens = [&](int n) { tokens.Increment(n); };

@@ -92,6 +92,7 @@ struct DeviceLayer {
   DeviceMatrix gate, up, down, down_t;  // kHot: compact hot rows (gate, up, down_t)
   int n_hot = 0;
   int32_t* hot_ids = nullptr;          // device [n_hot] global ids
+  std::vector<int32_t> hot_ids_host;
   std::vector<int32_t> cold_ids_host;  // ascending global ids not in hot_ids
   int32_t* cold_ids = nullptr;         // device [n_cold]
   DeviceMatrix fc1, fc2;
@@ -99,7 +100,14 @@ struct DeviceLayer {
   int kv_index = -1;   // KV cache layer slot
   ColdRows cold_rows;  // stream_cold: pinned host copy of the cold rows, in cold_ids_host order
   int n_cache = 0;     // adaptive cache slots after the hot rows (LayerUpload::cache_rows)
-  DeviceMatrix gate_c, up_c, down_t_c;  // the hot rows and the slots, for kGiven decode steps
+  DeviceMatrix gate_c, up_c, down_t_c;  // the hot rows and the slots, for small steps
+  // kPredicted steps with the cache (SetCacheSlots): the compaction maps. hot_map_c: [n_hot +
+  // n_cache] global ids of the hot rows, then each slot's neuron (-1: serves nobody); cold_map_c:
+  // [n_cold] cold ids, -1 where a slot serves the neuron. Host mirrors of both, and each slot's
+  // last loaded neuron.
+  int32_t* hot_map_c = nullptr;
+  int32_t* cold_map_c = nullptr;
+  std::vector<int32_t> slot_neuron, cold_map_host, slot_loaded;
 };
 
 class CudaBackend : public Backend {
@@ -128,6 +136,8 @@ class CudaBackend : public Backend {
   BackendStatus LoadCacheRows(int layer, const std::vector<int32_t>& slots,
                               const std::vector<int32_t>& neurons) override;
   BackendStatus CacheRowsLanded(bool wait, bool* landed) override;
+  BackendStatus SetCacheSlots(int layer, const std::vector<int32_t>& slots,
+                              const std::vector<int32_t>& neurons) override;
 
  private:
   template <typename T>
@@ -194,9 +204,16 @@ class CudaBackend : public Backend {
   // Pins the cold rows; slots: also the streaming slots (else only the copy stream, for cache
   // loads).
   BackendStatus SetUpStreaming(const ModelUpload& m, bool slots);
-  // Whether layer l's kGiven step addresses the adaptive cache slots.
+  // Whether layer l's step addresses the adaptive cache slots (kGiven: by the given lists,
+  // kPredicted: through the compaction maps).
   bool UsesCache(const DeviceLayer& L, const ForwardArgs& a) const {
-    return L.n_cache > 0 && EffectiveMode(a) == FfnMode::kGiven && a.n <= kSmallBatch;
+    const FfnMode mode = EffectiveMode(a);
+    return L.n_cache > 0 && (mode == FfnMode::kGiven || mode == FfnMode::kPredicted) &&
+           a.n <= kSmallBatch;
+  }
+  // active_out's hot half: whether this step copies each layer's hot list to the host.
+  static bool ObservesActive(const ForwardArgs& a) {
+    return a.active_out != nullptr && EffectiveMode(a) == FfnMode::kPredicted && a.n == 1;
   }
   // Adds layer l's cold rows' contribution for the FFN input xb_ ([n, hidden]) to hot_out_.
   BackendStatus StreamCold(int l, int n);
@@ -240,6 +257,7 @@ class CudaBackend : public Backend {
   float* x_host_ = nullptr;           // [max_batch, hidden]
   float* out_host_ = nullptr;
   int32_t* active_host_ = nullptr;  // [ffn]
+  int32_t* observed_host_ = nullptr;  // [n_layers, ffn + 1]: hot lists (ForwardArgs::active_out)
 
   // Per-layer events: x published, hot start, hot end; plus step start/end.
   std::vector<cudaEvent_t> ev_x_, ev_hot0_, ev_hot1_;
@@ -510,6 +528,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
           return Error(Code::kInvalidArgument, "layer " + std::to_string(l) + ": FFN shapes");
         }
       }
+      d.hot_ids_host = u.hot_ids;
       if (d.n_hot > 0) {
         BACKEND_RETURN_IF_ERROR(Alloc(d.n_hot, &d.hot_ids));
         CUDA_RETURN_IF_ERROR(
@@ -529,6 +548,21 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
         BACKEND_RETURN_IF_ERROR(Alloc(d.cold_ids_host.size(), &d.cold_ids));
         CUDA_RETURN_IF_ERROR(cudaMemcpy(d.cold_ids, d.cold_ids_host.data(),
                                         d.cold_ids_host.size() * 4, cudaMemcpyHostToDevice));
+      }
+      if (d.n_cache > 0) {
+        std::vector<int32_t> hot_map = u.hot_ids;
+        hot_map.resize(static_cast<size_t>(d.n_hot) + d.n_cache, -1);
+        d.slot_neuron.assign(d.n_cache, -1);
+        d.slot_loaded.assign(d.n_cache, -1);
+        d.cold_map_host = d.cold_ids_host;
+        BACKEND_RETURN_IF_ERROR(Alloc(hot_map.size(), &d.hot_map_c));
+        CUDA_RETURN_IF_ERROR(cudaMemcpy(d.hot_map_c, hot_map.data(), hot_map.size() * 4,
+                                        cudaMemcpyHostToDevice));
+        if (!d.cold_ids_host.empty()) {
+          BACKEND_RETURN_IF_ERROR(Alloc(d.cold_ids_host.size(), &d.cold_map_c));
+          CUDA_RETURN_IF_ERROR(cudaMemcpy(d.cold_map_c, d.cold_ids_host.data(),
+                                          d.cold_ids_host.size() * 4, cudaMemcpyHostToDevice));
+        }
       }
     }
     if (!u.pred_fc1.empty()) {
@@ -601,6 +635,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   BACKEND_RETURN_IF_ERROR(AllocHost(bh, &x_host_));
   BACKEND_RETURN_IF_ERROR(AllocHost(bh, &out_host_));
   BACKEND_RETURN_IF_ERROR(AllocHost(F, &active_host_));
+  BACKEND_RETURN_IF_ERROR(AllocHost(static_cast<size_t>(c.n_layers) * (F + 1), &observed_host_));
 
   for (auto* v : {&ev_x_, &ev_hot0_, &ev_hot1_}) {
     v->resize(c.n_layers);
@@ -699,7 +734,8 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
         static_cast<int64_t>(reinterpret_cast<uintptr_t>(pend2)),
         cold ? 1 : 0,
         static_cast<int64_t>(reinterpret_cast<uintptr_t>(cold ? exchange_x : nullptr)),
-        collect_gpu_times_ ? 1 : 0};
+        collect_gpu_times_ ? 1 : 0,
+        ObservesActive(a) ? 1 : 0};
     auto it = graphs_.find(key);
     if (it == graphs_.end()) {
       cudaGraph_t graph = nullptr;
@@ -790,13 +826,19 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
     BACKEND_RETURN_IF_ERROR(Proj(L.fc2, pred_h_, n, scores_, F));
   }
   if (mode == FfnMode::kPredicted) {
+    // With the cache, the maps route a cached neuron to its slot and keep it off the cold list.
     if (n_hot > 0) {
-      CUDA_RETURN_IF_ERROR(
-          CompactActive(scores_, n, F, L.hot_ids, n_hot, L.pred_cut, hot_idx_, hot_count, stream_));
+      CUDA_RETURN_IF_ERROR(CompactActive(scores_, n, F, use_cache ? L.hot_map_c : L.hot_ids, n_hot,
+                                         L.pred_cut, hot_idx_, hot_count, stream_));
+      if (ObservesActive(a) && observed_host_ != nullptr) {
+        CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(observed_host_ + static_cast<size_t>(l) * (F + 1),
+                                             hot_list_, (static_cast<size_t>(n_hot) + 1) * 4,
+                                             cudaMemcpyDeviceToHost, stream_));
+      }
     }
     if (cold) {
-      CUDA_RETURN_IF_ERROR(CompactActive(scores_, n, F, L.cold_ids, n_cold, L.pred_cut, cold_idx_,
-                                         cold_count, stream_));
+      CUDA_RETURN_IF_ERROR(CompactActive(scores_, n, F, use_cache ? L.cold_map_c : L.cold_ids,
+                                         n_cold, L.pred_cut, cold_idx_, cold_count, stream_));
       CUDA_RETURN_IF_ERROR(
           cudaMemcpyAsync(cold_idx_host_, cold_idx_, n_cold * 4, cudaMemcpyDeviceToHost, stream_));
       CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(counts_host_ + 2 * l + 1, cold_count, 4,
@@ -946,6 +988,7 @@ BackendStatus CudaBackend::FinishCold(int l, const ForwardArgs& a, float* exchan
     for (int i = 0; i < count; ++i) exchange_active[i] = L.cold_ids_host[cold_idx_host_[i]];
     req.active = exchange_active;
     req.n_active = count;
+    if (ObservesActive(a)) (*a.active_out)[l].assign(exchange_active, exchange_active + count);
   } else if (mode == FfnMode::kGiven) {
     req.active = (*a.given_cold)[l].data();
     req.n_active = static_cast<int>((*a.given_cold)[l].size());
@@ -1036,6 +1079,10 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
     CUDA_RETURN_IF_ERROR(Embed(tok_embeddings_, tokens_dev_, n, x_, stream_));
   }
   pending1_ = pending2_ = nullptr;
+  if (ObservesActive(a)) {
+    a.active_out->resize(c.n_layers);
+    for (std::vector<int32_t>& v : *a.active_out) v.clear();
+  }
   if (step_graph) {
     BackendStatus st = RunStepGraph(a, layer_end, head);
     if (!st.ok()) {
@@ -1079,6 +1126,22 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   for (int l = a.layer_begin; l < layer_end; ++l) {
     if (layers_[l].ffn == FfnPlacement::kHot) stats_.hot_rows_computed += counts_host_[2 * l];
+  }
+  if (ObservesActive(a)) {
+    // The hot lists (local rows) in global ids, joined with the cold ones FinishCold kept.
+    for (int l = a.layer_begin; l < layer_end; ++l) {
+      const DeviceLayer& L = layers_[l];
+      if (L.ffn != FfnPlacement::kHot) continue;
+      const int n_hot = L.n_hot + (UsesCache(L, a) ? L.n_cache : 0);
+      if (n_hot == 0) continue;
+      const int32_t* obs = observed_host_ + static_cast<size_t>(l) * (c.ffn + 1);
+      std::vector<int32_t>& out = (*a.active_out)[l];
+      for (int i = 0; i < obs[0]; ++i) {
+        const int32_t local = obs[1 + i];
+        out.push_back(local < L.n_hot ? L.hot_ids_host[local] : L.slot_neuron[local - L.n_hot]);
+      }
+      std::sort(out.begin(), out.end());
+    }
   }
   if (collect_gpu_times_) {
     for (int l = a.layer_begin; l < layer_end; ++l) {
@@ -1256,8 +1319,84 @@ BackendStatus CudaBackend::LoadCacheRows(int layer, const std::vector<int32_t>& 
   uint8_t* dst[3] = {static_cast<uint8_t*>(const_cast<void*>(L.gate_c.data)),
                      static_cast<uint8_t*>(const_cast<void*>(L.up_c.data)),
                      static_cast<uint8_t*>(const_cast<void*>(L.down_t_c.data))};
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (L.slot_neuron[slots[i]] >= 0) {
+      return Error(Code::kFailedPrecondition,
+                   "cache slot " + std::to_string(slots[i]) + " of layer " + std::to_string(layer) +
+                       " still serves neuron " + std::to_string(L.slot_neuron[slots[i]]) +
+                       " (SetCacheSlots -1 first)");
+    }
+  }
   CUDA_RETURN_IF_ERROR(streamer_->LoadRows(L.cold_rows, cold_index, slots, L.n_hot, dst, stream_));
+  for (size_t i = 0; i < slots.size(); ++i) layers_[layer].slot_loaded[slots[i]] = neurons[i];
   cache_loaded_ = true;
+  return Ok();
+}
+
+BackendStatus CudaBackend::SetCacheSlots(int layer, const std::vector<int32_t>& slots,
+                                         const std::vector<int32_t>& neurons) {
+  if (layer < 0 || layer >= dims_.n_layers || layers_[layer].n_cache == 0) {
+    return Error(Code::kFailedPrecondition,
+                 "layer " + std::to_string(layer) + " has no adaptive cache rows");
+  }
+  if (slots.size() != neurons.size()) {
+    return Error(Code::kInvalidArgument, "slots and neurons differ in length");
+  }
+  DeviceLayer& L = layers_[layer];
+  bool landed = true;
+  if (streamer_ != nullptr && streamer_->ready()) {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    CUDA_RETURN_IF_ERROR(streamer_->RowsLanded(/*wait=*/false, &landed));
+  }
+  // Applied to copies first, so that a refused call changes nothing.
+  std::vector<int32_t> slot_neuron = L.slot_neuron, cold_map = L.cold_map_host;
+  auto cold_index = [&](int32_t j) -> int64_t {
+    auto it = std::lower_bound(L.cold_ids_host.begin(), L.cold_ids_host.end(), j);
+    return it != L.cold_ids_host.end() && *it == j ? it - L.cold_ids_host.begin() : -1;
+  };
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const int s = slots[i];
+    if (s < 0 || s >= L.n_cache) {
+      return Error(Code::kInvalidArgument,
+                   "cache slot " + std::to_string(s) + " of " + std::to_string(L.n_cache));
+    }
+    if (slot_neuron[s] >= 0) cold_map[cold_index(slot_neuron[s])] = slot_neuron[s];
+    slot_neuron[s] = -1;
+  }
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const int s = slots[i];
+    const int32_t j = neurons[i];
+    if (j < 0) continue;
+    const int64_t ci = cold_index(j);
+    if (ci < 0) {
+      return Error(Code::kInvalidArgument, "neuron " + std::to_string(j) +
+                                               " is not a cold neuron of layer " +
+                                               std::to_string(layer));
+    }
+    if (L.slot_loaded[s] != j || !landed) {
+      return Error(Code::kFailedPrecondition,
+                   "cache slot " + std::to_string(s) + " does not hold neuron " +
+                       std::to_string(j) + (landed ? "" : " yet (its rows are still loading)"));
+    }
+    if (cold_map[ci] < 0) {
+      return Error(Code::kInvalidArgument,
+                   "neuron " + std::to_string(j) + " is given to two cache slots");
+    }
+    cold_map[ci] = -1;
+    slot_neuron[s] = j;
+  }
+  L.slot_neuron = std::move(slot_neuron);
+  L.cold_map_host = std::move(cold_map);
+  // From pageable memory: the copies take the values as of now, before the next step's work.
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(L.hot_map_c + L.n_hot, L.slot_neuron.data(),
+                                       static_cast<size_t>(L.n_cache) * 4, cudaMemcpyHostToDevice,
+                                       stream_));
+  if (!L.cold_map_host.empty()) {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(L.cold_map_c, L.cold_map_host.data(),
+                                         L.cold_map_host.size() * 4, cudaMemcpyHostToDevice,
+                                         stream_));
+  }
   return Ok();
 }
 

@@ -82,8 +82,9 @@ struct LayerUpload {
   HostMatrix down_t;     // [ffn, hidden]: kHot only (rows in hot_ids)
   std::vector<int32_t> hot_ids;  // ascending global neuron ids (kHot)
   // Adaptive hot set (kHot, shared/sparse/hot_cache.h): this many extra GPU rows after the hot
-  // rows, filled with cold neurons by LoadCacheRows and addressed in kGiven decode steps as local
-  // rows hot_ids.size() + slot. hot_ids.size() + cache_rows <= ffn.
+  // rows, filled with cold neurons by LoadCacheRows and used by steps of at most the
+  // matrix-vector path's size: kGiven steps address them as local rows hot_ids.size() + slot,
+  // kPredicted steps through SetCacheSlots. hot_ids.size() + cache_rows <= ffn.
   int cache_rows = 0;
   HostMatrix pred_fc1;   // optional predictor: [rank, hidden]
   HostMatrix pred_fc2;   // [ffn, rank]
@@ -189,6 +190,9 @@ struct ForwardArgs {
   float* exchange_x = nullptr;
   float* exchange_out = nullptr;
   int32_t* exchange_active = nullptr;
+  // kPredicted single-token steps: filled with each layer's predicted-active neurons (global
+  // ids, hot and cold, ascending), what the adaptive hot set counts. Null: not collected.
+  std::vector<std::vector<int32_t>>* active_out = nullptr;
 };
 
 // Seconds summed over the layers of the last Forward (host clock, except gpu_* from events).
@@ -229,6 +233,13 @@ class Backend {
                                       const std::vector<int32_t>& neurons) = 0;
   // Whether every LoadCacheRows so far has landed (wait = true blocks until it has).
   virtual BackendStatus CacheRowsLanded(bool wait, bool* landed) = 0;
+  // kPredicted steps from the next Forward on: slots[i] serves cold neuron neurons[i], or nobody
+  // when it is -1. A slot's previous neuron is cold again; a neuron given to a slot is computed
+  // there and no longer listed for the cold side, so it must be the neuron that the slot's
+  // landed LoadCacheRows brought in, and in no other slot. Take a slot away (-1) before loading
+  // new rows into it.
+  virtual BackendStatus SetCacheSlots(int layer, const std::vector<int32_t>& slots,
+                                      const std::vector<int32_t>& neurons) = 0;
   // Single-token steps replay one CUDA graph per layer (captured on first use per layer,
   // sequence slot and mode); on by default, or off with PINFER_CUDA_GRAPHS=0.
   virtual void set_use_graphs(bool on) = 0;

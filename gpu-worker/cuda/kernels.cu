@@ -1419,8 +1419,8 @@ __global__ void __launch_bounds__(kCompactThreads)
     const int j = j0 + threadIdx.x;
     bool active = false;
     if (j < len) {
-      const int g = map != nullptr ? map[j] : j;
-      for (int t = 0; t < n && !active; ++t)
+      const int g = map != nullptr ? map[j] : j;  // < 0: a map entry that serves nobody
+      for (int t = 0; t < n && !active && g >= 0; ++t)
         active = v[static_cast<int64_t>(t) * ldv + g] > threshold;
     }
     const unsigned ballot = __ballot_sync(0xffffffffu, active);

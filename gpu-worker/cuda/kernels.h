@@ -168,6 +168,7 @@ cudaError_t Embed(const DeviceMatrix& table, const int32_t* tokens, int n, float
 // Ordered compaction of the active neurons: idx = { j < len : some t < n has
 // v[t * ldv + (map ? map[j] : j)] > threshold } ascending, *count = |idx|. With map = the hot
 // neurons' global ids it lists active hot rows by local index; with the cold ids, the cold ones.
+// A negative map entry is never active (an empty cache slot, a cold neuron held by a slot).
 cudaError_t CompactActive(const float* v, int n, int ldv, const int32_t* map, int len,
                           float threshold, int32_t* idx, int32_t* count, cudaStream_t stream);
 

@@ -186,4 +186,62 @@ void AdaptiveHotCache::Split(int layer, const std::vector<int32_t>& active,
   if (!std::is_sorted(cold->begin(), cold->end())) std::sort(cold->begin(), cold->end());
 }
 
+template <typename Fn>
+absl::Status AdaptiveHotSet::ByLayer(const std::vector<CacheSwap>& swaps, bool neurons, Fn fn) {
+  std::vector<int32_t> slots, ids;
+  for (size_t i = 0; i < swaps.size();) {
+    const int layer = swaps[i].layer;
+    slots.clear();
+    ids.clear();
+    for (; i < swaps.size() && swaps[i].layer == layer; ++i) {
+      slots.push_back(swaps[i].slot);
+      ids.push_back(neurons ? swaps[i].neuron : -1);
+    }
+    absl::Status st = fn(layer, slots, ids);
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AdaptiveHotSet::AfterStep(const std::vector<std::vector<int32_t>>& active) {
+  if (static_cast<int>(active.size()) != cache_.n_layers()) {
+    return absl::InvalidArgumentError(absl::StrCat("active neurons of ", active.size(),
+                                                   " layers for a cache of ",
+                                                   cache_.n_layers()));
+  }
+  for (int l = 0; l < cache_.n_layers(); ++l) cache_.Observe(l, active[l]);
+  cache_.EndToken();
+  steps_ += 1;
+  if (!pending_.empty()) {
+    absl::StatusOr<bool> landed = target_->RowsLanded();
+    if (!landed.ok()) return landed.status();
+    if (!*landed) return absl::OkStatus();
+    std::vector<CacheSwap> done = std::move(pending_);
+    pending_.clear();
+    absl::Status st = ByLayer(done, /*neurons=*/true,
+                              [&](int l, const std::vector<int32_t>& s,
+                                  const std::vector<int32_t>& n) {
+                                return target_->AssignSlots(l, s, n);
+                              });
+    if (!st.ok()) return st;
+    cache_.Commit(done);
+    swaps_committed_ += done.size();
+  }
+  if (steps_ % plan_every_ != 0) return absl::OkStatus();
+  std::vector<CacheSwap> swaps = cache_.PlanSwaps();  // grouped by layer, ascending
+  if (swaps.empty()) return absl::OkStatus();
+  pending_ = swaps;
+  // The slots stop serving their old neurons before new rows overwrite them.
+  absl::Status st = ByLayer(swaps, /*neurons=*/false,
+                            [&](int l, const std::vector<int32_t>& s,
+                                const std::vector<int32_t>& n) {
+                              return target_->AssignSlots(l, s, n);
+                            });
+  if (!st.ok()) return st;
+  return ByLayer(swaps, /*neurons=*/true,
+                 [&](int l, const std::vector<int32_t>& s, const std::vector<int32_t>& n) {
+                   return target_->LoadRows(l, s, n);
+                 });
+}
+
 }  // namespace pinfer

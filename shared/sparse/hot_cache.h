@@ -16,9 +16,12 @@
 // position in the ascending static list), slot s is local n_static + s.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace pinfer {
@@ -88,6 +91,51 @@ class AdaptiveHotCache {
   std::vector<int32_t> scratch_cand_;
   std::vector<int> scratch_victims_;
   mutable std::vector<char> scratch_marks_;
+};
+
+// What the driver below needs from the GPU side: the CUDA module through the gpu-worker (or a
+// test's fake that checks the protocol).
+class CacheSlotTarget {
+ public:
+  virtual ~CacheSlotTarget() = default;
+  // Starts copying the rows of cold neurons `neurons` into `slots` in the background.
+  virtual absl::Status LoadRows(int layer, const std::vector<int32_t>& slots,
+                                const std::vector<int32_t>& neurons) = 0;
+  // Whether every LoadRows so far has landed.
+  virtual absl::StatusOr<bool> RowsLanded() = 0;
+  // From the next step on, slots[i] serves neurons[i] (-1: nobody).
+  virtual absl::Status AssignSlots(int layer, const std::vector<int32_t>& slots,
+                                   const std::vector<int32_t>& neurons) = 0;
+};
+
+// Runs the cache during decoding: after every step it counts the step's active neurons, commits
+// the swaps whose copies have landed (their slots start serving the new neurons) and every
+// `plan_every` steps, when no copy is in flight, plans new swaps: their slots stop serving at
+// once and their rows start loading. Every call to the target leaves each layer consistent (a
+// neuron is served by one side only), so an error only stops the adapting.
+class AdaptiveHotSet {
+ public:
+  AdaptiveHotSet(AdaptiveHotCache cache, CacheSlotTarget* target, int plan_every)
+      : cache_(std::move(cache)), target_(target), plan_every_(std::max(1, plan_every)) {}
+
+  // active[l]: the step's active neurons of layer l (global ids, hot and cold).
+  absl::Status AfterStep(const std::vector<std::vector<int32_t>>& active);
+
+  uint64_t steps() const { return steps_; }
+  uint64_t swaps_committed() const { return swaps_committed_; }
+  bool copy_in_flight() const { return !pending_.empty(); }
+  const AdaptiveHotCache& cache() const { return cache_; }
+
+ private:
+  // Calls fn(layer, slots, neurons) once per layer that the swaps touch.
+  template <typename Fn>
+  absl::Status ByLayer(const std::vector<CacheSwap>& swaps, bool neurons, Fn fn);
+
+  AdaptiveHotCache cache_;
+  CacheSlotTarget* target_;
+  int plan_every_;
+  uint64_t steps_ = 0, swaps_committed_ = 0;
+  std::vector<CacheSwap> pending_;
 };
 
 }  // namespace pinfer

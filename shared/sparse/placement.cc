@@ -67,6 +67,9 @@ std::string PlacementPlan::Summary() const {
     absl::StrAppend(&s, "  predictors      ", mib(predictor_bytes), "\n");
     absl::StrAppend(&s, "  scratch         ", mib(scratch_bytes), "\n");
   }
+  if (cache_bytes > 0) {
+    absl::StrAppend(&s, "  adaptive cache  ", mib(cache_bytes), " (slots for cold neurons)\n");
+  }
   absl::StrAppend(&s, "  hot FFN rows    ", mib(hot_row_bytes), "\n");
   if (cpu_only) {
     absl::StrAppend(&s, "  CPU-only plan: the fixed parts alone exceed the budget\n");
@@ -99,6 +102,7 @@ absl::StatusOr<PlacementPlan> PlanPlacement(const Model& model, const Activation
   plan.predictor_bytes = PredictorBytes(predictors);
   plan.scratch_bytes = ScratchBytes(c, o.context, o.max_batch);
   plan.measured_fixed_bytes = o.measured_fixed_bytes;
+  plan.cache_bytes = o.cache_bytes;
   plan.hot.assign(c.n_layers, {});
   if (!o.backend_neuron_bytes.empty() &&
       static_cast<int>(o.backend_neuron_bytes.size()) != c.n_layers) {

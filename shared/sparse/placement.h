@@ -50,6 +50,8 @@ struct PlacementOptions {
   bool allow_cpu_only = false;
   std::optional<uint64_t> measured_fixed_bytes;
   std::vector<uint64_t> backend_neuron_bytes;  // [layer]; empty: HotNeuronBytes
+  // Reserved before any hot row: the adaptive hot set's cache slots and their maps.
+  uint64_t cache_bytes = 0;
 };
 
 struct PlacementPlan {
@@ -60,14 +62,15 @@ struct PlacementPlan {
   uint64_t scratch_bytes = 0;
   uint64_t hot_row_bytes = 0;
   std::optional<uint64_t> measured_fixed_bytes;  // replaces the four items above when set
+  uint64_t cache_bytes = 0;                      // PlacementOptions::cache_bytes
   bool cpu_only = false;
   std::vector<uint64_t> neuron_bytes;     // [layer]: bytes of one hot neuron's rows
   std::vector<std::vector<int32_t>> hot;  // [layer]: hot neuron ids, ascending
   double gpu_activation_share = 0;        // profiled activations served by hot neurons
 
   uint64_t fixed_bytes() const {
-    if (measured_fixed_bytes.has_value()) return *measured_fixed_bytes;
-    return dense_bytes + kv_cache_bytes + predictor_bytes + scratch_bytes;
+    if (measured_fixed_bytes.has_value()) return *measured_fixed_bytes + cache_bytes;
+    return dense_bytes + kv_cache_bytes + predictor_bytes + scratch_bytes + cache_bytes;
   }
   uint64_t gpu_bytes() const { return cpu_only ? 0 : fixed_bytes() + hot_row_bytes; }
   int64_t hot_neurons() const;

@@ -19,6 +19,7 @@
 #include "shared/engine/ops.h"
 #include "shared/engine/transformer.h"
 #include "shared/model/model.h"
+#include "shared/sparse/hot_cache.h"
 #include "shared/sparse/sparse_ffn.h"
 
 namespace pinfer {
@@ -568,16 +569,25 @@ class ScoreProbe : public FfnBlock {
   int probe_;
 };
 
-// --sparse on the GPU: the module's predictors (kPredicted) pick hot and cold neurons, the cold
-// ones reach the callback as a list, and each decode step's logits equal the CPU reference with
-// shared/sparse's PredictedSparseFfn and the same predictors. The predictors are random (rank 16);
-// each layer's threshold sits in the middle of the widest gap between the CPU's scores near the
-// 70% quantile, so that fp32 rounding differences cannot flip a decision.
-TEST_F(CudaBackendTest, PredictedModeMatchesCpuPredictedSparseFfn) {
-  const ModelConfig& c = model_->config;
-  const int rank = 16;
-  std::vector<std::vector<float>> fc1(c.n_layers), fc2(c.n_layers);
+// Random predictors (rank 16) for the predicted-mode tests, and the CPU reference's step logits
+// with them: shared/sparse's PredictedSparseFfn in the reference forward pass, one token at a
+// time. Each layer's threshold sits in the middle of the widest gap between the CPU's scores near
+// the 70% quantile, so that fp32 rounding differences cannot flip a decision.
+struct PredictedCase {
+  std::vector<std::vector<float>> fc1, fc2;
   PredictorSet preds;
+  std::vector<float> want;  // [tokens, vocab]
+  double min_margin = 1e30;
+};
+
+std::unique_ptr<PredictedCase> MakePredictedCase(const Model& model,
+                                                 const std::vector<TensorView>& down_t,
+                                                 const std::vector<int32_t>& tokens) {
+  const ModelConfig& c = model.config;
+  const int rank = 16;
+  auto pc = std::make_unique<PredictedCase>();
+  pc->fc1.resize(c.n_layers);
+  pc->fc2.resize(c.n_layers);
   uint64_t state = 12345;
   auto normal = [&] {
     double u = 0;
@@ -588,31 +598,28 @@ TEST_F(CudaBackendTest, PredictedModeMatchesCpuPredictedSparseFfn) {
     return static_cast<float>(u - 6);
   };
   for (int l = 0; l < c.n_layers; ++l) {
-    fc1[l].resize(static_cast<size_t>(rank) * c.hidden_size);
-    fc2[l].resize(static_cast<size_t>(c.ffn_size) * rank);
-    for (float& v : fc1[l]) v = normal() / std::sqrt(float(c.hidden_size));
-    for (float& v : fc2[l]) v = normal() / std::sqrt(float(rank));
+    pc->fc1[l].resize(static_cast<size_t>(rank) * c.hidden_size);
+    pc->fc2[l].resize(static_cast<size_t>(c.ffn_size) * rank);
+    for (float& v : pc->fc1[l]) v = normal() / std::sqrt(float(c.hidden_size));
+    for (float& v : pc->fc2[l]) v = normal() / std::sqrt(float(rank));
     LayerPredictor p;
     p.fc1.dtype = p.fc2.dtype = DType::kF32;
     p.fc1.shape = {rank, c.hidden_size};
-    p.fc1.data = fc1[l].data();
+    p.fc1.data = pc->fc1[l].data();
     p.fc2.shape = {c.ffn_size, rank};
-    p.fc2.data = fc2[l].data();
+    p.fc2.data = pc->fc2[l].data();
     p.threshold = 1e30f;  // set below, layer by layer
-    preds.layers.push_back(p);
+    pc->preds.layers.push_back(p);
   }
   std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
-  std::vector<int32_t> tokens =
-      (*reference_)["prompts"][3]["input_ids"].get<std::vector<int32_t>>();
   const int V = c.vocab_size;
-  // The CPU run, one token at a time; returns the step logits.
   auto cpu_run = [&](int probe, std::vector<float>* scores) {
-    auto ffn = PredictedSparseFfn::Create(*model_, *ref_ops, *down_t_, &preds);
+    auto ffn = PredictedSparseFfn::Create(model, *ref_ops, down_t, &pc->preds);
     EXPECT_TRUE(ffn.ok()) << ffn.status();
-    ScoreProbe probe_ffn(ffn->get(), preds, *ref_ops, probe);
-    Transformer t(*model_, *ref_ops);
+    ScoreProbe probe_ffn(ffn->get(), pc->preds, *ref_ops, probe);
+    Transformer t(model, *ref_ops);
     t.set_ffn(&probe_ffn);
-    KvCache cache(c, 64);
+    KvCache cache(c, static_cast<int>(tokens.size()));
     std::vector<float> logits(static_cast<size_t>(tokens.size()) * V);
     for (size_t pos = 0; pos < tokens.size(); ++pos) {
       EXPECT_TRUE(t.Forward({&tokens[pos], 1}, static_cast<int>(pos), &cache, LogitsMode::kLast,
@@ -622,7 +629,6 @@ TEST_F(CudaBackendTest, PredictedModeMatchesCpuPredictedSparseFfn) {
     if (scores != nullptr) *scores = std::move(probe_ffn.scores);
     return logits;
   };
-  double min_margin = 1e30;
   for (int l = 0; l < c.n_layers; ++l) {
     std::vector<float> sc;
     cpu_run(l, &sc);
@@ -632,17 +638,38 @@ TEST_F(CudaBackendTest, PredictedModeMatchesCpuPredictedSparseFfn) {
     for (size_t i = lo; i < hi; ++i) {
       if (sc[i + 1] - sc[i] > sc[best + 1] - sc[best]) best = i;
     }
-    preds.layers[l].threshold = 0.5f * (sc[best] + sc[best + 1]);
-    min_margin = std::min<double>(min_margin, 0.5 * (sc[best + 1] - sc[best]));
+    pc->preds.layers[l].threshold = 0.5f * (sc[best] + sc[best + 1]);
+    pc->min_margin = std::min<double>(pc->min_margin, 0.5 * (sc[best + 1] - sc[best]));
   }
-  ASSERT_GT(min_margin, 1e-4) << "no safe threshold gap; change the seed";
-  const std::vector<float> want = cpu_run(-1, nullptr);
+  pc->want = cpu_run(-1, nullptr);
+  return pc;
+}
 
+double Nmse(const float* got, const float* want, int n) {
+  double err = 0, norm = 0;
+  for (int i = 0; i < n; ++i) {
+    if (std::isnan(got[i])) return INFINITY;
+    err += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+    norm += double(want[i]) * want[i];
+  }
+  return err / norm;
+}
+
+// --sparse on the GPU: the module's predictors (kPredicted) pick hot and cold neurons, the cold
+// ones reach the callback as a list, and each decode step's logits equal the CPU reference with
+// the same predictors.
+TEST_F(CudaBackendTest, PredictedModeMatchesCpuPredictedSparseFfn) {
+  const ModelConfig& c = model_->config;
+  std::vector<int32_t> tokens =
+      (*reference_)["prompts"][3]["input_ids"].get<std::vector<int32_t>>();
+  std::unique_ptr<PredictedCase> pc = MakePredictedCase(*model_, *down_t_, tokens);
+  ASSERT_GT(pc->min_margin, 1e-4) << "no safe threshold gap; change the seed";
+  const int V = c.vocab_size;
   cuda::ModelUpload u = Upload(/*hot=*/true);
   for (int l = 0; l < c.n_layers; ++l) {
-    u.layers[l].pred_fc1 = FromView(preds.layers[l].fc1);
-    u.layers[l].pred_fc2 = FromView(preds.layers[l].fc2);
-    u.layers[l].pred_threshold = preds.layers[l].threshold;
+    u.layers[l].pred_fc1 = FromView(pc->preds.layers[l].fc1);
+    u.layers[l].pred_fc2 = FromView(pc->preds.layers[l].fc2);
+    u.layers[l].pred_threshold = pc->preds.layers[l].threshold;
   }
   auto backend = Create(u);
   ASSERT_NE(backend, nullptr);
@@ -661,14 +688,7 @@ TEST_F(CudaBackendTest, PredictedModeMatchesCpuPredictedSparseFfn) {
     ASSERT_TRUE(st.ok()) << st.message;
     hot_computed += backend->last_stats().hot_rows_computed;
     cold_listed += backend->last_stats().cold_rows_requested;
-    double err = 0, norm = 0;
-    for (int i = 0; i < V; ++i) {
-      ASSERT_FALSE(std::isnan(got[i]));
-      const double w = want[pos * V + i];
-      err += (got[i] - w) * (got[i] - w);
-      norm += w * w;
-    }
-    EXPECT_LE(err / norm, 1e-6) << "position " << pos;
+    EXPECT_LE(Nmse(got.data(), pc->want.data() + pos * V, V), 1e-6) << "position " << pos;
   }
   // About 30% of the neurons are predicted active per token, on both sides of the split.
   int64_t hot_total = 0;
@@ -678,6 +698,112 @@ TEST_F(CudaBackendTest, PredictedModeMatchesCpuPredictedSparseFfn) {
   EXPECT_LT(hot_computed / steps, 0.4 * hot_total);
   EXPECT_GT(cold_listed / steps, 0.2 * (c.n_layers * c.ffn_size - hot_total));
   EXPECT_LT(cold_listed / steps, 0.4 * (c.n_layers * c.ffn_size - hot_total));
+}
+
+// The module's side of the CacheSlotTarget protocol (as the gpu-worker's ModuleSlots).
+class BackendSlots : public CacheSlotTarget {
+ public:
+  explicit BackendSlots(cuda::Backend* b) : b_(b) {}
+  absl::Status LoadRows(int layer, const std::vector<int32_t>& slots,
+                        const std::vector<int32_t>& neurons) override {
+    return Status(b_->LoadCacheRows(layer, slots, neurons));
+  }
+  absl::StatusOr<bool> RowsLanded() override {
+    bool landed = false;
+    absl::Status st = Status(b_->CacheRowsLanded(/*wait=*/false, &landed));
+    if (!st.ok()) return st;
+    return landed;
+  }
+  absl::Status AssignSlots(int layer, const std::vector<int32_t>& slots,
+                           const std::vector<int32_t>& neurons) override {
+    return Status(b_->SetCacheSlots(layer, slots, neurons));
+  }
+
+ private:
+  static absl::Status Status(const cuda::BackendStatus& s) {
+    return s.ok() ? absl::OkStatus()
+                  : absl::Status(static_cast<absl::StatusCode>(s.code), s.message);
+  }
+  cuda::Backend* b_;
+};
+
+// The adaptive hot set in predicted mode (what `--sparse --adaptive-cache-rows` runs): driven by
+// AdaptiveHotSet from the active neurons each step reports, cache slots fill and churn while the
+// logits stay equal to the CPU reference's (every predicted-active neuron computed once, by the
+// GPU's static rows, a slot, or the cold side). In lockstep with a backend without the cache, the
+// same neurons are active and the cache moves some of them from the cold side to the GPU.
+TEST_F(CudaBackendTest, AdaptiveCacheInPredictedModeMatchesCpuReference) {
+  const ModelConfig& c = model_->config;
+  std::vector<int32_t> tokens;
+  for (const auto& p : (*reference_)["prompts"]) {
+    for (int32_t t : p["input_ids"].get<std::vector<int32_t>>()) tokens.push_back(t);
+  }
+  std::unique_ptr<PredictedCase> pc = MakePredictedCase(*model_, *down_t_, tokens);
+  ASSERT_GT(pc->min_margin, 1e-4) << "no safe threshold gap; change the seed";
+  const int V = c.vocab_size, slots = 48;
+  cuda::ModelUpload u = Upload(/*hot=*/true);
+  for (int l = 0; l < c.n_layers; ++l) {
+    u.layers[l].pred_fc1 = FromView(pc->preds.layers[l].fc1);
+    u.layers[l].pred_fc2 = FromView(pc->preds.layers[l].fc2);
+    u.layers[l].pred_threshold = pc->preds.layers[l].threshold;
+  }
+  auto plain = Create(u);
+  for (cuda::LayerUpload& lu : u.layers) lu.cache_rows = slots;
+  auto cached = Create(u);
+  ASSERT_NE(plain, nullptr);
+  ASSERT_NE(cached, nullptr);
+  HotCacheOptions ho;
+  ho.slots = slots;
+  ho.decay = 0.8;
+  ho.min_gain = 0.5;
+  ho.max_swaps = 16;
+  absl::StatusOr<AdaptiveHotCache> hc = AdaptiveHotCache::Create(c.ffn_size, *hot_ids_, ho);
+  ASSERT_TRUE(hc.ok()) << hc.status();
+  BackendSlots target(cached.get());
+  AdaptiveHotSet set(std::move(*hc), &target, /*plan_every=*/1);
+  CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
+  std::vector<float> got(V), got_plain(V);
+  std::vector<std::vector<int32_t>> active;
+  int64_t moved = 0;
+  for (size_t pos = 0; pos < tokens.size(); ++pos) {
+    cuda::ForwardArgs a;
+    a.tokens = &tokens[pos];
+    a.n = 1;
+    a.pos0 = static_cast<int>(pos);
+    a.mode = cuda::FfnMode::kPredicted;
+    a.cold = &cold;
+    a.logits = got_plain.data();
+    cuda::BackendStatus st = plain->Forward(a);
+    ASSERT_TRUE(st.ok()) << st.message;
+    const cuda::ForwardStats p = plain->last_stats();
+    a.logits = got.data();
+    a.active_out = &active;
+    st = cached->Forward(a);
+    ASSERT_TRUE(st.ok()) << st.message;
+    const cuda::ForwardStats q = cached->last_stats();
+    EXPECT_LE(Nmse(got.data(), pc->want.data() + pos * V, V), 1e-6) << "position " << pos;
+    // The same active neurons, each computed once; the cache only moves some to the GPU.
+    int64_t reported = 0;
+    for (const auto& v : active) reported += static_cast<int64_t>(v.size());
+    EXPECT_EQ(q.hot_rows_computed + q.cold_rows_requested, reported) << "position " << pos;
+    EXPECT_EQ(p.hot_rows_computed + p.cold_rows_requested, reported) << "position " << pos;
+    EXPECT_GE(q.hot_rows_computed, p.hot_rows_computed) << "position " << pos;
+    moved += q.hot_rows_computed - p.hot_rows_computed;
+    absl::Status ast = set.AfterStep(active);
+    ASSERT_TRUE(ast.ok()) << ast;
+  }
+  EXPECT_GT(set.swaps_committed(), static_cast<uint64_t>(c.n_layers * slots));  // filled, churned
+  EXPECT_GT(moved, static_cast<int64_t>(tokens.size()));  // more than a neuron per step
+  // The module's rules: a slot still serving cannot be reloaded; a slot serves only what landed.
+  int serving = -1;
+  for (int s = 0; s < slots && serving < 0; ++s) {
+    cuda::BackendStatus st = cached->LoadCacheRows(0, {s}, {(*cold_ids_)[0][0]});
+    if (st.code == cuda::Code::kFailedPrecondition) serving = s;
+  }
+  EXPECT_GE(serving, 0) << "no slot of layer 0 serves a neuron after the run";
+  cuda::BackendStatus st = cached->SetCacheSlots(0, {0}, {(*hot_ids_)[0][0]});
+  EXPECT_EQ(st.code, cuda::Code::kInvalidArgument);
+  EXPECT_NE(st.message.find("is not a cold neuron"), std::string::npos) << st.message;
 }
 
 TEST_F(CudaBackendTest, RejectsBadRequestsWithSpecificErrors) {

@@ -43,5 +43,23 @@ TEST(CudaBackendOptionsTest, RefusesPreNormPredictorsWithANonZeroThreshold) {
   EXPECT_NE(no_refusal.status().code(), absl::StatusCode::kUnimplemented) << no_refusal.status();
 }
 
+// The adaptive hot set follows the predictors' choices (in exact mode the cpu-worker decides
+// with its own gate rows), and its VRAM is planned before the module exists.
+TEST(CudaBackendOptionsTest, AdaptiveCacheNeedsPredictorsAndIsPlannedExactly) {
+  auto model = LoadModel(std::string(PINFER_MODELS_DIR) + "/relu-llama-tiny");
+  ASSERT_TRUE(model.ok()) << model.status();
+  const Placement placement = Placement::FixedFraction((*model)->config, 0.5);
+  CudaBackendOptions o;
+  o.adaptive_cache_rows = 64;
+  auto refused = NewCudaBackend(**model, placement, nullptr, "/nonexistent/libpinfer_cuda.so", o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("needs --sparse"));
+  // relu-llama-tiny: 6 layers, hidden 384, ffn 1536, fp16: a neuron's gate, up and transposed
+  // down rows are 3 * 768 bytes; the maps hold an int32 per neuron and per slot.
+  EXPECT_EQ(AdaptiveCacheBytes(**model, 10), 6u * (10 * 3 * 768 + 4 * (1536 + 10)));
+  EXPECT_EQ(AdaptiveCacheBytes(**model, 0), 0u);
+}
+
 }  // namespace
 }  // namespace pinfer::gpuworker

@@ -731,6 +731,24 @@ TEST(ServiceColdPrefillTest, GpuWorkerFlagErrors) {
   EXPECT_THAT(err4, HasSubstr("--cold-prefill must be auto, cpu or stream (got \"fast\")"));
 }
 
+// The adaptive hot set follows the predictors' choices, so it needs --sparse; the rest of its
+// behaviour needs a GPU (CudaBackendTest.AdaptiveCacheInPredictedModeMatchesCpuReference).
+TEST(ServiceAdaptiveCacheTest, FlagErrors) {
+  const std::string worker = std::string(PINFER_BINARY_DIR) + "/bin/pinfer-gpu-worker --model " +
+                             kTiny + " --backend cpu ";
+  auto [rc1, err1] = RunCommand(worker + "--adaptive-cache-rows 64", "adaptive-1");
+  EXPECT_EQ(rc1, 2);
+  EXPECT_THAT(err1, HasSubstr("--adaptive-cache-rows needs --sparse"));
+  auto [rc2, err2] = RunCommand(worker + "--sparse --adaptive-cache-rows -3", "adaptive-2");
+  EXPECT_EQ(rc2, 2);
+  EXPECT_THAT(err2, HasSubstr("--adaptive-cache-rows must be in [0, 1048576]"));
+  auto [rc3, err3] = RunCommand(std::string(PINFER_BINARY_DIR) + "/cli/pinfer serve --model " +
+                                    kTiny + " --port 0 --adaptive-cache-rows 64",
+                                "adaptive-3");
+  EXPECT_EQ(rc3, 2);
+  EXPECT_THAT(err3, HasSubstr("--adaptive-cache-rows needs --sparse"));
+}
+
 TEST(ServiceColdPrefillTest, CpuBackendIgnoresTheFlagAndStaysExact) {
   // Without a GPU the flag changes nothing: a log line says so, the tokens are the reference's
   // and no prompt layer is counted as streamed.

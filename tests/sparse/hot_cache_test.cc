@@ -169,5 +169,110 @@ TEST(AdaptiveHotCacheTest, RejectsBadInput) {
   EXPECT_NE(c.status().message().find("bad hot cache options"), std::string::npos);
 }
 
+// A GPU side that enforces the module's rules (gpu-worker/cuda/backend.h): rows are loaded only
+// into slots that serve nobody, a slot serves only the neuron its landed copy brought in, and a
+// neuron is served by one slot at most. Copies land at once, or (auto_land false) when the test
+// says so.
+class FakeSlots : public CacheSlotTarget {
+ public:
+  FakeSlots(int layers, int slots)
+      : serving(layers, std::vector<int32_t>(slots, -1)),
+        loaded(layers, std::vector<int32_t>(slots, -1)) {}
+  absl::Status LoadRows(int layer, const std::vector<int32_t>& slots,
+                        const std::vector<int32_t>& neurons) override {
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (serving[layer][slots[i]] >= 0) return absl::FailedPreconditionError("slot serves");
+      loaded[layer][slots[i]] = neurons[i];
+    }
+    landed = auto_land;
+    ++loads;
+    return fail_loads ? absl::InternalError("copy failed") : absl::OkStatus();
+  }
+  absl::StatusOr<bool> RowsLanded() override { return landed; }
+  absl::Status AssignSlots(int layer, const std::vector<int32_t>& slots,
+                           const std::vector<int32_t>& neurons) override {
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const int32_t j = neurons[i];
+      if (j >= 0 && (!landed || loaded[layer][slots[i]] != j)) {
+        return absl::FailedPreconditionError("slot does not hold the neuron yet");
+      }
+      for (size_t o = 0; o < serving[layer].size(); ++o) {
+        if (j >= 0 && serving[layer][o] == j && static_cast<int>(o) != slots[i]) {
+          return absl::InvalidArgumentError("neuron in two slots");
+        }
+      }
+      serving[layer][slots[i]] = j;
+    }
+    return absl::OkStatus();
+  }
+  std::set<int32_t> Serving(int layer) const {
+    std::set<int32_t> out;
+    for (int32_t j : serving[layer]) {
+      if (j >= 0) out.insert(j);
+    }
+    return out;
+  }
+  std::vector<std::vector<int32_t>> serving, loaded;
+  bool landed = true, auto_land = true, fail_loads = false;
+  int loads = 0;
+};
+
+TEST(AdaptiveHotSetTest, SlotsFollowTheTextThroughTheTargetsProtocol) {
+  HotCacheOptions o;
+  o.slots = 4;
+  o.decay = 0.9;
+  o.min_gain = 1.0;
+  o.max_swaps = 4;
+  absl::StatusOr<AdaptiveHotCache> c = AdaptiveHotCache::Create(64, {{0, 1}, {0, 1}}, o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  FakeSlots gpu(2, 4);
+  AdaptiveHotSet set(std::move(*c), &gpu, /*plan_every=*/2);
+  // Layer 0 keeps activating 10..13, layer 1 20..23 (plus static neuron 0).
+  const std::vector<std::vector<int32_t>> text_a = {{0, 10, 11, 12, 13}, {0, 20, 21, 22, 23}};
+  for (int t = 0; t < 4; ++t) ASSERT_TRUE(set.AfterStep(text_a).ok());
+  // Planned at step 2 (counts 1.9 > 0 + 1), committed at step 3 (the copy had landed).
+  EXPECT_EQ(gpu.Serving(0), (std::set<int32_t>{10, 11, 12, 13}));
+  EXPECT_EQ(gpu.Serving(1), (std::set<int32_t>{20, 21, 22, 23}));
+  EXPECT_EQ(set.swaps_committed(), 8u);
+  // The text moves on; copies now land only when the test says so, and until then the slots
+  // that were taken away serve nobody while the others keep serving.
+  gpu.auto_land = false;
+  const std::vector<std::vector<int32_t>> text_b = {{0, 30, 31, 32, 33}, {0, 40, 41, 42, 43}};
+  int steps = 0;
+  while (!set.copy_in_flight() && steps < 100) {
+    ASSERT_TRUE(set.AfterStep(text_b).ok());
+    ++steps;
+  }
+  ASSERT_TRUE(set.copy_in_flight()) << "no swap planned after " << steps << " steps";
+  const uint64_t before = set.swaps_committed();
+  for (int t = 0; t < 3; ++t) ASSERT_TRUE(set.AfterStep(text_b).ok());
+  EXPECT_EQ(set.swaps_committed(), before);  // nothing committed before the copy lands
+  for (int l = 0; l < 2; ++l) {
+    for (int32_t j : gpu.Serving(l)) EXPECT_TRUE(j < 30) << "served before its copy landed";
+  }
+  gpu.landed = true;
+  for (int t = 0; t < 40; ++t) ASSERT_TRUE(set.AfterStep(text_b).ok());
+  EXPECT_EQ(gpu.Serving(0), (std::set<int32_t>{30, 31, 32, 33}));
+  EXPECT_EQ(gpu.Serving(1), (std::set<int32_t>{40, 41, 42, 43}));
+}
+
+TEST(AdaptiveHotSetTest, ReportsTheTargetsErrorsAndBadInput) {
+  HotCacheOptions o;
+  o.slots = 2;
+  o.min_gain = 0.5;
+  absl::StatusOr<AdaptiveHotCache> c = AdaptiveHotCache::Create(16, {{0}}, o);
+  ASSERT_TRUE(c.ok());
+  FakeSlots gpu(1, 2);
+  gpu.fail_loads = true;
+  AdaptiveHotSet set(std::move(*c), &gpu, /*plan_every=*/1);
+  absl::Status st = set.AfterStep({{5, 6}});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(st.message(), "copy failed");
+  st = set.AfterStep({{5}, {6}});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("active neurons of 2 layers for a cache of 1"), std::string::npos)
+      << st;
+}
+
 }  // namespace
 }  // namespace pinfer

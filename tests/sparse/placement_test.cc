@@ -89,6 +89,22 @@ TEST_F(PlacementTest, BudgetThatFitsExactlyFiveRows) {
   EXPECT_THAT(six->hot[1], ElementsAre(253, 254, 255));
 }
 
+// The adaptive hot set's slots come out of the budget before any hot row: the budget that gave
+// five rows above gives three when two rows' worth is reserved for the cache.
+TEST_F(PlacementTest, AdaptiveCacheBytesAreReservedBeforeHotRows) {
+  PlacementOptions o = Options(kFixed + 5 * kNeuron);
+  o.cache_bytes = 2 * kNeuron;
+  auto plan = PlanPlacement(*model_, profile_, nullptr, o);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->hot_neurons(), 3);
+  EXPECT_EQ(plan->fixed_bytes(), kFixed + 2 * kNeuron);
+  EXPECT_EQ(plan->gpu_bytes(), kFixed + 5 * kNeuron);
+  EXPECT_NE(plan->Summary().find("adaptive cache"), std::string::npos);
+  o.cache_bytes = 5 * kNeuron + 1;
+  plan = PlanPlacement(*model_, profile_, nullptr, o);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted);
+}
+
 TEST_F(PlacementTest, EverythingHot) {
   auto plan = PlanPlacement(*model_, profile_, nullptr, Options(kFixed + 512 * kNeuron + 12345));
   ASSERT_TRUE(plan.ok());
