@@ -30,35 +30,49 @@ timeout 400 "$b/bin/pinfer" prepare --model $model --calibration $model/calibrat
   tail -20 "$out/prepare.log"; exit 1; }
 tail -12 "$out/prepare.log"
 rc=0
-for backend in cpu cuda; do
+# cuda-adaptive: the CUDA backend with the adaptive hot set (--adaptive-cache-rows); it computes
+# the same predicted-active neurons, only moving some from the cpu-worker to cache slots.
+for run in cpu cuda cuda-adaptive; do
+  backend=${run%%-*}
+  extra=()
+  [[ $run == cuda-adaptive ]] && extra=(--adaptive-cache-rows "${CACHE_ROWS:-128}")
   dir=$(mktemp -d)
-  seg=/pinfer-sparse-$backend-$$
+  seg=/pinfer-sparse-$run-$$
   PINFER_CUDA_MODULE="$cb/bin/libpinfer_cuda.so" "$b/bin/pinfer-gpu-worker" --model "$prepared" \
-    --sparse --backend $backend --segment $seg --listen 127.0.0.1:0 --port-file "$dir/gpu.port" \
-    --metrics-port 127.0.0.1:0 --metrics-port-file "$dir/gpu.mport" > "$out/gpu-worker-$backend.log" 2>&1 &
+    --sparse --backend $backend "${extra[@]}" --segment $seg --listen 127.0.0.1:0 --port-file "$dir/gpu.port" \
+    --metrics-port 127.0.0.1:0 --metrics-port-file "$dir/gpu.mport" > "$out/gpu-worker-$run.log" 2>&1 &
   gp=$!
   "$b/bin/pinfer-cpu-worker" --model "$prepared" --segment $seg --threads 4 \
-    > "$out/cpu-worker-$backend.log" 2>&1 &
+    > "$out/cpu-worker-$run.log" 2>&1 &
   cp=$!
   for i in $(seq 600); do [[ -s $dir/gpu.port ]] && break; sleep 0.1; done
   "$b/bin/pinfer-gateway" --workers "127.0.0.1:$(cat "$dir/gpu.port")" --listen 127.0.0.1:0 \
-    --port-file "$dir/gw.port" > "$out/gateway-$backend.log" 2>&1 &
+    --port-file "$dir/gw.port" > "$out/gateway-$run.log" 2>&1 &
   gw=$!
   for i in $(seq 600); do [[ -s $dir/gw.port ]] && break; sleep 0.1; done
-  echo "== gpu-worker on $backend, --sparse: against the dense reference.json"
+  echo "== gpu-worker $run, --sparse: against the dense reference.json"
   timeout 300 "$b/bin/service_bench" --address "127.0.0.1:$(cat "$dir/gw.port")" \
-    --reference $model/reference.json --write-greedy "$out/greedy-$backend.json" \
-    --tokens 128 --repeats 2 --streams 1 2>&1 | tee "$out/bench-$backend.md" | grep -v MISMATCH
-  if [[ $backend == cuda ]]; then
+    --reference $model/reference.json --write-greedy "$out/greedy-$run.json" \
+    --tokens 128 --repeats 2 --streams 1 2>&1 | tee "$out/bench-$run.md" | grep -v MISMATCH
+  if [[ $run == cuda ]]; then
     echo "== gpu-worker on cuda against on cpu (both --sparse)"
     timeout 300 "$b/bin/service_bench" --address "127.0.0.1:$(cat "$dir/gw.port")" \
       --reference "$out/greedy-cpu.json" --tokens 8 --repeats 1 --streams 1 2>&1 |
       grep -E "reference:|MISMATCH" | tee "$out/cuda-vs-cpu.txt"
   fi
-  curl -s "http://127.0.0.1:$(cat "$dir/gpu.mport")/metrics" > "$out/gpu-worker-$backend.metrics"
-  grep -E '^pinfer_worker_ffn_sparsity|^pinfer_worker_neurons_computed_total' "$out/gpu-worker-$backend.metrics"
+  if [[ $run == cuda-adaptive ]]; then
+    # The same neurons, computed once each: the 128-token continuations must equal cuda's.
+    echo "== cuda with the adaptive hot set against cuda without (128 tokens)"
+    timeout 300 "$b/bin/service_bench" --address "127.0.0.1:$(cat "$dir/gw.port")" \
+      --reference "$out/greedy-cuda.json" --tokens 128 --repeats 1 --streams 1 2>&1 |
+      grep -E "reference:|MISMATCH" | tee "$out/adaptive-vs-cuda.txt"
+    grep -q "MISMATCH" "$out/adaptive-vs-cuda.txt" && rc=1
+  fi
+  curl -s "http://127.0.0.1:$(cat "$dir/gpu.mport")/metrics" > "$out/gpu-worker-$run.metrics"
+  grep -E '^pinfer_worker_ffn_sparsity|^pinfer_worker_neurons_computed_total|^pinfer_worker_adaptive' \
+    "$out/gpu-worker-$run.metrics"
   kill $gw $gp $cp 2>/dev/null
   wait $gw $gp $cp 2>/dev/null
-  grep -E "placement|computing|CUDA|sparse" "$out/gpu-worker-$backend.log" | head -8
+  grep -E "placement|computing|CUDA|sparse|adaptive" "$out/gpu-worker-$run.log" | head -10
 done
 exit $rc
