@@ -4,7 +4,8 @@
 # gpu-worker on the CPU and once on the GPU (CUDA module), and compares: greedy tokens of both
 # against each other and against the dense reference.json, and the FFN sparsity each reports.
 # Run from the repository root with bundles from bench/make_service_bundle.sh and a folder whose
-# bin/ holds libpinfer_cuda.so:
+# bin/ holds libpinfer_cuda.so (PREPARE_FLAGS, e.g. "--ranks 96 --max-tokens 16384", shortens the
+# preparation; CACHE_ROWS sets the adaptive run's --adaptive-cache-rows, 128):
 #
 #   bench/device_sparse_run.sh SERVICE_BUNDLE CUDA_BUNDLE      # results in $OUT (./sparse-results)
 #
@@ -26,7 +27,7 @@ done
 export LD_LIBRARY_PATH="$b/lib:$cb/lib:$cublas"
 prepared=$(mktemp -d)/tiny-prepared.gguf
 timeout 400 "$b/bin/pinfer" prepare --model $model --calibration $model/calibration.txt \
-  --out "$prepared" --threads "${PREPARE_THREADS:-16}" > "$out/prepare.log" 2>&1 || {
+  --out "$prepared" --threads "${PREPARE_THREADS:-16}" ${PREPARE_FLAGS:-} > "$out/prepare.log" 2>&1 || {
   tail -20 "$out/prepare.log"; exit 1; }
 tail -12 "$out/prepare.log"
 rc=0

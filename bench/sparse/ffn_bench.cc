@@ -10,12 +10,12 @@
 // c chosen so that the expected active fraction is `active` (10% by default): a few neurons fire
 // on most tokens, most rarely, as profiled ReLU models show.
 //
-// Between timed tokens the bench reads 96 MiB of other memory (flush=1, the default), as the
-// other layers of a real model would, so neither path finds the previous token's rows in the
-// caches.
+// Between timed tokens the bench reads flush_mib MiB of other memory (96 by default; flush=0
+// turns it off), as the other layers of a real model would, so neither path finds the previous
+// token's rows in the caches. It must exceed the last-level cache: server parts have 300 MiB.
 //
 // usage: ffn_bench [hidden=4096] [ffn=11008] [active=0.1] [tokens=20] [ranks=0,256,1024]
-//                  [dtypes=f16,q8_0,q4_0] [flush=1]
+//                  [dtypes=f16,q8_0,q4_0] [flush=1] [flush_mib=96]
 // Prints one JSON object per dtype.
 
 #include <algorithm>
@@ -65,8 +65,9 @@ Matrix RandomMatrix(int64_t rows, int64_t cols, DType dt, std::mt19937& rng, flo
 }
 
 // Reads a buffer larger than the last-level cache (the caches then hold none of the weights).
+size_t g_flush_bytes = 96u << 20;
 void FlushCaches() {
-  static std::vector<uint8_t> junk(96u << 20, 1);
+  static std::vector<uint8_t> junk(g_flush_bytes, 1);
   uint8_t acc = 0;
   for (size_t i = 0; i < junk.size(); i += 64) acc ^= junk[i];
   asm volatile("" : : "r"(acc));  // keeps the reads
@@ -114,6 +115,7 @@ int main(int argc, char** argv) {
   const double active = num("active", 0.1);
   const int tokens = static_cast<int>(num("tokens", 20));
   const bool flush = num("flush", 1) != 0;
+  g_flush_bytes = static_cast<size_t>(num("flush_mib", 96)) << 20;
   std::vector<int> ranks = {0, 256, 1024};
   if (kv.count("ranks")) {
     ranks.clear();
@@ -240,6 +242,7 @@ int main(int argc, char** argv) {
     j["hidden"] = H;
     j["ffn"] = F;
     j["active_fraction"] = mean_active;
+    j["flush_mib"] = flush ? static_cast<double>(g_flush_bytes >> 20) : 0.0;
     j["dense_ms_per_token"] = dense;
     j["sparse_ms_per_token"] = fused;
     j["speedup_rows_only"] = dense / fused;
