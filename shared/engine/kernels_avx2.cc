@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "shared/engine/row_kernels.h"
 #include "shared/util/half.h"
@@ -112,6 +113,8 @@ const RowKernels* RowKernelsAvx2() {
       QuantizeQ8x,
       SiluMul,
       ExpSubSum,
+      PINFER_AXPY_ROWS,
+      PINFER_DOT_ROWS,
   };
   return &k;
 }

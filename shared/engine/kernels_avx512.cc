@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "shared/engine/row_kernels.h"
 #include "shared/util/half.h"
@@ -248,6 +249,8 @@ const RowKernels* RowKernelsAvx512(bool vbmi) {
       QuantizeQ8x512,
       SiluMul,
       ExpSubSum,
+      PINFER_AXPY_ROWS,
+      PINFER_DOT_ROWS,
   };
   static const RowKernels without_vbmi = {
       "avx512-novbmi",
@@ -261,6 +264,8 @@ const RowKernels* RowKernelsAvx512(bool vbmi) {
       QuantizeQ8x512,
       SiluMul,
       ExpSubSum,
+      PINFER_AXPY_ROWS,
+      PINFER_DOT_ROWS,
   };
   return vbmi ? &with_vbmi : &without_vbmi;
 }

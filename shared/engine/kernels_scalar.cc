@@ -2,6 +2,7 @@
 // without AVX2, and a third implementation the op tests check.
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "shared/engine/row_kernels.h"
 #include "shared/util/half.h"
@@ -73,6 +74,8 @@ const RowKernels* RowKernelsScalar() {
       QuantizeQ8x,
       SiluMul,
       ExpSubSum,
+      PINFER_AXPY_ROWS,
+      PINFER_DOT_ROWS,
   };
   return &k;
 }

@@ -354,29 +354,22 @@ class SimdOps : public CpuOps {
   // A single core reads a random 4-8 KB row at well under half its sequential bandwidth (the
   // hardware prefetchers restart at every row; measured 8-9 GB/s against 20-22 GB/s here), but
   // several scattered rows read at once keep several streams in flight (4 rows: 14-17 GB/s). So
-  // the sparse ops walk up to kGroup rows together, a chunk of kChunk columns of each in turn.
-  // (Neighbouring rows of a dense product stream best one after the other: MatMul and MatMulRows
-  // keep one kernel call per row.) AxpyRows adds each element's terms in row order, exactly as
-  // one row after the other would; DotRows sums a row's chunks in column order, whatever rows it
-  // is grouped with.
+  // the sparse ops hand up to kGroup rows to one kernel (axpy_rows, dot_rows*) that reads them
+  // together, vector by vector. (Neighbouring rows of a dense product stream best one after the
+  // other: MatMul and MatMulRows keep one kernel call per row.) AxpyRows adds each element's
+  // terms in row order, exactly as one row after the other would; a row's dot does not depend on
+  // the rows it is grouped with.
   static constexpr int kGroup = 4;
-  static constexpr int64_t kChunk = 512;
 
-  // out[j] = rows[j] . x for j < k (Q8_0 / Q4_0 rows against the quantized v).
+  // out[j] = rows[j] . x for j < k (Q8_0 / Q4_0 rows against the quantized v), the rows read
+  // together by one kernel.
   void DotRows(DType dt, const uint8_t* const* rows, int k, const float* x, const Q8Vector& v,
                int64_t cols, float* out) const {
     const size_t di = static_cast<size_t>(dt);
-    const bool quantized = IsQuantized(dt);
-    for (int j = 0; j < k; ++j) out[j] = 0;
-    for (int64_t c = 0; c < cols; c += kChunk) {
-      const int64_t len = std::min(kChunk, cols - c);
-      const size_t off = RowBytes(dt, c);
-      if (quantized) {
-        const Q8Vector vc{v.q + c, v.d + c / 32, v.s8 + c / 4};
-        for (int j = 0; j < k; ++j) out[j] += k_->dot_q8x[di](rows[j] + off, vc, len);
-      } else {
-        for (int j = 0; j < k; ++j) out[j] += k_->dot[di](rows[j] + off, x + c, len);
-      }
+    if (IsQuantized(dt)) {
+      k_->dot_rows_q8x[di](rows, k, v, cols, out);
+    } else {
+      k_->dot_rows[di](rows, k, x, cols, out);
     }
   }
 
@@ -384,12 +377,11 @@ class SimdOps : public CpuOps {
   // multiple of 32).
   void AxpyRows(DType dt, const uint8_t* const* rows, const float* a, int k, float* y, int64_t c0,
                 int64_t c1) const {
-    const auto axpy = k_->axpy[static_cast<size_t>(dt)];
-    for (int64_t c = c0; c < c1; c += kChunk) {
-      const int64_t len = std::min(kChunk, c1 - c);
-      const size_t off = RowBytes(dt, c);
-      for (int j = 0; j < k; ++j) axpy(a[j], rows[j] + off, y + c, len);
-    }
+    // One pass over [c0, c1): the kernel reads the k rows together, vector by vector.
+    const size_t off = RowBytes(dt, c0);
+    const uint8_t* rp[kGroup];
+    for (int j = 0; j < k; ++j) rp[j] = rows[j] + off;
+    k_->axpy_rows[static_cast<size_t>(dt)](a, rp, k, y + c0, c1 - c0);
   }
 
   struct Q8Scratch {

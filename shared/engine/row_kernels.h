@@ -40,6 +40,15 @@ struct RowKernels {
   // within a few ulp of std::exp.
   void (*silu_mul)(float* gate, const float* up, int64_t n);
   float (*exp_sub_sum)(float* x, int64_t n, float m);
+  // y[i] += sum_{j < k} a[j] * rows[j][i], each element's terms in row order: the same result as
+  // k axpy calls, with y read and written once and the rows read together.
+  void (*axpy_rows[5])(const float* a, const uint8_t* const* rows, int k, float* y, int64_t n);
+  // out[j] = rows[j] . x for j < k, the rows read together: F32/F16/BF16 rows against x (null
+  // for the block types), Q8_0 / Q4_0 rows against x quantized (null for the others; each sum
+  // formed exactly as dot_q8x forms it, the plain types' may round differently from dot's).
+  void (*dot_rows[5])(const uint8_t* const* rows, int k, const float* x, int64_t n, float* out);
+  void (*dot_rows_q8x[5])(const uint8_t* const* rows, int k, const Q8Vector& x, int64_t n,
+                          float* out);
 };
 
 const RowKernels* RowKernelsScalar();

@@ -127,6 +127,30 @@ class OpsTest : public ::testing::TestWithParam<Impl> {
 
 const DType kDTypes[] = {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ4_0};
 
+// The grouped kernel behind the sparse down projection must add exactly what one AXPY per row
+// adds, in the same order: bit for bit, for 1..6 rows (more than a group of four), every dtype,
+// widths with and without a vector tail.
+TEST_P(OpsTest, AxpyRowsEqualsOneAxpyPerRow) {
+  const RowKernels* k = GetParam().kernels;
+  for (DType dt : kDTypes) {
+    for (int64_t cols : {int64_t{96}, int64_t{1056}}) {
+      Weight w = MakeWeight(dt, 6, cols, rng_);
+      for (int n = 1; n <= 6; ++n) {
+        std::vector<float> a = Random(n, rng_), start = Random(cols, rng_);
+        std::vector<const uint8_t*> rows;
+        for (int j = 0; j < n; ++j) rows.push_back(static_cast<const uint8_t*>(w.view.row(j)));
+        std::vector<float> want = start, got = start;
+        for (int j = 0; j < n; ++j) {
+          k->axpy[static_cast<size_t>(dt)](a[j], rows[j], want.data(), cols);
+        }
+        k->axpy_rows[static_cast<size_t>(dt)](a.data(), rows.data(), n, got.data(), cols);
+        ASSERT_EQ(0, std::memcmp(got.data(), want.data(), cols * sizeof(float)))
+            << DTypeName(dt) << " cols " << cols << " rows " << n;
+      }
+    }
+  }
+}
+
 TEST_P(OpsTest, MatMulEveryDtypeAndBatch) {
   for (DType dt : kDTypes) {
     for (int n : {1, 2, 7}) {
