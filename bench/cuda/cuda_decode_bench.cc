@@ -728,6 +728,8 @@ struct Result {
   double floor_s = 0;
   double plan_bytes = 0, actual_bytes = 0;
   double cold_s = 0, wait_s = 0, gpu_hot_s = 0;
+  double gpu_cold_share = 0;  // fraction of the active cold rows the GPU read over PCIe
+  double pcie_floor_s = 0;    // the floor with PCIe as a third resource (see PrintResults)
 };
 
 int Argmax(const std::vector<float>& v) {
@@ -779,8 +781,10 @@ void PrintResults(const Options& o, const SynthModel& m, const Bandwidths& bw,
     if (r.mode == "pinfer") {
       std::printf(
           "pinfer [%s] skew %.0f%%: per token cold callback %.2f ms, host wait for x "
-          "%.2f ms, GPU hot FFN %.2f ms\n",
-          r.variant.c_str(), r.skew * 100, r.cold_s * 1e3, r.wait_s * 1e3, r.gpu_hot_s * 1e3);
+          "%.2f ms, GPU hot FFN (+ its cold share) %.2f ms; GPU took %.1f%% of the active cold "
+          "rows over PCIe; floor with PCIe as a third resource %.2f ms (%.0f%% of it)\n",
+          r.variant.c_str(), r.skew * 100, r.cold_s * 1e3, r.wait_s * 1e3, r.gpu_hot_s * 1e3,
+          100 * r.gpu_cold_share, r.pcie_floor_s * 1e3, 100.0 * r.pcie_floor_s * r.tok_s);
     }
   }
   (void)o;
@@ -1115,7 +1119,9 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_PREFETCH", "0", 1);
   setenv("PINFER_CUDA_Q8X", "1", 1);
   setenv("PINFER_CUDA_ZERO_COPY_COLD", "0", 1);
-  setenv("PINFER_CUDA_QX_WARPS", "8", 1);
+  setenv("PINFER_CUDA_QX_WARPS", "16", 1);  // the module's defaults (kernels.cu)
+  setenv("PINFER_CUDA_QX_ROWS", "2", 1);
+  setenv("PINFER_CUDA_COLD_GPU_SHARE", "0", 1);
   if (variant == "base") return;
   for (const std::string& kv : Split(variant, '+')) {
     const size_t eq = kv.find('=');
@@ -1563,7 +1569,7 @@ int Main(int argc, char** argv) {
         hot_rows /= o.steps;
         cold_rows /= o.steps;
         int32_t token = 1;
-        double start = 0, cold_s = 0, wait_s = 0, hot_s = 0;
+        double start = 0, cold_s = 0, wait_s = 0, hot_s = 0, gpu_cold = 0, cpu_cold = 0;
         for (int s = 0; s < total_steps; ++s) {
           if (s == o.warmup) start = Now();
           cuda::ForwardArgs a;
@@ -1585,6 +1591,8 @@ int Main(int argc, char** argv) {
           if (s >= o.warmup) {
             cold_s += be.b->last_stats().cold_callback;
             wait_s += be.b->last_stats().wait_for_x;
+            gpu_cold += static_cast<double>(be.b->last_stats().cold_rows_gpu);
+            cpu_cold += static_cast<double>(be.b->last_stats().cold_rows_requested);
             hot_s += be.b->last_stats().gpu_hot_ffn;
           }
         }
@@ -1599,6 +1607,12 @@ int Main(int argc, char** argv) {
                       hot_rows * 3 * rb;
         r.cpu_bytes = cold_rows * 3 * rb;
         r.floor_s = std::max(r.gpu_bytes / bw.gpu(), r.cpu_bytes / bw.cpu_gemv);
+        // The floor puts every cold row on the CPU, as placed. When the GPU may also read
+        // cold rows over PCIe (PINFER_CUDA_COLD_GPU_SHARE), the cold bytes can be split between
+        // the CPU and the link, the best split giving cold / (CPU + host->GPU bandwidth).
+        r.gpu_cold_share = gpu_cold + cpu_cold > 0 ? gpu_cold / (gpu_cold + cpu_cold) : 0;
+        r.pcie_floor_s =
+            std::max(r.gpu_bytes / bw.gpu(), r.cpu_bytes / (bw.cpu_gemv + bw.h2d));
         r.plan_bytes = plan;
         r.actual_bytes = static_cast<double>(be.b->DeviceBytes());
         r.cold_s = cold_s / o.steps;

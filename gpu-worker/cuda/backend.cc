@@ -280,6 +280,24 @@ class CudaBackend : public Backend {
 
   std::unique_ptr<ColdStreamer> streamer_;  // ModelUpload::stream_cold or cache_rows
   bool cache_loaded_ = false;
+
+  // ModelUpload::cold_gpu_share as share_num_ / kShareDen; the rest of each list goes to the
+  // callback. The GPU's part of a list is its first n * share_num_ / kShareDen entries.
+  static constexpr int kShareDen = 1024;
+  int share_num_ = 0;
+  int32_t* cold_gpu_count_ = nullptr;   // device [1]: the GPU's part of a predicted list
+  int32_t* cold_gpu_list_ = nullptr;    // device [1 + ffn]: count, cold positions (kGiven)
+  int32_t* given_cold_host_ = nullptr;  // pinned [n_layers, ffn + 1]: its staging
+  float *cold_gate_ = nullptr, *cold_up_ = nullptr;  // device [ffn]
+  // Whether layer l's single-token step gives the GPU a share of its cold neurons.
+  bool SharesCold(const DeviceLayer& L, const ForwardArgs& a) const {
+    const FfnMode mode = EffectiveMode(a);
+    return share_num_ > 0 && a.n == 1 && L.cold_rows.rows > 0 &&
+           (mode == FfnMode::kPredicted || mode == FfnMode::kGiven);
+  }
+  int GpuShare(int count) const {
+    return static_cast<int>(static_cast<int64_t>(count) * share_num_ / kShareDen);
+  }
 };
 
 void CudaBackend::Release() {
@@ -451,6 +469,14 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   if (const char* g = std::getenv("PINFER_CUDA_REPACK")) repack_ = std::string(g) != "0";
   if (const char* g = std::getenv("PINFER_CUDA_STEP_GRAPH")) step_graph_ = std::string(g) != "0";
   if (const char* g = std::getenv("PINFER_CUDA_PDL")) SetProgrammaticLaunch(std::string(g) != "0");
+  {
+    double share = m.cold_gpu_share;
+    if (const char* g = std::getenv("PINFER_CUDA_COLD_GPU_SHARE")) share = std::atof(g);
+    if (!(share >= 0 && share <= 1)) {
+      return Error(Code::kInvalidArgument, "cold_gpu_share must be in [0, 1]");
+    }
+    share_num_ = static_cast<int>(share * kShareDen + 0.5);
+  }
   if (const char* g = std::getenv("PINFER_CUDA_Q8X"))
     SetQuantizedActivations(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_PREFETCH")) SetWeightPrefetch(std::string(g) == "1");
@@ -584,7 +610,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   widest = std::max<int64_t>(widest, max_rank_);
   bool any_cache = false;
   for (const LayerUpload& u : m.layers) any_cache = any_cache || u.cache_rows > 0;
-  if ((m.stream_cold && B > kSmallBatch) || any_cache) {
+  if ((m.stream_cold && B > kSmallBatch) || any_cache || share_num_ > 0) {
     BACKEND_RETURN_IF_ERROR(SetUpStreaming(m, m.stream_cold && B > kSmallBatch));
     for (const DeviceLayer& d : layers_) {
       if (d.cold_rows.rows == 0) continue;
@@ -614,6 +640,14 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   positions_dev_ = tokens_dev_ + B;
   BACKEND_RETURN_IF_ERROR(Alloc(F + 1, &hot_list_));
   BACKEND_RETURN_IF_ERROR(Alloc(F + 1, &cold_list_));
+  if (share_num_ > 0) {
+    BACKEND_RETURN_IF_ERROR(Alloc(1, &cold_gpu_count_));
+    BACKEND_RETURN_IF_ERROR(Alloc(F + 1, &cold_gpu_list_));
+    BACKEND_RETURN_IF_ERROR(Alloc(F, &cold_gate_));
+    BACKEND_RETURN_IF_ERROR(Alloc(F, &cold_up_));
+    BACKEND_RETURN_IF_ERROR(
+        AllocHost(static_cast<size_t>(c.n_layers) * (F + 1), &given_cold_host_));
+  }
   // cuBLAS scratch only where batches can exceed the matrix-vector path.
   if (B > kSmallBatch) {
     gemm_.w_half_bytes = w_half;
@@ -710,6 +744,22 @@ BackendStatus CudaBackend::PrepareLayer(int l, const ForwardArgs& a) {
       (a.given_cold == nullptr || static_cast<int>(a.given_cold->size()) <= l)) {
     return Error(Code::kInvalidArgument, "kGiven needs given_cold for every layer");
   }
+  if (mode == FfnMode::kGiven && a.cold != nullptr && SharesCold(L, a)) {
+    // The GPU's part of the given cold list, as positions in the pinned cold rows.
+    const std::vector<int32_t>& g = (*a.given_cold)[l];
+    int32_t* stage = given_cold_host_ + static_cast<size_t>(l) * (F + 1);
+    const int n_gpu = GpuShare(static_cast<int>(g.size()));
+    stage[0] = n_gpu;
+    for (int i = 0; i < n_gpu; ++i) {
+      auto it = std::lower_bound(L.cold_ids_host.begin(), L.cold_ids_host.end(), g[i]);
+      if (it == L.cold_ids_host.end() || *it != g[i]) {
+        return Error(Code::kInvalidArgument, "given_cold lists neuron " + std::to_string(g[i]) +
+                                                 ", not a cold neuron of layer " +
+                                                 std::to_string(l));
+      }
+      stage[1 + i] = static_cast<int32_t>(it - L.cold_ids_host.begin());
+    }
+  }
   if (a.n > kSmallBatch || n_hot == 0) counts_host_[2 * l] = n_hot;
   if (StreamsLayer(l, a)) counts_host_[2 * l + 1] = 0;
   return Ok();
@@ -735,7 +785,8 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
         cold ? 1 : 0,
         static_cast<int64_t>(reinterpret_cast<uintptr_t>(cold ? exchange_x : nullptr)),
         collect_gpu_times_ ? 1 : 0,
-        ObservesActive(a) ? 1 : 0};
+        ObservesActive(a) ? 1 : 0,
+        SharesCold(L, a) ? share_num_ : 0};
     auto it = graphs_.find(key);
     if (it == graphs_.end()) {
       cudaGraph_t graph = nullptr;
@@ -839,6 +890,10 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
     if (cold) {
       CUDA_RETURN_IF_ERROR(CompactActive(scores_, n, F, use_cache ? L.cold_map_c : L.cold_ids,
                                          n_cold, L.pred_cut, cold_idx_, cold_count, stream_));
+      if (SharesCold(L, a)) {
+        CUDA_RETURN_IF_ERROR(
+            ShareOfCount(cold_count, share_num_, kShareDen, cold_gpu_count_, stream_));
+      }
       CUDA_RETURN_IF_ERROR(
           cudaMemcpyAsync(cold_idx_host_, cold_idx_, n_cold * 4, cudaMemcpyDeviceToHost, stream_));
       CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(counts_host_ + 2 * l + 1, cold_count, 4,
@@ -903,6 +958,28 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
     CUDA_RETURN_IF_ERROR(cudaMemsetAsync(hot_out_, 0, nh * 4, stream_));
   }
   if (StreamsLayer(l, a)) BACKEND_RETURN_IF_ERROR(StreamCold(l, n));
+  if (cold && SharesCold(L, a)) {
+    // The GPU's share of the cold neurons, rows read from pinned host memory over PCIe while the
+    // callback computes the rest: gate and up products, activation, down rows into hot_out_.
+    const int32_t* list = cold_idx_;
+    const int32_t* count = cold_gpu_count_;
+    if (mode == FfnMode::kGiven) {
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+          cold_gpu_list_, given_cold_host_ + static_cast<size_t>(l) * (F + 1),
+          (static_cast<size_t>(n_cold) + 1) * 4, cudaMemcpyHostToDevice, stream_));
+      list = cold_gpu_list_ + 1;
+      count = cold_gpu_list_;
+    }
+    const ColdRows& R = L.cold_rows;
+    const DeviceMatrix cg{R.type, R.rows, R.cols, R.gate};
+    const DeviceMatrix cu{R.type, R.rows, R.cols, R.up};
+    const DeviceMatrix cd{R.type, R.rows, R.cols, R.down_t};
+    CUDA_RETURN_IF_ERROR(MatVecRows(cg, list, n_cold, count, xb_, 1, cold_gate_, n_cold, stream_));
+    CUDA_RETURN_IF_ERROR(MatVecRows(cu, list, n_cold, count, xb_, 1, cold_up_, n_cold, stream_));
+    CUDA_RETURN_IF_ERROR(GatedActivation(act, cold_gate_, cold_up_, n_cold, stream_));
+    CUDA_RETURN_IF_ERROR(
+        AccumulateRows(cd, list, n_cold, count, cold_gate_, n_cold, 1, hot_out_, stream_));
+  }
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot1_[l]));
   return Ok();
 }
@@ -983,15 +1060,22 @@ BackendStatus CudaBackend::FinishCold(int l, const ForwardArgs& a, float* exchan
   req.n = n;
   req.x = exchange_x;
   req.out = exchange_out;
+  // With cold_gpu_share the GPU has taken the first GpuShare(count) neurons of the list.
+  const bool shared = SharesCold(L, a);
   if (mode == FfnMode::kPredicted) {
     const int count = counts_host_[2 * l + 1];
     for (int i = 0; i < count; ++i) exchange_active[i] = L.cold_ids_host[cold_idx_host_[i]];
-    req.active = exchange_active;
-    req.n_active = count;
     if (ObservesActive(a)) (*a.active_out)[l].assign(exchange_active, exchange_active + count);
+    const int n_gpu = shared ? GpuShare(count) : 0;
+    req.active = exchange_active + n_gpu;
+    req.n_active = count - n_gpu;
+    stats_.cold_rows_gpu += n_gpu;
   } else if (mode == FfnMode::kGiven) {
-    req.active = (*a.given_cold)[l].data();
-    req.n_active = static_cast<int>((*a.given_cold)[l].size());
+    const std::vector<int32_t>& g = (*a.given_cold)[l];
+    const int n_gpu = shared ? GpuShare(static_cast<int>(g.size())) : 0;
+    req.active = g.data() + n_gpu;
+    req.n_active = static_cast<int>(g.size()) - n_gpu;
+    stats_.cold_rows_gpu += n_gpu;
   }
   stats_.cold_rows_requested += req.n_active;
   BackendStatus st = a.cold->Run(req);

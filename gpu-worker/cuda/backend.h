@@ -109,6 +109,12 @@ struct ModelUpload {
   bool stream_cold = false;
   int stream_chunk_rows = 1024;
   int stream_slots = 2;
+  // Single-token steps (kPredicted, kGiven): the GPU computes this fraction of each layer's
+  // active cold neurons itself, reading their rows from a pinned host copy over PCIe (zero-copy)
+  // after its hot rows, while the cold callback computes the rest; so the GPU, idle while the
+  // CPU works through the cold rows, takes a share of them. 0: off; PINFER_CUDA_COLD_GPU_SHARE
+  // overrides it. Keeps the same pinned copy as stream_cold (host memory, no device bytes).
+  double cold_gpu_share = 0;
 };
 
 // Who computes the cold rows of a layer in a Forward.
@@ -203,7 +209,8 @@ struct ForwardStats {
   double gpu_hot_ffn = 0;        // GPU time of the hot FFN kernels (events)
   double gpu_layers = 0;         // GPU time from embedding to the last layer's end (events)
   int64_t hot_rows_computed = 0;   // active hot neurons summed over layers (union over tokens)
-  int64_t cold_rows_requested = 0;
+  int64_t cold_rows_requested = 0;  // handed to the cold callback
+  int64_t cold_rows_gpu = 0;        // active cold neurons the GPU took (cold_gpu_share)
   int streamed_layers = 0;         // layers whose cold rows were streamed (ColdPath::kStream)
   double streamed_bytes = 0;       // host->GPU bytes of those rows
 };

@@ -1335,6 +1335,11 @@ __global__ void ReluKernel(float* __restrict__ x, int64_t count) {
   }
 }
 
+__global__ void ShareOfCountKernel(const int32_t* count, int num, int den, int32_t* out) {
+  PdlStart();
+  if (threadIdx.x == 0) *out = static_cast<int32_t>(static_cast<int64_t>(*count) * num / den);
+}
+
 __global__ void AddKernel(float* __restrict__ y, const float* __restrict__ x, int64_t count) {
   PdlStart();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
@@ -1821,6 +1826,11 @@ cudaError_t GatedActivationPacked(ActKind act, const float* gu, int n, int width
 cudaError_t Relu(float* x, int64_t count, cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
   return Launch(ReluKernel, GridFor(count, 256), 256, 0, stream, x, count);
+}
+
+cudaError_t ShareOfCount(const int32_t* count, int num, int den, int32_t* out,
+                         cudaStream_t stream) {
+  return Launch(ShareOfCountKernel, 1, 32, 0, stream, count, num, den, out);
 }
 
 cudaError_t AddInPlace(float* y, const float* x, int64_t count, cudaStream_t stream) {
