@@ -282,9 +282,19 @@ class CudaBackend : public Backend {
   bool cache_loaded_ = false;
 
   // ModelUpload::cold_gpu_share as share_num_ / kShareDen; the rest of each list goes to the
-  // callback. The GPU's part of a list is its first n * share_num_ / kShareDen entries.
+  // callback. The GPU's part of a list is its first n * share_num_ / kShareDen entries. The
+  // kernels read the current value from pinned host memory (share_dev_), so that captured graphs
+  // need not change when it does. Adaptive (share_adaptive_): after every single-token step the
+  // share moves by kShareStep towards the balance where the GPU finishes its part as the
+  // callback returns: up when most layers' GPU part had finished first (the GPU waited), down
+  // otherwise.
   static constexpr int kShareDen = 1024;
-  int share_num_ = 0;
+  static constexpr int kShareStep = 8;
+  bool share_on_ = false, share_adaptive_ = false;
+  int share_num_ = 0, share_max_ = kShareDen;
+  int32_t* share_dev_ = nullptr;  // pinned [1]
+  int gpu_first_ = 0, cpu_first_ = 0;  // this step's layers, by which side finished first
+  std::vector<cudaEvent_t> ev_share_;  // per layer: the GPU's part done
   int32_t* cold_gpu_count_ = nullptr;   // device [1]: the GPU's part of a predicted list
   int32_t* cold_gpu_list_ = nullptr;    // device [1 + ffn]: count, cold positions (kGiven)
   int32_t* given_cold_host_ = nullptr;  // pinned [n_layers, ffn + 1]: its staging
@@ -292,7 +302,7 @@ class CudaBackend : public Backend {
   // Whether layer l's single-token step gives the GPU a share of its cold neurons.
   bool SharesCold(const DeviceLayer& L, const ForwardArgs& a) const {
     const FfnMode mode = EffectiveMode(a);
-    return share_num_ > 0 && a.n == 1 && L.cold_rows.rows > 0 &&
+    return share_on_ && a.n == 1 && L.cold_rows.rows > 0 &&
            (mode == FfnMode::kPredicted || mode == FfnMode::kGiven);
   }
   int GpuShare(int count) const {
@@ -311,7 +321,7 @@ void CudaBackend::Release() {
   allocations_.clear();
   host_allocations_.clear();
   streamer_.reset();
-  for (auto* v : {&ev_x_, &ev_hot0_, &ev_hot1_}) {
+  for (auto* v : {&ev_x_, &ev_hot0_, &ev_hot1_, &ev_share_}) {
     for (cudaEvent_t e : *v) cudaEventDestroy(e);
     v->clear();
   }
@@ -471,11 +481,16 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   if (const char* g = std::getenv("PINFER_CUDA_PDL")) SetProgrammaticLaunch(std::string(g) != "0");
   {
     double share = m.cold_gpu_share;
-    if (const char* g = std::getenv("PINFER_CUDA_COLD_GPU_SHARE")) share = std::atof(g);
+    share_adaptive_ = m.cold_gpu_share_adaptive;
+    if (const char* g = std::getenv("PINFER_CUDA_COLD_GPU_SHARE")) {
+      share_adaptive_ = std::string(g) == "auto";
+      share = share_adaptive_ ? 0 : std::atof(g);
+    }
     if (!(share >= 0 && share <= 1)) {
       return Error(Code::kInvalidArgument, "cold_gpu_share must be in [0, 1]");
     }
     share_num_ = static_cast<int>(share * kShareDen + 0.5);
+    share_on_ = share_num_ > 0 || share_adaptive_;
   }
   if (const char* g = std::getenv("PINFER_CUDA_Q8X"))
     SetQuantizedActivations(std::string(g) != "0");
@@ -610,7 +625,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   widest = std::max<int64_t>(widest, max_rank_);
   bool any_cache = false;
   for (const LayerUpload& u : m.layers) any_cache = any_cache || u.cache_rows > 0;
-  if ((m.stream_cold && B > kSmallBatch) || any_cache || share_num_ > 0) {
+  if ((m.stream_cold && B > kSmallBatch) || any_cache || share_on_) {
     BACKEND_RETURN_IF_ERROR(SetUpStreaming(m, m.stream_cold && B > kSmallBatch));
     for (const DeviceLayer& d : layers_) {
       if (d.cold_rows.rows == 0) continue;
@@ -640,7 +655,13 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   positions_dev_ = tokens_dev_ + B;
   BACKEND_RETURN_IF_ERROR(Alloc(F + 1, &hot_list_));
   BACKEND_RETURN_IF_ERROR(Alloc(F + 1, &cold_list_));
-  if (share_num_ > 0) {
+  if (share_on_) {
+    BACKEND_RETURN_IF_ERROR(AllocHost(1, &share_dev_));
+    *share_dev_ = share_num_;
+    ev_share_.resize(c.n_layers);
+    for (cudaEvent_t& e : ev_share_) {
+      CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
     BACKEND_RETURN_IF_ERROR(Alloc(1, &cold_gpu_count_));
     BACKEND_RETURN_IF_ERROR(Alloc(F + 1, &cold_gpu_list_));
     BACKEND_RETURN_IF_ERROR(Alloc(F, &cold_gate_));
@@ -786,7 +807,7 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
         static_cast<int64_t>(reinterpret_cast<uintptr_t>(cold ? exchange_x : nullptr)),
         collect_gpu_times_ ? 1 : 0,
         ObservesActive(a) ? 1 : 0,
-        SharesCold(L, a) ? share_num_ : 0};
+        SharesCold(L, a) ? 1 : 0};
     auto it = graphs_.find(key);
     if (it == graphs_.end()) {
       cudaGraph_t graph = nullptr;
@@ -892,7 +913,7 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
                                          n_cold, L.pred_cut, cold_idx_, cold_count, stream_));
       if (SharesCold(L, a)) {
         CUDA_RETURN_IF_ERROR(
-            ShareOfCount(cold_count, share_num_, kShareDen, cold_gpu_count_, stream_));
+            ShareOfCount(cold_count, share_dev_, kShareDen, cold_gpu_count_, stream_));
       }
       CUDA_RETURN_IF_ERROR(
           cudaMemcpyAsync(cold_idx_host_, cold_idx_, n_cold * 4, cudaMemcpyDeviceToHost, stream_));
@@ -979,6 +1000,7 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
     CUDA_RETURN_IF_ERROR(GatedActivation(act, cold_gate_, cold_up_, n_cold, stream_));
     CUDA_RETURN_IF_ERROR(
         AccumulateRows(cd, list, n_cold, count, cold_gate_, n_cold, 1, hot_out_, stream_));
+    CUDA_RETURN_IF_ERROR(RecordEvent(ev_share_[l]));
   }
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot1_[l]));
   return Ok();
@@ -1081,6 +1103,16 @@ BackendStatus CudaBackend::FinishCold(int l, const ForwardArgs& a, float* exchan
   BackendStatus st = a.cold->Run(req);
   stats_.cold_callback += Now() - t1;
   if (!st.ok()) return st;
+  if (shared) {
+    const cudaError_t q = cudaEventQuery(ev_share_[l]);
+    if (q == cudaSuccess) {
+      ++gpu_first_;
+    } else if (q == cudaErrorNotReady) {
+      ++cpu_first_;
+    } else {
+      CUDA_RETURN_IF_ERROR(q);
+    }
+  }
   // A single token's cold contribution (one row) is read by the next kernel straight from the
   // pinned exchange buffer over PCIe (zero-copy), which saves a copy on the critical path;
   // batches are copied up first.
@@ -1163,6 +1195,7 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
     CUDA_RETURN_IF_ERROR(Embed(tok_embeddings_, tokens_dev_, n, x_, stream_));
   }
   pending1_ = pending2_ = nullptr;
+  gpu_first_ = cpu_first_ = 0;
   if (ObservesActive(a)) {
     a.active_out->resize(c.n_layers);
     for (std::vector<int32_t>& v : *a.active_out) v.clear();
@@ -1210,6 +1243,13 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   for (int l = a.layer_begin; l < layer_end; ++l) {
     if (layers_[l].ffn == FfnPlacement::kHot) stats_.hot_rows_computed += counts_host_[2 * l];
+  }
+  stats_.cold_gpu_share = static_cast<double>(share_num_) / kShareDen;
+  if (share_adaptive_ && gpu_first_ + cpu_first_ > 0) {
+    // Nothing reads the share between steps, so it changes here.
+    share_num_ = gpu_first_ > cpu_first_ ? std::min(share_max_, share_num_ + kShareStep)
+                                         : std::max(0, share_num_ - kShareStep);
+    *share_dev_ = share_num_;
   }
   if (ObservesActive(a)) {
     // The hot lists (local rows) in global ids, joined with the cold ones FinishCold kept.

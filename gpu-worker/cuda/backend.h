@@ -112,9 +112,13 @@ struct ModelUpload {
   // Single-token steps (kPredicted, kGiven): the GPU computes this fraction of each layer's
   // active cold neurons itself, reading their rows from a pinned host copy over PCIe (zero-copy)
   // after its hot rows, while the cold callback computes the rest; so the GPU, idle while the
-  // CPU works through the cold rows, takes a share of them. 0: off; PINFER_CUDA_COLD_GPU_SHARE
-  // overrides it. Keeps the same pinned copy as stream_cold (host memory, no device bytes).
+  // CPU works through the cold rows, takes a share of them. 0: off. Adaptive: the share starts
+  // at cold_gpu_share and moves after every step towards the balance where both sides finish a
+  // layer together (measured: which side finished first). PINFER_CUDA_COLD_GPU_SHARE (a fraction,
+  // or "auto" for adaptive from 0) overrides both. Keeps the same pinned copy as stream_cold
+  // (host memory, no device bytes).
   double cold_gpu_share = 0;
+  bool cold_gpu_share_adaptive = false;
 };
 
 // Who computes the cold rows of a layer in a Forward.
@@ -211,6 +215,7 @@ struct ForwardStats {
   int64_t hot_rows_computed = 0;   // active hot neurons summed over layers (union over tokens)
   int64_t cold_rows_requested = 0;  // handed to the cold callback
   int64_t cold_rows_gpu = 0;        // active cold neurons the GPU took (cold_gpu_share)
+  double cold_gpu_share = 0;        // the share in effect for this step
   int streamed_layers = 0;         // layers whose cold rows were streamed (ColdPath::kStream)
   double streamed_bytes = 0;       // host->GPU bytes of those rows
 };

@@ -1335,9 +1335,10 @@ __global__ void ReluKernel(float* __restrict__ x, int64_t count) {
   }
 }
 
-__global__ void ShareOfCountKernel(const int32_t* count, int num, int den, int32_t* out) {
+__global__ void ShareOfCountKernel(const int32_t* count, const int32_t* num, int den,
+                                   int32_t* out) {
   PdlStart();
-  if (threadIdx.x == 0) *out = static_cast<int32_t>(static_cast<int64_t>(*count) * num / den);
+  if (threadIdx.x == 0) *out = static_cast<int32_t>(static_cast<int64_t>(*count) * *num / den);
 }
 
 __global__ void AddKernel(float* __restrict__ y, const float* __restrict__ x, int64_t count) {
@@ -1828,7 +1829,7 @@ cudaError_t Relu(float* x, int64_t count, cudaStream_t stream) {
   return Launch(ReluKernel, GridFor(count, 256), 256, 0, stream, x, count);
 }
 
-cudaError_t ShareOfCount(const int32_t* count, int num, int den, int32_t* out,
+cudaError_t ShareOfCount(const int32_t* count, const int32_t* num, int den, int32_t* out,
                          cudaStream_t stream) {
   return Launch(ShareOfCountKernel, 1, 32, 0, stream, count, num, den, out);
 }

@@ -157,9 +157,11 @@ cudaError_t GatedActivationPacked(ActKind act, const float* gu, int n, int width
 cudaError_t Relu(float* x, int64_t count, cudaStream_t stream);
 // y[i] += x[i].
 cudaError_t AddInPlace(float* y, const float* x, int64_t count, cudaStream_t stream);
-// *out = *count * num / den (integer division): the GPU's share of a list whose length only the
-// device knows, computed the same way on the host for the rest of the list.
-cudaError_t ShareOfCount(const int32_t* count, int num, int den, int32_t* out, cudaStream_t stream);
+// *out = *count * *num / den (integer division): the GPU's share of a list whose length only the
+// device knows, computed the same way on the host for the rest of the list. num may be pinned
+// host memory (read when the kernel runs).
+cudaError_t ShareOfCount(const int32_t* count, const int32_t* num, int den, int32_t* out,
+                         cudaStream_t stream);
 // y[i] += x[i] + z[i] (the residual plus the hot and cold FFN parts).
 cudaError_t Add2InPlace(float* y, const float* x, const float* z, int64_t count,
                         cudaStream_t stream);

@@ -702,6 +702,107 @@ TEST_F(CudaBackendTest, PredictedModeMatchesCpuPredictedSparseFfn) {
   EXPECT_LT(cold_listed / steps, 0.4 * (c.n_layers * c.ffn_size - hot_total));
 }
 
+// The GPU's share of the cold neurons (ModelUpload::cold_gpu_share): the GPU multiplies the first
+// half of each layer's active cold list from the pinned host rows, the callback the rest. The
+// logits stay the CPU reference's, in predicted mode and with the same lists given (kGiven, the
+// benchmark's mode), and the work is split as asked.
+TEST_F(CudaBackendTest, ColdGpuShareMatchesCpuReference) {
+  const ModelConfig& c = model_->config;
+  std::vector<int32_t> tokens =
+      (*reference_)["prompts"][3]["input_ids"].get<std::vector<int32_t>>();
+  std::unique_ptr<PredictedCase> pc = MakePredictedCase(*model_, *down_t_, tokens);
+  ASSERT_GT(pc->min_margin, 1e-4) << "no safe threshold gap; change the seed";
+  const int V = c.vocab_size;
+  cuda::ModelUpload u = Upload(/*hot=*/true);
+  for (int l = 0; l < c.n_layers; ++l) {
+    u.layers[l].pred_fc1 = FromView(pc->preds.layers[l].fc1);
+    u.layers[l].pred_fc2 = FromView(pc->preds.layers[l].fc2);
+    u.layers[l].pred_threshold = pc->preds.layers[l].threshold;
+  }
+  u.cold_gpu_share = 0.5;
+  auto predicted = Create(u);
+  auto given = Create(u);
+  ASSERT_NE(predicted, nullptr);
+  ASSERT_NE(given, nullptr);
+  CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
+  std::vector<float> got(V);
+  std::vector<std::vector<int32_t>> active, given_hot(c.n_layers), given_cold(c.n_layers);
+  int64_t gpu_cold = 0, cpu_cold = 0;
+  for (size_t pos = 0; pos < tokens.size(); ++pos) {
+    cuda::ForwardArgs a;
+    a.tokens = &tokens[pos];
+    a.n = 1;
+    a.pos0 = static_cast<int>(pos);
+    a.mode = cuda::FfnMode::kPredicted;
+    a.cold = &cold;
+    a.logits = got.data();
+    a.active_out = &active;
+    cuda::BackendStatus st = predicted->Forward(a);
+    ASSERT_TRUE(st.ok()) << st.message;
+    EXPECT_LE(Nmse(got.data(), pc->want.data() + pos * V, V), 1e-6) << "predicted, position " << pos;
+    const cuda::ForwardStats& fs = predicted->last_stats();
+    gpu_cold += fs.cold_rows_gpu;
+    cpu_cold += fs.cold_rows_requested;
+    // The same neurons, given: hot ones as local rows, cold ones as ids.
+    for (int l = 0; l < c.n_layers; ++l) {
+      given_hot[l].clear();
+      given_cold[l].clear();
+      const std::vector<int32_t>& hot = (*hot_ids_)[l];
+      for (int32_t j : active[l]) {
+        auto it = std::lower_bound(hot.begin(), hot.end(), j);
+        if (it != hot.end() && *it == j) {
+          given_hot[l].push_back(static_cast<int32_t>(it - hot.begin()));
+        } else {
+          given_cold[l].push_back(j);
+        }
+      }
+    }
+    a.mode = cuda::FfnMode::kGiven;
+    a.active_out = nullptr;
+    a.given_hot = &given_hot;
+    a.given_cold = &given_cold;
+    st = given->Forward(a);
+    ASSERT_TRUE(st.ok()) << st.message;
+    EXPECT_LE(Nmse(got.data(), pc->want.data() + pos * V, V), 1e-6) << "given, position " << pos;
+    int64_t want_gpu = 0;
+    for (const auto& g : given_cold) want_gpu += static_cast<int64_t>(g.size()) * 512 / 1024;
+    EXPECT_EQ(given->last_stats().cold_rows_gpu, want_gpu) << "position " << pos;
+  }
+  // Half of each list, rounded down, went to the GPU.
+  EXPECT_GT(gpu_cold, 0);
+  EXPECT_GE(cpu_cold, gpu_cold);
+  EXPECT_LE(cpu_cold, gpu_cold + static_cast<int64_t>(tokens.size()) * c.n_layers);
+  // Adaptive: the share moves between steps (towards where both sides finish a layer together);
+  // whatever it is, each step's logits stay the reference's.
+  u.cold_gpu_share = 0;
+  u.cold_gpu_share_adaptive = true;
+  auto adaptive = Create(u);
+  ASSERT_NE(adaptive, nullptr);
+  double lo = 1, hi = 0;
+  for (size_t pos = 0; pos < tokens.size(); ++pos) {
+    cuda::ForwardArgs a;
+    a.tokens = &tokens[pos];
+    a.n = 1;
+    a.pos0 = static_cast<int>(pos);
+    a.mode = cuda::FfnMode::kPredicted;
+    a.cold = &cold;
+    a.logits = got.data();
+    cuda::BackendStatus st = adaptive->Forward(a);
+    ASSERT_TRUE(st.ok()) << st.message;
+    EXPECT_LE(Nmse(got.data(), pc->want.data() + pos * V, V), 1e-6) << "adaptive, position " << pos;
+    lo = std::min(lo, adaptive->last_stats().cold_gpu_share);
+    hi = std::max(hi, adaptive->last_stats().cold_gpu_share);
+  }
+  std::printf("adaptive cold share over %zu steps: %.3f .. %.3f\n", tokens.size(), lo, hi);
+  u.cold_gpu_share_adaptive = false;
+  // Out of range is refused at creation.
+  u.cold_gpu_share = 1.5;
+  cuda::Backend* b = nullptr;
+  char err[256] = {0};
+  EXPECT_EQ(module_->create(&u, &b, err, sizeof(err)), static_cast<int>(cuda::Code::kInvalidArgument));
+  EXPECT_NE(std::string(err).find("cold_gpu_share"), std::string::npos) << err;
+}
+
 // The module's side of the CacheSlotTarget protocol (as the gpu-worker's ModuleSlots).
 class BackendSlots : public CacheSlotTarget {
  public:
