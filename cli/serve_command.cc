@@ -47,6 +47,7 @@ constexpr char kUsage[] =
     "         [--port-file FILE] [--metrics-port-file FILE] [--status-file FILE] [--sparse]\n"
     "         [--placement FILE.gpuidx | --vram-budget SIZE] [--cold-prefill auto|cpu|stream]\n"
     "         [--stream-chunk-rows N] [--stream-slots N] [--adaptive-cache-rows N]\n"
+    "         [--cold-gpu-share auto|off|F]\n"
     "  --port: public gRPC port of the gateway (default 50051; 0 picks one, see --port-file)\n"
     "  --metrics-port: the gateway's /metrics (off unless given); the workers default to M+1\n"
     "                  and M+2 (or 0 = any free port, when M is 0)\n"
@@ -60,7 +61,9 @@ constexpr char kUsage[] =
     "  --sparse: predictor-driven FFN sparsity; an unprepared model is prepared (and cached)\n"
     "            first, as `pinfer generate --sparse` does\n"
     "  --adaptive-cache-rows: with --sparse and a GPU, extra GPU rows per layer that follow the\n"
-    "            cold neurons the text keeps activating (see pinfer-gpu-worker --help)\n";
+    "            cold neurons the text keeps activating (see pinfer-gpu-worker --help)\n"
+    "  --cold-gpu-share: with --sparse and a GPU, how much of the cold work the GPU takes over\n"
+    "            PCIe (auto, the default; see pinfer-gpu-worker --help)\n";
 
 struct Child {
   std::string role;
@@ -153,7 +156,7 @@ int ServeCommand(const std::vector<std::string>& args) {
                     "threads", "cpu-threads", "hot-fraction", "max-batch-tokens", "max-running",
                     "max-queue", "max-new-tokens-limit", "drain-timeout-ms", "bin-dir", "port-file",
                     "metrics-port-file", "status-file", "placement", "vram-budget", "cold-prefill",
-                    "stream-chunk-rows", "stream-slots", "adaptive-cache-rows"},
+                    "stream-chunk-rows", "stream-slots", "adaptive-cache-rows", "cold-gpu-share"},
                    {"sparse"});
   if (!parsed.ok()) return UsageError(kUsage, parsed.status());
   const Flags& f = *parsed;
@@ -265,6 +268,7 @@ int ServeCommand(const std::vector<std::string>& args) {
   pass(&gpu.argv, "stream-chunk-rows");
   pass(&gpu.argv, "stream-slots");
   pass(&gpu.argv, "adaptive-cache-rows");
+  pass(&gpu.argv, "cold-gpu-share");
   if (f.Has("sparse")) gpu.argv.push_back("--sparse");
   if (!gpu_metrics.empty()) {
     gpu.argv.insert(gpu.argv.end(), {"--metrics-port", gpu_metrics, "--metrics-port-file",

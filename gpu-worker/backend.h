@@ -113,6 +113,11 @@ struct CudaBackendOptions {
   int adaptive_cache_rows = 0;
   HotCacheOptions cache_options;  // its slots field is set from adaptive_cache_rows
   int cache_plan_every = 4;       // decode steps between swap plans
+  // With predictors: the share of each layer's active cold neurons the GPU computes from a
+  // pinned host copy (ModelUpload::cold_gpu_share): auto balances it step by step; otherwise
+  // cold_gpu_share (0: off).
+  double cold_gpu_share = 0;
+  bool cold_gpu_share_auto = false;
 };
 
 // Device bytes of `rows` adaptive cache slots per layer and their maps (for the VRAM plan).

@@ -250,7 +250,8 @@ class CudaBackend : public ComputeBackend {
     }
     stats_.forward_ns += static_cast<uint64_t>(fs.total * 1e9);
     stats_.hot_ffn_ns += static_cast<uint64_t>(fs.gpu_hot_ffn * 1e9);
-    stats_.hot_neurons += static_cast<uint64_t>(fs.hot_rows_computed);
+    // The GPU's share of the cold neurons (--cold-gpu-share) is computed here too.
+    stats_.hot_neurons += static_cast<uint64_t>(fs.hot_rows_computed + fs.cold_rows_gpu);
     const uint64_t hot_per_layer = hot_neurons_ / std::max(1, model_.config.n_layers);
     stats_.hot_candidates += hot_per_layer * model_.config.n_layers * tokens.size();
     stats_.cold_candidates +=
@@ -542,11 +543,26 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
     shapes[l].bytes = static_cast<double>(shapes[l].cold_rows) * row;
     cold_layers += shapes[l].cold_rows > 0 ? 1 : 0;
   }
+  // The GPU's share of the cold neurons needs the predictors' lists (exact mode has none) and a
+  // pinned copy of the cold rows in one type (the streamed prompt rows' copy). Host memory only,
+  // so not part of the measured footprint.
+  const bool share = o.predictors != nullptr && (o.cold_gpu_share > 0 || o.cold_gpu_share_auto);
+  if (share && ColdStreamingProblem(model).empty()) {
+    u.cold_gpu_share = o.cold_gpu_share;
+    u.cold_gpu_share_adaptive = o.cold_gpu_share_auto;
+  } else if (share) {
+    Log("the GPU takes no share of the cold neurons: %s", ColdStreamingProblem(model).c_str());
+  }
   cuda::Backend* b = nullptr;
   char err[1024] = {0};
   const int rc = m.create(&u, &b, err, sizeof(err));
   if (rc != 0) return absl::Status(static_cast<absl::StatusCode>(rc), err);
   b->set_collect_gpu_times(o.gpu_timing);
+  if (u.cold_gpu_share_adaptive || u.cold_gpu_share > 0) {
+    Log("decode: the GPU computes %s of each layer's active cold neurons from pinned host rows",
+        u.cold_gpu_share_adaptive ? "a share balanced step by step"
+                                  : absl::StrFormat("%.0f%%", 100 * u.cold_gpu_share).c_str());
+  }
   Log("CUDA backend on %s: %.1f MiB on the device", b->DeviceName().c_str(),
       b->DeviceBytes() / 1048576.0);
   std::unique_ptr<ColdPrefillPlanner> planner;

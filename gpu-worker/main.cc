@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -60,6 +61,7 @@ constexpr char kUsage[] =
     "         [--placement FILE.gpuidx | --vram-budget SIZE] [--sparse] [--gpu-timing]\n"
     "         [--drain-timeout-ms MS] [--cold-prefill auto|cpu|stream]\n"
     "         [--stream-chunk-rows N] [--stream-slots N] [--adaptive-cache-rows N]\n"
+    "         [--cold-gpu-share auto|off|F]\n"
     "  --listen: host:port (port 0 picks one; see --port-file) or unix:/path\n"
     "  --segment: POSIX shared-memory name for the activation exchange (default: a fresh\n"
     "             unique name, printed in the log); give the cpu-worker the same name\n"
@@ -78,7 +80,11 @@ constexpr char kUsage[] =
     "  --adaptive-cache-rows: with --sparse on the CUDA backend, N extra GPU rows per layer\n"
     "               that decoding refills with the cold neurons the current text keeps\n"
     "               activating (the adaptive hot set; 0, the default: static placement only);\n"
-    "               they count against --vram-budget\n";
+    "               they count against --vram-budget\n"
+    "  --cold-gpu-share: with --sparse on the CUDA backend, the share of each layer's active cold\n"
+    "               neurons that the GPU computes itself from a pinned host copy over PCIe while\n"
+    "               the cpu-worker computes the rest: auto (the default) balances the two sides\n"
+    "               step by step, off gives every cold neuron to the cpu-worker, F in (0, 1] fixes it\n";
 
 struct Options {
   std::string model, listen = "127.0.0.1:0", port_file, segment, metrics_port, metrics_port_file;
@@ -98,6 +104,8 @@ struct Options {
   bool cold_prefill_given = false;
   int stream_chunk_rows = 1024, stream_slots = 2;
   int adaptive_cache_rows = 0;
+  double cold_gpu_share = 0;
+  bool cold_gpu_share_auto = true;
 };
 
 absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
@@ -126,7 +134,8 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
                                                     "cold-prefill",
                                                     "stream-chunk-rows",
                                                     "stream-slots",
-                                                    "adaptive-cache-rows"},
+                                                    "adaptive-cache-rows",
+                                                    "cold-gpu-share"},
                                                    {"sparse", "gpu-timing"}));
   Options o;
   ASSIGN_OR_RETURN(o.model, f.Required("model"));
@@ -212,6 +221,20 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
         "with its own gate rows");
   }
   o.adaptive_cache_rows = static_cast<int>(cache_rows);
+  if (auto v = f.Get("cold-gpu-share")) {
+    double share = 0;
+    if (*v == "auto") {
+      o.cold_gpu_share_auto = true;
+    } else if (*v == "off") {
+      o.cold_gpu_share_auto = false;
+    } else if (absl::SimpleAtod(*v, &share) && share > 0 && share <= 1) {
+      o.cold_gpu_share_auto = false;
+      o.cold_gpu_share = share;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--cold-gpu-share must be auto, off or a fraction in (0, 1] (got \"", *v, "\")"));
+    }
+  }
   return o;
 }
 
@@ -494,6 +517,8 @@ CudaBackendOptions CudaOptions(const State& s) {
   cbo.stream_chunk_rows = s.options.stream_chunk_rows;
   cbo.stream_slots = s.options.stream_slots;
   cbo.adaptive_cache_rows = s.options.adaptive_cache_rows;
+  cbo.cold_gpu_share = s.options.cold_gpu_share;
+  cbo.cold_gpu_share_auto = s.options.cold_gpu_share_auto;
   return cbo;
 }
 

@@ -747,6 +747,10 @@ TEST(ServiceAdaptiveCacheTest, FlagErrors) {
                                 "adaptive-3");
   EXPECT_EQ(rc3, 2);
   EXPECT_THAT(err3, HasSubstr("--adaptive-cache-rows needs --sparse"));
+  auto [rc4, err4] = RunCommand(worker + "--cold-gpu-share 1.5", "adaptive-4");
+  EXPECT_EQ(rc4, 2);
+  EXPECT_THAT(err4, HasSubstr("--cold-gpu-share must be auto, off or a fraction in (0, 1] (got "
+                              "\"1.5\")"));
 }
 
 TEST(ServiceColdPrefillTest, CpuBackendIgnoresTheFlagAndStaysExact) {
