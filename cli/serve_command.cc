@@ -150,14 +150,33 @@ bool WaitExit(std::vector<Child*> cs, int ms) {
 }  // namespace
 
 int ServeCommand(const std::vector<std::string>& args) {
-  auto parsed =
-      Flags::Parse(args,
-                   {"model", "port", "host", "metrics-port", "gpu-metrics-port", "cpu-metrics-port",
-                    "threads", "cpu-threads", "hot-fraction", "max-batch-tokens", "max-running",
-                    "max-queue", "max-new-tokens-limit", "drain-timeout-ms", "bin-dir", "port-file",
-                    "metrics-port-file", "status-file", "placement", "vram-budget", "cold-prefill",
-                    "stream-chunk-rows", "stream-slots", "adaptive-cache-rows", "cold-gpu-share"},
-                   {"sparse"});
+  auto parsed = Flags::Parse(args,
+                             {"model",
+                              "port",
+                              "host",
+                              "metrics-port",
+                              "gpu-metrics-port",
+                              "cpu-metrics-port",
+                              "threads",
+                              "cpu-threads",
+                              "hot-fraction",
+                              "max-batch-tokens",
+                              "max-running",
+                              "max-queue",
+                              "max-new-tokens-limit",
+                              "drain-timeout-ms",
+                              "bin-dir",
+                              "port-file",
+                              "metrics-port-file",
+                              "status-file",
+                              "placement",
+                              "vram-budget",
+                              "cold-prefill",
+                              "stream-chunk-rows",
+                              "stream-slots",
+                              "adaptive-cache-rows",
+                              "cold-gpu-share"},
+                             {"sparse"});
   if (!parsed.ok()) return UsageError(kUsage, parsed.status());
   const Flags& f = *parsed;
   auto model = f.Required("model");

@@ -513,7 +513,8 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
           absl::StrCat("the adaptive hot set copies gate, up and down rows of one type: ", why));
     }
     for (int l = 0; l < c.n_layers; ++l) {
-      cache_rows = std::min<int>(cache_rows, c.ffn_size - static_cast<int>(placement.hot[l].size()));
+      cache_rows =
+          std::min<int>(cache_rows, c.ffn_size - static_cast<int>(placement.hot[l].size()));
     }
     if (cache_rows < o.adaptive_cache_rows) {
       Log("adaptive hot set: %d cache rows per layer (the least any layer has cold neurons) "
@@ -584,10 +585,9 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
       CalibrateStream(b, max_batch, planner.get());
     }
   }
-  auto backend = std::make_unique<CudaBackend>(model, m.handle, b, m.destroy, exchange, o.slots,
-                                               o.max_ctx, hot_neurons, hot_bytes,
-                                               o.predictors != nullptr, cold_layers,
-                                               std::move(planner));
+  auto backend = std::make_unique<CudaBackend>(
+      model, m.handle, b, m.destroy, exchange, o.slots, o.max_ctx, hot_neurons, hot_bytes,
+      o.predictors != nullptr, cold_layers, std::move(planner));
   if (cache_rows > 0) {
     HotCacheOptions ho = o.cache_options;
     ho.slots = cache_rows;

@@ -11,10 +11,10 @@
 
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
-#include <optional>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -84,7 +84,8 @@ constexpr char kUsage[] =
     "  --cold-gpu-share: with --sparse on the CUDA backend, the share of each layer's active cold\n"
     "               neurons that the GPU computes itself from a pinned host copy over PCIe while\n"
     "               the cpu-worker computes the rest: auto (the default) balances the two sides\n"
-    "               step by step, off gives every cold neuron to the cpu-worker, F in (0, 1] fixes it\n";
+    "               step by step, off gives every cold neuron to the cpu-worker, F in (0, 1] fixes "
+    "it\n";
 
 struct Options {
   std::string model, listen = "127.0.0.1:0", port_file, segment, metrics_port, metrics_port_file;
@@ -313,7 +314,7 @@ struct State {
   Placement placement;
   GpuProbe gpu;
   uint64_t cold_bytes_estimate = 0;
-  std::optional<PlacementPlan> vram_plan;  // with --vram-budget
+  std::optional<PlacementPlan> vram_plan;        // with --vram-budget
   ColdPrefill cold_prefill = ColdPrefill::kCpu;  // in effect on the CUDA backend
 };
 
@@ -557,8 +558,8 @@ absl::StatusOr<PlacementPlan> PlanForBudget(const State& s) {
   po.context = model.config.max_context * o.gpu_slots;
   po.max_batch = o.max_batch_tokens;
   if (s.gpu.available) {
-    ASSIGN_OR_RETURN(CudaFootprint f, MeasureCudaFootprint(model, o.max_batch_tokens, s.gpu.module,
-                                                           CudaOptions(s)));
+    ASSIGN_OR_RETURN(CudaFootprint f,
+                     MeasureCudaFootprint(model, o.max_batch_tokens, s.gpu.module, CudaOptions(s)));
     Log("the CUDA backend holds %s before any FFN row", MiB(f.fixed_bytes).c_str());
     po.measured_fixed_bytes = f.fixed_bytes;
     po.backend_neuron_bytes = std::move(f.neuron_bytes);
@@ -687,8 +688,8 @@ int Main(const std::vector<std::string>& args) {
       s.exchange->segment().size(), o.max_batch_tokens);
 
   if (s.gpu.available) {
-    auto cuda = NewCudaBackend(*s.model, s.placement, s.exchange.get(), s.gpu.module,
-                               CudaOptions(s));
+    auto cuda =
+        NewCudaBackend(*s.model, s.placement, s.exchange.get(), s.gpu.module, CudaOptions(s));
     if (cuda.ok()) {
       s.backend = std::move(*cuda);
       Log("computing the gpu-worker's share on the GPU (%s)", s.gpu.reason.c_str());
@@ -795,8 +796,9 @@ int Main(const std::vector<std::string>& args) {
                              .Add({});
   auto& cache_swaps = prometheus::BuildCounter()
                           .Name("pinfer_worker_adaptive_cache_swaps_total")
-                          .Help("Cold neurons moved into the GPU's adaptive cache slots "
-                                "(--adaptive-cache-rows; CUDA backend)")
+                          .Help(
+                              "Cold neurons moved into the GPU's adaptive cache slots "
+                              "(--adaptive-cache-rows; CUDA backend)")
                           .Register(*registry)
                           .Add({});
   auto& running = prometheus::BuildGauge()
@@ -825,8 +827,9 @@ int Main(const std::vector<std::string>& args) {
   if (s.vram_plan.has_value()) {
     auto& vram = prometheus::BuildGauge()
                      .Name("pinfer_worker_vram_bytes")
-                     .Help("GPU memory by kind: budget (--vram-budget), planned (the placement's "
-                           "byte accounting) and allocated (what the backend holds)")
+                     .Help(
+                         "GPU memory by kind: budget (--vram-budget), planned (the placement's "
+                         "byte accounting) and allocated (what the backend holds)")
                      .Register(*registry);
     vram.Add({{"kind", "budget"}}).Set(static_cast<double>(o.vram_budget));
     vram.Add({{"kind", "planned"}}).Set(static_cast<double>(s.vram_plan->gpu_bytes()));

@@ -1611,8 +1611,7 @@ int Main(int argc, char** argv) {
         // cold rows over PCIe (PINFER_CUDA_COLD_GPU_SHARE), the cold bytes can be split between
         // the CPU and the link, the best split giving cold / (CPU + host->GPU bandwidth).
         r.gpu_cold_share = gpu_cold + cpu_cold > 0 ? gpu_cold / (gpu_cold + cpu_cold) : 0;
-        r.pcie_floor_s =
-            std::max(r.gpu_bytes / bw.gpu(), r.cpu_bytes / (bw.cpu_gemv + bw.h2d));
+        r.pcie_floor_s = std::max(r.gpu_bytes / bw.gpu(), r.cpu_bytes / (bw.cpu_gemv + bw.h2d));
         r.plan_bytes = plan;
         r.actual_bytes = static_cast<double>(be.b->DeviceBytes());
         r.cold_s = cold_s / o.steps;

@@ -91,7 +91,7 @@ struct DeviceLayer {
   DeviceMatrix gate_up;                 // kDense: rows of gate then up stacked
   DeviceMatrix gate, up, down, down_t;  // kHot: compact hot rows (gate, up, down_t)
   int n_hot = 0;
-  int32_t* hot_ids = nullptr;          // device [n_hot] global ids
+  int32_t* hot_ids = nullptr;  // device [n_hot] global ids
   std::vector<int32_t> hot_ids_host;
   std::vector<int32_t> cold_ids_host;  // ascending global ids not in hot_ids
   int32_t* cold_ids = nullptr;         // device [n_cold]
@@ -256,7 +256,7 @@ class CudaBackend : public Backend {
   int32_t* cold_idx_host_ = nullptr;  // [ffn]
   float* x_host_ = nullptr;           // [max_batch, hidden]
   float* out_host_ = nullptr;
-  int32_t* active_host_ = nullptr;  // [ffn]
+  int32_t* active_host_ = nullptr;    // [ffn]
   int32_t* observed_host_ = nullptr;  // [n_layers, ffn + 1]: hot lists (ForwardArgs::active_out)
 
   // Per-layer events: x published, hot start, hot end; plus step start/end.
@@ -292,9 +292,9 @@ class CudaBackend : public Backend {
   static constexpr int kShareStep = 8;
   bool share_on_ = false, share_adaptive_ = false;
   int share_num_ = 0, share_max_ = kShareDen;
-  int32_t* share_dev_ = nullptr;  // pinned [1]
-  int gpu_first_ = 0, cpu_first_ = 0;  // this step's layers, by which side finished first
-  std::vector<cudaEvent_t> ev_share_;  // per layer: the GPU's part done
+  int32_t* share_dev_ = nullptr;        // pinned [1]
+  int gpu_first_ = 0, cpu_first_ = 0;   // this step's layers, by which side finished first
+  std::vector<cudaEvent_t> ev_share_;   // per layer: the GPU's part done
   int32_t* cold_gpu_count_ = nullptr;   // device [1]: the GPU's part of a predicted list
   int32_t* cold_gpu_list_ = nullptr;    // device [1 + ffn]: count, cold positions (kGiven)
   int32_t* given_cold_host_ = nullptr;  // pinned [n_layers, ffn + 1]: its staging
@@ -597,8 +597,8 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
         d.slot_loaded.assign(d.n_cache, -1);
         d.cold_map_host = d.cold_ids_host;
         BACKEND_RETURN_IF_ERROR(Alloc(hot_map.size(), &d.hot_map_c));
-        CUDA_RETURN_IF_ERROR(cudaMemcpy(d.hot_map_c, hot_map.data(), hot_map.size() * 4,
-                                        cudaMemcpyHostToDevice));
+        CUDA_RETURN_IF_ERROR(
+            cudaMemcpy(d.hot_map_c, hot_map.data(), hot_map.size() * 4, cudaMemcpyHostToDevice));
         if (!d.cold_ids_host.empty()) {
           BACKEND_RETURN_IF_ERROR(Alloc(d.cold_ids_host.size(), &d.cold_map_c));
           CUDA_RETURN_IF_ERROR(cudaMemcpy(d.cold_map_c, d.cold_ids_host.data(),
@@ -985,9 +985,9 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
     const int32_t* list = cold_idx_;
     const int32_t* count = cold_gpu_count_;
     if (mode == FfnMode::kGiven) {
-      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-          cold_gpu_list_, given_cold_host_ + static_cast<size_t>(l) * (F + 1),
-          (static_cast<size_t>(n_cold) + 1) * 4, cudaMemcpyHostToDevice, stream_));
+      CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(cold_gpu_list_, given_cold_host_ + static_cast<size_t>(l) * (F + 1),
+                          (static_cast<size_t>(n_cold) + 1) * 4, cudaMemcpyHostToDevice, stream_));
       list = cold_gpu_list_ + 1;
       count = cold_gpu_list_;
     }

@@ -69,25 +69,26 @@ struct ModelDims {
 };
 
 enum class FfnPlacement : int {
-  kNone = 0,   // the layer is not on the GPU (dense layer offload computes it elsewhere)
-  kDense = 1,  // every neuron on the GPU, computed densely: gate, up [ffn, hidden], down [hidden, ffn]
-  kHot = 2,    // only hot_ids: rows of gate, up and of down_t (down transposed, [ffn, hidden])
+  kNone = 0,  // the layer is not on the GPU (dense layer offload computes it elsewhere)
+  kDense =
+      1,  // every neuron on the GPU, computed densely: gate, up [ffn, hidden], down [hidden, ffn]
+  kHot = 2,  // only hot_ids: rows of gate, up and of down_t (down transposed, [ffn, hidden])
 };
 
 struct LayerUpload {
   HostMatrix attn_norm, wq, wk, wv, wo, ffn_norm;  // norms as [1, hidden] (any type)
   FfnPlacement ffn = FfnPlacement::kHot;
-  HostMatrix gate, up;   // [ffn, hidden]: kDense uploads all rows, kHot the rows in hot_ids
-  HostMatrix down;       // [hidden, ffn]: kDense only
-  HostMatrix down_t;     // [ffn, hidden]: kHot only (rows in hot_ids)
+  HostMatrix gate, up;           // [ffn, hidden]: kDense uploads all rows, kHot the rows in hot_ids
+  HostMatrix down;               // [hidden, ffn]: kDense only
+  HostMatrix down_t;             // [ffn, hidden]: kHot only (rows in hot_ids)
   std::vector<int32_t> hot_ids;  // ascending global neuron ids (kHot)
   // Adaptive hot set (kHot, shared/sparse/hot_cache.h): this many extra GPU rows after the hot
   // rows, filled with cold neurons by LoadCacheRows and used by steps of at most the
   // matrix-vector path's size: kGiven steps address them as local rows hot_ids.size() + slot,
   // kPredicted steps through SetCacheSlots. hot_ids.size() + cache_rows <= ffn.
   int cache_rows = 0;
-  HostMatrix pred_fc1;   // optional predictor: [rank, hidden]
-  HostMatrix pred_fc2;   // [ffn, rank]
+  HostMatrix pred_fc1;       // optional predictor: [rank, hidden]
+  HostMatrix pred_fc2;       // [ffn, rank]
   float pred_threshold = 0;  // a neuron is predicted active when its score >= this
 };
 
@@ -132,13 +133,13 @@ enum class ColdPath : int {
 
 // What one layer's streamed cold rows cost on this GPU, measured by CalibrateStreaming.
 struct StreamCalibration {
-  int n = 0;                  // tokens
-  int64_t rows = 0;           // cold neurons streamed
-  double bytes = 0;           // host->GPU bytes of their rows
-  double copy_s = 0;          // the copies alone (copy stream, events)
-  double compute_s = 0;       // the products alone, on rows already in VRAM
-  double flops = 0;           // of the products (2 * n * rows * 3 * hidden)
-  double overlapped_s = 0;    // the whole streamed layer as Forward runs it
+  int n = 0;                // tokens
+  int64_t rows = 0;         // cold neurons streamed
+  double bytes = 0;         // host->GPU bytes of their rows
+  double copy_s = 0;        // the copies alone (copy stream, events)
+  double compute_s = 0;     // the products alone, on rows already in VRAM
+  double flops = 0;         // of the products (2 * n * rows * 3 * hidden)
+  double overlapped_s = 0;  // the whole streamed layer as Forward runs it
 };
 
 // What the GPU decides about the FFN's active neurons.
@@ -159,7 +160,7 @@ struct ColdRequest {
   // n tokens; null in kExact mode (the cold side decides with its own gate rows).
   const int32_t* active = nullptr;
   int n_active = 0;
-  float* out = nullptr;      // [n, hidden] host memory the callback fills (overwrites)
+  float* out = nullptr;  // [n, hidden] host memory the callback fills (overwrites)
 };
 
 class ColdFfn {
@@ -171,12 +172,12 @@ class ColdFfn {
 enum class LogitsMode : int { kLast = 0, kAll = 1, kNone = 2 };
 
 struct ForwardArgs {
-  int seq = 0;                        // KV cache slot
-  const int32_t* tokens = nullptr;    // [n]; ignored when hidden_in is set
+  int seq = 0;                      // KV cache slot
+  const int32_t* tokens = nullptr;  // [n]; ignored when hidden_in is set
   int n = 0;
   int pos0 = 0;
   FfnMode mode = FfnMode::kExact;
-  ColdFfn* cold = nullptr;            // null: no cold rows (the GPU holds every neuron needed)
+  ColdFfn* cold = nullptr;  // null: no cold rows (the GPU holds every neuron needed)
   // kGiven: per layer, the active hot rows (local indices into hot_ids) and cold neurons
   // (global ids), each ascending.
   const std::vector<std::vector<int32_t>>* given_hot = nullptr;
@@ -186,7 +187,8 @@ struct ForwardArgs {
   // (size n_layers). kStream applies only to batches over the matrix-vector path's size; smaller
   // ones always use the callback.
   ColdPath cold_path = ColdPath::kCallback;
-  const std::vector<ColdPath>* cold_paths = nullptr;        // kGiven: still run the predictors so their cost counts
+  const std::vector<ColdPath>* cold_paths =
+      nullptr;  // kGiven: still run the predictors so their cost counts
   // Layer range, for dense layer offload: hidden_in (host [n, hidden]) replaces the embedding,
   // hidden_out (host) receives x after layer_end - 1. layer_end < 0 means n_layers.
   int layer_begin = 0;
@@ -194,7 +196,7 @@ struct ForwardArgs {
   const float* hidden_in = nullptr;
   float* hidden_out = nullptr;
   LogitsMode logits_mode = LogitsMode::kLast;
-  float* logits = nullptr;            // host: [vocab] (kLast) or [n, vocab] (kAll)
+  float* logits = nullptr;  // host: [vocab] (kLast) or [n, vocab] (kAll)
   // Host exchange buffers (e.g. a shared-memory segment registered with RegisterHostMemory):
   // x [max_batch, hidden], out [max_batch, hidden], active [ffn]. Null: internal pinned buffers.
   float* exchange_x = nullptr;
@@ -208,16 +210,16 @@ struct ForwardArgs {
 // Seconds summed over the layers of the last Forward (host clock, except gpu_* from events).
 struct ForwardStats {
   double total = 0;
-  double cold_callback = 0;      // inside ColdFfn::Run
-  double wait_for_x = 0;         // host waiting for the GPU to publish the FFN input
-  double gpu_hot_ffn = 0;        // GPU time of the hot FFN kernels (events)
-  double gpu_layers = 0;         // GPU time from embedding to the last layer's end (events)
-  int64_t hot_rows_computed = 0;   // active hot neurons summed over layers (union over tokens)
+  double cold_callback = 0;         // inside ColdFfn::Run
+  double wait_for_x = 0;            // host waiting for the GPU to publish the FFN input
+  double gpu_hot_ffn = 0;           // GPU time of the hot FFN kernels (events)
+  double gpu_layers = 0;            // GPU time from embedding to the last layer's end (events)
+  int64_t hot_rows_computed = 0;    // active hot neurons summed over layers (union over tokens)
   int64_t cold_rows_requested = 0;  // handed to the cold callback
   int64_t cold_rows_gpu = 0;        // active cold neurons the GPU took (cold_gpu_share)
   double cold_gpu_share = 0;        // the share in effect for this step
-  int streamed_layers = 0;         // layers whose cold rows were streamed (ColdPath::kStream)
-  double streamed_bytes = 0;       // host->GPU bytes of those rows
+  int streamed_layers = 0;          // layers whose cold rows were streamed (ColdPath::kStream)
+  double streamed_bytes = 0;        // host->GPU bytes of those rows
 };
 
 class Backend {
@@ -272,8 +274,8 @@ PINFER_CUDA_EXPORT void pinfer_cuda_destroy_backend(pinfer::cuda::Backend* backe
 }
 // The function types, for dlsym.
 using PinferCudaDeviceCountFn = int (*)();
-using PinferCudaCreateFn = int (*)(const pinfer::cuda::ModelUpload*, pinfer::cuda::Backend**,
-                                   char*, size_t);
+using PinferCudaCreateFn = int (*)(const pinfer::cuda::ModelUpload*, pinfer::cuda::Backend**, char*,
+                                   size_t);
 using PinferCudaDestroyFn = void (*)(pinfer::cuda::Backend*);
 #define PINFER_CUDA_CREATE_SYMBOL "pinfer_cuda_create_backend"
 #define PINFER_CUDA_DESTROY_SYMBOL "pinfer_cuda_destroy_backend"

@@ -206,8 +206,7 @@ absl::Status AdaptiveHotSet::ByLayer(const std::vector<CacheSwap>& swaps, bool n
 absl::Status AdaptiveHotSet::AfterStep(const std::vector<std::vector<int32_t>>& active) {
   if (static_cast<int>(active.size()) != cache_.n_layers()) {
     return absl::InvalidArgumentError(absl::StrCat("active neurons of ", active.size(),
-                                                   " layers for a cache of ",
-                                                   cache_.n_layers()));
+                                                   " layers for a cache of ", cache_.n_layers()));
   }
   for (int l = 0; l < cache_.n_layers(); ++l) cache_.Observe(l, active[l]);
   cache_.EndToken();
@@ -218,11 +217,11 @@ absl::Status AdaptiveHotSet::AfterStep(const std::vector<std::vector<int32_t>>& 
     if (!*landed) return absl::OkStatus();
     std::vector<CacheSwap> done = std::move(pending_);
     pending_.clear();
-    absl::Status st = ByLayer(done, /*neurons=*/true,
-                              [&](int l, const std::vector<int32_t>& s,
-                                  const std::vector<int32_t>& n) {
-                                return target_->AssignSlots(l, s, n);
-                              });
+    absl::Status st =
+        ByLayer(done, /*neurons=*/true,
+                [&](int l, const std::vector<int32_t>& s, const std::vector<int32_t>& n) {
+                  return target_->AssignSlots(l, s, n);
+                });
     if (!st.ok()) return st;
     cache_.Commit(done);
     swaps_committed_ += done.size();
@@ -232,11 +231,11 @@ absl::Status AdaptiveHotSet::AfterStep(const std::vector<std::vector<int32_t>>& 
   if (swaps.empty()) return absl::OkStatus();
   pending_ = swaps;
   // The slots stop serving their old neurons before new rows overwrite them.
-  absl::Status st = ByLayer(swaps, /*neurons=*/false,
-                            [&](int l, const std::vector<int32_t>& s,
-                                const std::vector<int32_t>& n) {
-                              return target_->AssignSlots(l, s, n);
-                            });
+  absl::Status st =
+      ByLayer(swaps, /*neurons=*/false,
+              [&](int l, const std::vector<int32_t>& s, const std::vector<int32_t>& n) {
+                return target_->AssignSlots(l, s, n);
+              });
   if (!st.ok()) return st;
   return ByLayer(swaps, /*neurons=*/true,
                  [&](int l, const std::vector<int32_t>& s, const std::vector<int32_t>& n) {

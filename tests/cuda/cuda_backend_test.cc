@@ -115,8 +115,8 @@ class CudaBackendTest : public ::testing::Test {
     module_ = new Module;
     module_->handle = dlopen(ModulePath().c_str(), RTLD_NOW | RTLD_LOCAL);
     ASSERT_NE(module_->handle, nullptr) << dlerror();
-    module_->device_count =
-        reinterpret_cast<PinferCudaDeviceCountFn>(dlsym(module_->handle, PINFER_CUDA_DEVICE_COUNT_SYMBOL));
+    module_->device_count = reinterpret_cast<PinferCudaDeviceCountFn>(
+        dlsym(module_->handle, PINFER_CUDA_DEVICE_COUNT_SYMBOL));
     module_->create =
         reinterpret_cast<PinferCudaCreateFn>(dlsym(module_->handle, PINFER_CUDA_CREATE_SYMBOL));
     module_->destroy =
@@ -278,8 +278,8 @@ TEST_F(CudaBackendTest, WholeModelDenseGivesReferenceGreedyTokens) {
   for (const auto& p : (*reference_)["prompts"]) {
     std::vector<int32_t> prompt = p["input_ids"].get<std::vector<int32_t>>();
     std::vector<int32_t> expect = p["greedy_ids"].get<std::vector<int32_t>>();
-    EXPECT_EQ(Greedy(backend.get(), prompt, static_cast<int>(expect.size()),
-                     cuda::FfnMode::kDense, nullptr),
+    EXPECT_EQ(Greedy(backend.get(), prompt, static_cast<int>(expect.size()), cuda::FfnMode::kDense,
+                     nullptr),
               expect)
         << p["prompt"];
   }
@@ -739,7 +739,8 @@ TEST_F(CudaBackendTest, ColdGpuShareMatchesCpuReference) {
     a.active_out = &active;
     cuda::BackendStatus st = predicted->Forward(a);
     ASSERT_TRUE(st.ok()) << st.message;
-    EXPECT_LE(Nmse(got.data(), pc->want.data() + pos * V, V), 1e-6) << "predicted, position " << pos;
+    EXPECT_LE(Nmse(got.data(), pc->want.data() + pos * V, V), 1e-6)
+        << "predicted, position " << pos;
     const cuda::ForwardStats& fs = predicted->last_stats();
     gpu_cold += fs.cold_rows_gpu;
     cpu_cold += fs.cold_rows_requested;
@@ -799,7 +800,8 @@ TEST_F(CudaBackendTest, ColdGpuShareMatchesCpuReference) {
   u.cold_gpu_share = 1.5;
   cuda::Backend* b = nullptr;
   char err[256] = {0};
-  EXPECT_EQ(module_->create(&u, &b, err, sizeof(err)), static_cast<int>(cuda::Code::kInvalidArgument));
+  EXPECT_EQ(module_->create(&u, &b, err, sizeof(err)),
+            static_cast<int>(cuda::Code::kInvalidArgument));
   EXPECT_NE(std::string(err).find("cold_gpu_share"), std::string::npos) << err;
 }
 

@@ -786,9 +786,9 @@ TEST(ServiceColdPrefillTest, ServePassesTheFlagsToTheGpuWorker) {
     ::dup2(fd, 1);
     ::dup2(fd, 2);
     const std::string bin = std::string(PINFER_BINARY_DIR) + "/cli/pinfer";
-    ::execl(bin.c_str(), bin.c_str(), "serve", "--model", kTiny.c_str(), "--port", "0",
-            "--bin-dir", (std::string(PINFER_BINARY_DIR) + "/bin").c_str(), "--cold-prefill",
-            "stream", "--stream-slots", "3", "--stream-chunk-rows", "256", nullptr);
+    ::execl(bin.c_str(), bin.c_str(), "serve", "--model", kTiny.c_str(), "--port", "0", "--bin-dir",
+            (std::string(PINFER_BINARY_DIR) + "/bin").c_str(), "--cold-prefill", "stream",
+            "--stream-slots", "3", "--stream-chunk-rows", "256", nullptr);
     ::_exit(127);
   }
   ASSERT_GT(pid, 0);
@@ -810,9 +810,8 @@ TEST(ServiceColdPrefillTest, ServePassesTheFlagsToTheGpuWorker) {
   ::waitpid(pid, &status, 0);
   EXPECT_THAT(text, HasSubstr("--cold-prefill stream --stream-chunk-rows 256 --stream-slots 3"));
   EXPECT_THAT(text, HasSubstr("--cold-prefill stream ignored: the CPU backend"));
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
-      << "wait status " << status << "\n"
-      << text;
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "wait status " << status << "\n"
+                                                             << text;
 }
 
 // Greedy tokens of the in-process engine with a given FFN block, the prompt fed one token at a
