@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cli/commands.h"
@@ -202,6 +203,15 @@ int ServeCommand(const std::vector<std::string>& args) {
     return UsageError(
         kUsage, absl::InvalidArgumentError(
                     absl::StrCat("--cold-prefill must be auto, cpu or stream (got \"", *v, "\")")));
+  }
+  if (auto v = f.Get("cold-gpu-share"); v && *v != "auto" && *v != "off") {
+    double share = 0;
+    if (!absl::SimpleAtod(*v, &share) || !(share > 0 && share <= 1)) {
+      return UsageError(kUsage, absl::InvalidArgumentError(absl::StrCat(
+                                    "--cold-gpu-share must be auto, off or a fraction in (0, 1] "
+                                    "(got \"",
+                                    *v, "\")")));
+    }
   }
   if (f.Has("adaptive-cache-rows") && !f.Has("sparse")) {
     return UsageError(kUsage, absl::InvalidArgumentError("--adaptive-cache-rows needs --sparse"));

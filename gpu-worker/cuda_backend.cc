@@ -21,6 +21,7 @@
 #include "gpu-worker/cold_prefill.h"
 #include "gpu-worker/cuda/backend.h"
 #include "gpu-worker/cuda/model_dims.h"
+#include "gpu-worker/module_cache_slots.h"
 #include "shared/engine/transformer.h"
 #include "shared/service/log.h"
 #include "shared/sparse/sparse_ffn.h"
@@ -28,11 +29,6 @@
 
 namespace pinfer::gpuworker {
 namespace {
-
-absl::Status ToStatus(const cuda::BackendStatus& s) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.code), s.message);
-}
 
 cuda::HostMatrix FromView(const TensorView& t, bool vector = false) {
   cuda::HostMatrix m;
@@ -100,28 +96,6 @@ class ExchangeColdFfn : public cuda::ColdFfn {
   std::vector<uint64_t> masks_;
 };
 
-// The adaptive hot set's view of the module (shared/sparse/hot_cache.h).
-class ModuleSlots : public CacheSlotTarget {
- public:
-  explicit ModuleSlots(cuda::Backend* b) : b_(b) {}
-  absl::Status LoadRows(int layer, const std::vector<int32_t>& slots,
-                        const std::vector<int32_t>& neurons) override {
-    return ToStatus(b_->LoadCacheRows(layer, slots, neurons));
-  }
-  absl::StatusOr<bool> RowsLanded() override {
-    bool landed = false;
-    RETURN_IF_ERROR(ToStatus(b_->CacheRowsLanded(/*wait=*/false, &landed)));
-    return landed;
-  }
-  absl::Status AssignSlots(int layer, const std::vector<int32_t>& slots,
-                           const std::vector<int32_t>& neurons) override {
-    return ToStatus(b_->SetCacheSlots(layer, slots, neurons));
-  }
-
- private:
-  cuda::Backend* b_;
-};
-
 class CudaBackend : public ComputeBackend {
  public:
   CudaBackend(const Model& model, void* handle, cuda::Backend* backend, PinferCudaDestroyFn destroy,
@@ -149,7 +123,7 @@ class CudaBackend : public ComputeBackend {
 
   // Decode steps keep the cache slots filled with the cold neurons the text activates.
   void StartAdaptiveHotSet(AdaptiveHotCache cache, int plan_every) {
-    slots_ = std::make_unique<ModuleSlots>(backend_);
+    slots_ = std::make_unique<ModuleCacheSlots>(backend_);
     adaptive_ = std::make_unique<AdaptiveHotSet>(std::move(cache), slots_.get(), plan_every);
   }
 
@@ -314,7 +288,7 @@ class CudaBackend : public ComputeBackend {
   int cold_layers_;                              // layers with at least one cold neuron
   std::unique_ptr<ColdPrefillPlanner> planner_;  // null: every cold row to the cpu-worker
   std::vector<cuda::ColdPath> cold_paths_;
-  std::unique_ptr<ModuleSlots> slots_;
+  std::unique_ptr<ModuleCacheSlots> slots_;
   std::unique_ptr<AdaptiveHotSet> adaptive_;  // null: the static placement only
   std::vector<std::vector<int32_t>> active_;  // the last decode step's active neurons per layer
   int decisions_logged_ = 0, last_logged_streamed_ = -1;

@@ -291,7 +291,7 @@ class CudaBackend : public Backend {
   static constexpr int kShareDen = 1024;
   static constexpr int kShareStep = 8;
   bool share_on_ = false, share_adaptive_ = false;
-  int share_num_ = 0, share_max_ = kShareDen;
+  int share_num_ = 0;
   int32_t* share_dev_ = nullptr;        // pinned [1]
   int gpu_first_ = 0, cpu_first_ = 0;   // this step's layers, by which side finished first
   std::vector<cudaEvent_t> ev_share_;   // per layer: the GPU's part done
@@ -902,7 +902,7 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
     if (n_hot > 0) {
       CUDA_RETURN_IF_ERROR(CompactActive(scores_, n, F, use_cache ? L.hot_map_c : L.hot_ids, n_hot,
                                          L.pred_cut, hot_idx_, hot_count, stream_));
-      if (ObservesActive(a) && observed_host_ != nullptr) {
+      if (ObservesActive(a)) {
         CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(observed_host_ + static_cast<size_t>(l) * (F + 1),
                                              hot_list_, (static_cast<size_t>(n_hot) + 1) * 4,
                                              cudaMemcpyDeviceToHost, stream_));
@@ -1247,7 +1247,7 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
   stats_.cold_gpu_share = static_cast<double>(share_num_) / kShareDen;
   if (share_adaptive_ && gpu_first_ + cpu_first_ > 0) {
     // Nothing reads the share between steps, so it changes here.
-    share_num_ = gpu_first_ > cpu_first_ ? std::min(share_max_, share_num_ + kShareStep)
+    share_num_ = gpu_first_ > cpu_first_ ? std::min(kShareDen, share_num_ + kShareStep)
                                          : std::max(0, share_num_ - kShareStep);
     *share_dev_ = share_num_;
   }

@@ -14,6 +14,7 @@
 
 #include "gpu-worker/cuda/backend.h"
 #include "gpu-worker/cuda/model_dims.h"
+#include "gpu-worker/module_cache_slots.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "shared/engine/ops.h"
@@ -647,6 +648,29 @@ std::unique_ptr<PredictedCase> MakePredictedCase(const Model& model,
   return pc;
 }
 
+// The upload with the case's predictors on every layer.
+cuda::ModelUpload WithPredictors(cuda::ModelUpload u, const PredictedCase& pc) {
+  for (size_t l = 0; l < u.layers.size(); ++l) {
+    u.layers[l].pred_fc1 = FromView(pc.preds.layers[l].fc1);
+    u.layers[l].pred_fc2 = FromView(pc.preds.layers[l].fc2);
+    u.layers[l].pred_threshold = pc.preds.layers[l].threshold;
+  }
+  return u;
+}
+
+// Decode step `pos` of `tokens` in predicted mode.
+cuda::ForwardArgs PredictedStep(const std::vector<int32_t>& tokens, size_t pos, cuda::ColdFfn* cold,
+                                float* logits) {
+  cuda::ForwardArgs a;
+  a.tokens = &tokens[pos];
+  a.n = 1;
+  a.pos0 = static_cast<int>(pos);
+  a.mode = cuda::FfnMode::kPredicted;
+  a.cold = cold;
+  a.logits = logits;
+  return a;
+}
+
 double Nmse(const float* got, const float* want, int n) {
   double err = 0, norm = 0;
   for (int i = 0; i < n; ++i) {
@@ -667,25 +691,14 @@ TEST_F(CudaBackendTest, PredictedModeMatchesCpuPredictedSparseFfn) {
   std::unique_ptr<PredictedCase> pc = MakePredictedCase(*model_, *down_t_, tokens);
   ASSERT_GT(pc->min_margin, 1e-4) << "no safe threshold gap; change the seed";
   const int V = c.vocab_size;
-  cuda::ModelUpload u = Upload(/*hot=*/true);
-  for (int l = 0; l < c.n_layers; ++l) {
-    u.layers[l].pred_fc1 = FromView(pc->preds.layers[l].fc1);
-    u.layers[l].pred_fc2 = FromView(pc->preds.layers[l].fc2);
-    u.layers[l].pred_threshold = pc->preds.layers[l].threshold;
-  }
+  cuda::ModelUpload u = WithPredictors(Upload(/*hot=*/true), *pc);
   auto backend = Create(u);
   ASSERT_NE(backend, nullptr);
   CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
   std::vector<float> got(V);
   int64_t hot_computed = 0, cold_listed = 0;
   for (size_t pos = 0; pos < tokens.size(); ++pos) {
-    cuda::ForwardArgs a;
-    a.tokens = &tokens[pos];
-    a.n = 1;
-    a.pos0 = static_cast<int>(pos);
-    a.mode = cuda::FfnMode::kPredicted;
-    a.cold = &cold;
-    a.logits = got.data();
+    cuda::ForwardArgs a = PredictedStep(tokens, pos, &cold, got.data());
     cuda::BackendStatus st = backend->Forward(a);
     ASSERT_TRUE(st.ok()) << st.message;
     hot_computed += backend->last_stats().hot_rows_computed;
@@ -713,12 +726,7 @@ TEST_F(CudaBackendTest, ColdGpuShareMatchesCpuReference) {
   std::unique_ptr<PredictedCase> pc = MakePredictedCase(*model_, *down_t_, tokens);
   ASSERT_GT(pc->min_margin, 1e-4) << "no safe threshold gap; change the seed";
   const int V = c.vocab_size;
-  cuda::ModelUpload u = Upload(/*hot=*/true);
-  for (int l = 0; l < c.n_layers; ++l) {
-    u.layers[l].pred_fc1 = FromView(pc->preds.layers[l].fc1);
-    u.layers[l].pred_fc2 = FromView(pc->preds.layers[l].fc2);
-    u.layers[l].pred_threshold = pc->preds.layers[l].threshold;
-  }
+  cuda::ModelUpload u = WithPredictors(Upload(/*hot=*/true), *pc);
   u.cold_gpu_share = 0.5;
   auto predicted = Create(u);
   auto given = Create(u);
@@ -729,13 +737,7 @@ TEST_F(CudaBackendTest, ColdGpuShareMatchesCpuReference) {
   std::vector<std::vector<int32_t>> active, given_hot(c.n_layers), given_cold(c.n_layers);
   int64_t gpu_cold = 0, cpu_cold = 0;
   for (size_t pos = 0; pos < tokens.size(); ++pos) {
-    cuda::ForwardArgs a;
-    a.tokens = &tokens[pos];
-    a.n = 1;
-    a.pos0 = static_cast<int>(pos);
-    a.mode = cuda::FfnMode::kPredicted;
-    a.cold = &cold;
-    a.logits = got.data();
+    cuda::ForwardArgs a = PredictedStep(tokens, pos, &cold, got.data());
     a.active_out = &active;
     cuda::BackendStatus st = predicted->Forward(a);
     ASSERT_TRUE(st.ok()) << st.message;
@@ -781,13 +783,7 @@ TEST_F(CudaBackendTest, ColdGpuShareMatchesCpuReference) {
   ASSERT_NE(adaptive, nullptr);
   double lo = 1, hi = 0;
   for (size_t pos = 0; pos < tokens.size(); ++pos) {
-    cuda::ForwardArgs a;
-    a.tokens = &tokens[pos];
-    a.n = 1;
-    a.pos0 = static_cast<int>(pos);
-    a.mode = cuda::FfnMode::kPredicted;
-    a.cold = &cold;
-    a.logits = got.data();
+    cuda::ForwardArgs a = PredictedStep(tokens, pos, &cold, got.data());
     cuda::BackendStatus st = adaptive->Forward(a);
     ASSERT_TRUE(st.ok()) << st.message;
     EXPECT_LE(Nmse(got.data(), pc->want.data() + pos * V, V), 1e-6) << "adaptive, position " << pos;
@@ -805,33 +801,6 @@ TEST_F(CudaBackendTest, ColdGpuShareMatchesCpuReference) {
   EXPECT_NE(std::string(err).find("cold_gpu_share"), std::string::npos) << err;
 }
 
-// The module's side of the CacheSlotTarget protocol (as the gpu-worker's ModuleSlots).
-class BackendSlots : public CacheSlotTarget {
- public:
-  explicit BackendSlots(cuda::Backend* b) : b_(b) {}
-  absl::Status LoadRows(int layer, const std::vector<int32_t>& slots,
-                        const std::vector<int32_t>& neurons) override {
-    return Status(b_->LoadCacheRows(layer, slots, neurons));
-  }
-  absl::StatusOr<bool> RowsLanded() override {
-    bool landed = false;
-    absl::Status st = Status(b_->CacheRowsLanded(/*wait=*/false, &landed));
-    if (!st.ok()) return st;
-    return landed;
-  }
-  absl::Status AssignSlots(int layer, const std::vector<int32_t>& slots,
-                           const std::vector<int32_t>& neurons) override {
-    return Status(b_->SetCacheSlots(layer, slots, neurons));
-  }
-
- private:
-  static absl::Status Status(const cuda::BackendStatus& s) {
-    return s.ok() ? absl::OkStatus()
-                  : absl::Status(static_cast<absl::StatusCode>(s.code), s.message);
-  }
-  cuda::Backend* b_;
-};
-
 // The adaptive hot set in predicted mode (what `--sparse --adaptive-cache-rows` runs): driven by
 // AdaptiveHotSet from the active neurons each step reports, cache slots fill and churn while the
 // logits stay equal to the CPU reference's (every predicted-active neuron computed once, by the
@@ -848,12 +817,7 @@ TEST_F(CudaBackendTest, AdaptiveCacheInPredictedModeMatchesCpuReference) {
   std::unique_ptr<PredictedCase> pc = MakePredictedCase(*model_, *down_t_, tokens, 0.5, 0.9);
   ASSERT_GT(pc->min_margin, 1e-4) << "no safe threshold gap; change the seed";
   const int V = c.vocab_size, slots = 48;
-  cuda::ModelUpload u = Upload(/*hot=*/true);
-  for (int l = 0; l < c.n_layers; ++l) {
-    u.layers[l].pred_fc1 = FromView(pc->preds.layers[l].fc1);
-    u.layers[l].pred_fc2 = FromView(pc->preds.layers[l].fc2);
-    u.layers[l].pred_threshold = pc->preds.layers[l].threshold;
-  }
+  cuda::ModelUpload u = WithPredictors(Upload(/*hot=*/true), *pc);
   auto plain = Create(u);
   for (cuda::LayerUpload& lu : u.layers) lu.cache_rows = slots;
   auto cached = Create(u);
@@ -866,20 +830,14 @@ TEST_F(CudaBackendTest, AdaptiveCacheInPredictedModeMatchesCpuReference) {
   ho.max_swaps = 16;
   absl::StatusOr<AdaptiveHotCache> hc = AdaptiveHotCache::Create(c.ffn_size, *hot_ids_, ho);
   ASSERT_TRUE(hc.ok()) << hc.status();
-  BackendSlots target(cached.get());
+  gpuworker::ModuleCacheSlots target(cached.get());
   AdaptiveHotSet set(std::move(*hc), &target, /*plan_every=*/1);
   CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
   std::vector<float> got(V), got_plain(V);
   std::vector<std::vector<int32_t>> active;
   int64_t moved = 0;
   for (size_t pos = 0; pos < tokens.size(); ++pos) {
-    cuda::ForwardArgs a;
-    a.tokens = &tokens[pos];
-    a.n = 1;
-    a.pos0 = static_cast<int>(pos);
-    a.mode = cuda::FfnMode::kPredicted;
-    a.cold = &cold;
-    a.logits = got_plain.data();
+    cuda::ForwardArgs a = PredictedStep(tokens, pos, &cold, got_plain.data());
     cuda::BackendStatus st = plain->Forward(a);
     ASSERT_TRUE(st.ok()) << st.message;
     const cuda::ForwardStats p = plain->last_stats();

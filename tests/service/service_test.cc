@@ -751,6 +751,12 @@ TEST(ServiceAdaptiveCacheTest, FlagErrors) {
   EXPECT_EQ(rc4, 2);
   EXPECT_THAT(err4, HasSubstr("--cold-gpu-share must be auto, off or a fraction in (0, 1] (got "
                               "\"1.5\")"));
+  auto [rc5, err5] = RunCommand(std::string(PINFER_BINARY_DIR) + "/cli/pinfer serve --model " +
+                                    kTiny + " --port 0 --cold-gpu-share half",
+                                "adaptive-5");
+  EXPECT_EQ(rc5, 2);
+  EXPECT_THAT(err5, HasSubstr("--cold-gpu-share must be auto, off or a fraction in (0, 1] (got "
+                              "\"half\")"));
 }
 
 TEST(ServiceColdPrefillTest, CpuBackendIgnoresTheFlagAndStaysExact) {

@@ -185,7 +185,6 @@ class FakeSlots : public CacheSlotTarget {
       loaded[layer][slots[i]] = neurons[i];
     }
     landed = auto_land;
-    ++loads;
     return fail_loads ? absl::InternalError("copy failed") : absl::OkStatus();
   }
   absl::StatusOr<bool> RowsLanded() override { return landed; }
@@ -214,7 +213,6 @@ class FakeSlots : public CacheSlotTarget {
   }
   std::vector<std::vector<int32_t>> serving, loaded;
   bool landed = true, auto_land = true, fail_loads = false;
-  int loads = 0;
 };
 
 TEST(AdaptiveHotSetTest, SlotsFollowTheTextThroughTheTargetsProtocol) {
