@@ -57,19 +57,23 @@ inline V vexp(V x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
-inline void unpack_q4(const uint8_t* qs, int8_t* q) {
+// One Q4_0 block's 32 values (q - 8) as four fp32 vectors, unpacked in registers.
+inline void q4_vecs(const uint8_t* qs, V* out) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m128i mask = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_sub_epi8(_mm_and_si128(v, mask), eight));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
-                   _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight));
+  const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), eight);
+  const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight);
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
 }
 // Unscaled dot of one Q4_0 block's values (q - 8) with 32 floats, as a vector of partial sums.
 inline V q4_block_dot(const uint8_t* qs, const float* x) {
-  alignas(64) int8_t q[32];
-  unpack_q4(qs, q);
+  V q[32 / W];
+  q4_vecs(qs, q);
   V bs = vzero();
-  for (int j = 0; j < 32; j += W) bs = vfma(vload_i8(q + j), vload(x + j), bs);
+  for (int e = 0; e < 32 / W; ++e) bs = vfma(q[e], vload(x + e * W), bs);
   return bs;
 }
 // Quantized-activation block dots: maddubs (unsigned x signed pairs to int16, which cannot

@@ -53,12 +53,16 @@ inline V vexp(V x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
-inline void unpack_q4(const uint8_t* qs, int8_t* q) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i mask = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_sub_epi8(_mm_and_si128(v, mask), eight));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
-                   _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight));
+// One Q4_0 block's 32 values (q - 8) as two fp32 vectors. vpermps reads only the low four bits
+// of each index, so the zero-extended bytes index a table of -8..7 directly (low nibbles) and
+// after a shift by 4 (high nibbles): no masking, no offset, no int-to-float conversion.
+inline void q4_vecs(const uint8_t* qs, V* out) {
+  const __m512 values = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f,
+                                       2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+  const __m512i bytes =
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  out[0] = _mm512_permutexvar_ps(bytes, values);
+  out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
 }
 // Unscaled dot of one Q4_0 block's values (q - 8) with 32 floats, unpacked in registers.
 inline V q4_block_dot(const uint8_t* qs, const float* x) {

@@ -26,18 +26,19 @@ inline V vmul(V a, V b) { return a * b; }
 inline V vdiv(V a, V b) { return a / b; }
 inline V vexp(V x) { return std::exp(x); }
 inline float half_to_float(uint16_t h) { return Fp16ToFp32(h); }
-inline void unpack_q4(const uint8_t* qs, int8_t* q) {
+// One Q4_0 block's 32 values (q - 8), one "vector" each.
+inline void q4_vecs(const uint8_t* qs, V* out) {
   for (int j = 0; j < 16; ++j) {
-    q[j] = static_cast<int8_t>((qs[j] & 0x0f) - 8);
-    q[j + 16] = static_cast<int8_t>((qs[j] >> 4) - 8);
+    out[j] = static_cast<float>((qs[j] & 0x0f) - 8);
+    out[j + 16] = static_cast<float>((qs[j] >> 4) - 8);
   }
 }
 // Unscaled dot of one Q4_0 block's values (q - 8) with 32 floats, as a vector of partial sums.
 inline V q4_block_dot(const uint8_t* qs, const float* x) {
-  alignas(64) int8_t q[32];
-  unpack_q4(qs, q);
+  V q[32 / W];
+  q4_vecs(qs, q);
   V bs = vzero();
-  for (int j = 0; j < 32; j += W) bs = vfma(vload_i8(q + j), vload(x + j), bs);
+  for (int e = 0; e < 32 / W; ++e) bs = vfma(q[e], vload(x + e * W), bs);
   return bs;
 }
 // Quantized-activation block dots: the whole block's integer sum as one "lane".
