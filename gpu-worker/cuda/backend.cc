@@ -179,7 +179,12 @@ class CudaBackend : public Backend {
   BackendStatus UploadStacked(const std::vector<const HostMatrix*>& parts, const char* name,
                               DeviceMatrix* out);
   // y: [n, ldy] = x: [n, w.cols] @ w^T
-  BackendStatus Proj(const DeviceMatrix& w, const float* x, int n, float* y, int ldy);
+  BackendStatus Proj(const DeviceMatrix& w, const float* x, int n, float* y, int ldy,
+                     const void* x_qx = nullptr);
+  // xb_ / up_ quantized by the kernel that writes them (see QxBytes), for small steps of a
+  // model with block-format weights; null otherwise (the products then quantize for themselves).
+  void* XbQx(int n) const { return qx_on_ && n <= kSmallBatch ? xb_qx_ : nullptr; }
+  void* UpQx(int n) const { return qx_on_ && n <= kSmallBatch ? up_qx_ : nullptr; }
   static FfnMode EffectiveMode(const ForwardArgs& a) {
     return a.mode == FfnMode::kDense ? FfnMode::kExact : a.mode;
   }
@@ -247,6 +252,8 @@ class CudaBackend : public Backend {
   int32_t *tokens_dev_ = nullptr, *positions_dev_ = nullptr, *hot_list_ = nullptr,
           *cold_list_ = nullptr;
   int max_rank_ = 0;
+  bool qx_on_ = false;
+  int8_t *xb_qx_ = nullptr, *up_qx_ = nullptr;  // [kSmallBatch, QxBytes(hidden or ffn)]
   GemmScratch gemm_;
 
   // Pinned host staging.
@@ -648,6 +655,18 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   BACKEND_RETURN_IF_ERROR(Alloc(2 * bf, &gate_));  // also [n, 2 ffn] stacked gate/up outputs
   BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B) * (qdim + 2 * kvdim), &qkv_));
   BACKEND_RETURN_IF_ERROR(Alloc(bf, &up_));
+  for (const DeviceLayer& L : layers_) {
+    for (const DeviceMatrix* m : {&L.wqkv, &L.wo, &L.gate_up, &L.down, &L.gate, &L.up, &L.fc1}) {
+      qx_on_ = qx_on_ || m->split();
+    }
+  }
+  const char* producer_qx = std::getenv("PINFER_CUDA_PRODUCER_QX");  // 0: off (benchmarks)
+  qx_on_ = qx_on_ && H % 32 == 0 && F % 32 == 0 &&
+           (producer_qx == nullptr || std::string(producer_qx) != "0");
+  if (qx_on_) {
+    BACKEND_RETURN_IF_ERROR(Alloc(kSmallBatch * QxBytes(H), &xb_qx_));
+    BACKEND_RETURN_IF_ERROR(Alloc(kSmallBatch * QxBytes(F), &up_qx_));
+  }
   BACKEND_RETURN_IF_ERROR(Alloc(bf, &scores_));
   if (max_rank_ > 0) BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B) * max_rank_, &pred_h_));
   BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B) * c.vocab, &logits_));
@@ -705,10 +724,11 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   return Ok();
 }
 
-BackendStatus CudaBackend::Proj(const DeviceMatrix& w, const float* x, int n, float* y, int ldy) {
+BackendStatus CudaBackend::Proj(const DeviceMatrix& w, const float* x, int n, float* y, int ldy,
+                                const void* x_qx) {
   if (n <= kSmallBatch) {
     CUDA_RETURN_IF_ERROR(
-        MatVecRows(w, nullptr, static_cast<int>(w.rows), nullptr, x, n, y, ldy, stream_));
+        MatVecRows(w, nullptr, static_cast<int>(w.rows), nullptr, x, n, y, ldy, stream_, x_qx));
     return Ok();
   }
   const int rc = GemmXWt(cublas_, w, x, n, y, ldy, 0.f, gemm_, stream_);
@@ -851,11 +871,11 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
   // The previous layer's FFN output joins the residual inside this norm.
   if (pend1 != nullptr) {
     CUDA_RETURN_IF_ERROR(
-        ResidualRmsNorm(x_, pend1, pend2, L.attn_norm, n, H, c.norm_eps, xb_, stream_));
+        ResidualRmsNorm(x_, pend1, pend2, L.attn_norm, n, H, c.norm_eps, xb_, stream_, XbQx(n)));
   } else {
-    CUDA_RETURN_IF_ERROR(RmsNorm(x_, L.attn_norm, n, H, c.norm_eps, xb_, stream_));
+    CUDA_RETURN_IF_ERROR(RmsNorm(x_, L.attn_norm, n, H, c.norm_eps, xb_, stream_, XbQx(n)));
   }
-  BACKEND_RETURN_IF_ERROR(Proj(L.wqkv, xb_, n, qkv_, qdim + 2 * kvdim));  // [n, q + 2 kv]
+  BACKEND_RETURN_IF_ERROR(Proj(L.wqkv, xb_, n, qkv_, qdim + 2 * kvdim, XbQx(n)));  // [n, q + 2 kv]
   CUDA_RETURN_IF_ERROR(RopeQkvToCache(qkv_, n, c.n_heads, c.n_kv_heads, c.head_dim, positions_dev_,
                                       inv_freq_, c.rope_interleaved, q_, k_seq, v_seq,
                                       stream_));  // q: [n, q_dim]; k, v into the cache
@@ -865,12 +885,13 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
 
   // FFN block: x += attention output, xb = the FFN input.
   CUDA_RETURN_IF_ERROR(
-      ResidualRmsNorm(x_, xb_, nullptr, L.ffn_norm, n, H, c.norm_eps, xb_, stream_));
+      ResidualRmsNorm(x_, xb_, nullptr, L.ffn_norm, n, H, c.norm_eps, xb_, stream_, XbQx(n)));
   if (L.ffn == FfnPlacement::kDense) {
     if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot0_[l]));
-    BACKEND_RETURN_IF_ERROR(Proj(L.gate_up, xb_, n, gate_, 2 * F));  // [n, 2 ffn]: gate | up
-    CUDA_RETURN_IF_ERROR(GatedActivationPacked(act, gate_, n, F, up_, stream_));  // [n, ffn]
-    BACKEND_RETURN_IF_ERROR(Proj(L.down, up_, n, hot_out_, H));                   // [n, hidden]
+    BACKEND_RETURN_IF_ERROR(Proj(L.gate_up, xb_, n, gate_, 2 * F, XbQx(n)));  // [n, 2 ffn]
+    CUDA_RETURN_IF_ERROR(
+        GatedActivationPacked(act, gate_, n, F, up_, stream_, UpQx(n)));  // [n, ffn]
+    BACKEND_RETURN_IF_ERROR(Proj(L.down, up_, n, hot_out_, H, UpQx(n)));  // [n, hidden]
     if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot1_[l]));
     return Ok();
   }
@@ -893,7 +914,7 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
   if (L.fc1.data != nullptr &&
       (mode == FfnMode::kPredicted || (mode == FfnMode::kGiven && a.run_predictors))) {
     const int rank = static_cast<int>(L.fc1.rows);
-    BACKEND_RETURN_IF_ERROR(Proj(L.fc1, xb_, n, pred_h_, rank));
+    BACKEND_RETURN_IF_ERROR(Proj(L.fc1, xb_, n, pred_h_, rank, XbQx(n)));
     CUDA_RETURN_IF_ERROR(Relu(pred_h_, static_cast<int64_t>(n) * rank, stream_));
     BACKEND_RETURN_IF_ERROR(Proj(L.fc2, pred_h_, n, scores_, F));
   }
@@ -939,20 +960,21 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
       float* coef = nullptr;  // [n, n_hot] activations of the listed rows
       if (mode == FfnMode::kExact) {
         // The gate decides: every hot gate row, then up and down for the active ones only.
-        CUDA_RETURN_IF_ERROR(MatVecRows(G, nullptr, n_hot, nullptr, xb_, n, gate_, n_hot, stream_));
+        CUDA_RETURN_IF_ERROR(
+            MatVecRows(G, nullptr, n_hot, nullptr, xb_, n, gate_, n_hot, stream_, XbQx(n)));
         const float threshold = act == ActKind::kSilu ? -INFINITY : 0.f;
         CUDA_RETURN_IF_ERROR(CompactActive(gate_, n, n_hot, nullptr, n_hot, threshold, hot_idx_,
                                            hot_count, stream_));
         CUDA_RETURN_IF_ERROR(
-            MatVecRows(U, hot_idx_, n_hot, hot_count, xb_, n, up_, n_hot, stream_));
+            MatVecRows(U, hot_idx_, n_hot, hot_count, xb_, n, up_, n_hot, stream_, XbQx(n)));
         CUDA_RETURN_IF_ERROR(GatherGatedActivation(act, gate_, n_hot, hot_idx_, n_hot, hot_count,
                                                    up_, n_hot, n, stream_));
         coef = up_;
       } else {
         CUDA_RETURN_IF_ERROR(
-            MatVecRows(G, hot_idx_, n_hot, hot_count, xb_, n, gate_, n_hot, stream_));
+            MatVecRows(G, hot_idx_, n_hot, hot_count, xb_, n, gate_, n_hot, stream_, XbQx(n)));
         CUDA_RETURN_IF_ERROR(
-            MatVecRows(U, hot_idx_, n_hot, hot_count, xb_, n, up_, n_hot, stream_));
+            MatVecRows(U, hot_idx_, n_hot, hot_count, xb_, n, up_, n_hot, stream_, XbQx(n)));
         // Elements past the count are stale and never read.
         CUDA_RETURN_IF_ERROR(
             GatedActivation(act, gate_, up_, static_cast<int64_t>(n) * n_hot, stream_));
@@ -1060,8 +1082,8 @@ BackendStatus CudaBackend::EnqueueStep(const ForwardArgs& a, int layer_end, bool
   }
   if (pend != nullptr) CUDA_RETURN_IF_ERROR(AddInPlace(x_, pend, H, stream_));
   if (head) {
-    CUDA_RETURN_IF_ERROR(RmsNorm(x_, output_norm_, 1, H, dims_.norm_eps, xb_, stream_));
-    BACKEND_RETURN_IF_ERROR(Proj(output_, xb_, 1, logits_, dims_.vocab));  // [1, vocab]
+    CUDA_RETURN_IF_ERROR(RmsNorm(x_, output_norm_, 1, H, dims_.norm_eps, xb_, stream_, XbQx(1)));
+    BACKEND_RETURN_IF_ERROR(Proj(output_, xb_, 1, logits_, dims_.vocab, XbQx(1)));  // [1, vocab]
   }
   return Ok();
 }
@@ -1233,8 +1255,9 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
     const int count = n - first;
     if (!step_graph) {  // (the step graph ends with these two)
       CUDA_RETURN_IF_ERROR(RmsNorm(x_ + static_cast<size_t>(first) * H, output_norm_, count, H,
-                                   c.norm_eps, xb_, stream_));
-      BACKEND_RETURN_IF_ERROR(Proj(output_, xb_, count, logits_, c.vocab));  // [count, vocab]
+                                   c.norm_eps, xb_, stream_, XbQx(count)));
+      BACKEND_RETURN_IF_ERROR(
+          Proj(output_, xb_, count, logits_, c.vocab, XbQx(count)));  // [count, vocab]
     }
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(a.logits, logits_,
                                          static_cast<size_t>(count) * c.vocab * 4,

@@ -257,10 +257,46 @@ __device__ __forceinline__ void LoadUnit(const uint8_t* row, int64_t u, float* w
 }
 
 // ---------------------------------------------------------------------------------------------
-// RMSNorm: one block per token.
+// x quantized for the int8 matrix-vector product (QxBytes): where the region's parts start.
+struct QxParts {
+  int8_t* q;
+  float* d;
+  int* sum;
+};
+__host__ __device__ __forceinline__ size_t QxRegionBytes(int64_t cols) {
+  return (static_cast<size_t>(cols) + static_cast<size_t>(cols / 32) * 8 + 15) / 16 * 16;
+}
+__device__ __forceinline__ QxParts QxAt(void* region, int64_t cols, int token) {
+  int8_t* q = static_cast<int8_t*>(region) + QxRegionBytes(cols) * token;
+  float* d = reinterpret_cast<float*>(q + cols);
+  return {q, d, reinterpret_cast<int*>(d + cols / 32)};
+}
+// A warp whose lanes hold the 32 consecutive values of block `blk` (lane l: value l) quantizes
+// it. The operations are MatVecSplitQ8xKernel's own (max is exact in any order, the sum is an
+// integer), so the product gets the same values whichever side quantized.
+__device__ __forceinline__ void QuantizeBlockInWarp(float v, int lane, int64_t blk, QxParts out) {
+  float amax = fabsf(v);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float d = amax / 127.f;
+  const float inv = d != 0.f ? 1.f / d : 0.f;
+  const int q = __float2int_rn(v * inv);
+  out.q[blk * 32 + lane] = static_cast<int8_t>(q);
+  int sum = q;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if (lane == 0) {
+    out.d[blk] = __half2float(__float2half_rn(d));
+    out.sum[blk] = sum;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm: one block per token. With qx, every warp's pass over 32 consecutive elements
+// (blockDim and dim are multiples of 32) also quantizes them.
 
 __global__ void RmsNormKernel(const float* __restrict__ x, const float* __restrict__ weight,
-                              int dim, float eps, float* __restrict__ out) {
+                              int dim, float eps, float* __restrict__ out, void* qx) {
   PdlStart();
   const float* xt = x + static_cast<int64_t>(blockIdx.x) * dim;
   float* ot = out + static_cast<int64_t>(blockIdx.x) * dim;
@@ -277,12 +313,21 @@ __global__ void RmsNormKernel(const float* __restrict__ x, const float* __restri
   }
   __syncthreads();
   const float scale = 1.f / sqrtf(partial[0] / dim + eps);
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) ot[i] = xt[i] * scale * weight[i];
+  if (qx == nullptr) {
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ot[i] = xt[i] * scale * weight[i];
+    return;
+  }
+  const QxParts parts = QxAt(qx, dim, blockIdx.x);
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    const float v = xt[i] * scale * weight[i];
+    ot[i] = v;
+    QuantizeBlockInWarp(v, threadIdx.x % kWarp, i / 32, parts);
+  }
 }
 
 __global__ void ResidualRmsNormKernel(float* __restrict__ x, const float* d1, const float* d2,
                                       const float* __restrict__ weight, int dim, float eps,
-                                      float* out) {
+                                      float* out, void* qx) {
   PdlStart();
   // Each thread reads its elements of d1/d2 before writing the same elements of out, so out may
   // alias them.
@@ -307,7 +352,16 @@ __global__ void ResidualRmsNormKernel(float* __restrict__ x, const float* d1, co
   }
   __syncthreads();
   const float scale = 1.f / sqrtf(partial[0] / dim + eps);
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) ot[i] = xt[i] * scale * weight[i];
+  if (qx == nullptr) {
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ot[i] = xt[i] * scale * weight[i];
+    return;
+  }
+  const QxParts parts = QxAt(qx, dim, blockIdx.x);
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    const float v = xt[i] * scale * weight[i];
+    ot[i] = v;
+    QuantizeBlockInWarp(v, threadIdx.x % kWarp, i / 32, parts);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -947,13 +1001,15 @@ __global__ void __launch_bounds__(kQxWarps* kWarp)
     MatVecSplitQ8xKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
                          int64_t cols, const int32_t* __restrict__ rows, int n_rows,
                          const int32_t* __restrict__ dev_count, const float* __restrict__ x,
-                         float* __restrict__ y, bool prefetch) {
+                         float* __restrict__ y, bool prefetch, const int8_t* __restrict__ pre) {
   extern __shared__ int4 xsh[];
   constexpr int QB = kSplitBlockBytes<T>;
   constexpr int QV = QB / 16;
   const int nblk = static_cast<int>(cols / 32);
   const size_t qrb = static_cast<size_t>(nblk) * QB;
-  int8_t* xq = reinterpret_cast<int8_t*>(xsh);      // [cols]
+  // x as int8 blocks: quantized by the producer (pre, see QxBytes) or here into shared memory.
+  const int8_t* src = pre != nullptr ? pre : reinterpret_cast<const int8_t*>(xsh);
+  int8_t* xq = const_cast<int8_t*>(src);            // [cols]
   float* xd = reinterpret_cast<float*>(xq + cols);  // [nblk]
   int* xsum = reinterpret_cast<int*>(xd + nblk);    // [nblk]
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
@@ -964,7 +1020,7 @@ __global__ void __launch_bounds__(kQxWarps* kWarp)
   }
   PdlWait();
   // Four consecutive lanes per block of 32, eight values each.
-  for (int e0 = threadIdx.x * 8; e0 < cols; e0 += kQxWarps * kWarp * 8) {
+  for (int e0 = threadIdx.x * 8; pre == nullptr && e0 < cols; e0 += kQxWarps * kWarp * 8) {
     const unsigned group = 0xfu << (lane & ~3);
     const float4 a = __ldg(reinterpret_cast<const float4*>(x + e0));
     const float4 c = __ldg(reinterpret_cast<const float4*>(x + e0 + 4));
@@ -992,7 +1048,7 @@ __global__ void __launch_bounds__(kQxWarps* kWarp)
       xsum[e0 / 32] = sum;
     }
   }
-  __syncthreads();
+  if (pre == nullptr) __syncthreads();
   const int count = dev_count != nullptr ? *dev_count : n_rows;
   if (i0 >= count) return;
   const int nr = min(R, count - i0);
@@ -1317,13 +1373,16 @@ __global__ void GatherGatedKernel(ActKind act, const float* __restrict__ gate, i
   }
 }
 
+// With qx (width a multiple of 32) each warp's 32 consecutive outputs are also quantized.
 __global__ void GatedActivationPackedKernel(ActKind act, const float* __restrict__ gu, int width,
-                                            float* __restrict__ out) {
+                                            float* __restrict__ out, void* qx) {
   PdlStart();
   const int t = blockIdx.y;
   const float* g = gu + static_cast<int64_t>(t) * 2 * width;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < width; i += gridDim.x * blockDim.x) {
-    out[static_cast<int64_t>(t) * width + i] = ApplyGated(act, g[i], g[width + i]);
+    const float v = ApplyGated(act, g[i], g[width + i]);
+    out[static_cast<int64_t>(t) * width + i] = v;
+    if (qx != nullptr) QuantizeBlockInWarp(v, threadIdx.x % kWarp, i / 32, QxAt(qx, width, t));
   }
 }
 
@@ -1556,17 +1615,21 @@ namespace {
 int NormThreads(int dim) { return dim >= 4096 ? 1024 : dim >= 1024 ? 512 : 256; }
 }  // namespace
 
+size_t QxBytes(int64_t cols) { return QxRegionBytes(cols); }
+
 cudaError_t RmsNorm(const float* x, const float* weight, int n, int dim, float eps, float* out,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, void* out_qx) {
   if (n <= 0) return cudaSuccess;
-  return Launch(RmsNormKernel, n, NormThreads(dim), 0, stream, x, weight, dim, eps, out);
+  if (out_qx != nullptr && dim % 32 != 0) return cudaErrorInvalidValue;
+  return Launch(RmsNormKernel, n, NormThreads(dim), 0, stream, x, weight, dim, eps, out, out_qx);
 }
 
 cudaError_t ResidualRmsNorm(float* x, const float* d1, const float* d2, const float* weight, int n,
-                            int dim, float eps, float* out, cudaStream_t stream) {
+                            int dim, float eps, float* out, cudaStream_t stream, void* out_qx) {
   if (n <= 0) return cudaSuccess;
+  if (out_qx != nullptr && dim % 32 != 0) return cudaErrorInvalidValue;
   return Launch(ResidualRmsNormKernel, n, NormThreads(dim), 0, stream, x, d1, d2, weight, dim, eps,
-                out);
+                out, out_qx);
 }
 
 cudaError_t RopeQkvToCache(const float* qkv, int n, int n_heads, int n_kv_heads, int head_dim,
@@ -1635,11 +1698,12 @@ namespace {
 template <WType T>
 cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
                          const int32_t* dev_count, const float* xt, int nt, float* yt, int ldy,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, const int8_t* qx) {
   const auto* base = static_cast<const uint8_t*>(w.data);
   constexpr bool quant = T == WType::kQ8_0 || T == WType::kQ4_0;
   if constexpr (quant) {
-    const size_t qx_smem = static_cast<size_t>(w.cols) + static_cast<size_t>(w.cols / 32) * 8;
+    const size_t qx_smem =
+        qx != nullptr ? 0 : static_cast<size_t>(w.cols) + static_cast<size_t>(w.cols / 32) * 8;
     if (w.split() && g_q8x && qx_smem <= 48 * 1024) {
       // One launch per token (the batches here are at most kMaxTok tokens).
       const auto* sc = static_cast<const uint16_t*>(w.scales);
@@ -1660,9 +1724,10 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
                     : g_qx_warps == 16 ? pick(std::integral_constant<int, 16>())
                                        : pick(std::integral_constant<int, 8>());
       for (int t = 0; t < nt; ++t) {
-        cudaError_t e = Launch(kernel, blocks, g_qx_warps * kWarp, qx_smem, stream, base, sc,
-                               w.cols, rows, n_rows, dev_count, xt + t * w.cols,
-                               yt + static_cast<int64_t>(t) * ldy, g_prefetch);
+        cudaError_t e =
+            Launch(kernel, blocks, g_qx_warps * kWarp, qx_smem, stream, base, sc, w.cols, rows,
+                   n_rows, dev_count, xt + t * w.cols, yt + static_cast<int64_t>(t) * ldy,
+                   g_prefetch, qx != nullptr ? qx + QxRegionBytes(w.cols) * t : nullptr);
         if (e != cudaSuccess) return e;
       }
       return cudaSuccess;
@@ -1718,7 +1783,7 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
 
 cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
                        const int32_t* dev_count, const float* x, int n, float* y, int ldy,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, const void* x_qx) {
   if (n_rows <= 0 || n <= 0) return cudaSuccess;
   cudaError_t e = CheckMatrixShape(w);
   if (e != cudaSuccess) return e;
@@ -1726,21 +1791,24 @@ cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
     const int nt = n - t0 < kMaxTok ? n - t0 : kMaxTok;
     const float* xt = x + static_cast<int64_t>(t0) * w.cols;
     float* yt = y + static_cast<int64_t>(t0) * ldy;
+    const int8_t* qt = x_qx != nullptr ? static_cast<const int8_t*>(x_qx) +
+                                             QxRegionBytes(w.cols) * static_cast<size_t>(t0)
+                                       : nullptr;
     switch (w.type) {
       case WType::kF32:
-        e = MatVecLaunch<WType::kF32>(w, rows, n_rows, dev_count, xt, nt, yt, ldy, stream);
+        e = MatVecLaunch<WType::kF32>(w, rows, n_rows, dev_count, xt, nt, yt, ldy, stream, qt);
         break;
       case WType::kF16:
-        e = MatVecLaunch<WType::kF16>(w, rows, n_rows, dev_count, xt, nt, yt, ldy, stream);
+        e = MatVecLaunch<WType::kF16>(w, rows, n_rows, dev_count, xt, nt, yt, ldy, stream, qt);
         break;
       case WType::kBF16:
-        e = MatVecLaunch<WType::kBF16>(w, rows, n_rows, dev_count, xt, nt, yt, ldy, stream);
+        e = MatVecLaunch<WType::kBF16>(w, rows, n_rows, dev_count, xt, nt, yt, ldy, stream, qt);
         break;
       case WType::kQ8_0:
-        e = MatVecLaunch<WType::kQ8_0>(w, rows, n_rows, dev_count, xt, nt, yt, ldy, stream);
+        e = MatVecLaunch<WType::kQ8_0>(w, rows, n_rows, dev_count, xt, nt, yt, ldy, stream, qt);
         break;
       case WType::kQ4_0:
-        e = MatVecLaunch<WType::kQ4_0>(w, rows, n_rows, dev_count, xt, nt, yt, ldy, stream);
+        e = MatVecLaunch<WType::kQ4_0>(w, rows, n_rows, dev_count, xt, nt, yt, ldy, stream, qt);
         break;
     }
     if (e != cudaSuccess) return e;
@@ -1817,11 +1885,11 @@ cudaError_t GatherGatedActivation(ActKind act, const float* gate, int ldg, const
 }
 
 cudaError_t GatedActivationPacked(ActKind act, const float* gu, int n, int width, float* out,
-                                  cudaStream_t stream) {
+                                  cudaStream_t stream, void* out_qx) {
   if (n <= 0 || width <= 0) return cudaSuccess;
-  if (n > 65535) return cudaErrorInvalidValue;
+  if (n > 65535 || (out_qx != nullptr && width % 32 != 0)) return cudaErrorInvalidValue;
   return Launch(GatedActivationPackedKernel, dim3(GridFor(width, 256), n), 256, 0, stream, act, gu,
-                width, out);
+                width, out, out_qx);
 }
 
 cudaError_t Relu(float* x, int64_t count, cudaStream_t stream) {

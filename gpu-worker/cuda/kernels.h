@@ -84,17 +84,26 @@ void SetQuantWarps(int warps);
 void SetQuantRowsPerWarp(int rows);
 bool QuantizedActivations();
 
+// x quantized once, by the kernel that produces it, for the int8 product above, so that the
+// product's blocks do not each quantize it again: per token QxBytes(cols) bytes (16-byte aligned
+// when the buffer is), q: [cols] int8, then d: [cols / 32] fp32, then sums: [cols / 32] int32,
+// the values the product would compute for itself (so the result is the same bit for bit).
+// Producers take it as an optional extra output (dim a multiple of 32), MatVecRows as an
+// optional input that it uses when it takes the int8 path and ignores otherwise.
+size_t QxBytes(int64_t cols);
+
 // Whether the matrix's column count suits the row kernels (16-byte loads, whole blocks).
 cudaError_t CheckMatrixShape(const DeviceMatrix& w);
 
 // out: [n, dim] = x * rsqrt(mean(x^2) + eps) * weight
 cudaError_t RmsNorm(const float* x, const float* weight, int n, int dim, float eps, float* out,
-                    cudaStream_t stream);
+                    cudaStream_t stream, void* out_qx = nullptr);
 
 // The residual add fused with the next norm: x[t] += d1[t] (+ d2[t] when d2 is not null), then
 // out = RmsNorm(x). out may alias d1 or d2. x, d1, d2, out: [n, dim].
 cudaError_t ResidualRmsNorm(float* x, const float* d1, const float* d2, const float* weight, int n,
-                            int dim, float eps, float* out, cudaStream_t stream);
+                            int dim, float eps, float* out, cudaStream_t stream,
+                            void* out_qx = nullptr);
 
 // Rotates x: [n, n_heads, head_dim] in place at positions[t] (device array). inv_freq: device
 // [head_dim / 2]. interleaved: pairs (2i, 2i+1) (GGUF); otherwise (i, i + head_dim/2) (HF).
@@ -126,7 +135,7 @@ cudaError_t AttentionAt(const float* q, const float* k, const float* v, int n,
 // Dense matrix-vector when rows is null; the sparse gate/up projection when it lists active rows.
 cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
                        const int32_t* dev_count, const float* x, int n, float* y, int ldy,
-                       cudaStream_t stream);
+                       cudaStream_t stream, const void* x_qx = nullptr);
 
 // Tuning knob (benchmarks): matrices of 16-byte types with at least this many rows use one warp
 // per row, shorter ones one block per row. Not thread-safe; set before use.
@@ -152,7 +161,7 @@ cudaError_t GatherGatedActivation(ActKind act, const float* gate, int ldg, const
 // gu: [n, 2 * width] (gate rows then up rows of a stacked projection) -> out[t, i] =
 // act(gu[t, i]) * gu[t, width + i]; out: [n, width].
 cudaError_t GatedActivationPacked(ActKind act, const float* gu, int n, int width, float* out,
-                                  cudaStream_t stream);
+                                  cudaStream_t stream, void* out_qx = nullptr);
 // x[i] = max(x[i], 0).
 cudaError_t Relu(float* x, int64_t count, cudaStream_t stream);
 // y[i] += x[i].

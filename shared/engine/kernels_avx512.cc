@@ -59,8 +59,7 @@ inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 inline void q4_vecs(const uint8_t* qs, V* out) {
   const __m512 values = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f,
                                        2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
-  const __m512i bytes =
-      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
   out[0] = _mm512_permutexvar_ps(bytes, values);
   out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
 }

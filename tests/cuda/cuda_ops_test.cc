@@ -978,6 +978,82 @@ TEST_F(CudaOpsTest, QuantizedActivationsMatchLlamaCppDefinition) {
   cuda::SetQuantizedActivations(q8x);
 }
 
+// x quantized by the kernel that produces it (the norms, the packed activation) gives the int8
+// product exactly what the product computes when it quantizes x itself, for whole matrices and
+// listed rows, and matches the llama.cpp-definition reference.
+TEST_F(CudaOpsTest, ProducerQuantizedActivationsGiveTheSameProduct) {
+  const bool q8x = cuda::QuantizedActivations();
+  cuda::SetQuantizedActivations(true);
+  const int n = 3;
+  for (DType type : {DType::kQ8_0, DType::kQ4_0}) {
+    for (int64_t cols : {512, 5120, 13824}) {
+      const int64_t rows = 301;
+      HostWeights w = RandomWeights(type, rows, cols);
+      DevBuf<uint8_t> dg(w.bytes.size()), ds(w.bytes.size());
+      DeviceMatrix m = ToDeviceSplit(w, &dg, &ds);
+      for (int producer = 0; producer < 3; ++producer) {
+        // x: [n, cols] from an RMSNorm, a residual RMSNorm or the packed activation.
+        DevBuf<float> dx(static_cast<size_t>(n) * cols);
+        DevBuf<int8_t> dqx(n * cuda::QxBytes(cols));
+        std::vector<float> a = Random(static_cast<size_t>(n) * 2 * cols, 2.f);
+        std::vector<float> nw = Random(cols);
+        DevBuf<float> da(a), dnw(nw), dres(std::vector<float>(a.begin(), a.begin() + n * cols));
+        if (producer == 0) {
+          CUDA_OK(cuda::RmsNorm(da.get(), dnw.get(), n, static_cast<int>(cols), 1e-5f, dx.get(),
+                                nullptr, dqx.get()));
+        } else if (producer == 1) {
+          CUDA_OK(cuda::ResidualRmsNorm(dres.get(), da.get(), nullptr, dnw.get(), n,
+                                        static_cast<int>(cols), 1e-5f, dx.get(), nullptr,
+                                        dqx.get()));
+        } else {
+          CUDA_OK(cuda::GatedActivationPacked(cuda::ActKind::kSilu, da.get(), n,
+                                              static_cast<int>(cols), dx.get(), nullptr,
+                                              dqx.get()));
+        }
+        std::vector<float> x = dx.Download();
+        std::vector<int32_t> all(rows);
+        std::iota(all.begin(), all.end(), 0);
+        std::vector<float> ref = Q8xReference(w, all, x, n);
+        DevBuf<float> own(static_cast<size_t>(n) * rows), pre(static_cast<size_t>(n) * rows);
+        CUDA_OK(cuda::MatVecRows(m, nullptr, rows, nullptr, dx.get(), n, own.get(), rows, nullptr));
+        CUDA_OK(cuda::MatVecRows(m, nullptr, rows, nullptr, dx.get(), n, pre.get(), rows, nullptr,
+                                 dqx.get()));
+        const std::vector<float> out_own = own.Download(), out_pre = pre.Download();
+        EXPECT_FALSE(AnyNan(out_pre));
+        EXPECT_EQ(out_pre, out_own)
+            << DTypeName(type) << " cols " << cols << " producer " << producer;
+        EXPECT_LE(Nmse(out_pre, ref), kFp32Limit);
+        // Listed rows with a device count.
+        const int bound = 120, count = 97;
+        std::vector<int32_t> ids = RandomRows(rows, bound);
+        DevBuf<int32_t> dids(ids), dcount(std::vector<int32_t>{count});
+        DevBuf<float> own2(static_cast<size_t>(n) * bound), pre2(static_cast<size_t>(n) * bound);
+        CUDA_OK(cuda::MatVecRows(m, dids.get(), bound, dcount.get(), dx.get(), n, own2.get(), bound,
+                                 nullptr));
+        CUDA_OK(cuda::MatVecRows(m, dids.get(), bound, dcount.get(), dx.get(), n, pre2.get(), bound,
+                                 nullptr, dqx.get()));
+        const std::vector<float> got_pre = pre2.Download(), got_own = own2.Download();
+        for (int t = 0; t < n; ++t) {
+          for (int i = 0; i < count; ++i) {
+            ASSERT_EQ(got_pre[t * bound + i], got_own[t * bound + i])
+                << "token " << t << " row " << i;
+          }
+        }
+        EXPECT_TRUE(dqx.GuardsIntact() && dx.GuardsIntact() && pre.GuardsIntact());
+      }
+    }
+  }
+  // The quantized output needs whole blocks of 32.
+  DevBuf<float> dx(3 * 1000), dw(1000), dout(3 * 1000);
+  DevBuf<int8_t> dqx(3 * cuda::QxBytes(1024));
+  EXPECT_EQ(cuda::RmsNorm(dx.get(), dw.get(), 3, 1000, 1e-5f, dout.get(), nullptr, dqx.get()),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::GatedActivationPacked(cuda::ActKind::kRelu, dx.get(), 1, 1000, dout.get(),
+                                        nullptr, dqx.get()),
+            cudaErrorInvalidValue);
+  cuda::SetQuantizedActivations(q8x);
+}
+
 // A chain of dependent kernels on an explicit stream, so that each one is launched with
 // programmatic dependent launch and may start (and prefetch its weights) before its
 // predecessor ends: norm -> F16 projection -> ReLU -> Q4_0 (split) projection -> sparse
