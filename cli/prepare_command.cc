@@ -22,11 +22,15 @@ constexpr char kUsage[] =
     "usage: pinfer prepare --model PATH --calibration TEXT_FILE --out FILE.gguf\n"
     "         [--vram-budget SIZE] [--context N] [--target-recall R] [--ranks R1,R2,...]\n"
     "         [--min-sparsity S] [--target-sparsity S] [--epochs N] [--max-tokens N]\n"
-    "         [--threads N] [--report FILE.svg] [--json]\n"
+    "         [--predictor-type f16|q8_0] [--threads N] [--report FILE.svg] [--json]\n"
     "  SIZE: bytes or with a unit (8MiB, 24GiB, 500MB). --target-recall: the fraction of the\n"
     "  activation magnitude each layer's predictor must keep on held-back tokens (default 0.96).\n"
-    "  --ranks: candidate predictor sizes (default 64,96,128,160,192); per layer the smallest that\n"
-    "  skips --min-sparsity of the neurons (default 0.7) at that recall, else the cheapest overall.\n"
+    "  --ranks: candidate predictor sizes (default 64,96,128,160,192); per layer the smallest "
+    "that\n"
+    "  skips --min-sparsity of the neurons (default 0.7) at that recall, else the cheapest "
+    "overall.\n"
+    "  --predictor-type q8_0 stores the predictors in half F16's bytes (ranks: multiples of 32);\n"
+    "  their thresholds are calibrated on the stored weights.\n"
     "  SiLU models get training-free magnitude sparsity instead: --target-sparsity S (default "
     "0.5)\n"
     "  is the fraction of neurons each layer skips; the perplexity cost is measured and printed.\n";
@@ -39,11 +43,12 @@ struct Options {
 };
 
 absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(Flags f, Flags::Parse(args,
-                                         {"model", "calibration", "out", "vram-budget", "context",
-                                          "target-recall", "ranks", "epochs", "max-tokens",
-                                          "threads", "report", "target-sparsity", "min-sparsity"},
-                                         {"json"}));
+  ASSIGN_OR_RETURN(
+      Flags f, Flags::Parse(args,
+                            {"model", "calibration", "out", "vram-budget", "context",
+                             "target-recall", "ranks", "epochs", "max-tokens", "threads", "report",
+                             "target-sparsity", "min-sparsity", "predictor-type"},
+                            {"json"}));
   Options o;
   ASSIGN_OR_RETURN(o.prepare.model_path, f.Required("model"));
   ASSIGN_OR_RETURN(o.calibration_path, f.Required("calibration"));
@@ -69,6 +74,14 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
       }
       o.prepare.training.ranks.push_back(v);
     }
+  }
+  const std::string type = f.Get("predictor-type").value_or("f16");
+  if (type == "f16") {
+    o.prepare.training.dtype = DType::kF16;
+  } else if (type == "q8_0") {
+    o.prepare.training.dtype = DType::kQ8_0;
+  } else {
+    return absl::InvalidArgumentError("--predictor-type must be f16 or q8_0");
   }
   ASSIGN_OR_RETURN(o.prepare.training.min_sparsity,
                    f.Double("min-sparsity", o.prepare.training.min_sparsity));

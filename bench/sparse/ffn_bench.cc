@@ -1,21 +1,21 @@
 // FFN time per token, dense versus sparse, single thread, on one random-weight layer of a real
 // model's shape (Llama-2-7B: hidden 4096, FFN 11008), for F16, Q8_0 and Q4_0 weights.
 //
-// Sparse = what PredictedSparseFfn does for one token: the predictor (fc1 -> ReLU -> fc2, F16, at
-// the given ranks), then CpuOps::SparseFfnToken over the selected neurons (gate row, up row and
-// row of the transposed down projection of each, back to back). For comparison the same work as
-// three separate row passes (MatMulRows gate, MatMulRows up, AccumulateRows down), which is what
-// pinfer did before the fused op. The selected set is drawn per token from a Zipf-skewed
-// distribution: neuron j (in a random order) is active with probability min(1, c / (rank_j + 1)),
-// c chosen so that the expected active fraction is `active` (10% by default): a few neurons fire
-// on most tokens, most rarely, as profiled ReLU models show.
+// Sparse = what PredictedSparseFfn does for one token: the predictor (fc1 -> ReLU -> fc2, F16 or
+// Q8_0 (`prepare --predictor-type`), at the given ranks), then CpuOps::SparseFfnToken over the
+// selected neurons (gate row, up row and row of the transposed down projection of each, back to
+// back). For comparison the same work as three separate row passes (MatMulRows gate, MatMulRows up,
+// AccumulateRows down), which is what pinfer did before the fused op. The selected set is drawn per
+// token from a Zipf-skewed distribution: neuron j (in a random order) is active with probability
+// min(1, c / (rank_j + 1)), c chosen so that the expected active fraction is `active` (10% by
+// default): a few neurons fire on most tokens, most rarely, as profiled ReLU models show.
 //
 // Between timed tokens the bench reads flush_mib MiB of other memory (96 by default; flush=0
 // turns it off), as the other layers of a real model would, so neither path finds the previous
 // token's rows in the caches. It must exceed the last-level cache: server parts have 300 MiB.
 //
 // usage: ffn_bench [hidden=4096] [ffn=11008] [active=0.1] [tokens=20] [ranks=0,256,1024]
-//                  [dtypes=f16,q8_0,q4_0] [flush=1] [flush_mib=96]
+//                  [dtypes=f16,q8_0,q4_0] [pred_dtypes=f16,q8_0] [flush=1] [flush_mib=96]
 // Prints one JSON object per dtype.
 
 #include <algorithm>
@@ -122,6 +122,13 @@ int main(int argc, char** argv) {
     for (absl::string_view r : absl::StrSplit(kv["ranks"], ',')) {
       int v;
       if (absl::SimpleAtoi(r, &v)) ranks.push_back(v);
+    }
+  }
+  std::vector<DType> pred_types = {DType::kF16, DType::kQ8_0};
+  if (kv.count("pred_dtypes")) {
+    pred_types.clear();
+    for (absl::string_view t : absl::StrSplit(kv["pred_dtypes"], ',')) {
+      pred_types.push_back(t == "q8_0" ? DType::kQ8_0 : DType::kF16);
     }
   }
   std::vector<std::string> dtypes = {"f16", "q8_0", "q4_0"};
@@ -250,19 +257,22 @@ int main(int argc, char** argv) {
     j["three_passes_speedup"] = dense / separate;
     for (int r : ranks) {
       if (r == 0) continue;
-      Matrix fc1 = RandomMatrix(r, H, DType::kF16, rng, 0.02f);
-      Matrix fc2 = RandomMatrix(F, r, DType::kF16, rng, 0.02f);
-      std::vector<float> h(r), s(F);
-      const double pred = time_tokens([&](int) {
-        ops->MatMul(fc1.view, x.data(), 1, h.data());
-        for (float& v : h) v = std::max(v, 0.f);
-        ops->MatMul(fc2.view, h.data(), 1, s.data());
-      });
-      const double total = fused + pred;
-      j["predictor"].push_back({{"rank", r},
-                                {"predictor_ms_per_token", pred},
-                                {"sparse_total_ms_per_token", total},
-                                {"speedup", dense / total}});
+      for (DType pt : pred_types) {
+        Matrix fc1 = RandomMatrix(r, H, pt, rng, 0.02f);
+        Matrix fc2 = RandomMatrix(F, r, pt, rng, 0.02f);
+        std::vector<float> h(r), s(F);
+        const double pred = time_tokens([&](int) {
+          ops->MatMul(fc1.view, x.data(), 1, h.data());
+          for (float& v : h) v = std::max(v, 0.f);
+          ops->MatMul(fc2.view, h.data(), 1, s.data());
+        });
+        const double total = fused + pred;
+        j["predictor"].push_back({{"rank", r},
+                                  {"dtype", std::string(DTypeName(pt))},
+                                  {"predictor_ms_per_token", pred},
+                                  {"sparse_total_ms_per_token", total},
+                                  {"speedup", dense / total}});
+      }
     }
     std::printf("%s\n", j.dump().c_str());
     std::fflush(stdout);

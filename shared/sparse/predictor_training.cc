@@ -224,6 +224,10 @@ absl::StatusOr<LayerData> PrepareLayer(const Model& model, const CpuOps& ops,
 struct Mlp {
   int r = 0;
   std::vector<float> w1, w2;
+  // Once rounded to a block format (Round): the stored rows, which the run-time product
+  // multiplies with its activations quantized too, so scoring must go through them.
+  DType stored_type = DType::kF32;
+  std::vector<uint8_t> q1, q2;
 };
 
 // The closed-form start: the best rank-(r/2) linear predictor of the (contribution-weighted)
@@ -450,6 +454,32 @@ std::vector<float> RoundTrip(const std::vector<float>& w, int64_t cols, DType dt
   return out;
 }
 
+// Rounds both layers to the storage dtype, keeping the stored bytes.
+void Round(Mlp& m, int H, DType dtype) {
+  m.w1 = RoundTrip(m.w1, H, dtype, &m.q1);
+  m.w2 = RoundTrip(m.w2, m.r, dtype, &m.q2);
+  m.stored_type = dtype;
+}
+
+// z: [n, r] = relu(fc1 x), s: [n, F] = fc2 z, computed as the sparse FFN computes them at run
+// time: fp32 math on the (exactly rounded) weights, or for block formats the engine's quantized
+// product on the stored rows.
+void Scores(const CpuOps& ops, const Mlp& m, int H, int F, const float* x, int n, float* z,
+            float* s) {
+  const bool blocks = m.stored_type == DType::kQ8_0 || m.stored_type == DType::kQ4_0;
+  if (blocks) {
+    ops.MatMul(TensorView{"fc1", m.stored_type, {m.r, H}, m.q1.data()}, x, n, z);
+  } else {
+    MatMulF32(ops, m.w1.data(), m.r, H, x, n, z);
+  }
+  for (size_t i = 0; i < static_cast<size_t>(n) * m.r; ++i) z[i] = std::max(z[i], 0.f);
+  if (blocks) {
+    ops.MatMul(TensorView{"fc2", m.stored_type, {F, m.r}, m.q2.data()}, z, n, s);
+  } else {
+    MatMulF32(ops, m.w2.data(), F, m.r, z, n, s);
+  }
+}
+
 struct Evaluation {
   PredictorCandidate candidate;
   double true_active_rate = 0;
@@ -466,9 +496,7 @@ Evaluation Calibrate(const CpuOps& ops, const LayerData& d, int H, int F, const 
   std::vector<std::pair<float, float>> active;  // (score, importance) of truly active pairs
   for (int64_t b0 = d.n_train; b0 < d.n; b0 += kChunk) {
     const int nb = static_cast<int>(std::min<int64_t>(kChunk, d.n - b0));
-    MatMulF32(ops, m.w1.data(), m.r, H, d.x.data() + b0 * H, nb, z.data());
-    for (size_t i = 0; i < static_cast<size_t>(nb) * m.r; ++i) z[i] = std::max(z[i], 0.f);
-    MatMulF32(ops, m.w2.data(), F, m.r, z.data(), nb, s.data());
+    Scores(ops, m, H, F, d.x.data() + b0 * H, nb, z.data(), s.data());
     for (int t = 0; t < nb; ++t) {
       const float* imp = d.importance.data() + (b0 + t) * F;
       for (int j = 0; j < F; ++j) {
@@ -527,9 +555,7 @@ void FoldPerNeuronThresholds(const CpuOps& ops, const LayerData& d, int H, int F
   active.reserve(static_cast<size_t>(n_hold) * F / 4);
   for (int64_t b0 = d.n_train; b0 < d.n; b0 += kChunk) {
     const int nb = static_cast<int>(std::min<int64_t>(kChunk, d.n - b0));
-    MatMulF32(ops, m.w1.data(), m.r, H, d.x.data() + b0 * H, nb, z.data());
-    for (size_t i = 0; i < static_cast<size_t>(nb) * m.r; ++i) z[i] = std::max(z[i], 0.f);
-    MatMulF32(ops, m.w2.data(), F, m.r, z.data(), nb, s.data());
+    Scores(ops, m, H, F, d.x.data() + b0 * H, nb, z.data(), s.data());
     for (int t = 0; t < nb; ++t) {
       const float* imp = d.importance.data() + (b0 + t) * F;
       for (int j = 0; j < F; ++j) {
@@ -606,15 +632,30 @@ absl::StatusOr<TrainedPredictors> TrainPredictors(
   if (!(o.target_recall > 0 && o.target_recall <= 1)) {
     return absl::InvalidArgumentError("target recall must be in (0, 1]");
   }
+  if (o.dtype != DType::kF16 && o.dtype != DType::kF32 && o.dtype != DType::kQ8_0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("predictors are stored as F32, F16 or Q8_0, not ", DTypeName(o.dtype)));
+  }
+  if (o.dtype == DType::kQ8_0) {
+    // Q8_0 rows are blocks of 32: fc1's rows have hidden columns, fc2's rank columns.
+    bool fits = c.hidden_size % 32 == 0;
+    for (int r : o.ranks) fits = fits && r % 32 == 0;
+    if (!fits) {
+      return absl::InvalidArgumentError(absl::StrCat("Q8_0 predictors need the hidden size (",
+                                                     c.hidden_size,
+                                                     ") and every rank to be multiples of 32"));
+    }
+  }
   const int H = c.hidden_size, F = c.ffn_size;
   TrainedPredictors out;
   for (int l = 0; l < c.n_layers; ++l) {
     if (!o.layers.empty() && std::find(o.layers.begin(), o.layers.end(), l) == o.layers.end()) {
-      auto w1 = std::make_shared<std::vector<uint8_t>>(RowBytes(o.dtype, H) * 2, 0);
-      auto w2 = std::make_shared<std::vector<uint8_t>>(RowBytes(o.dtype, 2) * F, 0);
+      // (F16 whatever the dtype: a rank-2 row is no Q8_0 block.)
+      auto w1 = std::make_shared<std::vector<uint8_t>>(RowBytes(DType::kF16, H) * 2, 0);
+      auto w2 = std::make_shared<std::vector<uint8_t>>(RowBytes(DType::kF16, 2) * F, 0);
       LayerPredictor p;
-      p.fc1 = TensorView{absl::StrCat("blk.", l, ".fc1.weight"), o.dtype, {2, H}, w1->data()};
-      p.fc2 = TensorView{absl::StrCat("blk.", l, ".fc2.weight"), o.dtype, {F, 2}, w2->data()};
+      p.fc1 = TensorView{absl::StrCat("blk.", l, ".fc1.weight"), DType::kF16, {2, H}, w1->data()};
+      p.fc2 = TensorView{absl::StrCat("blk.", l, ".fc2.weight"), DType::kF16, {F, 2}, w2->data()};
       p.threshold = kFoldedThreshold;  // all-zero scores >= -1: every neuron selected
       out.predictors.layers.push_back(p);
       out.predictors.owned.push_back(w1);
@@ -645,9 +686,7 @@ absl::StatusOr<TrainedPredictors> TrainPredictors(
       Mlp m =
           o.closed_form_init ? ClosedFormInit(model, d, l, r, o) : RandomInit(H, F, r, o.seed + l);
       if (o.epochs > 0) FineTune(ops, d, H, F, m, o, o.seed + 31 * l + r);
-      std::vector<uint8_t> unused;
-      m.w1 = RoundTrip(m.w1, H, o.dtype, &unused);
-      m.w2 = RoundTrip(m.w2, m.r, o.dtype, &unused);
+      Round(m, H, o.dtype);
       Evaluation e = Calibrate(ops, d, H, F, m, o.target_recall);
       report.candidates.push_back(e.candidate);
       if (log) {
@@ -689,9 +728,8 @@ absl::StatusOr<TrainedPredictors> TrainPredictors(
       for (float& v : best.w2) v *= scale;
       threshold = kFoldedThreshold;
     }
-    std::vector<uint8_t> best_w1, best_w2;
-    best.w1 = RoundTrip(best.w1, H, o.dtype, &best_w1);
-    best.w2 = RoundTrip(best.w2, best.r, o.dtype, &best_w2);
+    Round(best, H, o.dtype);  // again: the fold rescaled fc2's rows
+    std::vector<uint8_t> best_w1 = best.q1, best_w2 = best.q2;
     // The final numbers are measured on exactly the stored weights and threshold.
     Evaluation e = Calibrate(ops, d, H, F, best, o.target_recall, &threshold);
     report.rank = best.r;

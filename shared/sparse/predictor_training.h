@@ -62,7 +62,10 @@ struct PredictorTrainingOptions {
   bool closed_form_init = true;
   // Weight the closed-form regression by each neuron's typical contribution.
   bool weighted_regression = true;
-  DType dtype = DType::kF16;  // storage of fc1/fc2; thresholds are calibrated after rounding
+  // Storage of fc1/fc2: F16, F32 or Q8_0 (half F16's bytes; hidden size and ranks multiples of
+  // 32). Thresholds are calibrated on the stored weights, multiplied as the run time multiplies
+  // them (Q8_0: with the activations quantized too).
+  DType dtype = DType::kF16;
   uint32_t seed = 1;
   // Restrict training to these layers (empty: all). The others get a predictor that selects every
   // neuron (rank 2, all zero, threshold 0), i.e. they run exactly (tests, experiments).

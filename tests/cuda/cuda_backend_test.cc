@@ -165,7 +165,11 @@ class CudaBackendTest : public ::testing::Test {
   }
 
   // hot: the split placement; otherwise every layer dense on the GPU.
-  static cuda::ModelUpload Upload(bool hot) {
+  static cuda::ModelUpload Upload(bool hot) { return Upload(*model_, *down_t_, hot); }
+  static cuda::ModelUpload Upload(const Model& model, const std::vector<TensorView>& down_t,
+                                  bool hot) {
+    const Model* model_ = &model;  // (shadows the fixture's model)
+    const std::vector<TensorView>* down_t_ = &down_t;
     const ModelConfig& c = model_->config;
     cuda::ModelUpload u;
     u.dims = cuda::DimsFromConfig(c);
@@ -318,6 +322,87 @@ TEST_F(CudaBackendTest, StepLogitsMatchCpuReference) {
       norm += double(want[i]) * want[i];
     }
     EXPECT_LE(err / norm, 1e-6) << "position " << pos;
+  }
+}
+
+// A copy of `model` with every matrix but the embeddings stored as `type`, and its transposed
+// down projections likewise. The buffers live in the copy's `owned`.
+std::unique_ptr<Model> QuantizedCopy(const Model& model, const std::vector<TensorView>& down_t,
+                                     DType type, std::vector<TensorView>* down_t_out) {
+  auto q = std::make_unique<Model>();
+  q->config = model.config;
+  q->tok_embeddings = model.tok_embeddings;
+  q->output_norm = model.output_norm;
+  auto quantize = [&](const TensorView& t) {
+    const int64_t rows = t.rows(), cols = t.cols();
+    auto buf = std::make_shared<std::vector<uint8_t>>(RowBytes(type, cols) * rows);
+    std::vector<float> row(cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      DequantizeRow(t.dtype, static_cast<const uint8_t*>(t.data) + t.row_bytes() * r, row.data(),
+                    cols);
+      QuantizeRow(type, row.data(), buf->data() + RowBytes(type, cols) * r, cols);
+    }
+    q->owned.push_back(buf);
+    TensorView v = t;
+    v.dtype = type;
+    v.data = buf->data();
+    return v;
+  };
+  q->output = quantize(model.output);
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    LayerWeights L = model.layers[l];
+    for (TensorView* t : {&L.wq, &L.wk, &L.wv, &L.wo, &L.gate, &L.up, &L.down}) *t = quantize(*t);
+    q->layers.push_back(L);
+    down_t_out->push_back(quantize(down_t[l]));
+  }
+  return q;
+}
+
+// Q8_0 and Q4_0 copies of the model through the int8 matrix-vector path, whose input the norms
+// and the activation quantize as they write it: token by token, the whole model dense on the GPU
+// gives the CPU reference forward pass's logits on the same weights (both multiply llama.cpp's
+// way, x quantized to Q8_0 blocks), and so does the hot/cold split in exact mode (up to its down
+// projection, a sum of rows with fp32 coefficients where the dense reference quantizes them).
+TEST_F(CudaBackendTest, QuantizedModelStepLogitsMatchCpuReference) {
+  for (DType type : {DType::kQ8_0, DType::kQ4_0}) {
+    std::vector<TensorView> qdown_t;
+    std::unique_ptr<Model> qmodel = QuantizedCopy(*model_, *down_t_, type, &qdown_t);
+    std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
+    Transformer ref(*qmodel, *ref_ops);
+    CpuColdFfn cold(*qmodel, qdown_t, *cold_ids_);
+    for (bool hot : {false, true}) {
+      auto backend = Create(Upload(*qmodel, qdown_t, hot));
+      ASSERT_NE(backend, nullptr);
+      KvCache cache(model_->config, 64);
+      const int V = model_->config.vocab_size;
+      std::vector<int32_t> tokens =
+          (*reference_)["prompts"][3]["input_ids"].get<std::vector<int32_t>>();
+      std::vector<float> got(V), want(V);
+      double worst = 0;
+      for (int pos = 0; pos < static_cast<int>(tokens.size()); ++pos) {
+        ASSERT_TRUE(
+            ref.Forward({&tokens[pos], 1}, pos, &cache, LogitsMode::kLast, want.data()).ok());
+        cuda::ForwardArgs a;
+        a.tokens = &tokens[pos];
+        a.n = 1;
+        a.pos0 = pos;
+        a.mode = hot ? cuda::FfnMode::kExact : cuda::FfnMode::kDense;
+        a.cold = hot ? &cold : nullptr;
+        a.logits = got.data();
+        cuda::BackendStatus st = backend->Forward(a);
+        ASSERT_TRUE(st.ok()) << st.message;
+        double err = 0, norm = 0;
+        for (int i = 0; i < V; ++i) {
+          ASSERT_FALSE(std::isnan(got[i]));
+          err += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+          norm += double(want[i]) * want[i];
+        }
+        worst = std::max(worst, err / norm);
+      }
+      std::printf("  %s %s: worst step logits nmse %.3g\n", std::string(DTypeName(type)).c_str(),
+                  hot ? "hot/cold split" : "whole model", worst);
+      EXPECT_LE(worst, hot ? 1e-4 : 1e-5) << DTypeName(type) << (hot ? " split" : " whole");
+    }
   }
 }
 

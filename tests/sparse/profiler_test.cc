@@ -127,7 +127,14 @@ TEST(ThresholdTest, WeightedRecallThresholdByHand) {
   EXPECT_EQ(ThresholdForWeightedRecall(sw, 1.0), -INFINITY);
 }
 
-TEST(PredictorTrainingTest, ReportedRecallIsWhatTheSparseFfnMeasures) {
+// F16 and Q8_0 predictors: what training reports on held-back pairs is what the sparse FFN then
+// measures with the stored weights.
+class PredictorTrainingTest : public ::testing::TestWithParam<DType> {};
+INSTANTIATE_TEST_SUITE_P(StoredTypes, PredictorTrainingTest,
+                         ::testing::Values(DType::kF16, DType::kQ8_0),
+                         [](const auto& info) { return std::string(DTypeName(info.param)); });
+
+TEST_P(PredictorTrainingTest, ReportedRecallIsWhatTheSparseFfnMeasures) {
   testing_util::RandomModelOptions mo;
   mo.hidden = 64;
   mo.ffn = 256;
@@ -148,8 +155,11 @@ TEST(PredictorTrainingTest, ReportedRecallIsWhatTheSparseFfnMeasures) {
   to.batch = 128;
   to.target_recall = 0.9;
   to.min_sparsity = 0;
+  to.dtype = GetParam();
   auto trained = TrainPredictors(*model, *ops, prof->samples, to);
   ASSERT_TRUE(trained.ok()) << trained.status();
+  EXPECT_EQ(trained->predictors.layers[1].fc1.dtype, GetParam());
+  EXPECT_EQ(trained->predictors.layers[1].fc2.dtype, GetParam());
   ASSERT_EQ(trained->reports.size(), 2u);
   for (const LayerPredictorReport& r : trained->reports) {
     EXPECT_EQ(r.rank, 32);
@@ -169,6 +179,14 @@ TEST(PredictorTrainingTest, ReportedRecallIsWhatTheSparseFfnMeasures) {
   ASSERT_TRUE((*ffn)->Forward(1, x.data(), static_cast<int>(hold), out.data()).ok());
   EXPECT_NEAR((*ffn)->stats().MagnitudeRecall(1), trained->reports[1].magnitude_recall, 0.01);
   EXPECT_NEAR((*ffn)->stats().Sparsity(1), trained->reports[1].sparsity, 0.01);
+
+  // Q8_0 rows are blocks of 32 values: a rank of 48 cannot be stored.
+  PredictorTrainingOptions odd = to;
+  odd.dtype = DType::kQ8_0;
+  odd.ranks = {48};
+  auto bad = TrainPredictors(*model, *ops, prof->samples, odd);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("multiples of 32"));
 
   // SiLU models are refused with the reason.
   mo.activation = Activation::kSilu;

@@ -18,6 +18,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "shared/model/gguf.h"
 #include "shared/sparse/prepared_model.h"
 #include "shared/util/mapped_file.h"
 
@@ -194,6 +195,41 @@ TEST_F(SparseCliTest, PrepareWritesModelIndexAndReportAndTheModelGenerates) {
   EXPECT_THAT(r.err, HasSubstr("CPU-only plan"));
   EXPECT_TRUE(nlohmann::json::parse(r.out)["placement"]["cpu_only"].get<bool>());
   EXPECT_FALSE(fs::exists(small + ".generated.gpuidx"));
+}
+
+// Q8_0 predictors: the plan counts their bytes exactly (by hand: per layer fc1 is 32 rows of 12
+// blocks and fc2 1536 rows of one block, 34 bytes a block), the file stores them as Q8_0, and
+// the prepared model generates with them.
+TEST_F(SparseCliTest, Q8PredictorsTakeHalfTheBytesAndTheModelGenerates) {
+  const std::string out = (*dir_ / "q8pred.gguf").string();
+  RunResult r = RunPinfer("prepare --model " + kModel + " --calibration " + kModel +
+                          "/calibration.txt --out " + out +
+                          " --max-tokens 3072 --epochs 1 --ranks 32 --predictor-type q8_0"
+                          " --vram-budget 20MiB --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["placement"]["predictor_bytes"].get<uint64_t>(), 6u * (32 * 12 * 34 + 1536 * 34));
+  for (const auto& layer : j["layers"]) {
+    EXPECT_EQ(layer["rank"], 32);
+    EXPECT_NEAR(layer["magnitude_recall"].get<double>(), 0.96, 0.02);
+  }
+  auto file = GgufFile::Open(out, {kPowerInferMagic});
+  ASSERT_TRUE(file.ok()) << file.status();
+  for (const char* name : {"blk.0.fc1.weight", "blk.5.fc2.weight"}) {
+    const GgufTensorInfo* t = (*file)->FindTensor(name);
+    ASSERT_NE(t, nullptr) << name;
+    EXPECT_EQ(t->type, static_cast<uint32_t>(GgmlType::kQ8_0)) << name;
+  }
+  r = RunPinfer("generate --model " + out +
+                " --prompt 'The file system' --max-tokens 8 --sparse --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  nlohmann::json g = nlohmann::json::parse(r.out);
+  EXPECT_EQ(g["generated_ids"].size(), 8u);
+  EXPECT_GT(g["ffn_sparsity"].get<double>(), 0.1);
+
+  r = RunPinfer("prepare --model " + kModel + " --calibration x --out y --predictor-type q4_0");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--predictor-type must be f16 or q8_0"));
 }
 
 TEST_F(SparseCliTest, SiluModelGetsMagnitudeSparsityWithItsQualityCostReported) {
