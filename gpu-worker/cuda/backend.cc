@@ -402,6 +402,10 @@ BackendStatus CudaBackend::MaybeSplit(DeviceMatrix* d) {
     CUDA_RETURN_IF_ERROR(cudaMalloc(&repack_tmp_, bytes));
     repack_tmp_bytes_ = bytes;
   }
+  // The rows were uploaded with cudaMemcpy from pageable memory, which may return before its
+  // DMA lands, and stream_ (non-blocking) does not wait for the legacy stream: without this the
+  // copy below read half-uploaded rows now and then (QuantizedModelStepLogitsMatchCpuReference).
+  CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(repack_tmp_, d->data, bytes, cudaMemcpyDeviceToDevice, stream_));
   DeviceMatrix src = *d, dst = *d;
@@ -1416,7 +1420,8 @@ BackendStatus CudaBackend::CalibrateStreaming(int layer, int n, StreamCalibratio
     s = s * 1664525u + 1013904223u;
     v = static_cast<float>(static_cast<int32_t>(s >> 8) % 2001 - 1000) * 1e-3f;
   }
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(xb_, x.data(), x.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(xb_, x.data(), x.size() * 4, cudaMemcpyHostToDevice, stream_));
   StreamTarget t;
   t.x = xb_;
   t.n = n;

@@ -325,6 +325,16 @@ TEST_F(CudaBackendTest, StepLogitsMatchCpuReference) {
   }
 }
 
+double Nmse(const float* got, const float* want, int n) {
+  double err = 0, norm = 0;
+  for (int i = 0; i < n; ++i) {
+    if (std::isnan(got[i])) return INFINITY;
+    err += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+    norm += double(want[i]) * want[i];
+  }
+  return err / norm;
+}
+
 // A copy of `model` with every matrix but the embeddings stored as `type`, and its transposed
 // down projections likewise. The buffers live in the copy's `owned`.
 std::unique_ptr<Model> QuantizedCopy(const Model& model, const std::vector<TensorView>& down_t,
@@ -358,51 +368,91 @@ std::unique_ptr<Model> QuantizedCopy(const Model& model, const std::vector<Tenso
   return q;
 }
 
+// The same model with each layer's down projection replaced by the exact fp32 transpose of
+// the given transposed rows: the weights the hot/cold split multiplies (its down projection adds
+// rows of down_t with fp32 coefficients, so it is no Q8_0 product whose quantization differs).
+std::unique_ptr<Model> WithDownFromRows(const Model& model, const std::vector<TensorView>& down_t) {
+  auto m = std::make_unique<Model>();
+  m->config = model.config;
+  m->tok_embeddings = model.tok_embeddings;
+  m->output_norm = model.output_norm;
+  m->output = model.output;
+  m->layers = model.layers;
+  m->owned = model.owned;
+  const int64_t H = model.config.hidden_size, F = model.config.ffn_size;
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    auto buf = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(H * F) * 4);
+    float* down = reinterpret_cast<float*>(buf->data());
+    std::vector<float> row(H);
+    for (int64_t j = 0; j < F; ++j) {
+      DequantizeRow(down_t[l].dtype,
+                    static_cast<const uint8_t*>(down_t[l].data) + down_t[l].row_bytes() * j,
+                    row.data(), H);
+      for (int64_t i = 0; i < H; ++i) down[i * F + j] = row[i];
+    }
+    m->owned.push_back(buf);
+    m->layers[l].down.dtype = DType::kF32;
+    m->layers[l].down.data = buf->data();
+  }
+  return m;
+}
+
 // Q8_0 and Q4_0 copies of the model through the int8 matrix-vector path, whose input the norms
 // and the activation quantize as they write it: token by token, the whole model dense on the GPU
 // gives the CPU reference forward pass's logits on the same weights (both multiply llama.cpp's
-// way, x quantized to Q8_0 blocks), and so does the hot/cold split in exact mode (up to its down
-// projection, a sum of rows with fp32 coefficients where the dense reference quantizes them).
+// way, x quantized to Q8_0 blocks), and so does the hot/cold split in exact mode against the
+// reference on the weights it multiplies (WithDownFromRows).
 TEST_F(CudaBackendTest, QuantizedModelStepLogitsMatchCpuReference) {
   for (DType type : {DType::kQ8_0, DType::kQ4_0}) {
     std::vector<TensorView> qdown_t;
     std::unique_ptr<Model> qmodel = QuantizedCopy(*model_, *down_t_, type, &qdown_t);
+    std::unique_ptr<Model> split_model = WithDownFromRows(*qmodel, qdown_t);
     std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
-    Transformer ref(*qmodel, *ref_ops);
     CpuColdFfn cold(*qmodel, qdown_t, *cold_ids_);
-    for (bool hot : {false, true}) {
-      auto backend = Create(Upload(*qmodel, qdown_t, hot));
-      ASSERT_NE(backend, nullptr);
-      KvCache cache(model_->config, 64);
-      const int V = model_->config.vocab_size;
-      std::vector<int32_t> tokens =
-          (*reference_)["prompts"][3]["input_ids"].get<std::vector<int32_t>>();
-      std::vector<float> got(V), want(V);
-      double worst = 0;
-      for (int pos = 0; pos < static_cast<int>(tokens.size()); ++pos) {
-        ASSERT_TRUE(
-            ref.Forward({&tokens[pos], 1}, pos, &cache, LogitsMode::kLast, want.data()).ok());
-        cuda::ForwardArgs a;
-        a.tokens = &tokens[pos];
-        a.n = 1;
-        a.pos0 = pos;
-        a.mode = hot ? cuda::FfnMode::kExact : cuda::FfnMode::kDense;
-        a.cold = hot ? &cold : nullptr;
-        a.logits = got.data();
-        cuda::BackendStatus st = backend->Forward(a);
-        ASSERT_TRUE(st.ok()) << st.message;
-        double err = 0, norm = 0;
-        for (int i = 0; i < V; ++i) {
-          ASSERT_FALSE(std::isnan(got[i]));
-          err += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-          norm += double(want[i]) * want[i];
+    // With x quantized by its producers (the default) and by the products themselves.
+    for (const char* producer_qx : {"1", "0"}) {
+      setenv("PINFER_CUDA_PRODUCER_QX", producer_qx, 1);
+      for (bool hot : {false, true}) {
+        auto backend = Create(Upload(*qmodel, qdown_t, hot));
+        ASSERT_NE(backend, nullptr);
+        Transformer ref(hot ? *split_model : *qmodel, *ref_ops);
+        KvCache cache(model_->config, 64);
+        const int V = model_->config.vocab_size;
+        std::vector<int32_t> tokens =
+            (*reference_)["prompts"][3]["input_ids"].get<std::vector<int32_t>>();
+        std::vector<float> got(V), want(V);
+        double worst = 0;
+        for (int pos = 0; pos < static_cast<int>(tokens.size()); ++pos) {
+          ASSERT_TRUE(
+              ref.Forward({&tokens[pos], 1}, pos, &cache, LogitsMode::kLast, want.data()).ok());
+          cuda::ForwardArgs a;
+          a.tokens = &tokens[pos];
+          a.n = 1;
+          a.pos0 = pos;
+          a.mode = hot ? cuda::FfnMode::kExact : cuda::FfnMode::kDense;
+          a.cold = hot ? &cold : nullptr;
+          a.logits = got.data();
+          cuda::BackendStatus st = backend->Forward(a);
+          ASSERT_TRUE(st.ok()) << st.message;
+          const int nans = static_cast<int>(
+              std::count_if(got.begin(), got.end(), [](float v) { return std::isnan(v); }));
+          if (nans > 0) {  // (on to the other configurations: which ones fail tells why)
+            ADD_FAILURE() << DTypeName(type) << (hot ? " split" : " whole") << " producer_qx "
+                          << producer_qx << ": " << nans << " NaN logits at position " << pos;
+            worst = INFINITY;
+            break;
+          }
+          worst = std::max(worst, Nmse(got.data(), want.data(), V));
         }
-        worst = std::max(worst, err / norm);
+        std::printf("  %s %s, producer_qx %s: worst step logits nmse %.3g\n",
+                    std::string(DTypeName(type)).c_str(), hot ? "hot/cold split" : "whole model",
+                    producer_qx, worst);
+        // (x differs from the CPU's in the last bits, which now and then moves an int8 value by
+        // one; the broken repack gave 0.1-1, the split against the quantized down 5e-3.)
+        EXPECT_LE(worst, 1e-3) << DTypeName(type) << (hot ? " split" : " whole");
       }
-      std::printf("  %s %s: worst step logits nmse %.3g\n", std::string(DTypeName(type)).c_str(),
-                  hot ? "hot/cold split" : "whole model", worst);
-      EXPECT_LE(worst, hot ? 1e-4 : 1e-5) << DTypeName(type) << (hot ? " split" : " whole");
     }
+    unsetenv("PINFER_CUDA_PRODUCER_QX");
   }
 }
 
@@ -754,16 +804,6 @@ cuda::ForwardArgs PredictedStep(const std::vector<int32_t>& tokens, size_t pos, 
   a.cold = cold;
   a.logits = logits;
   return a;
-}
-
-double Nmse(const float* got, const float* want, int n) {
-  double err = 0, norm = 0;
-  for (int i = 0; i < n; ++i) {
-    if (std::isnan(got[i])) return INFINITY;
-    err += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-    norm += double(want[i]) * want[i];
-  }
-  return err / norm;
 }
 
 // --sparse on the GPU: the module's predictors (kPredicted) pick hot and cold neurons, the cold
