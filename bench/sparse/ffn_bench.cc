@@ -212,6 +212,29 @@ int main(int argc, char** argv) {
       std::fill(out.begin(), out.end(), 0.f);
       ops->AccumulateRows(down_t.view, rows.data(), k, g.data(), 1, out.data());
     });
+    // The row kernels' arithmetic alone: the first 64 selected rows over and over, in L2 (GB/s of
+    // weights, median of 200 passes): gate/up rows against x, and the down projection's sum of
+    // rows.
+    double cache_dot = 0, cache_axpy = 0;
+    {
+      const std::vector<int32_t> hot(masks[0].begin(),
+                                     masks[0].begin() + std::min<size_t>(64, masks[0].size()));
+      const int k = static_cast<int>(hot.size());
+      std::vector<float> coef(k, 0.5f), acc(H, 0.f), dots(k);
+      auto in_cache = [&](const std::function<void()>& fn) {
+        std::vector<double> s;
+        for (int rep = 0; rep < 200; ++rep) {
+          const auto t0 = std::chrono::steady_clock::now();
+          fn();
+          s.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        }
+        return static_cast<double>(k) * gate.view.row_bytes() / Median(s) / 1e9;
+      };
+      cache_dot =
+          in_cache([&] { ops->MatMulRows(gate.view, hot.data(), k, x.data(), 1, dots.data()); });
+      cache_axpy = in_cache(
+          [&] { ops->AccumulateRows(down_t.view, hot.data(), k, coef.data(), 1, acc.data()); });
+    }
     // The memory system's ceiling: the same rows only read, one at a time and four at a time,
     // against reading the dense matrices front to back (GB/s).
     const size_t rb = gate.view.row_bytes();
@@ -242,6 +265,7 @@ int main(int argc, char** argv) {
       asm volatile("" : : "r"(acc));
     });
     nlohmann::json j;
+    j["in_cache_gbps"] = {{"dot_rows", cache_dot}, {"axpy_rows", cache_axpy}};
     j["read_gbps"] = {{"sequential", 3.0 * gate.size() / dense_read_ms / 1e6},
                       {"random_rows_one_at_a_time", read_rate(1)},
                       {"random_rows_four_at_a_time", read_rate(4)}};
