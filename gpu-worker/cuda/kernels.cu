@@ -292,8 +292,24 @@ __device__ __forceinline__ void QuantizeBlockInWarp(float v, int lane, int64_t b
 }
 
 // ---------------------------------------------------------------------------------------------
-// RMSNorm: one block per token. With qx, every warp's pass over 32 consecutive elements
-// (blockDim and dim are multiples of 32) also quantizes them.
+// RMSNorm: one block per token.
+
+// The norms' last pass, out = x * scale * weight. With qx, every warp's pass over 32 consecutive
+// elements (blockDim and dim are multiples of 32) also quantizes them.
+__device__ __forceinline__ void WriteNormed(const float* xt, float scale,
+                                            const float* __restrict__ weight, int dim, float* ot,
+                                            void* qx) {
+  if (qx == nullptr) {
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ot[i] = xt[i] * scale * weight[i];
+    return;
+  }
+  const QxParts parts = QxAt(qx, dim, blockIdx.x);
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    const float v = xt[i] * scale * weight[i];
+    ot[i] = v;
+    QuantizeBlockInWarp(v, threadIdx.x % kWarp, i / 32, parts);
+  }
+}
 
 __global__ void RmsNormKernel(const float* __restrict__ x, const float* __restrict__ weight,
                               int dim, float eps, float* __restrict__ out, void* qx) {
@@ -312,17 +328,7 @@ __global__ void RmsNormKernel(const float* __restrict__ x, const float* __restri
     if (threadIdx.x == 0) partial[0] = v;
   }
   __syncthreads();
-  const float scale = 1.f / sqrtf(partial[0] / dim + eps);
-  if (qx == nullptr) {
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) ot[i] = xt[i] * scale * weight[i];
-    return;
-  }
-  const QxParts parts = QxAt(qx, dim, blockIdx.x);
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-    const float v = xt[i] * scale * weight[i];
-    ot[i] = v;
-    QuantizeBlockInWarp(v, threadIdx.x % kWarp, i / 32, parts);
-  }
+  WriteNormed(xt, 1.f / sqrtf(partial[0] / dim + eps), weight, dim, ot, qx);
 }
 
 __global__ void ResidualRmsNormKernel(float* __restrict__ x, const float* d1, const float* d2,
@@ -351,17 +357,7 @@ __global__ void ResidualRmsNormKernel(float* __restrict__ x, const float* d1, co
     if (threadIdx.x == 0) partial[0] = v;
   }
   __syncthreads();
-  const float scale = 1.f / sqrtf(partial[0] / dim + eps);
-  if (qx == nullptr) {
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) ot[i] = xt[i] * scale * weight[i];
-    return;
-  }
-  const QxParts parts = QxAt(qx, dim, blockIdx.x);
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-    const float v = xt[i] * scale * weight[i];
-    ot[i] = v;
-    QuantizeBlockInWarp(v, threadIdx.x % kWarp, i / 32, parts);
-  }
+  WriteNormed(xt, 1.f / sqrtf(partial[0] / dim + eps), weight, dim, ot, qx);
 }
 
 // ---------------------------------------------------------------------------------------------
