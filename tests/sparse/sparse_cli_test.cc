@@ -55,6 +55,16 @@ double ReferencePerplexity() {
   return nlohmann::json::parse(in)["heldout_ppl_512"].get<double>();
 }
 
+// A prepared model generates eight tokens with --sparse, skipping some of its FFN neurons.
+void ExpectSparseGeneration(const std::string& model) {
+  RunResult r = RunPinfer("generate --model " + model +
+                          " --prompt 'The file system' --max-tokens 8 --sparse --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  nlohmann::json g = nlohmann::json::parse(r.out);
+  EXPECT_EQ(g["generated_ids"].size(), 8u);
+  EXPECT_GT(g["ffn_sparsity"].get<double>(), 0.1);
+}
+
 class SparseCliTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -179,12 +189,7 @@ TEST_F(SparseCliTest, PrepareWritesModelIndexAndReportAndTheModelGenerates) {
   EXPECT_THAT(*report, HasSubstr("layer 5"));
   EXPECT_THAT(*report, HasSubstr("GPU | CPU"));
 
-  r = RunPinfer("generate --model " + out +
-                " --prompt 'The file system' --max-tokens 8 --sparse --json");
-  ASSERT_EQ(r.code, 0) << r.err;
-  nlohmann::json g = nlohmann::json::parse(r.out);
-  EXPECT_EQ(g["generated_ids"].size(), 8u);
-  EXPECT_GT(g["ffn_sparsity"].get<double>(), 0.1);
+  ExpectSparseGeneration(out);
 
   // A budget below the dense parts gives a CPU-only plan and no index.
   const std::string small = (*dir_ / "small.gguf").string();
@@ -220,12 +225,7 @@ TEST_F(SparseCliTest, Q8PredictorsTakeHalfTheBytesAndTheModelGenerates) {
     ASSERT_NE(t, nullptr) << name;
     EXPECT_EQ(t->type, static_cast<uint32_t>(GgmlType::kQ8_0)) << name;
   }
-  r = RunPinfer("generate --model " + out +
-                " --prompt 'The file system' --max-tokens 8 --sparse --json");
-  ASSERT_EQ(r.code, 0) << r.err;
-  nlohmann::json g = nlohmann::json::parse(r.out);
-  EXPECT_EQ(g["generated_ids"].size(), 8u);
-  EXPECT_GT(g["ffn_sparsity"].get<double>(), 0.1);
+  ExpectSparseGeneration(out);
 
   r = RunPinfer("prepare --model " + kModel + " --calibration x --out y --predictor-type q4_0");
   EXPECT_EQ(r.code, 2);
