@@ -2,6 +2,7 @@
 // Results match ReferenceOps up to fp32 summation order.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <vector>
 
 #include "absl/strings/string_view.h"
@@ -128,12 +129,18 @@ class SimdOps : public CpuOps {
     }
     const Q8Vector v{qx.q.data(), qx.d.data(), qx.s8.data()};
     const bool gate_decides = act != Activation::kSilu;
-    // Neurons in fixed chunks, each summed into its own buffer and the buffers added in order:
-    // the result does not depend on how many threads share the chunks. Within a chunk, groups of
-    // kGroup neurons: their gate rows, then the up rows of the active ones, then their down rows,
-    // each set read interleaved.
-    constexpr int kNeuronsPerChunk = 64;
-    const int chunks = (n_rows + kNeuronsPerChunk - 1) / kNeuronsPerChunk;
+    // Neurons in chunks, each summed into its own buffer and the buffers added in order; the
+    // chunk size depends only on n_rows, so the result does not depend on how many threads share
+    // the chunks. About 32 chunks (8 to 64 neurons, whole groups): a cpu-worker's layer often has
+    // only a few hundred active cold neurons, which chunks of 64 spread over 5 of 16 threads.
+    // Within a chunk, groups of kGroup neurons: their gate rows, then the up rows of the active
+    // ones, then their down rows, each set read interleaved.
+    int per_chunk = std::clamp(((n_rows + 31) / 32 + kGroup - 1) / kGroup * kGroup, 8, 64);
+    // Benchmarks compare chunk sizes in one process (PINFER_SPARSE_CHUNK=N: N neurons a chunk).
+    if (const char* e = std::getenv("PINFER_SPARSE_CHUNK"); e != nullptr && std::atoi(e) > 0) {
+      per_chunk = std::atoi(e);
+    }
+    const int chunks = (n_rows + per_chunk - 1) / per_chunk;
     // Up rows per chunk, in the calling thread's buffer (reused: decode allocates nothing once
     // warm). The workers reach it through this pointer: a thread_local named inside the lambda
     // would be each worker's own.
@@ -141,8 +148,8 @@ class SimdOps : public CpuOps {
     ups_buffer.assign(std::max(chunks, 1), 0);
     int* ups = ups_buffer.data();
     auto run_chunk = [&](int c, float* acc) {
-      const int end = std::min(n_rows, (c + 1) * kNeuronsPerChunk);
-      for (int i0 = c * kNeuronsPerChunk; i0 < end; i0 += kGroup) {
+      const int end = std::min(n_rows, (c + 1) * per_chunk);
+      for (int i0 = c * per_chunk; i0 < end; i0 += kGroup) {
         const int k = std::min(kGroup, end - i0);
         const uint8_t* rp[kGroup];
         float g[kGroup], u[kGroup];
@@ -180,10 +187,13 @@ class SimdOps : public CpuOps {
       return ups[0];
     }
     thread_local std::vector<float> partial;
-    partial.assign(static_cast<size_t>(chunks) * hidden, 0.f);
+    partial.resize(static_cast<size_t>(chunks) * hidden);
     float* p = partial.data();
     For(chunks, 1, [&](int64_t b, int64_t e) {
-      for (int64_t c = b; c < e; ++c) run_chunk(static_cast<int>(c), p + c * hidden);
+      for (int64_t c = b; c < e; ++c) {
+        std::fill(p + c * hidden, p + (c + 1) * hidden, 0.f);  // by the worker: zeroed in parallel
+        run_chunk(static_cast<int>(c), p + c * hidden);
+      }
     });
     For(hidden, 1024, [&](int64_t b, int64_t e) {
       for (int c = 0; c < chunks; ++c) {

@@ -291,6 +291,33 @@ TEST_P(OpsTest, SparseFfnToken) {
   }
 }
 
+// The fused FFN's chunks depend only on the list, not on the threads: one, two and five threads
+// give the same bits, for lists of one chunk and of many (chunk sizes 8 to 64 neurons).
+TEST(SparseFfnTokenTest, ResultDoesNotDependOnThreadCount) {
+  std::mt19937 rng(7);
+  const int ffn = 2500, hidden = 96;
+  for (DType dt : {DType::kF16, DType::kQ4_0}) {
+    Weight gate = MakeWeight(dt, ffn, hidden, rng), up = MakeWeight(dt, ffn, hidden, rng);
+    Weight down_t = MakeWeight(dt, ffn, hidden, rng);
+    auto x = Random(hidden, rng);
+    for (int n_rows : {7, 150, 700, 2500}) {
+      std::vector<int32_t> idx(n_rows);
+      for (int i = 0; i < n_rows; ++i) idx[i] = i * (ffn / n_rows);
+      std::vector<std::vector<float>> outs;
+      for (int threads : {1, 2, 5}) {
+        ThreadPool pool(threads);
+        auto ops = NewSimdOps(&pool);
+        std::vector<float> a(n_rows), out(hidden, 0.f);
+        ops->SparseFfnToken(gate.view, up.view, down_t.view, idx.data(), n_rows, Activation::kRelu,
+                            x.data(), nullptr, a.data(), out.data());
+        outs.push_back(out);
+      }
+      EXPECT_EQ(outs[0], outs[1]) << DTypeName(dt) << " rows " << n_rows;
+      EXPECT_EQ(outs[0], outs[2]) << DTypeName(dt) << " rows " << n_rows;
+    }
+  }
+}
+
 // Rows wider than the row ops' column chunk, and sparse row lists that group rows: every dtype.
 TEST_P(OpsTest, WideRowsDenseAndSparse) {
   for (DType dt : kDTypes) {
