@@ -72,8 +72,7 @@ struct Options {
   std::string modes = "pinfer,offload,gpu";
   bool graphs = true;
   // --variants=base;PDL=0;REPACK=0+STEP_GRAPH=0: the modes are run once per variant, each a set
-  // of the CUDA module's PINFER_CUDA_* knobs (read when a backend is created) or, named in full,
-  // the CPU side's (PINFER_SPARSE_CHUNK=64); "base" is none.
+  // of the CUDA module's PINFER_CUDA_* knobs (read when a backend is created); "base" is none.
   std::vector<std::string> variants = {"base"};
   std::string variant_modes;  // --variant-modes=gpu: the modes of the variants other than base
   // --modes=prefill
@@ -1123,15 +1122,11 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_QX_WARPS", "16", 1);  // the module's defaults (kernels.cu)
   setenv("PINFER_CUDA_QX_ROWS", "2", 1);
   setenv("PINFER_CUDA_COLD_GPU_SHARE", "0", 1);
-  setenv("PINFER_SPARSE_CHUNK", "0", 1);  // the CPU side's automatic chunks
   if (variant == "base") return;
   for (const std::string& kv : Split(variant, '+')) {
     const size_t eq = kv.find('=');
     if (eq == std::string::npos) continue;
-    // KEY=V sets PINFER_CUDA_KEY, except the CPU side's PINFER_SPARSE_* knobs, named in full.
-    const std::string key = kv.substr(0, eq);
-    const std::string name = key.rfind("PINFER_", 0) == 0 ? key : "PINFER_CUDA_" + key;
-    setenv(name.c_str(), kv.substr(eq + 1).c_str(), 1);
+    setenv(("PINFER_CUDA_" + kv.substr(0, eq)).c_str(), kv.substr(eq + 1).c_str(), 1);
   }
 }
 

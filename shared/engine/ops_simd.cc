@@ -2,7 +2,6 @@
 // Results match ReferenceOps up to fp32 summation order.
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <vector>
 
 #include "absl/strings/string_view.h"
@@ -129,17 +128,13 @@ class SimdOps : public CpuOps {
     }
     const Q8Vector v{qx.q.data(), qx.d.data(), qx.s8.data()};
     const bool gate_decides = act != Activation::kSilu;
-    // Neurons in chunks, each summed into its own buffer and the buffers added in order; the
-    // chunk size depends only on n_rows, so the result does not depend on how many threads share
-    // the chunks. About 32 chunks (8 to 64 neurons, whole groups): a cpu-worker's layer often has
-    // only a few hundred active cold neurons, which chunks of 64 spread over 5 of 16 threads.
-    // Within a chunk, groups of kGroup neurons: their gate rows, then the up rows of the active
-    // ones, then their down rows, each set read interleaved.
-    int per_chunk = std::clamp(((n_rows + 31) / 32 + kGroup - 1) / kGroup * kGroup, 8, 64);
-    // Benchmarks compare chunk sizes in one process (PINFER_SPARSE_CHUNK=N: N neurons a chunk).
-    if (const char* e = std::getenv("PINFER_SPARSE_CHUNK"); e != nullptr && std::atoi(e) > 0) {
-      per_chunk = std::atoi(e);
-    }
+    // Neurons in chunks of 64, each summed into its own buffer and the buffers added in order: the
+    // result does not depend on how many threads share the chunks. (Smaller chunks for short
+    // lists, so that a cpu-worker's few hundred cold neurons reach more threads, measured +6-9% in
+    // one H200 run and -5..-18% in the next, docs/benchmarks.md: noise there, not kept.) Within a
+    // chunk, groups of kGroup neurons: their gate rows, then the up rows of the active ones, then
+    // their down rows, each set read interleaved.
+    constexpr int per_chunk = 64;
     const int chunks = (n_rows + per_chunk - 1) / per_chunk;
     // Up rows per chunk, in the calling thread's buffer (reused: decode allocates nothing once
     // warm). The workers reach it through this pointer: a thread_local named inside the lambda

@@ -292,7 +292,7 @@ TEST_P(OpsTest, SparseFfnToken) {
 }
 
 // The fused FFN's chunks depend only on the list, not on the threads: one, two and five threads
-// give the same bits, for lists of one chunk and of many (chunk sizes 8 to 64 neurons).
+// give the same bits, for lists of one chunk and of many.
 TEST(SparseFfnTokenTest, ResultDoesNotDependOnThreadCount) {
   std::mt19937 rng(7);
   const int ffn = 2500, hidden = 96;
