@@ -128,6 +128,10 @@ int main(int argc, char** argv) {
   if (kv.count("pred_dtypes")) {
     pred_types.clear();
     for (absl::string_view t : absl::StrSplit(kv["pred_dtypes"], ',')) {
+      if (t != "f16" && t != "q8_0") {
+        std::fprintf(stderr, "pred_dtypes: f16 or q8_0, not %s\n", std::string(t).c_str());
+        return 2;
+      }
       pred_types.push_back(t == "q8_0" ? DType::kQ8_0 : DType::kF16);
     }
   }

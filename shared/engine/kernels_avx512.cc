@@ -65,12 +65,9 @@ inline void q4_vecs(const uint8_t* qs, V* out) {
 }
 // Unscaled dot of one Q4_0 block's values (q - 8) with 32 floats, unpacked in registers.
 inline V q4_block_dot(const uint8_t* qs, const float* x) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i mask = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
-  const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), eight);
-  const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight);
-  const V a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), vload(x));
-  return vfma(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), vload(x + 16), a);
+  V q[2];
+  q4_vecs(qs, q);
+  return vfma(q[1], vload(x + 16), _mm512_mul_ps(q[0], vload(x)));
 }
 // Quantized-activation block dots on 256-bit vectors (AVX-512VL + VNNI): eight int32 partial
 // sums of four products each, exact, converted to fp32.

@@ -466,7 +466,7 @@ void Round(Mlp& m, int H, DType dtype) {
 // product on the stored rows.
 void Scores(const CpuOps& ops, const Mlp& m, int H, int F, const float* x, int n, float* z,
             float* s) {
-  const bool blocks = m.stored_type == DType::kQ8_0 || m.stored_type == DType::kQ4_0;
+  const bool blocks = IsQuantized(m.stored_type);
   if (blocks) {
     ops.MatMul(TensorView{"fc1", m.stored_type, {m.r, H}, m.q1.data()}, x, n, z);
   } else {
@@ -729,7 +729,6 @@ absl::StatusOr<TrainedPredictors> TrainPredictors(
       threshold = kFoldedThreshold;
     }
     Round(best, H, o.dtype);  // again: the fold rescaled fc2's rows
-    std::vector<uint8_t> best_w1 = best.q1, best_w2 = best.q2;
     // The final numbers are measured on exactly the stored weights and threshold.
     Evaluation e = Calibrate(ops, d, H, F, best, o.target_recall, &threshold);
     report.rank = best.r;
@@ -740,8 +739,8 @@ absl::StatusOr<TrainedPredictors> TrainPredictors(
     report.precision = e.candidate.precision;
     report.sparsity = e.candidate.sparsity;
     report.predictor_cost = static_cast<double>(best.r) * (H + F) / (3.0 * F * H);
-    auto w1 = std::make_shared<std::vector<uint8_t>>(std::move(best_w1));
-    auto w2 = std::make_shared<std::vector<uint8_t>>(std::move(best_w2));
+    auto w1 = std::make_shared<std::vector<uint8_t>>(std::move(best.q1));
+    auto w2 = std::make_shared<std::vector<uint8_t>>(std::move(best.q2));
     LayerPredictor p;
     p.fc1 = TensorView{absl::StrCat("blk.", l, ".fc1.weight"), o.dtype, {best.r, H}, w1->data()};
     p.fc2 = TensorView{absl::StrCat("blk.", l, ".fc2.weight"), o.dtype, {F, best.r}, w2->data()};
