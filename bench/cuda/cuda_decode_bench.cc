@@ -151,6 +151,9 @@ void FillRandom(DType t, uint8_t* p, size_t bytes, uint64_t seed, ThreadPool& po
 
 struct SynthLayer {
   std::unique_ptr<Buffer> wq, wk, wv, wo, gate, up, down_t, fc1, fc2;
+  // The cold side's copy of the FFN rows as the cpu-worker keeps them (FfnRowStore): each
+  // neuron's gate, up and down_t rows back to back.
+  std::unique_ptr<Buffer> bundles;
   std::vector<float> attn_norm, ffn_norm;
   std::vector<int32_t> rank_of;  // neuron -> popularity rank (0 = most active)
 };
@@ -229,6 +232,16 @@ std::unique_ptr<SynthModel> BuildModel(const Options& o, ThreadPool& pool) {
     L.gate = make(F, H);
     L.up = make(F, H);
     L.down_t = make(F, H);
+    const size_t rb = m->Rb(H);
+    L.bundles = std::make_unique<Buffer>(3 * rb * F);
+    pool.ParallelFor(F, 256, [&](int64_t b, int64_t e) {
+      for (int64_t j = b; j < e; ++j) {
+        uint8_t* dst = L.bundles->p + 3 * rb * j;
+        std::memcpy(dst, L.gate->p + rb * j, rb);
+        std::memcpy(dst + rb, L.up->p + rb * j, rb);
+        std::memcpy(dst + 2 * rb, L.down_t->p + rb * j, rb);
+      }
+    });
     L.fc1 = make(m->pred_rank, H);
     L.fc2 = make(F, m->pred_rank);
     L.attn_norm.assign(H, 1.f);
@@ -314,6 +327,8 @@ class SpinPool {
 // share of the active cold neurons and runs CpuOps::SparseFfnToken on it (gate, up and down rows
 // of four neurons at a time, Q4_0 against Q8_0-quantized x with integer dots) into its own
 // partial sum; the partials are then reduced. One pass over each active row, no shared writes.
+// Rows are read from the per-neuron bundles as the cpu-worker stores them, or (variant
+// COLD_BUNDLES=0, i.e. PINFER_CUDA_COLD_BUNDLES=0) from the three separate matrices.
 class CpuColdFfn : public cuda::ColdFfn {
  public:
   CpuColdFfn(const SynthModel& m, SpinPool& pool)
@@ -321,7 +336,10 @@ class CpuColdFfn : public cuda::ColdFfn {
         pool_(pool),
         ops_(NewSimdOps(nullptr)),
         partial_(static_cast<size_t>(pool.size()) * m.config.hidden_size),
-        coef_(static_cast<size_t>(m.config.ffn_size)) {}
+        coef_(static_cast<size_t>(m.config.ffn_size)) {
+    const char* env = std::getenv("PINFER_CUDA_COLD_BUNDLES");
+    bundles_ = env == nullptr || std::string(env) != "0";
+  }
 
   cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
     const int H = m_.config.hidden_size, F = m_.config.ffn_size;
@@ -333,7 +351,14 @@ class CpuColdFfn : public cuda::ColdFfn {
       v.data = b.p;
       return v;
     };
-    const TensorView gate = view(*L.gate), up = view(*L.up), down_t = view(*L.down_t);
+    TensorView gate = view(*L.gate), up = view(*L.up), down_t = view(*L.down_t);
+    if (bundles_) {
+      const size_t rb = gate.row_bytes();
+      gate.data = L.bundles->p;
+      up.data = L.bundles->p + rb;
+      down_t.data = L.bundles->p + 2 * rb;
+      gate.row_stride = up.row_stride = down_t.row_stride = 3 * rb;
+    }
     const int T = pool_.size();
     for (int t = 0; t < r.n; ++t) {
       const float* x = r.x + static_cast<size_t>(t) * H;
@@ -363,6 +388,7 @@ class CpuColdFfn : public cuda::ColdFfn {
   SpinPool& pool_;
   std::unique_ptr<CpuOps> ops_;
   std::vector<float> partial_, coef_;
+  bool bundles_ = true;
 };
 
 // The cold side's row bandwidth on one layer-sized set of gate, up and down_t rows: 10% of the
@@ -1113,7 +1139,7 @@ std::vector<std::string> Split(const std::string& s, char sep) {
 // Sets the module's knobs for one variant: every known knob back to its default, then the
 // variant's NAME=VALUE pairs as PINFER_CUDA_NAME.
 void ApplyVariant(const std::string& variant) {
-  for (const char* k : {"PDL", "REPACK", "STEP_GRAPH", "GRAPHS", "PRODUCER_QX"}) {
+  for (const char* k : {"PDL", "REPACK", "STEP_GRAPH", "GRAPHS", "PRODUCER_QX", "FUSED_SHARE"}) {
     setenv((std::string("PINFER_CUDA_") + k).c_str(), "1", 1);
   }
   setenv("PINFER_CUDA_PREFETCH", "0", 1);
@@ -1122,6 +1148,7 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_QX_WARPS", "16", 1);  // the module's defaults (kernels.cu)
   setenv("PINFER_CUDA_QX_ROWS", "2", 1);
   setenv("PINFER_CUDA_COLD_GPU_SHARE", "0", 1);
+  setenv("PINFER_CUDA_COLD_BUNDLES", "1", 1);  // the bench's cold side (CpuColdFfn)
   if (variant == "base") return;
   for (const std::string& kv : Split(variant, '+')) {
     const size_t eq = kv.find('=');

@@ -325,7 +325,7 @@ class SimdOps : public CpuOps {
     const int32_t* xs = qx.s8.data();
     const int64_t nb = cols / 32;
     const uint8_t* data = static_cast<const uint8_t*>(w.data);
-    const size_t row_bytes = w.row_bytes();
+    const size_t row_bytes = w.row_stride != 0 ? w.row_stride : w.row_bytes();  // row to row
     if (n == 1) {  // decode: the tightest loop, one kernel call per row
       const Q8Vector v{xq, xd, xs};
       auto dot_q8x = k_->dot_q8x[di];

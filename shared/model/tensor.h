@@ -12,8 +12,8 @@
 #include <string_view>
 #include <vector>
 
-#include "absl/strings/string_view.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace pinfer {
 
@@ -26,14 +26,16 @@ struct BlockQ8_0 {
   int8_t qs[32];
 };
 struct BlockQ4_0 {
-  uint16_t d;        // fp16 scale
-  uint8_t qs[16];    // element j in low nibble of qs[j], element j+16 in the high nibble; value (q-8)*d
+  uint16_t d;  // fp16 scale
+  uint8_t
+      qs[16];  // element j in low nibble of qs[j], element j+16 in the high nibble; value (q-8)*d
 };
 static_assert(sizeof(BlockQ8_0) == 34);
 static_assert(sizeof(BlockQ4_0) == 18);
 
 absl::string_view DTypeName(DType t);
-absl::StatusOr<DType> DTypeFromName(absl::string_view name);  // "F32", "F16", "BF16", "Q8_0", "Q4_0"
+absl::StatusOr<DType> DTypeFromName(
+    absl::string_view name);  // "F32", "F16", "BF16", "Q8_0", "Q4_0"
 
 // Bytes used by `n` consecutive elements (n must be a multiple of 32 for quantized types).
 size_t RowBytes(DType t, int64_t n);
@@ -44,6 +46,10 @@ struct TensorView {
   DType dtype = DType::kF32;
   std::vector<int64_t> shape;  // outermost first
   const void* data = nullptr;
+  // Bytes from one row to the next; 0 = packed (row_bytes()). A strided view interleaves its rows
+  // with another tensor's (FfnRowStore keeps a neuron's gate, up and down rows side by side); only
+  // row() honours it, so it is for row-wise readers.
+  size_t row_stride = 0;
 
   int64_t rows() const { return shape.size() == 1 ? 1 : shape[0]; }
   int64_t cols() const { return shape.back(); }
@@ -55,7 +61,8 @@ struct TensorView {
   size_t nbytes() const { return RowBytes(dtype, cols()) * static_cast<size_t>(numel() / cols()); }
   size_t row_bytes() const { return RowBytes(dtype, cols()); }
   const uint8_t* row(int64_t r) const {
-    return static_cast<const uint8_t*>(data) + static_cast<size_t>(r) * row_bytes();
+    return static_cast<const uint8_t*>(data) +
+           static_cast<size_t>(r) * (row_stride != 0 ? row_stride : row_bytes());
   }
   bool empty() const { return data == nullptr; }
 };

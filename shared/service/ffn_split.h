@@ -45,12 +45,14 @@ uint64_t ModelFingerprint(const Model& model, const std::vector<TensorView>* dow
 
 // The FFN rows of a subset of neurons per layer, in private memory. gate/up keep the stored
 // dtype; down_t is F16/BF16 when down is (exact copy), otherwise F32 (exact for quantized data).
+// A neuron's three rows lie side by side (the views are strided: TensorView::row_stride), so a
+// sparse step reads one contiguous bundle per active neuron.
 class FfnRowStore {
  public:
   struct Layer {
     std::vector<int32_t> neurons;  // global neuron ids, ascending
-    TensorView gate, up;           // [k, hidden]
-    TensorView down_t;             // [k, hidden]
+    TensorView gate, up;           // [k, hidden], row_stride = the bundle
+    TensorView down_t;             // [k, hidden], row_stride = the bundle
   };
   // neurons[l]: the subset of layer l. down_t ([ffn, hidden] per layer, e.g. a prepared model's
   // ffn_down_t): copy the down rows from there (stored dtype) instead of transposing down.

@@ -5,6 +5,7 @@
 // selected rows only.
 #include "shared/service/ffn_split.h"
 
+#include <cstring>
 #include <random>
 
 #include "gmock/gmock.h"
@@ -139,6 +140,16 @@ TEST(FfnSplitTest, StoreHoldsOnlyItsRowsAndRejectsBadPlacements) {
   // fp16 weights: gate, up and down_t rows of hidden * 2 bytes per neuron.
   EXPECT_EQ((*rows)->bytes(), p.hot_neurons() * 3 * c.hidden_size * 2);
   EXPECT_EQ((*rows)->layer(0).down_t.dtype, DType::kF16);
+  // Each neuron's gate, up and down rows lie back to back, the next neuron right after.
+  const FfnRowStore::Layer& L1 = (*rows)->layer(1);
+  const size_t rb = c.hidden_size * 2;
+  for (int i : {0, 1, static_cast<int>(L1.neurons.size()) - 1}) {
+    EXPECT_EQ(L1.up.row(i), L1.gate.row(i) + rb);
+    EXPECT_EQ(L1.down_t.row(i), L1.gate.row(i) + 2 * rb);
+    if (i > 0) EXPECT_EQ(L1.gate.row(i), L1.down_t.row(i - 1) + rb);
+    EXPECT_EQ(std::memcmp(L1.gate.row(i), m->layers[1].gate.row(L1.neurons[i]), rb), 0);
+    EXPECT_EQ(std::memcmp(L1.up.row(i), m->layers[1].up.row(L1.neurons[i]), rb), 0);
+  }
 
   std::vector<uint64_t> bm((c.ffn_size + 63) / 64);
   p.ToBitmap(1, c.ffn_size, bm.data());
