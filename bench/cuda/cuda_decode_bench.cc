@@ -1147,6 +1147,7 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_ZERO_COPY_COLD", "0", 1);
   setenv("PINFER_CUDA_QX_WARPS", "16", 1);  // the module's defaults (kernels.cu)
   setenv("PINFER_CUDA_QX_ROWS", "2", 1);
+  setenv("PINFER_CUDA_SHARE_BLOCKS", "32", 1);
   setenv("PINFER_CUDA_COLD_GPU_SHARE", "0", 1);
   setenv("PINFER_CUDA_COLD_BUNDLES", "1", 1);  // the bench's cold side (CpuColdFfn)
   if (variant == "base") return;

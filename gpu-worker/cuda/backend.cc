@@ -511,6 +511,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
     SetQuantizedActivations(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_PREFETCH")) SetWeightPrefetch(std::string(g) == "1");
   if (const char* g = std::getenv("PINFER_CUDA_QX_WARPS")) SetQuantWarps(std::atoi(g));
+  if (const char* g = std::getenv("PINFER_CUDA_SHARE_BLOCKS")) SetColdShareBlocks(std::atoi(g));
   if (const char* g = std::getenv("PINFER_CUDA_QX_ROWS")) SetQuantRowsPerWarp(std::atoi(g));
   if (const char* g = std::getenv("PINFER_CUDA_ZERO_COPY_COLD")) {
     zero_copy_cold_ = std::string(g) == "1";

@@ -1393,6 +1393,8 @@ __global__ void GatedActivationPackedKernel(ActKind act, const float* __restrict
 
 constexpr int kColdThreads = 256;
 constexpr int kColdBatch = 8;  // 16-byte loads per thread in flight before the first is stored
+// Neurons whose rows are requested at once (blocks of the kernel; the rest loop).
+int g_cold_blocks = 32;
 
 template <WType T>
 __device__ __forceinline__ void LoadUnitStaged(const uint8_t* row, int64_t u, float* w) {
@@ -1636,6 +1638,7 @@ int MatVecWarpRowsMin() { return g_warp_rows_min; }
 void SetProgrammaticLaunch(bool on) { g_pdl = on; }
 void SetQuantizedActivations(bool on) { g_q8x = on; }
 void SetWeightPrefetch(bool on) { g_prefetch = on; }
+void SetColdShareBlocks(int blocks) { g_cold_blocks = blocks > 0 ? blocks : 32; }
 void SetQuantWarps(int warps) { g_qx_warps = warps == 4 || warps == 8 ? warps : 16; }
 void SetQuantRowsPerWarp(int rows) { g_qx_rows = rows == 1 || rows == 2 || rows == 4 ? rows : 0; }
 bool QuantizedActivations() { return g_q8x; }
@@ -1980,7 +1983,7 @@ cudaError_t ColdNeuronsFfn(ActKind act, const DeviceMatrix& gate, const DeviceMa
     return cudaErrorInvalidValue;
   }
   const size_t smem = 3 * gate.row_bytes();
-  const int grid = n_rows < 4 * SmCount() ? n_rows : 4 * SmCount();
+  const int grid = n_rows < g_cold_blocks ? n_rows : g_cold_blocks;
   const auto* g = static_cast<const uint8_t*>(gate.data);
   const auto* u = static_cast<const uint8_t*>(up.data);
   const auto* d = static_cast<const uint8_t*>(down_t.data);
