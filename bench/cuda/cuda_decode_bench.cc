@@ -1139,7 +1139,7 @@ std::vector<std::string> Split(const std::string& s, char sep) {
 // Sets the module's knobs for one variant: every known knob back to its default, then the
 // variant's NAME=VALUE pairs as PINFER_CUDA_NAME.
 void ApplyVariant(const std::string& variant) {
-  for (const char* k : {"PDL", "REPACK", "STEP_GRAPH", "GRAPHS", "PRODUCER_QX", "FUSED_SHARE"}) {
+  for (const char* k : {"PDL", "REPACK", "STEP_GRAPH", "GRAPHS", "PRODUCER_QX"}) {
     setenv((std::string("PINFER_CUDA_") + k).c_str(), "1", 1);
   }
   setenv("PINFER_CUDA_PREFETCH", "0", 1);
@@ -1147,7 +1147,6 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_ZERO_COPY_COLD", "0", 1);
   setenv("PINFER_CUDA_QX_WARPS", "16", 1);  // the module's defaults (kernels.cu)
   setenv("PINFER_CUDA_QX_ROWS", "2", 1);
-  setenv("PINFER_CUDA_SHARE_BLOCKS", "32", 1);
   setenv("PINFER_CUDA_COLD_GPU_SHARE", "0", 1);
   setenv("PINFER_CUDA_COLD_BUNDLES", "1", 1);  // the bench's cold side (CpuColdFfn)
   if (variant == "base") return;

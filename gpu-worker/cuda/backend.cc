@@ -278,9 +278,6 @@ class CudaBackend : public Backend {
   // With PINFER_CUDA_ZERO_COPY_COLD=1 decode reads the cold contribution from the pinned
   // exchange buffer in place instead of copying it up first. Off: not yet run on a GPU.
   bool zero_copy_cold_ = false;
-  // The cold share in one kernel that requests each neuron's rows at once (ColdNeuronsFfn), or
-  // (PINFER_CUDA_FUSED_SHARE=0) as the hot rows are computed: four kernels, dependent reads.
-  bool fused_share_ = true;
   const void* readable_ptr_ = nullptr;  // last pointer DeviceReadable accepted
   bool DeviceReadable(const void* p);
   bool repack_ = true;
@@ -490,7 +487,6 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
                  "CUDA device " + std::to_string(device_) + " of " + std::to_string(n_dev));
   }
   if (const char* g = std::getenv("PINFER_CUDA_GRAPHS")) use_graphs_ = std::string(g) != "0";
-  if (const char* g = std::getenv("PINFER_CUDA_FUSED_SHARE")) fused_share_ = std::string(g) != "0";
   if (const char* g = std::getenv("PINFER_CUDA_REPACK")) repack_ = std::string(g) != "0";
   if (const char* g = std::getenv("PINFER_CUDA_STEP_GRAPH")) step_graph_ = std::string(g) != "0";
   if (const char* g = std::getenv("PINFER_CUDA_PDL")) SetProgrammaticLaunch(std::string(g) != "0");
@@ -511,7 +507,6 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
     SetQuantizedActivations(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_PREFETCH")) SetWeightPrefetch(std::string(g) == "1");
   if (const char* g = std::getenv("PINFER_CUDA_QX_WARPS")) SetQuantWarps(std::atoi(g));
-  if (const char* g = std::getenv("PINFER_CUDA_SHARE_BLOCKS")) SetColdShareBlocks(std::atoi(g));
   if (const char* g = std::getenv("PINFER_CUDA_QX_ROWS")) SetQuantRowsPerWarp(std::atoi(g));
   if (const char* g = std::getenv("PINFER_CUDA_ZERO_COPY_COLD")) {
     zero_copy_cold_ = std::string(g) == "1";
@@ -1026,17 +1021,11 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
     const DeviceMatrix cg{R.type, R.rows, R.cols, R.gate};
     const DeviceMatrix cu{R.type, R.rows, R.cols, R.up};
     const DeviceMatrix cd{R.type, R.rows, R.cols, R.down_t};
-    if (fused_share_) {
-      CUDA_RETURN_IF_ERROR(
-          ColdNeuronsFfn(act, cg, cu, cd, list, n_cold, count, xb_, hot_out_, stream_));
-    } else {
-      CUDA_RETURN_IF_ERROR(
-          MatVecRows(cg, list, n_cold, count, xb_, 1, cold_gate_, n_cold, stream_));
-      CUDA_RETURN_IF_ERROR(MatVecRows(cu, list, n_cold, count, xb_, 1, cold_up_, n_cold, stream_));
-      CUDA_RETURN_IF_ERROR(GatedActivation(act, cold_gate_, cold_up_, n_cold, stream_));
-      CUDA_RETURN_IF_ERROR(
-          AccumulateRows(cd, list, n_cold, count, cold_gate_, n_cold, 1, hot_out_, stream_));
-    }
+    CUDA_RETURN_IF_ERROR(MatVecRows(cg, list, n_cold, count, xb_, 1, cold_gate_, n_cold, stream_));
+    CUDA_RETURN_IF_ERROR(MatVecRows(cu, list, n_cold, count, xb_, 1, cold_up_, n_cold, stream_));
+    CUDA_RETURN_IF_ERROR(GatedActivation(act, cold_gate_, cold_up_, n_cold, stream_));
+    CUDA_RETURN_IF_ERROR(
+        AccumulateRows(cd, list, n_cold, count, cold_gate_, n_cold, 1, hot_out_, stream_));
     CUDA_RETURN_IF_ERROR(RecordEvent(ev_share_[l]));
   }
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot1_[l]));

@@ -1382,110 +1382,6 @@ __global__ void GatedActivationPackedKernel(ActKind act, const float* __restrict
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// The GPU's share of the cold neurons for one token, their rows in pinned host memory read over
-// PCIe. There every dependent read costs microseconds (more while the CPU's threads load the same
-// memory), so a block per neuron issues all the 16-byte loads of its gate, up and down rows
-// before using any (into shared memory), then computes both dots, the activation and the down
-// row's contribution, added to y with one atomic per element: one round trip per neuron. (Gate
-// and up through MatVecRows and the down rows through AccumulateRows chained about ten: 62 us
-// per layer for 23 F16 neurons on the H200, docs/benchmarks.md.)
-
-constexpr int kColdThreads = 256;
-constexpr int kColdBatch = 8;  // 16-byte loads per thread in flight before the first is stored
-// Neurons whose rows are requested at once (blocks of the kernel; the rest loop).
-int g_cold_blocks = 32;
-
-template <WType T>
-__device__ __forceinline__ void LoadUnitStaged(const uint8_t* row, int64_t u, float* w) {
-  if constexpr (T == WType::kF32) {
-    const float4 v = reinterpret_cast<const float4*>(row)[u];
-    w[0] = v.x;
-    w[1] = v.y;
-    w[2] = v.z;
-    w[3] = v.w;
-  } else if constexpr (T == WType::kF16) {
-    Unpack8Half(reinterpret_cast<const uint4*>(row)[u], w);
-  } else if constexpr (T == WType::kBF16) {
-    Unpack8Bf16(reinterpret_cast<const uint4*>(row)[u], w);
-  } else if constexpr (T == WType::kQ8_0) {
-    DequantQ8Block(row + u * 34, w);
-  } else {
-    DequantQ4Block(row + u * 18, w);
-  }
-}
-
-template <WType T>
-__global__ void __launch_bounds__(kColdThreads)
-    ColdNeuronsKernel(ActKind act, const uint8_t* __restrict__ gate, const uint8_t* __restrict__ up,
-                      const uint8_t* __restrict__ down_t, size_t row_bytes, int64_t cols,
-                      const int32_t* __restrict__ rows, int n_rows,
-                      const int32_t* __restrict__ dev_count, const float* __restrict__ x,
-                      float* __restrict__ y) {
-  extern __shared__ uint4 staged[];  // the neuron's gate, up and down rows: [3, row_bytes / 16]
-  __shared__ float red[2][kColdThreads / kWarp];
-  PdlStart();
-  const int count = dev_count != nullptr ? *dev_count : n_rows;
-  const int n16 = static_cast<int>(row_bytes / 16);
-  constexpr int E = Unit<T>::kElems;
-  const int64_t units = cols / E;
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  for (int i = blockIdx.x; i < count; i += gridDim.x) {
-    const size_t off = static_cast<size_t>(rows[i]) * row_bytes;
-    const uint4* src[3] = {reinterpret_cast<const uint4*>(gate + off),
-                           reinterpret_cast<const uint4*>(up + off),
-                           reinterpret_cast<const uint4*>(down_t + off)};
-    for (int k0 = threadIdx.x; k0 < 3 * n16; k0 += kColdBatch * kColdThreads) {
-      uint4 v[kColdBatch];
-#pragma unroll
-      for (int j = 0; j < kColdBatch; ++j) {
-        const int k = k0 + j * kColdThreads;
-        if (k < 3 * n16) v[j] = LoadStream(src[k / n16] + k % n16);
-      }
-#pragma unroll
-      for (int j = 0; j < kColdBatch; ++j) {
-        const int k = k0 + j * kColdThreads;
-        if (k < 3 * n16) staged[k] = v[j];
-      }
-    }
-    __syncthreads();
-    const uint8_t* sg = reinterpret_cast<const uint8_t*>(staged);
-    const uint8_t* su = sg + row_bytes;
-    const uint8_t* sd = su + row_bytes;
-    float g = 0.f, u = 0.f;
-    for (int64_t q = threadIdx.x; q < units; q += kColdThreads) {
-      float w[E];
-      LoadUnitStaged<T>(sg, q, w);
-      g += DotUnit<E>(w, x + q * E);
-      LoadUnitStaged<T>(su, q, w);
-      u += DotUnit<E>(w, x + q * E);
-    }
-    g = WarpSum(g);
-    u = WarpSum(u);
-    if (lane == 0) {
-      red[0][warp] = g;
-      red[1][warp] = u;
-    }
-    __syncthreads();
-    g = u = 0.f;
-#pragma unroll
-    for (int k = 0; k < kColdThreads / kWarp; ++k) {
-      g += red[0][k];
-      u += red[1][k];
-    }
-    const float coef = ApplyGated(act, g, u);
-    if (coef != 0.f) {
-      for (int64_t q = threadIdx.x; q < units; q += kColdThreads) {
-        float w[E];
-        LoadUnitStaged<T>(sd, q, w);
-#pragma unroll
-        for (int e = 0; e < E; ++e) atomicAdd(y + q * E + e, coef * w[e]);
-      }
-    }
-    __syncthreads();  // staged and red are reused by the next neuron
-  }
-}
-
 __global__ void ReluKernel(float* __restrict__ x, int64_t count) {
   PdlStart();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
@@ -1638,7 +1534,6 @@ int MatVecWarpRowsMin() { return g_warp_rows_min; }
 void SetProgrammaticLaunch(bool on) { g_pdl = on; }
 void SetQuantizedActivations(bool on) { g_q8x = on; }
 void SetWeightPrefetch(bool on) { g_prefetch = on; }
-void SetColdShareBlocks(int blocks) { g_cold_blocks = blocks > 0 ? blocks : 32; }
 void SetQuantWarps(int warps) { g_qx_warps = warps == 4 || warps == 8 ? warps : 16; }
 void SetQuantRowsPerWarp(int rows) { g_qx_rows = rows == 1 || rows == 2 || rows == 4 ? rows : 0; }
 bool QuantizedActivations() { return g_q8x; }
@@ -1960,43 +1855,6 @@ cudaError_t AccumulateRows(const DeviceMatrix& w, const int32_t* rows, int n_row
   case T:                                                                                        \
     return Launch(AccumulateRowsKernel<T>, grid, kAccThreads, smem, stream, base, w.row_bytes(), \
                   w.cols, rows, n_rows, dev_count, a, lda, rows_per_split, y, stage);
-    PINFER_LAUNCH(WType::kF32)
-    PINFER_LAUNCH(WType::kF16)
-    PINFER_LAUNCH(WType::kBF16)
-    PINFER_LAUNCH(WType::kQ8_0)
-    PINFER_LAUNCH(WType::kQ4_0)
-#undef PINFER_LAUNCH
-  }
-  return cudaErrorInvalidValue;
-}
-
-cudaError_t ColdNeuronsFfn(ActKind act, const DeviceMatrix& gate, const DeviceMatrix& up,
-                           const DeviceMatrix& down_t, const int32_t* rows, int n_rows,
-                           const int32_t* dev_count, const float* x, float* y,
-                           cudaStream_t stream) {
-  if (n_rows <= 0) return cudaSuccess;
-  cudaError_t e = CheckMatrixShape(gate);
-  if (e != cudaSuccess) return e;
-  if (gate.split() || up.split() || down_t.split() || up.type != gate.type ||
-      down_t.type != gate.type || up.cols != gate.cols || down_t.cols != gate.cols ||
-      gate.row_bytes() % 16 != 0) {
-    return cudaErrorInvalidValue;
-  }
-  const size_t smem = 3 * gate.row_bytes();
-  const int grid = n_rows < g_cold_blocks ? n_rows : g_cold_blocks;
-  const auto* g = static_cast<const uint8_t*>(gate.data);
-  const auto* u = static_cast<const uint8_t*>(up.data);
-  const auto* d = static_cast<const uint8_t*>(down_t.data);
-  switch (gate.type) {
-#define PINFER_LAUNCH(T)                                                                          \
-  case T:                                                                                         \
-    if (smem > 48 * 1024) {                                                                       \
-      e = cudaFuncSetAttribute(ColdNeuronsKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
-                               static_cast<int>(smem));                                           \
-      if (e != cudaSuccess) return e;                                                             \
-    }                                                                                             \
-    return Launch(ColdNeuronsKernel<T>, grid, kColdThreads, smem, stream, act, g, u, d,           \
-                  gate.row_bytes(), gate.cols, rows, n_rows, dev_count, x, y);
     PINFER_LAUNCH(WType::kF32)
     PINFER_LAUNCH(WType::kF16)
     PINFER_LAUNCH(WType::kBF16)

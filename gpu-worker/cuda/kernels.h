@@ -149,18 +149,6 @@ cudaError_t AccumulateRows(const DeviceMatrix& w, const int32_t* rows, int n_row
                            const int32_t* dev_count, const float* a, int lda, int n, float* y,
                            cudaStream_t stream);
 
-// The fused sparse FFN of one token over rows that may live in pinned host memory (the GPU's
-// share of the cold neurons, read over PCIe): for i < count (= dev_count ? *dev_count : n_rows),
-// r = rows[i]: y += act(gate.row(r) . x) * (up.row(r) . x) * down_t.row(r). The three matrices
-// have one type and shape (GGUF layout for block formats, rows of a multiple of 16 bytes).
-// Each neuron's rows are all requested at once: one round trip per neuron. x, y: [cols].
-// SetColdShareBlocks (PINFER_CUDA_SHARE_BLOCKS; default 32), a tuning knob, bounds how many
-// neurons are in flight at once. Not thread-safe.
-void SetColdShareBlocks(int blocks);
-cudaError_t ColdNeuronsFfn(ActKind act, const DeviceMatrix& gate, const DeviceMatrix& up,
-                           const DeviceMatrix& down_t, const int32_t* rows, int n_rows,
-                           const int32_t* dev_count, const float* x, float* y, cudaStream_t stream);
-
 // gate[i] = act(gate[i]) * up[i] over count elements (dReLU: relu(gate) * relu(up)).
 cudaError_t GatedActivation(ActKind act, float* gate, const float* up, int64_t count,
                             cudaStream_t stream);

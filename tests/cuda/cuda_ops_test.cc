@@ -511,50 +511,6 @@ TEST_F(CudaOpsTest, AccumulateRowsMatchesReferenceForEveryType) {
   }
 }
 
-// The GPU's share of the cold neurons: gate, up and down_t rows in pinned host memory (read by
-// the kernel over PCIe), listed rows and a device-side count below the list's length.
-// F32 at 5120 columns needs more than the default 48 KB of shared memory per block.
-TEST_F(CudaOpsTest, ColdNeuronsFfnFromHostMemoryMatchesReference) {
-  for (const auto& [type, cols] : std::vector<std::pair<DType, int64_t>>{{DType::kF32, 5120},
-                                                                         {DType::kF16, 1056},
-                                                                         {DType::kBF16, 4096},
-                                                                         {DType::kQ8_0, 4096},
-                                                                         {DType::kQ4_0, 4096}}) {
-    for (Activation act : {Activation::kSilu, Activation::kRelu}) {
-      const int64_t rows = 300;
-      const int bound = 57, count = 41;
-      HostWeights w[3] = {RandomWeights(type, rows, cols), RandomWeights(type, rows, cols),
-                          RandomWeights(type, rows, cols)};
-      DeviceMatrix m[3];
-      void* pinned[3] = {};
-      for (int k = 0; k < 3; ++k) {
-        CUDA_OK(cudaHostAlloc(&pinned[k], w[k].bytes.size(), cudaHostAllocMapped));
-        std::memcpy(pinned[k], w[k].bytes.data(), w[k].bytes.size());
-        m[k] = {static_cast<WType>(type), rows, cols, pinned[k], nullptr};
-      }
-      const std::vector<int32_t> ids = RandomRows(static_cast<int>(rows), bound);
-      const std::vector<float> x = Random(cols);
-      std::vector<float> g(count), u(count);
-      RefMatMulRows(w[0].view(), ids.data(), count, x.data(), 1, g.data());
-      RefMatMulRows(w[1].view(), ids.data(), count, x.data(), 1, u.data());
-      ref_->GatedActivation(act, g.data(), u.data(), count);
-      std::vector<float> y0 = Random(cols);
-      std::vector<float> ref = y0;
-      ref_->AccumulateRows(w[2].view(), ids.data(), count, g.data(), 1, ref.data());
-
-      DevBuf<int32_t> dids(ids), dcount(std::vector<int32_t>{count});
-      DevBuf<float> dx(x), dy(y0);
-      CUDA_OK(cuda::ColdNeuronsFfn(static_cast<cuda::ActKind>(act), m[0], m[1], m[2], dids.get(),
-                                   bound, dcount.get(), dx.get(), dy.get(), nullptr));
-      std::vector<float> out = dy.Download();
-      EXPECT_FALSE(AnyNan(out));
-      EXPECT_LE(Nmse(out, ref), kFp32Limit) << DTypeName(type) << " act " << static_cast<int>(act);
-      EXPECT_TRUE(dy.GuardsIntact());
-      for (void* p : pinned) cudaFreeHost(p);
-    }
-  }
-}
-
 TEST_F(CudaOpsTest, GatedActivationsMatchReference) {
   for (Activation act : {Activation::kSilu, Activation::kRelu, Activation::kDRelu}) {
     const int64_t count = 10007;
@@ -1170,16 +1126,6 @@ TEST_F(CudaOpsTest, RejectsShapesTheKernelsCannotRead) {
   DeviceMatrix f{WType::kF16, 2, 36, buf.get()};  // rows not 16-byte aligned
   EXPECT_EQ(cuda::CheckMatrixShape(f), cudaErrorInvalidValue);
   EXPECT_EQ(cuda::Attention(nullptr, nullptr, nullptr, 1, 0, 4, 4, 512, nullptr, nullptr),
-            cudaErrorInvalidValue);
-  // The fused cold share stages whole rows with 16-byte loads (594-byte Q4_0 rows are not) and
-  // takes one type for its three matrices.
-  DeviceMatrix q{WType::kQ4_0, 2, 1056, buf.get()};
-  EXPECT_EQ(cuda::ColdNeuronsFfn(cuda::ActKind::kRelu, q, q, q, nullptr, 2, nullptr, nullptr,
-                                 nullptr, nullptr),
-            cudaErrorInvalidValue);
-  DeviceMatrix h{WType::kF16, 2, 64, buf.get()}, b{WType::kBF16, 2, 64, buf.get()};
-  EXPECT_EQ(cuda::ColdNeuronsFfn(cuda::ActKind::kRelu, h, h, b, nullptr, 2, nullptr, nullptr,
-                                 nullptr, nullptr),
             cudaErrorInvalidValue);
 }
 
