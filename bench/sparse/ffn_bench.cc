@@ -7,10 +7,10 @@
 // back), with each neuron's three rows side by side as FfnRowStore keeps them. For comparison the
 // same op over three separate matrices (as PredictedSparseFfn reads a model file), and the same
 // work as three row passes (MatMulRows gate, MatMulRows up, AccumulateRows down), what pinfer did
-// before the fused op. The selected set is drawn per
-// token from a Zipf-skewed distribution: neuron j (in a random order) is active with probability
-// min(1, c / (rank_j + 1)), c chosen so that the expected active fraction is `active` (10% by
-// default): a few neurons fire on most tokens, most rarely, as profiled ReLU models show.
+// before the fused op. The selected set is drawn per token from a Zipf-skewed distribution:
+// neuron j (in a random order) is active with probability min(1, c / (rank_j + 1)), c chosen so
+// that the expected active fraction is `active` (10% by default): a few neurons fire on most
+// tokens, most rarely, as profiled ReLU models show.
 //
 // Between timed tokens the bench reads flush_mib MiB of other memory (96 by default; flush=0
 // turns it off), as the other layers of a real model would, so neither path finds the previous
