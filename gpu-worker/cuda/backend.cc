@@ -124,7 +124,6 @@ class CudaBackend : public Backend {
   BackendStatus UnregisterHostMemory(void* ptr) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     CUDA_RETURN_IF_ERROR(cudaHostUnregister(ptr));
-    readable_.clear();
     return Ok();
   }
   size_t DeviceBytes() const override { return device_bytes_; }
@@ -279,16 +278,8 @@ class CudaBackend : public Backend {
   // With PINFER_CUDA_ZERO_COPY_COLD=1 decode reads the cold contribution from the pinned
   // exchange buffer in place instead of copying it up first. Off: not yet run on a GPU.
   bool zero_copy_cold_ = false;
-  // The cold side's inputs (x, and in predicted mode its active list) written into host memory
-  // by one kernel (PublishToHost) instead of up to three copies; PINFER_CUDA_PUBLISH_KERNEL=0
-  // restores the copies.
-  bool publish_kernel_ = true;
-  std::vector<const void*> readable_;  // pointers DeviceReadable accepted
+  const void* readable_ptr_ = nullptr;  // last pointer DeviceReadable accepted
   bool DeviceReadable(const void* p);
-  bool PublishesByKernel(const void* exchange_x) {
-    return publish_kernel_ && DeviceReadable(exchange_x) && DeviceReadable(cold_idx_host_) &&
-           DeviceReadable(counts_host_);
-  }
   bool repack_ = true;
   void* repack_tmp_ = nullptr;  // upload-time scratch of MaybeSplit, freed at the end of Create
   size_t repack_tmp_bytes_ = 0;
@@ -496,9 +487,6 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
                  "CUDA device " + std::to_string(device_) + " of " + std::to_string(n_dev));
   }
   if (const char* g = std::getenv("PINFER_CUDA_GRAPHS")) use_graphs_ = std::string(g) != "0";
-  if (const char* g = std::getenv("PINFER_CUDA_PUBLISH_KERNEL")) {
-    publish_kernel_ = std::string(g) != "0";
-  }
   if (const char* g = std::getenv("PINFER_CUDA_REPACK")) repack_ = std::string(g) != "0";
   if (const char* g = std::getenv("PINFER_CUDA_STEP_GRAPH")) step_graph_ = std::string(g) != "0";
   if (const char* g = std::getenv("PINFER_CUDA_PDL")) SetProgrammaticLaunch(std::string(g) != "0");
@@ -952,12 +940,10 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
         CUDA_RETURN_IF_ERROR(
             ShareOfCount(cold_count, share_dev_, kShareDen, cold_gpu_count_, stream_));
       }
-      if (!PublishesByKernel(exchange_x)) {
-        CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cold_idx_host_, cold_idx_, n_cold * 4,
-                                             cudaMemcpyDeviceToHost, stream_));
-        CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(counts_host_ + 2 * l + 1, cold_count, 4,
-                                             cudaMemcpyDeviceToHost, stream_));
-      }
+      CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(cold_idx_host_, cold_idx_, n_cold * 4, cudaMemcpyDeviceToHost, stream_));
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(counts_host_ + 2 * l + 1, cold_count, 4,
+                                           cudaMemcpyDeviceToHost, stream_));
     }
   } else if (mode == FfnMode::kGiven && n_hot > 0) {
     const int32_t* stage = given_host_ + static_cast<size_t>(l) * (F + 1);
@@ -967,15 +953,7 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
 
   // Publish the FFN input for the cold side before the hot work, so both run at once.
   if (cold) {
-    if (PublishesByKernel(exchange_x)) {
-      const bool list = mode == FfnMode::kPredicted;
-      CUDA_RETURN_IF_ERROR(PublishToHost(xb_, nh, list ? cold_list_ : nullptr, list ? n_cold : 0,
-                                         exchange_x, cold_idx_host_, counts_host_ + 2 * l + 1,
-                                         stream_));
-    } else {
-      CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(exchange_x, xb_, nh * 4, cudaMemcpyDeviceToHost, stream_));
-    }
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(exchange_x, xb_, nh * 4, cudaMemcpyDeviceToHost, stream_));
     CUDA_RETURN_IF_ERROR(RecordEvent(ev_x_[l]));
   }
 
@@ -1176,15 +1154,14 @@ BackendStatus CudaBackend::FinishCold(int l, const ForwardArgs& a, float* exchan
 
 // Whether kernels can read this pinned host pointer as it is (mapped, same address).
 bool CudaBackend::DeviceReadable(const void* p) {
-  if (std::find(readable_.begin(), readable_.end(), p) != readable_.end()) return true;
+  if (p == readable_ptr_) return true;
   cudaPointerAttributes attr;
   if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
     cudaGetLastError();
     return false;
   }
   if (attr.type != cudaMemoryTypeHost || attr.devicePointer != p) return false;
-  if (readable_.size() >= 8) readable_.erase(readable_.begin());  // callers' buffers may change
-  readable_.push_back(p);
+  readable_ptr_ = p;
   return true;
 }
 

@@ -1396,19 +1396,6 @@ __global__ void ShareOfCountKernel(const int32_t* count, const int32_t* num, int
   if (threadIdx.x == 0) *out = static_cast<int32_t>(static_cast<int64_t>(*count) * *num / den);
 }
 
-__global__ void PublishToHostKernel(const float* __restrict__ x, int64_t n_floats,
-                                    const int32_t* __restrict__ list, float* host_x,
-                                    int32_t* host_idx, int32_t* host_count) {
-  PdlStart();
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t i = first; i < n_floats; i += stride) host_x[i] = x[i];
-  if (list == nullptr) return;
-  const int count = list[0];
-  for (int64_t i = first; i < count; i += stride) host_idx[i] = list[1 + i];
-  if (first == 0) *host_count = count;
-}
-
 __global__ void AddKernel(float* __restrict__ y, const float* __restrict__ x, int64_t count) {
   PdlStart();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
@@ -1909,16 +1896,6 @@ cudaError_t Relu(float* x, int64_t count, cudaStream_t stream) {
 cudaError_t ShareOfCount(const int32_t* count, const int32_t* num, int den, int32_t* out,
                          cudaStream_t stream) {
   return Launch(ShareOfCountKernel, 1, 32, 0, stream, count, num, den, out);
-}
-
-cudaError_t PublishToHost(const float* x, int64_t n_floats, const int32_t* list, int list_bound,
-                          float* host_x, int32_t* host_idx, int32_t* host_count,
-                          cudaStream_t stream) {
-  const int64_t work = n_floats > list_bound ? n_floats : list_bound;
-  if (work <= 0) return cudaSuccess;
-  const int grid = GridFor(work, 256) < 64 ? GridFor(work, 256) : 64;
-  return Launch(PublishToHostKernel, grid, 256, 0, stream, x, n_floats, list, host_x, host_idx,
-                host_count);
 }
 
 cudaError_t AddInPlace(float* y, const float* x, int64_t count, cudaStream_t stream) {

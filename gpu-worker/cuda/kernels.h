@@ -171,13 +171,6 @@ cudaError_t AddInPlace(float* y, const float* x, int64_t count, cudaStream_t str
 // host memory (read when the kernel runs).
 cudaError_t ShareOfCount(const int32_t* count, const int32_t* num, int den, int32_t* out,
                          cudaStream_t stream);
-// What the CPU side of a layer waits for, written by one kernel straight into pinned host memory
-// that the device can address (instead of a copy per buffer): host_x[0, n_floats) = x and, when
-// list ([count, idx...], device) is given, *host_count = count and host_idx[0, count) = its ids
-// (count <= list_bound).
-cudaError_t PublishToHost(const float* x, int64_t n_floats, const int32_t* list, int list_bound,
-                          float* host_x, int32_t* host_idx, int32_t* host_count,
-                          cudaStream_t stream);
 // y[i] += x[i] + z[i] (the residual plus the hot and cold FFN parts).
 cudaError_t Add2InPlace(float* y, const float* x, const float* z, int64_t count,
                         cudaStream_t stream);

@@ -511,39 +511,6 @@ TEST_F(CudaOpsTest, AccumulateRowsMatchesReferenceForEveryType) {
   }
 }
 
-// The cold side's inputs written by a kernel straight into pinned host memory: x exactly, the
-// list's count and its first `count` ids, nothing past them.
-TEST_F(CudaOpsTest, PublishToHostWritesExactlyTheListedValues) {
-  const int64_t n = 5123;
-  const int bound = 50, count = 37;
-  const std::vector<float> x = Random(n);
-  std::vector<int32_t> list(bound + 1);
-  list[0] = count;
-  for (int i = 0; i < bound; ++i) list[1 + i] = 1000 + 7 * i;
-  DevBuf<float> dx(x);
-  DevBuf<int32_t> dlist(list);
-  void* px = nullptr;
-  void* pidx = nullptr;
-  CUDA_OK(cudaMallocHost(&px, n * sizeof(float)));
-  CUDA_OK(cudaMallocHost(&pidx, (bound + 1) * sizeof(int32_t)));
-  float* hx = static_cast<float*>(px);
-  int32_t* hidx = static_cast<int32_t*>(pidx);
-  for (bool with_list : {true, false}) {
-    std::fill(hx, hx + n, -1.f);
-    std::fill(hidx, hidx + bound + 1, -5);
-    CUDA_OK(cuda::PublishToHost(dx.get(), n, with_list ? dlist.get() : nullptr,
-                                with_list ? bound : 0, hx, hidx + 1, hidx, nullptr));
-    CUDA_OK(cudaDeviceSynchronize());
-    EXPECT_TRUE(std::equal(x.begin(), x.end(), hx));
-    EXPECT_EQ(hidx[0], with_list ? count : -5);
-    for (int i = 0; i < bound; ++i) {
-      EXPECT_EQ(hidx[1 + i], with_list && i < count ? list[1 + i] : -5) << i;
-    }
-  }
-  cudaFreeHost(hx);
-  cudaFreeHost(hidx);
-}
-
 TEST_F(CudaOpsTest, GatedActivationsMatchReference) {
   for (Activation act : {Activation::kSilu, Activation::kRelu, Activation::kDRelu}) {
     const int64_t count = 10007;
