@@ -267,7 +267,7 @@ class CudaBackend : public Backend {
   int32_t* observed_host_ = nullptr;  // [n_layers, ffn + 1]: hot lists (ForwardArgs::active_out)
 
   // Per-layer events: x published, hot start, hot end; plus step start/end.
-  std::vector<cudaEvent_t> ev_x_, ev_hot0_, ev_hot1_;
+  std::vector<cudaEvent_t> ev_x_, ev_hot0_, ev_hot1_, ev_attn0_;
   cudaEvent_t ev_start_ = nullptr, ev_layers_end_ = nullptr;
   bool collect_gpu_times_ = false;
   bool use_graphs_ = true;
@@ -328,7 +328,7 @@ void CudaBackend::Release() {
   allocations_.clear();
   host_allocations_.clear();
   streamer_.reset();
-  for (auto* v : {&ev_x_, &ev_hot0_, &ev_hot1_, &ev_share_}) {
+  for (auto* v : {&ev_x_, &ev_hot0_, &ev_hot1_, &ev_share_, &ev_attn0_}) {
     for (cudaEvent_t e : *v) cudaEventDestroy(e);
     v->clear();
   }
@@ -715,7 +715,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   BACKEND_RETURN_IF_ERROR(AllocHost(F, &active_host_));
   BACKEND_RETURN_IF_ERROR(AllocHost(static_cast<size_t>(c.n_layers) * (F + 1), &observed_host_));
 
-  for (auto* v : {&ev_x_, &ev_hot0_, &ev_hot1_}) {
+  for (auto* v : {&ev_x_, &ev_hot0_, &ev_hot1_, &ev_attn0_}) {
     v->resize(c.n_layers);
     for (cudaEvent_t& e : *v) CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
   }
@@ -872,6 +872,7 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
   const size_t slot = (static_cast<size_t>(L.kv_index) * max_seqs_ + a.seq) * max_ctx_;
   float* k_seq = k_cache_ + slot * kvdim;  // [max_ctx, kv_dim]
   float* v_seq = v_cache_ + slot * kvdim;
+  if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_attn0_[l]));
   // The previous layer's FFN output joins the residual inside this norm.
   if (pend1 != nullptr) {
     CUDA_RETURN_IF_ERROR(
@@ -1299,6 +1300,11 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
       float ms = 0;
       if (cudaEventElapsedTime(&ms, ev_hot0_[l], ev_hot1_[l]) == cudaSuccess) {
         stats_.gpu_hot_ffn += ms * 1e-3;
+      }
+      const DeviceLayer& L = layers_[l];
+      if (L.ffn == FfnPlacement::kHot && a.cold != nullptr && !L.cold_ids_host.empty() &&
+          !StreamsLayer(l, a) && cudaEventElapsedTime(&ms, ev_attn0_[l], ev_x_[l]) == cudaSuccess) {
+        stats_.gpu_attention += ms * 1e-3;
       }
     }
     float ms = 0;

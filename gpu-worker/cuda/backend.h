@@ -220,6 +220,10 @@ struct ForwardStats {
   double cold_gpu_share = 0;        // the share in effect for this step
   int streamed_layers = 0;          // layers whose cold rows were streamed (ColdPath::kStream)
   double streamed_bytes = 0;        // host->GPU bytes of those rows
+  // GPU time (events) from each layer's first kernel to its FFN input being published for the
+  // cold side, summed over the layers with one: what the host's wait_for_x would be without
+  // launch and wake-up latency.
+  double gpu_attention = 0;
 };
 
 class Backend {
