@@ -360,10 +360,14 @@ TEST_F(CudaOpsTest, AttentionDecodeAndPromptMatchReference) {
 // weight type and batch sizes that need one and several passes of the token loop.
 TEST_F(CudaOpsTest, MatVecRowsMatchesReferenceForEveryType) {
   // 1056 columns (33 blocks): rows not 16-byte aligned for the block formats, read in place;
-  // 512 and 5120: staged in shared memory, four rows per block.
+  // 512 and 5120: staged in shared memory, four rows per block. 256 and 72 columns of the 16-byte
+  // types: short rows, one warp per row.
   for (const auto& [type, cols] : std::vector<std::pair<DType, int64_t>>{{DType::kF32, 1056},
                                                                          {DType::kF16, 1056},
                                                                          {DType::kBF16, 1056},
+                                                                         {DType::kF16, 256},
+                                                                         {DType::kBF16, 72},
+                                                                         {DType::kF32, 256},
                                                                          {DType::kQ8_0, 1056},
                                                                          {DType::kQ4_0, 1056},
                                                                          {DType::kQ8_0, 512},
