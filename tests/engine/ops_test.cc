@@ -291,6 +291,58 @@ TEST_P(OpsTest, SparseFfnToken) {
   }
 }
 
+// Rows interleaved with other tensors' rows (TensorView::row_stride, the cpu-worker's per-neuron
+// bundles) give every row op the same bits as the packed matrices: the products, the row sums and
+// the fused FFN, single tokens and batches, in this kernel set and in the reference.
+TEST_P(OpsTest, StridedRowsGiveTheSameBitsAsPackedRows) {
+  for (DType dt : kDTypes) {
+    SCOPED_TRACE(DTypeName(dt));
+    const int ffn = 150, hidden = 96;
+    Weight gate = MakeWeight(dt, ffn, hidden, rng_), up = MakeWeight(dt, ffn, hidden, rng_);
+    Weight down_t = MakeWeight(dt, ffn, hidden, rng_);
+    const size_t rb = gate.view.row_bytes();
+    std::vector<uint8_t> bundles(3 * rb * ffn);
+    for (int j = 0; j < ffn; ++j) {
+      std::memcpy(&bundles[3 * rb * j], gate.view.row(j), rb);
+      std::memcpy(&bundles[3 * rb * j + rb], up.view.row(j), rb);
+      std::memcpy(&bundles[3 * rb * j + 2 * rb], down_t.view.row(j), rb);
+    }
+    TensorView bg = gate.view, bu = up.view, bd = down_t.view;
+    bg.data = &bundles[0];
+    bu.data = &bundles[rb];
+    bd.data = &bundles[2 * rb];
+    bg.row_stride = bu.row_stride = bd.row_stride = 3 * rb;
+    std::vector<int32_t> idx;
+    for (int i = 0; i < ffn; i += 3) idx.push_back(i);
+    const int k = static_cast<int>(idx.size());
+    for (const CpuOps* ops : {ops_.get(), ref_.get()}) {
+      for (int n : {1, 5}) {
+        auto x = Random(static_cast<size_t>(n) * hidden, rng_);
+        std::vector<float> packed(static_cast<size_t>(n) * ffn), strided(packed.size());
+        ops->MatMul(gate.view, x.data(), n, packed.data());
+        ops->MatMul(bg, x.data(), n, strided.data());
+        EXPECT_EQ(packed, strided) << "MatMul n " << n;
+        ops->MatMulRows(up.view, idx.data(), k, x.data(), n, packed.data());
+        ops->MatMulRows(bu, idx.data(), k, x.data(), n, strided.data());
+        EXPECT_EQ(packed, strided) << "MatMulRows n " << n;
+        auto a = Random(static_cast<size_t>(n) * k, rng_);
+        std::vector<float> acc(static_cast<size_t>(n) * hidden, 0.f), acc_s = acc;
+        ops->AccumulateRows(down_t.view, idx.data(), k, a.data(), n, acc.data());
+        ops->AccumulateRows(bd, idx.data(), k, a.data(), n, acc_s.data());
+        EXPECT_EQ(acc, acc_s) << "AccumulateRows n " << n;
+      }
+      std::vector<float> x = Random(hidden, rng_), out(hidden, 0.f), out_s(hidden, 0.f);
+      std::vector<float> coef(k), coef_s(k);
+      ops->SparseFfnToken(gate.view, up.view, down_t.view, idx.data(), k, Activation::kRelu,
+                          x.data(), nullptr, coef.data(), out.data());
+      ops->SparseFfnToken(bg, bu, bd, idx.data(), k, Activation::kRelu, x.data(), nullptr,
+                          coef_s.data(), out_s.data());
+      EXPECT_EQ(out, out_s);
+      EXPECT_EQ(coef, coef_s);
+    }
+  }
+}
+
 // The fused FFN's chunks depend only on the list, not on the threads: one, two and five threads
 // give the same bits, for lists of one chunk and of many.
 TEST(SparseFfnTokenTest, ResultDoesNotDependOnThreadCount) {
