@@ -278,9 +278,6 @@ class CudaBackend : public Backend {
   // With PINFER_CUDA_ZERO_COPY_COLD=1 decode reads the cold contribution from the pinned
   // exchange buffer in place instead of copying it up first. Off: not yet run on a GPU.
   bool zero_copy_cold_ = false;
-  // Decode steps rotate and attend in one kernel (RopeAttentionDecode); PINFER_CUDA_FUSED_ROPE=0
-  // launches the two kernels.
-  bool fused_rope_ = true;
   const void* readable_ptr_ = nullptr;  // last pointer DeviceReadable accepted
   bool DeviceReadable(const void* p);
   bool repack_ = true;
@@ -490,7 +487,6 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
                  "CUDA device " + std::to_string(device_) + " of " + std::to_string(n_dev));
   }
   if (const char* g = std::getenv("PINFER_CUDA_GRAPHS")) use_graphs_ = std::string(g) != "0";
-  if (const char* g = std::getenv("PINFER_CUDA_FUSED_ROPE")) fused_rope_ = std::string(g) != "0";
   if (const char* g = std::getenv("PINFER_CUDA_REPACK")) repack_ = std::string(g) != "0";
   if (const char* g = std::getenv("PINFER_CUDA_STEP_GRAPH")) step_graph_ = std::string(g) != "0";
   if (const char* g = std::getenv("PINFER_CUDA_PDL")) SetProgrammaticLaunch(std::string(g) != "0");
@@ -885,18 +881,12 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
     CUDA_RETURN_IF_ERROR(RmsNorm(x_, L.attn_norm, n, H, c.norm_eps, xb_, stream_, XbQx(n)));
   }
   BACKEND_RETURN_IF_ERROR(Proj(L.wqkv, xb_, n, qkv_, qdim + 2 * kvdim, XbQx(n)));  // [n, q + 2 kv]
-  if (n == 1 && fused_rope_ && max_ctx_ + 2 * c.head_dim <= MaxAttentionContext()) {
-    CUDA_RETURN_IF_ERROR(RopeAttentionDecode(qkv_, c.n_heads, c.n_kv_heads, c.head_dim,
-                                             positions_dev_, inv_freq_, c.rope_interleaved,
-                                             max_ctx_, k_seq, v_seq, att_, stream_));  // [q_dim]
-  } else {
-    CUDA_RETURN_IF_ERROR(RopeQkvToCache(qkv_, n, c.n_heads, c.n_kv_heads, c.head_dim,
-                                        positions_dev_, inv_freq_, c.rope_interleaved, q_, k_seq,
-                                        v_seq, stream_));  // q: [n, q_dim]; k, v into the cache
-    CUDA_RETURN_IF_ERROR(AttentionAt(q_, k_seq, v_seq, n, positions_dev_, max_ctx_, c.n_heads,
-                                     c.n_kv_heads, c.head_dim, att_, stream_));  // [n, q_dim]
-  }
-  BACKEND_RETURN_IF_ERROR(Proj(L.wo, att_, n, xb_, H));  // xb: [n, hidden]
+  CUDA_RETURN_IF_ERROR(RopeQkvToCache(qkv_, n, c.n_heads, c.n_kv_heads, c.head_dim, positions_dev_,
+                                      inv_freq_, c.rope_interleaved, q_, k_seq, v_seq,
+                                      stream_));  // q: [n, q_dim]; k, v into the cache
+  CUDA_RETURN_IF_ERROR(AttentionAt(q_, k_seq, v_seq, n, positions_dev_, max_ctx_, c.n_heads,
+                                   c.n_kv_heads, c.head_dim, att_, stream_));  // [n, q_dim]
+  BACKEND_RETURN_IF_ERROR(Proj(L.wo, att_, n, xb_, H));                        // xb: [n, hidden]
 
   // FFN block: x += attention output, xb = the FFN input.
   CUDA_RETURN_IF_ERROR(

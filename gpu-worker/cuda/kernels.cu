@@ -426,23 +426,31 @@ __global__ void RopeQkvKernel(const float* __restrict__ qkv, int n_heads, int n_
 constexpr int kAttnThreads = 256;
 constexpr int kAttnMaxSmemBytes = 200 * 1024;
 
-// One query head's attention over keys 0..len-1 of kv head kvh, its q already in shared memory
-// (qs; scratch red: [kAttnThreads], scores: [len]). knew/vnew (shared memory, or null): the key
-// and value at position len - 1, read instead of the cache's (the fused decode kernel writes the
-// cache in the same launch). Ends with out_h: [head_dim] written.
-__device__ __forceinline__ void AttendHead(const float* qs, float* red, float* scores,
-                                           const float* __restrict__ k, const float* __restrict__ v,
-                                           const float* knew, const float* vnew, int len,
-                                           int kv_stride, int kvh, int head_dim,
-                                           float* __restrict__ out_h) {
+__global__ void AttentionKernel(const float* __restrict__ q, const float* __restrict__ k,
+                                const float* __restrict__ v, int pos0,
+                                const int32_t* __restrict__ positions, int n_heads, int n_kv_heads,
+                                int head_dim, float* __restrict__ out) {
+  PdlStart();
+  extern __shared__ float smem[];
+  const int h = blockIdx.x, t = blockIdx.y;
+  // With positions (device memory) the step is position-independent, so it can be replayed
+  // from a CUDA graph.
+  const int len = (positions != nullptr ? positions[0] : pos0) + t + 1;
+  const int kv_stride = n_kv_heads * head_dim;
+  const int kvh = h / (n_heads / n_kv_heads);
+  float* qs = smem;                    // [head_dim]
+  float* red = qs + head_dim;          // [kAttnThreads] reductions, value partial sums
+  float* scores = red + kAttnThreads;  // [len]
+  const float* qh = q + (static_cast<int64_t>(t) * n_heads + h) * head_dim;
+  for (int i = threadIdx.x; i < head_dim; i += blockDim.x) qs[i] = qh[i];
+  __syncthreads();
+
   const float scale = 1.f / sqrtf(static_cast<float>(head_dim));
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int n_warps = blockDim.x / kWarp;
   float local_max = -INFINITY;
   for (int p = warp; p < len; p += n_warps) {
-    const float* kp = knew != nullptr && p == len - 1
-                          ? knew
-                          : k + static_cast<int64_t>(p) * kv_stride + kvh * head_dim;
+    const float* kp = k + static_cast<int64_t>(p) * kv_stride + kvh * head_dim;
     float dot = 0.f;
     for (int i = lane; i < head_dim; i += kWarp) dot += qs[i] * kp[i];
     dot = WarpSum(dot) * scale;
@@ -476,10 +484,7 @@ __device__ __forceinline__ void AttendHead(const float* qs, float* red, float* s
   float acc = 0.f;
   if (g < groups) {
     for (int p = g; p < len; p += groups) {
-      const float vd = vnew != nullptr && p == len - 1
-                           ? vnew[d]
-                           : v[static_cast<int64_t>(p) * kv_stride + kvh * head_dim + d];
-      acc += scores[p] * vd;
+      acc += scores[p] * v[static_cast<int64_t>(p) * kv_stride + kvh * head_dim + d];
     }
     red[threadIdx.x] = acc;
   }
@@ -487,83 +492,8 @@ __device__ __forceinline__ void AttendHead(const float* qs, float* red, float* s
   if (g == 0) {
     float total = 0.f;
     for (int gg = 0; gg < groups; ++gg) total += red[gg * head_dim + d];
-    out_h[d] = total * inv;
+    out[(static_cast<int64_t>(t) * n_heads + h) * head_dim + d] = total * inv;
   }
-}
-
-__global__ void AttentionKernel(const float* __restrict__ q, const float* __restrict__ k,
-                                const float* __restrict__ v, int pos0,
-                                const int32_t* __restrict__ positions, int n_heads, int n_kv_heads,
-                                int head_dim, float* __restrict__ out) {
-  PdlStart();
-  extern __shared__ float smem[];
-  const int h = blockIdx.x, t = blockIdx.y;
-  // With positions (device memory) the step is position-independent, so it can be replayed
-  // from a CUDA graph.
-  const int len = (positions != nullptr ? positions[0] : pos0) + t + 1;
-  float* qs = smem;                    // [head_dim]
-  float* red = qs + head_dim;          // [kAttnThreads] reductions, value partial sums
-  float* scores = red + kAttnThreads;  // [len]
-  const float* qh = q + (static_cast<int64_t>(t) * n_heads + h) * head_dim;
-  for (int i = threadIdx.x; i < head_dim; i += blockDim.x) qs[i] = qh[i];
-  __syncthreads();
-  AttendHead(qs, red, scores, k, v, nullptr, nullptr, len, n_kv_heads * head_dim,
-             h / (n_heads / n_kv_heads), head_dim,
-             out + (static_cast<int64_t>(t) * n_heads + h) * head_dim);
-}
-
-// Decode (one token): RopeQkvKernel and AttentionKernel in one launch. Each block rotates its
-// query head and its kv head's new key itself (the same operations as RopeQkvKernel, so the same
-// values), the first query head of each kv group stores the new key and value in the cache, and
-// every head attends with the new ones from shared memory, so no block waits for another.
-__global__ void RopeAttentionDecodeKernel(const float* __restrict__ qkv, int n_heads,
-                                          int n_kv_heads, int head_dim,
-                                          const int32_t* __restrict__ positions,
-                                          const float* __restrict__ inv_freq, bool interleaved,
-                                          float* __restrict__ k_cache, float* __restrict__ v_cache,
-                                          float* __restrict__ out) {
-  PdlStart();
-  extern __shared__ float smem[];
-  const int h = blockIdx.x;
-  const int group = n_heads / n_kv_heads, kvh = h / group;
-  const int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim;
-  const int pos_i = positions[0];
-  const float pos = static_cast<float>(pos_i);
-  float* qs = smem;                    // [head_dim] rotated query
-  float* knew = qs + head_dim;         // [head_dim] rotated new key
-  float* vnew = knew + head_dim;       // [head_dim] new value
-  float* red = vnew + head_dim;        // [kAttnThreads]
-  float* scores = red + kAttnThreads;  // [pos + 1]
-  const int half = head_dim / 2;
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    const float angle = pos * inv_freq[i];
-    const float c = cosf(angle), s = sinf(angle);
-    const int a = interleaved ? 2 * i : i;
-    const int b = interleaved ? 2 * i + 1 : i + half;
-    const float* qin = qkv + h * head_dim;
-    const float* kin = qkv + q_dim + kvh * head_dim;
-    float x0 = qin[a], x1 = qin[b];
-    qs[a] = x0 * c - x1 * s;
-    qs[b] = x0 * s + x1 * c;
-    x0 = kin[a];
-    x1 = kin[b];
-    knew[a] = x0 * c - x1 * s;
-    knew[b] = x0 * s + x1 * c;
-  }
-  for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
-    vnew[i] = qkv[q_dim + kv_dim + kvh * head_dim + i];
-  }
-  __syncthreads();
-  if (h % group == 0) {
-    float* kt = k_cache + static_cast<int64_t>(pos_i) * kv_dim + kvh * head_dim;
-    float* vt = v_cache + static_cast<int64_t>(pos_i) * kv_dim + kvh * head_dim;
-    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
-      kt[i] = knew[i];
-      vt[i] = vnew[i];
-    }
-  }
-  AttendHead(qs, red, scores, k_cache, v_cache, knew, vnew, pos_i + 1, kv_dim, kvh, head_dim,
-             out + static_cast<int64_t>(h) * head_dim);
 }
 
 // One warp per row (eight rows per block): the alternative to the block-per-row kernel below,
@@ -1756,25 +1686,6 @@ cudaError_t AttentionAt(const float* q, const float* k, const float* v, int n,
   }
   return Launch(AttentionKernel, dim3(n_heads, n), kAttnThreads, smem, stream, q, k, v, 0,
                 positions, n_heads, n_kv_heads, head_dim, out);
-}
-
-cudaError_t RopeAttentionDecode(const float* qkv, int n_heads, int n_kv_heads, int head_dim,
-                                const int32_t* positions, const float* inv_freq, bool interleaved,
-                                int max_ctx, float* k_cache, float* v_cache, float* out,
-                                cudaStream_t stream) {
-  if (head_dim > kAttnThreads || head_dim <= 0 || head_dim % 2 != 0 || n_kv_heads <= 0 ||
-      n_heads % n_kv_heads != 0 || max_ctx > MaxAttentionContext()) {
-    return cudaErrorInvalidValue;
-  }
-  const size_t smem = (3 * static_cast<size_t>(head_dim) + kAttnThreads + max_ctx) * sizeof(float);
-  if (smem > kAttnMaxSmemBytes) return cudaErrorInvalidValue;
-  if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(
-        RopeAttentionDecodeKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmemBytes);
-    if (e != cudaSuccess) return e;
-  }
-  return Launch(RopeAttentionDecodeKernel, n_heads, kAttnThreads, smem, stream, qkv, n_heads,
-                n_kv_heads, head_dim, positions, inv_freq, interleaved, k_cache, v_cache, out);
 }
 
 namespace {

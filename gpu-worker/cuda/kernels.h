@@ -130,14 +130,6 @@ cudaError_t AttentionAt(const float* q, const float* k, const float* v, int n,
                         const int32_t* positions, int max_ctx, int n_heads, int n_kv_heads,
                         int head_dim, float* out, cudaStream_t stream);
 
-// Decode (one token at position positions[0], device memory) in one launch: RopeQkvToCache then
-// AttentionAt, with the same results bit for bit. qkv: [q_dim + 2 kv_dim]; the new key and value
-// go into the cache row; out: [n_heads, head_dim].
-cudaError_t RopeAttentionDecode(const float* qkv, int n_heads, int n_kv_heads, int head_dim,
-                                const int32_t* positions, const float* inv_freq, bool interleaved,
-                                int max_ctx, float* k_cache, float* v_cache, float* out,
-                                cudaStream_t stream);
-
 // y[t * ldy + i] = w.row(rows ? rows[i] : i) . x[t]   for i < count, t < n,
 // count = dev_count ? *dev_count : n_rows (n_rows is the upper bound). x: [n, w.cols].
 // Dense matrix-vector when rows is null; the sparse gate/up projection when it lists active rows.

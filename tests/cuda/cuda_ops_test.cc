@@ -356,43 +356,6 @@ TEST_F(CudaOpsTest, AttentionDecodeAndPromptMatchReference) {
   }
 }
 
-// The fused decode kernel gives RopeQkvToCache + AttentionAt's output and cache bit for bit, with
-// grouped-query and plain heads, both rotary layouts, the first position and a long context.
-TEST_F(CudaOpsTest, RopeAttentionDecodeEqualsRopeThenAttention) {
-  struct Case {
-    int pos, heads, kv_heads, head_dim, max_ctx;
-  };
-  for (bool interleaved : {false, true}) {
-    for (const Case& c : {Case{37, 8, 2, 64, 64}, Case{0, 4, 4, 128, 16}, Case{300, 6, 2, 128, 512},
-                          Case{15000, 2, 1, 128, 15001}}) {
-      const int qd = c.heads * c.head_dim, kvd = c.kv_heads * c.head_dim;
-      std::vector<float> inv(c.head_dim / 2);
-      for (int i = 0; i < c.head_dim / 2; ++i) {
-        inv[i] = static_cast<float>(1.0 / std::pow(10000.0, 2.0 * i / c.head_dim));
-      }
-      const std::vector<float> qkv = Random(qd + 2 * kvd);
-      const std::vector<float> k0 = Random(static_cast<size_t>(c.max_ctx) * kvd);
-      const std::vector<float> v0 = Random(k0.size());
-      DevBuf<float> dqkv(qkv), dinv(inv), dq(qd), k1(k0), v1(v0), k2(k0), v2(v0), out1(qd),
-          out2(qd);
-      DevBuf<int32_t> dpos(std::vector<int32_t>{c.pos});
-      CUDA_OK(cuda::RopeQkvToCache(dqkv.get(), 1, c.heads, c.kv_heads, c.head_dim, dpos.get(),
-                                   dinv.get(), interleaved, dq.get(), k1.get(), v1.get(), nullptr));
-      CUDA_OK(cuda::AttentionAt(dq.get(), k1.get(), v1.get(), 1, dpos.get(), c.max_ctx, c.heads,
-                                c.kv_heads, c.head_dim, out1.get(), nullptr));
-      CUDA_OK(cuda::RopeAttentionDecode(dqkv.get(), c.heads, c.kv_heads, c.head_dim, dpos.get(),
-                                        dinv.get(), interleaved, c.max_ctx, k2.get(), v2.get(),
-                                        out2.get(), nullptr));
-      const std::vector<float> o1 = out1.Download(), o2 = out2.Download();
-      EXPECT_FALSE(AnyNan(o2));
-      EXPECT_EQ(o1, o2) << "pos " << c.pos << " interleaved " << interleaved;
-      EXPECT_EQ(k1.Download(), k2.Download()) << "pos " << c.pos;
-      EXPECT_EQ(v1.Download(), v2.Download()) << "pos " << c.pos;
-      EXPECT_TRUE(out2.GuardsIntact() && k2.GuardsIntact() && v2.GuardsIntact());
-    }
-  }
-}
-
 // Dense matrix-vector (all rows) and the sparse gate/up projection (listed rows only), for every
 // weight type and batch sizes that need one and several passes of the token loop.
 TEST_F(CudaOpsTest, MatVecRowsMatchesReferenceForEveryType) {
@@ -1168,9 +1131,6 @@ TEST_F(CudaOpsTest, RejectsShapesTheKernelsCannotRead) {
   EXPECT_EQ(cuda::CheckMatrixShape(f), cudaErrorInvalidValue);
   EXPECT_EQ(cuda::Attention(nullptr, nullptr, nullptr, 1, 0, 4, 4, 512, nullptr, nullptr),
             cudaErrorInvalidValue);
-  EXPECT_EQ(cuda::RopeAttentionDecode(nullptr, 4, 4, 63, nullptr, nullptr, false, 16, nullptr,
-                                      nullptr, nullptr, nullptr),
-            cudaErrorInvalidValue);  // odd head_dim: no rotary pairs
 }
 
 }  // namespace
