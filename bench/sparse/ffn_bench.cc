@@ -37,6 +37,7 @@
 #include "nlohmann/json.hpp"
 #include "shared/engine/ops.h"
 #include "shared/model/tensor.h"
+#include "shared/service/ffn_split.h"
 #include "shared/util/aligned_buffer.h"
 
 using namespace pinfer;
@@ -211,23 +212,14 @@ int main(int argc, char** argv) {
     });
     // The same with each neuron's gate, up and down rows side by side in one bundle (the
     // cpu-worker's row store layout): one contiguous read per neuron instead of three.
-    const size_t rb3 = 3 * gate.view.row_bytes();
-    AlignedBytes bundle_storage = AllocateAligned(rb3 * F);
-    for (int j = 0; j < F; ++j) {
-      uint8_t* dst = bundle_storage.get() + j * rb3;
-      std::memcpy(dst, gate.view.row(j), rb3 / 3);
-      std::memcpy(dst + rb3 / 3, up.view.row(j), rb3 / 3);
-      std::memcpy(dst + 2 * rb3 / 3, down_t.view.row(j), rb3 / 3);
-    }
-    TensorView bg = gate.view, bu = up.view, bd = down_t.view;
-    bg.data = bundle_storage.get();
-    bu.data = bundle_storage.get() + rb3 / 3;
-    bd.data = bundle_storage.get() + 2 * rb3 / 3;
-    bg.row_stride = bu.row_stride = bd.row_stride = rb3;
+    std::vector<int32_t> all(F);
+    std::iota(all.begin(), all.end(), 0);
+    const NeuronBundles bundles = BundleRows(gate.view, up.view, down_t.view, all);
     const double bundled = time_tokens([&](int t) {
       std::fill(out.begin(), out.end(), 0.f);
-      ops->SparseFfnToken(bg, bu, bd, masks[t].data(), static_cast<int>(masks[t].size()),
-                          Activation::kSilu, x.data(), nullptr, a.data(), out.data());
+      ops->SparseFfnToken(bundles.gate, bundles.up, bundles.down_t, masks[t].data(),
+                          static_cast<int>(masks[t].size()), Activation::kSilu, x.data(), nullptr,
+                          a.data(), out.data());
     });
     // Sparse as three row passes.
     const double three_passes = time_tokens([&](int t) {

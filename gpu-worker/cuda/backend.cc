@@ -206,6 +206,12 @@ class CudaBackend : public Backend {
                          int32_t* exchange_active);
   // Streamed cold rows (prompt batches, ColdPath::kStream).
   bool StreamsLayer(int l, const ForwardArgs& a) const;
+  // Whether layer l hands cold rows to the callback (ColdFfn) in this step.
+  bool CallsColdSide(int l, const ForwardArgs& a) const {
+    const DeviceLayer& L = layers_[l];
+    return L.ffn == FfnPlacement::kHot && a.cold != nullptr && !L.cold_ids_host.empty() &&
+           !StreamsLayer(l, a);
+  }
   // Pins the cold rows; slots: also the streaming slots (else only the copy stream, for cache
   // loads).
   BackendStatus SetUpStreaming(const ModelUpload& m, bool slots);
@@ -266,7 +272,7 @@ class CudaBackend : public Backend {
   int32_t* active_host_ = nullptr;    // [ffn]
   int32_t* observed_host_ = nullptr;  // [n_layers, ffn + 1]: hot lists (ForwardArgs::active_out)
 
-  // Per-layer events: x published, hot start, hot end; plus step start/end.
+  // Per-layer events: x published, hot start, hot end, attention start; plus step start/end.
   std::vector<cudaEvent_t> ev_x_, ev_hot0_, ev_hot1_, ev_attn0_;
   cudaEvent_t ev_start_ = nullptr, ev_layers_end_ = nullptr;
   bool collect_gpu_times_ = false;
@@ -814,8 +820,7 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
                                     float* exchange_out, int32_t* exchange_active) {
   BACKEND_RETURN_IF_ERROR(PrepareLayer(l, a));
   const DeviceLayer& L = layers_[l];
-  const bool cold = L.ffn == FfnPlacement::kHot && a.cold != nullptr && !L.cold_ids_host.empty() &&
-                    !StreamsLayer(l, a);
+  const bool cold = CallsColdSide(l, a);
   const float* pend1 = pending1_;
   const float* pend2 = pending2_;
   if (use_graphs_ && a.n == 1) {
@@ -1301,9 +1306,7 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
       if (cudaEventElapsedTime(&ms, ev_hot0_[l], ev_hot1_[l]) == cudaSuccess) {
         stats_.gpu_hot_ffn += ms * 1e-3;
       }
-      const DeviceLayer& L = layers_[l];
-      if (L.ffn == FfnPlacement::kHot && a.cold != nullptr && !L.cold_ids_host.empty() &&
-          !StreamsLayer(l, a) && cudaEventElapsedTime(&ms, ev_attn0_[l], ev_x_[l]) == cudaSuccess) {
+      if (CallsColdSide(l, a) && cudaEventElapsedTime(&ms, ev_attn0_[l], ev_x_[l]) == cudaSuccess) {
         stats_.gpu_attention += ms * 1e-3;
       }
     }

@@ -325,7 +325,7 @@ class SimdOps : public CpuOps {
     const int32_t* xs = qx.s8.data();
     const int64_t nb = cols / 32;
     const uint8_t* data = static_cast<const uint8_t*>(w.data);
-    const size_t row_bytes = w.row_stride != 0 ? w.row_stride : w.row_bytes();  // row to row
+    const size_t stride = w.row_stride != 0 ? w.row_stride : w.row_bytes();  // row to row
     if (n == 1) {  // decode: the tightest loop, one kernel call per row
       const Q8Vector v{xq, xd, xs};
       auto dot_q8x = k_->dot_q8x[di];
@@ -333,11 +333,11 @@ class SimdOps : public CpuOps {
       For(n_rows, 16, [&](int64_t b, int64_t e) {
         if (quantized) {
           for (int64_t i = b; i < e; ++i) {
-            y[i] = dot_q8x(data + (ids != nullptr ? ids[i] : i) * row_bytes, v, cols);
+            y[i] = dot_q8x(data + (ids != nullptr ? ids[i] : i) * stride, v, cols);
           }
         } else {
           for (int64_t i = b; i < e; ++i) {
-            y[i] = dot(data + (ids != nullptr ? ids[i] : i) * row_bytes, x, cols);
+            y[i] = dot(data + (ids != nullptr ? ids[i] : i) * stride, x, cols);
           }
         }
       });
@@ -345,7 +345,7 @@ class SimdOps : public CpuOps {
     }
     For(n_rows, 16, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
-        const uint8_t* row = data + (ids != nullptr ? ids[i] : i) * row_bytes;
+        const uint8_t* row = data + (ids != nullptr ? ids[i] : i) * stride;
         for (int t = 0; t < n; ++t) {
           y[t * n_rows + i] =
               quantized ? k_->dot_q8x[di](

@@ -27,15 +27,15 @@ struct BlockQ8_0 {
 };
 struct BlockQ4_0 {
   uint16_t d;  // fp16 scale
-  uint8_t
-      qs[16];  // element j in low nibble of qs[j], element j+16 in the high nibble; value (q-8)*d
+  // Element j in the low nibble of qs[j], element j+16 in the high nibble; value (q-8)*d.
+  uint8_t qs[16];
 };
 static_assert(sizeof(BlockQ8_0) == 34);
 static_assert(sizeof(BlockQ4_0) == 18);
 
 absl::string_view DTypeName(DType t);
-absl::StatusOr<DType> DTypeFromName(
-    absl::string_view name);  // "F32", "F16", "BF16", "Q8_0", "Q4_0"
+// name: "F32", "F16", "BF16", "Q8_0", "Q4_0".
+absl::StatusOr<DType> DTypeFromName(absl::string_view name);
 
 // Bytes used by `n` consecutive elements (n must be a multiple of 32 for quantized types).
 size_t RowBytes(DType t, int64_t n);

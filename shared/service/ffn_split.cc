@@ -94,6 +94,25 @@ uint64_t ModelFingerprint(const Model& model, const std::vector<TensorView>* dow
   return f.h;
 }
 
+NeuronBundles BundleRows(const TensorView& gate, const TensorView& up, const TensorView& down_t,
+                         const std::vector<int32_t>& ids) {
+  const size_t gb = gate.row_bytes(), ub = up.row_bytes(), db = down_t.row_bytes();
+  const size_t stride = gb + ub + db;
+  const int64_t k = static_cast<int64_t>(ids.size());
+  NeuronBundles b;
+  b.storage = AllocateAligned(stride * k);
+  uint8_t* base = b.storage.get();
+  for (int64_t i = 0; i < k; ++i) {
+    std::memcpy(base + i * stride, gate.row(ids[i]), gb);
+    std::memcpy(base + i * stride + gb, up.row(ids[i]), ub);
+    std::memcpy(base + i * stride + gb + ub, down_t.row(ids[i]), db);
+  }
+  b.gate = TensorView{gate.name, gate.dtype, {k, gate.cols()}, base, stride};
+  b.up = TensorView{up.name, up.dtype, {k, up.cols()}, base + gb, stride};
+  b.down_t = TensorView{down_t.name, down_t.dtype, {k, down_t.cols()}, base + gb + ub, stride};
+  return b;
+}
+
 absl::StatusOr<std::unique_ptr<FfnRowStore>> FfnRowStore::Build(
     const Model& model, const std::vector<std::vector<int32_t>>& neurons,
     const std::vector<TensorView>* down_t) {
@@ -114,46 +133,41 @@ absl::StatusOr<std::unique_ptr<FfnRowStore>> FfnRowStore::Build(
             absl::StrCat("layer ", l, ": neuron ids must be ascending and in [0, ", F, ")"));
       }
     }
-    const int64_t k = static_cast<int64_t>(ids.size());
-    // down_t rows: copied as stored from a transposed tensor, or columns of down, which are
-    // kept exact: F16/BF16 as they are, anything else as F32.
+    // down_t rows: a transposed tensor's as stored, or the selected columns of down: [hidden,
+    // ffn] transposed here, exact: F16/BF16 as they are, anything else as F32 (only the selected
+    // rows of the temporary are filled).
     const TensorView* src_t = down_t != nullptr ? &(*down_t)[l] : nullptr;
     if (src_t != nullptr && (src_t->rows() != F || src_t->cols() != H)) {
       return absl::InvalidArgumentError(
           absl::StrCat("layer ", l, ": down_t must be [", F, ", ", H, "]"));
     }
-    const DType dt = src_t != nullptr                                                ? src_t->dtype
-                     : (L.down.dtype == DType::kF16 || L.down.dtype == DType::kBF16) ? L.down.dtype
-                                                                                     : DType::kF32;
-    // One bundle per neuron: its gate row, up row and down row back to back, so that computing
-    // it reads one contiguous stretch of memory instead of three scattered rows (ffn_bench:
-    // 1.3-1.5x faster for Q8_0/Q4_0 rows, docs/benchmarks.md).
-    const size_t gb = L.gate.row_bytes(), ub = L.up.row_bytes(), db = RowBytes(dt, H);
-    const size_t stride = gb + ub + db;
-    AlignedBytes buf = AllocateAligned(stride * k);
-    uint8_t* base = buf.get();
-    for (int64_t i = 0; i < k; ++i) {
-      std::memcpy(base + i * stride, L.gate.row(ids[i]), gb);
-      std::memcpy(base + i * stride + gb, L.up.row(ids[i]), ub);
-      if (src_t != nullptr) std::memcpy(base + i * stride + gb + ub, src_t->row(ids[i]), db);
-    }
+    TensorView transposed;
+    AlignedBytes transposed_storage;
     if (src_t == nullptr) {
-      // down: [hidden, ffn] -> the selected columns, one row per neuron.
-      std::vector<float> tmp(static_cast<size_t>(k) * H);
+      const DType dt = (L.down.dtype == DType::kF16 || L.down.dtype == DType::kBF16) ? L.down.dtype
+                                                                                     : DType::kF32;
+      const size_t rb = RowBytes(dt, H);
+      transposed_storage = AllocateAligned(rb * F);
+      transposed = TensorView{"", dt, {F, H}, transposed_storage.get()};
+      std::vector<float> tmp(ids.size() * H);
       for (int h = 0; h < H; ++h) {
         DequantizeRow(L.down.dtype, L.down.row(h), down_row.data(), F);
-        for (int64_t i = 0; i < k; ++i) tmp[i * H + h] = down_row[ids[i]];
+        for (size_t i = 0; i < ids.size(); ++i) tmp[i * H + h] = down_row[ids[i]];
       }
-      for (int64_t i = 0; i < k; ++i) QuantizeRow(dt, &tmp[i * H], base + i * stride + gb + ub, H);
+      for (size_t i = 0; i < ids.size(); ++i) {
+        QuantizeRow(dt, &tmp[i * H], transposed_storage.get() + rb * ids[i], H);
+      }
+      src_t = &transposed;
     }
+    NeuronBundles b = BundleRows(L.gate, L.up, *src_t, ids);
     Layer layer;
     layer.neurons = ids;
-    layer.gate = TensorView{L.gate.name, L.gate.dtype, {k, H}, base, stride};
-    layer.up = TensorView{L.up.name, L.up.dtype, {k, H}, base + gb, stride};
-    layer.down_t =
-        TensorView{absl::StrCat("blk.", l, ".ffn_down_t"), dt, {k, H}, base + gb + ub, stride};
-    store->bytes_ += stride * k;
-    store->storage_.push_back(std::move(buf));
+    layer.gate = b.gate;
+    layer.up = b.up;
+    layer.down_t = b.down_t;
+    layer.down_t.name = absl::StrCat("blk.", l, ".ffn_down_t");
+    store->bytes_ += b.gate.row_stride * ids.size();
+    store->storage_.push_back(std::move(b.storage));
     store->layers_.push_back(std::move(layer));
   }
   return store;
