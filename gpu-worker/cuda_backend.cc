@@ -352,6 +352,7 @@ cuda::ModelUpload BaseUpload(const Model& model, int max_batch, const CudaBacken
       lu.pred_fc1 = FromView(p.fc1);
       lu.pred_fc2 = FromView(p.fc2);
       lu.pred_threshold = p.threshold;
+      lu.pred_scores_times_rms = ScoresNeedResidual(p);
     }
     u.layers.push_back(std::move(lu));
   }
@@ -458,23 +459,6 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
                                                                const std::string& module_path,
                                                                const CudaBackendOptions& o) {
   const ModelConfig& c = model.config;
-  if (o.predictors != nullptr) {
-    // The module's predictors score the normalized FFN input; a pre-norm predictor's non-zero
-    // threshold needs rms(residual) per token, which only the CPU paths apply so far. Refuse
-    // rather than select other neurons than the file's authors meant.
-    for (int l = 0; l < c.n_layers; ++l) {
-      const LayerPredictor& p = o.predictors->layers[l];
-      if (ScoresNeedResidual(p)) {
-        return absl::UnimplementedError(
-            absl::StrCat("layer ", l,
-                         "'s predictors read the residual before ffn_norm (PowerInfer's) and the "
-                         "file's threshold is ",
-                         p.threshold,
-                         "; the CUDA backend applies thresholds to the "
-                         "normalized input only: serve this model with --backend cpu"));
-      }
-    }
-  }
   int cache_rows = o.adaptive_cache_rows;
   if (cache_rows > 0) {
     if (o.predictors == nullptr) {

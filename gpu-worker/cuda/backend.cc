@@ -96,10 +96,11 @@ struct DeviceLayer {
   std::vector<int32_t> cold_ids_host;  // ascending global ids not in hot_ids
   int32_t* cold_ids = nullptr;         // device [n_cold]
   DeviceMatrix fc1, fc2;
-  float pred_cut = 0;  // predicted active when score > pred_cut (just below pred_threshold)
-  int kv_index = -1;   // KV cache layer slot
-  ColdRows cold_rows;  // stream_cold: pinned host copy of the cold rows, in cold_ids_host order
-  int n_cache = 0;     // adaptive cache slots after the hot rows (LayerUpload::cache_rows)
+  float pred_cut = 0;     // predicted active when score > pred_cut (just below pred_threshold)
+  bool pred_rms = false;  // LayerUpload::pred_scores_times_rms
+  int kv_index = -1;      // KV cache layer slot
+  ColdRows cold_rows;     // stream_cold: pinned host copy of the cold rows, in cold_ids_host order
+  int n_cache = 0;        // adaptive cache slots after the hot rows (LayerUpload::cache_rows)
   DeviceMatrix gate_c, up_c, down_t_c;  // the hot rows and the slots, for small steps
   // kPredicted steps with the cache (SetCacheSlots): the compaction maps. hot_map_c: [n_hot +
   // n_cache] global ids of the hot rows, then each slot's neuron (-1: serves nobody); cold_map_c:
@@ -254,6 +255,7 @@ class CudaBackend : public Backend {
   float *x_ = nullptr, *xb_ = nullptr, *q_ = nullptr, *att_ = nullptr, *hot_out_ = nullptr,
         *cold_in_ = nullptr, *gate_ = nullptr, *up_ = nullptr, *pred_h_ = nullptr,
         *scores_ = nullptr, *logits_ = nullptr;
+  float* rms_ = nullptr;  // [max_batch] each token's rms(residual) for pre-norm predictors
   // hot_list_: [1 + ffn] = count, then ids (one copy uploads a given list); cold likewise.
   int32_t *tokens_dev_ = nullptr, *positions_dev_ = nullptr, *hot_list_ = nullptr,
           *cold_list_ = nullptr;
@@ -282,7 +284,8 @@ class CudaBackend : public Backend {
   // logits) instead of one per layer, so no launch gap separates the layers.
   bool step_graph_ = true;
   // With PINFER_CUDA_ZERO_COPY_COLD=1 decode reads the cold contribution from the pinned
-  // exchange buffer in place instead of copying it up first. Off: not yet run on a GPU.
+  // exchange buffer in place instead of copying it up first. Off by default: within noise on the
+  // H200, and 30% slower with the GPU's cold share at skew 20% (docs/benchmarks.md, session 5).
   bool zero_copy_cold_ = false;
   const void* readable_ptr_ = nullptr;  // last pointer DeviceReadable accepted
   bool DeviceReadable(const void* p);
@@ -633,6 +636,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
       // The compaction keeps scores > cut; the next float below the threshold makes that
       // score >= threshold, the CPU predictors' rule.
       d.pred_cut = std::nextafter(u.pred_threshold, -INFINITY);
+      d.pred_rms = u.pred_scores_times_rms;
     }
     for (const DeviceMatrix* w :
          {&d.wqkv, &d.wo, &d.gate_up, &d.gate, &d.up, &d.down, &d.down_t, &d.fc1, &d.fc2}) {
@@ -678,6 +682,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
     BACKEND_RETURN_IF_ERROR(Alloc(kSmallBatch * QxBytes(F), &up_qx_));
   }
   BACKEND_RETURN_IF_ERROR(Alloc(bf, &scores_));
+  BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B), &rms_));
   if (max_rank_ > 0) BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B) * max_rank_, &pred_h_));
   BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B) * c.vocab, &logits_));
   BACKEND_RETURN_IF_ERROR(Alloc(2 * static_cast<size_t>(B), &tokens_dev_));
@@ -894,8 +899,8 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
   BACKEND_RETURN_IF_ERROR(Proj(L.wo, att_, n, xb_, H));                        // xb: [n, hidden]
 
   // FFN block: x += attention output, xb = the FFN input.
-  CUDA_RETURN_IF_ERROR(
-      ResidualRmsNorm(x_, xb_, nullptr, L.ffn_norm, n, H, c.norm_eps, xb_, stream_, XbQx(n)));
+  CUDA_RETURN_IF_ERROR(ResidualRmsNorm(x_, xb_, nullptr, L.ffn_norm, n, H, c.norm_eps, xb_, stream_,
+                                       XbQx(n), L.pred_rms ? rms_ : nullptr));
   if (L.ffn == FfnPlacement::kDense) {
     if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot0_[l]));
     BACKEND_RETURN_IF_ERROR(Proj(L.gate_up, xb_, n, gate_, 2 * F, XbQx(n)));  // [n, 2 ffn]
@@ -928,11 +933,12 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
     CUDA_RETURN_IF_ERROR(Relu(pred_h_, static_cast<int64_t>(n) * rank, stream_));
     BACKEND_RETURN_IF_ERROR(Proj(L.fc2, pred_h_, n, scores_, F));
   }
+  const float* score_scale = L.pred_rms ? rms_ : nullptr;  // [n] rms(residual), pre-norm scores
   if (mode == FfnMode::kPredicted) {
     // With the cache, the maps route a cached neuron to its slot and keep it off the cold list.
     if (n_hot > 0) {
       CUDA_RETURN_IF_ERROR(CompactActive(scores_, n, F, use_cache ? L.hot_map_c : L.hot_ids, n_hot,
-                                         L.pred_cut, hot_idx_, hot_count, stream_));
+                                         L.pred_cut, hot_idx_, hot_count, stream_, score_scale));
       if (ObservesActive(a)) {
         CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(observed_host_ + static_cast<size_t>(l) * (F + 1),
                                              hot_list_, (static_cast<size_t>(n_hot) + 1) * 4,
@@ -941,7 +947,8 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
     }
     if (cold) {
       CUDA_RETURN_IF_ERROR(CompactActive(scores_, n, F, use_cache ? L.cold_map_c : L.cold_ids,
-                                         n_cold, L.pred_cut, cold_idx_, cold_count, stream_));
+                                         n_cold, L.pred_cut, cold_idx_, cold_count, stream_,
+                                         score_scale));
       if (SharesCold(L, a)) {
         CUDA_RETURN_IF_ERROR(
             ShareOfCount(cold_count, share_dev_, kShareDen, cold_gpu_count_, stream_));

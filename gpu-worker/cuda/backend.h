@@ -90,6 +90,10 @@ struct LayerUpload {
   HostMatrix pred_fc1;       // optional predictor: [rank, hidden]
   HostMatrix pred_fc2;       // [ffn, rank]
   float pred_threshold = 0;  // a neuron is predicted active when its score >= this
+  // PowerInfer's pre-norm predictors (fc1 folded onto the normalized input) with a non-zero
+  // threshold (ProSparse): the score is compared after multiplying it by rms(residual), the
+  // token's FFN input before ffn_norm (shared/sparse's ScoreScale).
+  bool pred_scores_times_rms = false;
 };
 
 struct ModelUpload {

@@ -333,7 +333,7 @@ __global__ void RmsNormKernel(const float* __restrict__ x, const float* __restri
 
 __global__ void ResidualRmsNormKernel(float* __restrict__ x, const float* d1, const float* d2,
                                       const float* __restrict__ weight, int dim, float eps,
-                                      float* out, void* qx) {
+                                      float* out, void* qx, float* __restrict__ rms_out) {
   PdlStart();
   // Each thread reads its elements of d1/d2 before writing the same elements of out, so out may
   // alias them.
@@ -357,7 +357,9 @@ __global__ void ResidualRmsNormKernel(float* __restrict__ x, const float* d1, co
     if (threadIdx.x == 0) partial[0] = v;
   }
   __syncthreads();
-  WriteNormed(xt, 1.f / sqrtf(partial[0] / dim + eps), weight, dim, ot, qx);
+  const float rms = sqrtf(partial[0] / dim + eps);
+  if (rms_out != nullptr && threadIdx.x == 0) rms_out[blockIdx.x] = rms;
+  WriteNormed(xt, 1.f / rms, weight, dim, ot, qx);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1470,7 +1472,8 @@ constexpr int kCompactThreads = 1024;
 __global__ void __launch_bounds__(kCompactThreads)
     CompactActiveKernel(const float* __restrict__ v, int n, int ldv,
                         const int32_t* __restrict__ map, int len, float threshold,
-                        int32_t* __restrict__ idx, int32_t* __restrict__ count) {
+                        const float* __restrict__ scale, int32_t* __restrict__ idx,
+                        int32_t* __restrict__ count) {
   PdlStart();
   __shared__ int warp_totals[32];
   __shared__ int base;
@@ -1481,8 +1484,10 @@ __global__ void __launch_bounds__(kCompactThreads)
     bool active = false;
     if (j < len) {
       const int g = map != nullptr ? map[j] : j;  // < 0: a map entry that serves nobody
-      for (int t = 0; t < n && !active && g >= 0; ++t)
-        active = v[static_cast<int64_t>(t) * ldv + g] > threshold;
+      for (int t = 0; t < n && !active && g >= 0; ++t) {
+        const float s = v[static_cast<int64_t>(t) * ldv + g];
+        active = (scale != nullptr ? s * scale[t] : s) > threshold;
+      }
     }
     const unsigned ballot = __ballot_sync(0xffffffffu, active);
     if (lane == 0) warp_totals[warp] = __popc(ballot);
@@ -1621,11 +1626,12 @@ cudaError_t RmsNorm(const float* x, const float* weight, int n, int dim, float e
 }
 
 cudaError_t ResidualRmsNorm(float* x, const float* d1, const float* d2, const float* weight, int n,
-                            int dim, float eps, float* out, cudaStream_t stream, void* out_qx) {
+                            int dim, float eps, float* out, cudaStream_t stream, void* out_qx,
+                            float* rms_out) {
   if (n <= 0) return cudaSuccess;
   if (out_qx != nullptr && dim % 32 != 0) return cudaErrorInvalidValue;
   return Launch(ResidualRmsNormKernel, n, NormThreads(dim), 0, stream, x, d1, d2, weight, dim, eps,
-                out, out_qx);
+                out, out_qx, rms_out);
 }
 
 cudaError_t RopeQkvToCache(const float* qkv, int n, int n_heads, int n_kv_heads, int head_dim,
@@ -1923,9 +1929,10 @@ cudaError_t Embed(const DeviceMatrix& table, const int32_t* tokens, int n, float
 }
 
 cudaError_t CompactActive(const float* v, int n, int ldv, const int32_t* map, int len,
-                          float threshold, int32_t* idx, int32_t* count, cudaStream_t stream) {
+                          float threshold, int32_t* idx, int32_t* count, cudaStream_t stream,
+                          const float* scale) {
   return Launch(CompactActiveKernel, 1, kCompactThreads, 0, stream, v, n, ldv, map, len, threshold,
-                idx, count);
+                scale, idx, count);
 }
 
 cudaError_t DequantizeToHalf(const DeviceMatrix& w, void* out, cudaStream_t stream) {

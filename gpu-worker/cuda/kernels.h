@@ -100,10 +100,11 @@ cudaError_t RmsNorm(const float* x, const float* weight, int n, int dim, float e
                     cudaStream_t stream, void* out_qx = nullptr);
 
 // The residual add fused with the next norm: x[t] += d1[t] (+ d2[t] when d2 is not null), then
-// out = RmsNorm(x). out may alias d1 or d2. x, d1, d2, out: [n, dim].
+// out = RmsNorm(x). out may alias d1 or d2. x, d1, d2, out: [n, dim]. rms_out (optional, [n]):
+// each token's sqrt(mean(x^2) + eps), the factor PowerInfer's pre-norm predictor scores carry.
 cudaError_t ResidualRmsNorm(float* x, const float* d1, const float* d2, const float* weight, int n,
                             int dim, float eps, float* out, cudaStream_t stream,
-                            void* out_qx = nullptr);
+                            void* out_qx = nullptr, float* rms_out = nullptr);
 
 // Rotates x: [n, n_heads, head_dim] in place at positions[t] (device array). inv_freq: device
 // [head_dim / 2]. interleaved: pairs (2i, 2i+1) (GGUF); otherwise (i, i + head_dim/2) (HF).
@@ -183,8 +184,10 @@ cudaError_t Embed(const DeviceMatrix& table, const int32_t* tokens, int n, float
 // v[t * ldv + (map ? map[j] : j)] > threshold } ascending, *count = |idx|. With map = the hot
 // neurons' global ids it lists active hot rows by local index; with the cold ids, the cold ones.
 // A negative map entry is never active (an empty cache slot, a cold neuron held by a slot).
+// With scale ([n], device), token t's values are multiplied by scale[t] before the comparison.
 cudaError_t CompactActive(const float* v, int n, int ldv, const int32_t* map, int len,
-                          float threshold, int32_t* idx, int32_t* count, cudaStream_t stream);
+                          float threshold, int32_t* idx, int32_t* count, cudaStream_t stream,
+                          const float* scale = nullptr);
 
 // Converts a weight matrix to fp16 (for cuBLAS): out: [rows, cols] halves.
 cudaError_t DequantizeToHalf(const DeviceMatrix& w, void* out, cudaStream_t stream);

@@ -679,22 +679,33 @@ TEST_F(CudaBackendTest, AdaptiveCacheRowsMatchCpuReference) {
   EXPECT_NE(st.message.find("is not a cold neuron"), std::string::npos) << st.message;
 }
 
-// Records the predictor scores of one layer, then runs the wrapped FFN.
+// Records the predictor scores of one layer as its threshold sees them (times rms(residual) for
+// pre-norm predictors, ScoreScale), then runs the wrapped FFN.
 class ScoreProbe : public FfnBlock {
  public:
-  ScoreProbe(FfnBlock* inner, const PredictorSet& p, const CpuOps& ops, int probe)
-      : inner_(inner), p_(p), ops_(ops), probe_(probe) {}
+  ScoreProbe(FfnBlock* inner, const PredictorSet& p, const CpuOps& ops, int probe, float eps)
+      : inner_(inner), p_(p), ops_(ops), probe_(probe), eps_(eps) {}
   absl::Status Forward(int layer, const float* x, int n, float* out) override {
+    return ForwardFromResidual(layer, nullptr, x, n, out);
+  }
+  absl::Status ForwardFromResidual(int layer, const float* residual, const float* x, int n,
+                                   float* out) override {
     if (layer == probe_) {
       const LayerPredictor& P = p_.layers[layer];
+      const int H = static_cast<int>(P.fc1.cols()), F = static_cast<int>(P.fc2.rows());
       std::vector<float> h(static_cast<size_t>(n) * P.rank());
-      std::vector<float> sc(static_cast<size_t>(n) * P.fc2.rows());
+      std::vector<float> sc(static_cast<size_t>(n) * F);
       ops_.MatMul(P.fc1, x, n, h.data());
       for (float& v : h) v = std::max(v, 0.f);
       ops_.MatMul(P.fc2, h.data(), n, sc.data());
+      for (int t = 0; t < n; ++t) {
+        const float scale = ScoreScale(
+            P, residual != nullptr ? residual + static_cast<size_t>(t) * H : nullptr, H, eps_);
+        for (int j = 0; j < F; ++j) sc[static_cast<size_t>(t) * F + j] *= scale;
+      }
       scores.insert(scores.end(), sc.begin(), sc.end());
     }
-    return inner_->Forward(layer, x, n, out);
+    return inner_->ForwardFromResidual(layer, residual, x, n, out);
   }
   std::vector<float> scores;
 
@@ -703,23 +714,28 @@ class ScoreProbe : public FfnBlock {
   const PredictorSet& p_;
   const CpuOps& ops_;
   int probe_;
+  float eps_;
 };
 
 // Random predictors (rank 16) for the predicted-mode tests, and the CPU reference's step logits
 // with them: shared/sparse's PredictedSparseFfn in the reference forward pass, one token at a
 // time. Each layer's threshold sits in the middle of the widest gap between the CPU's scores
 // between two quantiles (lo_q, hi_q), so that fp32 rounding differences cannot flip a decision.
+// reads_residual: PowerInfer's pre-norm predictors, whose non-zero threshold applies to the score
+// times rms(residual).
 struct PredictedCase {
   std::vector<std::vector<float>> fc1, fc2;
   PredictorSet preds;
   std::vector<float> want;  // [tokens, vocab]
   double min_margin = 1e30;
+  double min_relative_margin = 1e30;  // the margin over the threshold's magnitude
 };
 
 std::unique_ptr<PredictedCase> MakePredictedCase(const Model& model,
                                                  const std::vector<TensorView>& down_t,
                                                  const std::vector<int32_t>& tokens,
-                                                 double lo_q = 0.6, double hi_q = 0.8) {
+                                                 double lo_q = 0.6, double hi_q = 0.8,
+                                                 bool reads_residual = false) {
   const ModelConfig& c = model.config;
   const int rank = 16;
   auto pc = std::make_unique<PredictedCase>();
@@ -746,6 +762,7 @@ std::unique_ptr<PredictedCase> MakePredictedCase(const Model& model,
     p.fc2.shape = {c.ffn_size, rank};
     p.fc2.data = pc->fc2[l].data();
     p.threshold = 1e30f;  // set below, layer by layer
+    p.reads_residual = reads_residual;
     pc->preds.layers.push_back(p);
   }
   std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
@@ -753,7 +770,7 @@ std::unique_ptr<PredictedCase> MakePredictedCase(const Model& model,
   auto cpu_run = [&](int probe, std::vector<float>* scores) {
     auto ffn = PredictedSparseFfn::Create(model, *ref_ops, down_t, &pc->preds);
     EXPECT_TRUE(ffn.ok()) << ffn.status();
-    ScoreProbe probe_ffn(ffn->get(), pc->preds, *ref_ops, probe);
+    ScoreProbe probe_ffn(ffn->get(), pc->preds, *ref_ops, probe, c.norm_eps);
     Transformer t(model, *ref_ops);
     t.set_ffn(&probe_ffn);
     KvCache cache(c, static_cast<int>(tokens.size()));
@@ -778,6 +795,9 @@ std::unique_ptr<PredictedCase> MakePredictedCase(const Model& model,
     }
     pc->preds.layers[l].threshold = 0.5f * (sc[best] + sc[best + 1]);
     pc->min_margin = std::min<double>(pc->min_margin, 0.5 * (sc[best + 1] - sc[best]));
+    pc->min_relative_margin =
+        std::min<double>(pc->min_relative_margin,
+                         0.5 * (sc[best + 1] - sc[best]) / std::abs(pc->preds.layers[l].threshold));
   }
   pc->want = cpu_run(-1, nullptr);
   return pc;
@@ -789,6 +809,7 @@ cuda::ModelUpload WithPredictors(cuda::ModelUpload u, const PredictedCase& pc) {
     u.layers[l].pred_fc1 = FromView(pc.preds.layers[l].fc1);
     u.layers[l].pred_fc2 = FromView(pc.preds.layers[l].fc2);
     u.layers[l].pred_threshold = pc.preds.layers[l].threshold;
+    u.layers[l].pred_scores_times_rms = ScoresNeedResidual(pc.preds.layers[l]);
   }
   return u;
 }
@@ -838,6 +859,45 @@ TEST_F(CudaBackendTest, PredictedModeMatchesCpuPredictedSparseFfn) {
   EXPECT_LT(hot_computed / steps, 0.4 * hot_total);
   EXPECT_GT(cold_listed / steps, 0.2 * (c.n_layers * c.ffn_size - hot_total));
   EXPECT_LT(cold_listed / steps, 0.4 * (c.n_layers * c.ffn_size - hot_total));
+}
+
+// PowerInfer's pre-norm predictors with a non-zero threshold (ProSparse's files): the module
+// multiplies each token's scores by rms(residual), which the FFN norm computes anyway, and picks
+// the neurons the CPU's PredictedSparseFfn picks, so the logits match. Without that factor it
+// would pick other neurons.
+TEST_F(CudaBackendTest, PreNormPredictorThresholdsMatchCpuPredictedSparseFfn) {
+  const ModelConfig& c = model_->config;
+  std::vector<int32_t> tokens =
+      (*reference_)["prompts"][3]["input_ids"].get<std::vector<int32_t>>();
+  std::unique_ptr<PredictedCase> pc =
+      MakePredictedCase(*model_, *down_t_, tokens, 0.6, 0.8, /*reads_residual=*/true);
+  // Scaled scores are as small as the residual (layer 0's threshold is about 0.01), so the gap is
+  // judged against the threshold: fp32 rounding differs by about 1e-6 of it.
+  ASSERT_GT(pc->min_relative_margin, 1e-4) << "no safe threshold gap; change the seed";
+  for (const LayerPredictor& p : pc->preds.layers) ASSERT_TRUE(ScoresNeedResidual(p));
+  const int V = c.vocab_size;
+  cuda::ModelUpload u = WithPredictors(Upload(/*hot=*/true), *pc);
+  cuda::ModelUpload unscaled = u;
+  for (cuda::LayerUpload& l : unscaled.layers) l.pred_scores_times_rms = false;
+  auto backend = Create(u);
+  auto wrong = Create(unscaled);
+  ASSERT_NE(backend, nullptr);
+  ASSERT_NE(wrong, nullptr);
+  CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
+  std::vector<float> got(V), other(V);
+  int64_t selected = 0, selected_unscaled = 0;
+  for (size_t pos = 0; pos < tokens.size(); ++pos) {
+    cuda::BackendStatus st = backend->Forward(PredictedStep(tokens, pos, &cold, got.data()));
+    ASSERT_TRUE(st.ok()) << st.message;
+    selected += backend->last_stats().hot_rows_computed + backend->last_stats().cold_rows_requested;
+    EXPECT_LE(Nmse(got.data(), pc->want.data() + pos * V, V), 1e-6) << "position " << pos;
+    st = wrong->Forward(PredictedStep(tokens, pos, &cold, other.data()));
+    ASSERT_TRUE(st.ok()) << st.message;
+    selected_unscaled +=
+        wrong->last_stats().hot_rows_computed + wrong->last_stats().cold_rows_requested;
+  }
+  EXPECT_GT(std::abs(static_cast<double>(selected_unscaled - selected)), 0.05 * selected)
+      << selected << " neurons selected with the rms factor, " << selected_unscaled << " without";
 }
 
 // The GPU's share of the cold neurons (ModelUpload::cold_gpu_share): the GPU multiplies the first

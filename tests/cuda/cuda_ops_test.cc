@@ -236,7 +236,8 @@ TEST_F(CudaOpsTest, RmsNormMatchesReference) {
   }
 }
 
-// x += d1 (+ d2), then the norm, writing over d1 (the backend's in-place use).
+// x += d1 (+ d2), then the norm, writing over d1 (the backend's in-place use), and each token's
+// rms for the pre-norm predictors' threshold.
 TEST_F(CudaOpsTest, ResidualRmsNormMatchesReference) {
   for (bool two : {false, true}) {
     const int n = 3, dim = 5120;
@@ -244,14 +245,21 @@ TEST_F(CudaOpsTest, ResidualRmsNormMatchesReference) {
     std::vector<float> w = Random(dim), ref_x = x, ref(n * dim);
     for (int i = 0; i < n * dim; ++i) ref_x[i] += two ? d1[i] + d2[i] : d1[i];
     ref_->RmsNorm(ref_x.data(), w.data(), n, dim, 1e-5f, ref.data());
-    DevBuf<float> dx(x), dd1(d1), dd2(d2), dw(w);
+    DevBuf<float> dx(x), dd1(d1), dd2(d2), dw(w), drms(n);
     CUDA_OK(cuda::ResidualRmsNorm(dx.get(), dd1.get(), two ? dd2.get() : nullptr, dw.get(), n, dim,
-                                  1e-5f, dd1.get(), nullptr));
-    std::vector<float> out = dd1.Download();
+                                  1e-5f, dd1.get(), nullptr, nullptr, drms.get()));
+    std::vector<float> out = dd1.Download(), rms = drms.Download();
     EXPECT_FALSE(AnyNan(out));
     EXPECT_LE(Nmse(out, ref), kFp32Limit);
     EXPECT_LE(Nmse(dx.Download(), ref_x), kFp32Limit);
-    EXPECT_TRUE(dd1.GuardsIntact() && dx.GuardsIntact());
+    for (int t = 0; t < n; ++t) {
+      double ss = 0;
+      for (int i = 0; i < dim; ++i)
+        ss += static_cast<double>(ref_x[t * dim + i]) * ref_x[t * dim + i];
+      const double want = std::sqrt(ss / dim + 1e-5);
+      EXPECT_NEAR(rms[t], want, 1e-5 * want) << "token " << t;
+    }
+    EXPECT_TRUE(dd1.GuardsIntact() && dx.GuardsIntact() && drms.GuardsIntact());
   }
 }
 
@@ -624,14 +632,21 @@ TEST_F(CudaOpsTest, EmbedMatchesDequantizedRows) {
 }
 
 // Compaction against a plain loop: ordered ids of the neurons active for any token, all neurons
-// or through a map of global ids (hot or cold subsets), many passes of the 1024-thread block.
+// or through a map of global ids (hot or cold subsets), many passes of the 1024-thread block;
+// with per-token scales (PowerInfer's pre-norm scores times rms(residual)) against a threshold.
 TEST_F(CudaOpsTest, CompactActiveListsExactlyTheActiveNeurons) {
   for (int n : {1, 3}) {
     for (int len : {37, 13824}) {
-      for (bool mapped : {false, true}) {
+      for (int variant = 0; variant < 3; ++variant) {
+        const bool mapped = variant == 1, scaled = variant == 2;
         const int full = 13824;
         std::vector<float> v = Random(static_cast<size_t>(n) * full);
         for (float& s : v) s -= 1.3f;  // about 10% above zero
+        std::vector<float> scale(n, 1.f);
+        const float threshold = scaled ? 0.25f : 0.f;
+        if (scaled) {
+          for (float& s : scale) s = 0.5f + std::abs(Random(1)[0]);
+        }
         std::vector<int32_t> map;
         if (mapped) {
           map = RandomRows(full, len);
@@ -644,17 +659,20 @@ TEST_F(CudaOpsTest, CompactActiveListsExactlyTheActiveNeurons) {
           const int g = mapped ? map[j] : j;
           if (g < 0) continue;
           bool any = false;
-          for (int t = 0; t < n; ++t) any = any || v[static_cast<size_t>(t) * full + g] > 0.f;
+          for (int t = 0; t < n; ++t) {
+            any = any || v[static_cast<size_t>(t) * full + g] * scale[t] > threshold;
+          }
           if (any) expect.push_back(j);
         }
-        DevBuf<float> dv(v);
+        DevBuf<float> dv(v), dscale(scale);
         DevBuf<int32_t> dmap(mapped ? map : std::vector<int32_t>{0}), didx(len), dcount(1);
-        CUDA_OK(cuda::CompactActive(dv.get(), n, full, mapped ? dmap.get() : nullptr, len, 0.f,
-                                    didx.get(), dcount.get(), nullptr));
+        CUDA_OK(cuda::CompactActive(dv.get(), n, full, mapped ? dmap.get() : nullptr, len,
+                                    threshold, didx.get(), dcount.get(), nullptr,
+                                    scaled ? dscale.get() : nullptr));
         std::vector<int32_t> count = dcount.Download(), idx = didx.Download();
         ASSERT_EQ(count[0], static_cast<int32_t>(expect.size()));
         idx.resize(expect.size());
-        EXPECT_EQ(idx, expect) << "n " << n << " len " << len << " mapped " << mapped;
+        EXPECT_EQ(idx, expect) << "n " << n << " len " << len << " variant " << variant;
         EXPECT_TRUE(didx.GuardsIntact() && dcount.GuardsIntact());
       }
     }
