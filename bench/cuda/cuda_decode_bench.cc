@@ -1148,7 +1148,9 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_Q8X", "1", 1);
   setenv("PINFER_CUDA_ZERO_COPY_COLD", "0", 1);
   setenv("PINFER_CUDA_QX_WARPS", "16", 1);  // the module's defaults (kernels.cu)
-  setenv("PINFER_CUDA_QX_ROWS", "2", 1);
+  setenv("PINFER_CUDA_QX_ROWS", "1", 1);
+  setenv("PINFER_CUDA_QX_SHAPE", "balanced", 1);
+  setenv("PINFER_CUDA_NORM_LOOP", "0", 1);
   setenv("PINFER_CUDA_COLD_GPU_SHARE", "0", 1);
   setenv("PINFER_CUDA_COLD_BUNDLES", "1", 1);  // the bench's cold side (CpuColdFfn)
   if (variant == "base") return;

@@ -517,6 +517,11 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   if (const char* g = std::getenv("PINFER_CUDA_PREFETCH")) SetWeightPrefetch(std::string(g) == "1");
   if (const char* g = std::getenv("PINFER_CUDA_QX_WARPS")) SetQuantWarps(std::atoi(g));
   if (const char* g = std::getenv("PINFER_CUDA_QX_ROWS")) SetQuantRowsPerWarp(std::atoi(g));
+  if (const char* g = std::getenv("PINFER_CUDA_QX_SHAPE")) {
+    SetQuantShapeBalanced(std::string(g) != "fixed");
+  }
+  if (const char* g = std::getenv("PINFER_CUDA_NORM_LOOP"))
+    SetNormInRegisters(std::string(g) != "1");
   if (const char* g = std::getenv("PINFER_CUDA_ZERO_COPY_COLD")) {
     zero_copy_cold_ = std::string(g) == "1";
   }

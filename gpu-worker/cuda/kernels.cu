@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <utility>
 
 #include "gpu-worker/cuda/kernels.h"
@@ -294,72 +295,105 @@ __device__ __forceinline__ void QuantizeBlockInWarp(float v, int lane, int64_t b
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: one block per token.
 
-// The norms' last pass, out = x * scale * weight. With qx, every warp's pass over 32 consecutive
-// elements (blockDim and dim are multiples of 32) also quantizes them.
-__device__ __forceinline__ void WriteNormed(const float* xt, float scale,
-                                            const float* __restrict__ weight, int dim, float* ot,
-                                            void* qx) {
-  if (qx == nullptr) {
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) ot[i] = xt[i] * scale * weight[i];
-    return;
-  }
-  const QxParts parts = QxAt(qx, dim, blockIdx.x);
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-    const float v = xt[i] * scale * weight[i];
-    ot[i] = v;
-    QuantizeBlockInWarp(v, threadIdx.x % kWarp, i / 32, parts);
-  }
-}
-
-__global__ void RmsNormKernel(const float* __restrict__ x, const float* __restrict__ weight,
-                              int dim, float eps, float* __restrict__ out, void* qx) {
-  PdlStart();
-  const float* xt = x + static_cast<int64_t>(blockIdx.x) * dim;
-  float* ot = out + static_cast<int64_t>(blockIdx.x) * dim;
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xt[i] * xt[i];
+// Every thread gets the block's sum (blockDim a multiple of 32, at most 1024).
+__device__ __forceinline__ float BlockSum(float v) {
   __shared__ float partial[32];
-  ss = WarpSum(ss);
-  if (threadIdx.x % kWarp == 0) partial[threadIdx.x / kWarp] = ss;
+  v = WarpSum(v);
+  if (threadIdx.x % kWarp == 0) partial[threadIdx.x / kWarp] = v;
   __syncthreads();
   if (threadIdx.x < kWarp) {
-    float v = threadIdx.x < blockDim.x / kWarp ? partial[threadIdx.x] : 0.f;
-    v = WarpSum(v);
-    if (threadIdx.x == 0) partial[0] = v;
+    float p = threadIdx.x < blockDim.x / kWarp ? partial[threadIdx.x] : 0.f;
+    p = WarpSum(p);
+    if (threadIdx.x == 0) partial[0] = p;
   }
   __syncthreads();
-  WriteNormed(xt, 1.f / sqrtf(partial[0] / dim + eps), weight, dim, ot, qx);
+  return partial[0];
 }
 
-__global__ void ResidualRmsNormKernel(float* __restrict__ x, const float* d1, const float* d2,
-                                      const float* __restrict__ weight, int dim, float eps,
-                                      float* out, void* qx, float* __restrict__ rms_out) {
-  PdlStart();
+// The norms' output, out = x * scale * weight; with qx every warp's 32 consecutive elements
+// (blockDim and dim are multiples of 32) are also quantized.
+__device__ __forceinline__ void PutNormed(float v, float scale, float w, int i, float* ot,
+                                          const QxParts* parts) {
+  const float o = v * scale * w;
+  ot[i] = o;
+  if (parts != nullptr) QuantizeBlockInWarp(o, threadIdx.x % kWarp, i / 32, *parts);
+}
+
+// Rows of up to kNormRegs * blockDim elements stay in registers: all of a thread's loads are
+// issued before its first store and x is read once, so a block waits on memory about twice. A
+// loop that loads, adds and stores element by element (out may alias d1, so the compiler keeps
+// that order) waited once per element and pass: 8.5 us for one 5120-wide row with the Q8_0
+// output on the H200 (Nsight Compute, docs/cuda-runs/session7-norms/). Longer rows loop; both
+// paths compute the same values in the same order.
+constexpr int kNormRegs = 8;
+
+// One block per token: x (+= d1 (+ d2) with kResidual, written back) normalized into out, and
+// optionally each token's rms.
+template <bool kResidual>
+__global__ void __launch_bounds__(1024)
+    NormKernel(float* x, const float* d1, const float* d2, const float* __restrict__ weight,
+               int dim, float eps, float* out, void* qx, float* __restrict__ rms_out,
+               int max_regs) {
+  PdlTrigger();
   // Each thread reads its elements of d1/d2 before writing the same elements of out, so out may
   // alias them.
-  float* xt = x + static_cast<int64_t>(blockIdx.x) * dim;
-  const float* a = d1 + static_cast<int64_t>(blockIdx.x) * dim;
-  const float* b = d2 != nullptr ? d2 + static_cast<int64_t>(blockIdx.x) * dim : nullptr;
-  float* ot = out + static_cast<int64_t>(blockIdx.x) * dim;
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-    const float v = b != nullptr ? xt[i] + (a[i] + b[i]) : xt[i] + a[i];
-    xt[i] = v;
-    ss += v * v;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * dim;
+  float* xt = x + row;
+  const float* a = kResidual ? d1 + row : nullptr;
+  const float* b = kResidual && d2 != nullptr ? d2 + row : nullptr;
+  float* ot = out + row;
+  const int B = blockDim.x;
+  QxParts parts_storage;
+  const QxParts* parts = nullptr;
+  if (qx != nullptr) {
+    parts_storage = QxAt(qx, dim, blockIdx.x);
+    parts = &parts_storage;
   }
-  __shared__ float partial[32];
-  ss = WarpSum(ss);
-  if (threadIdx.x % kWarp == 0) partial[threadIdx.x / kWarp] = ss;
-  __syncthreads();
-  if (threadIdx.x < kWarp) {
-    float v = threadIdx.x < blockDim.x / kWarp ? partial[threadIdx.x] : 0.f;
-    v = WarpSum(v);
-    if (threadIdx.x == 0) partial[0] = v;
+  auto input = [&](int i) {
+    return !kResidual ? xt[i] : b != nullptr ? xt[i] + (a[i] + b[i]) : xt[i] + a[i];
+  };
+  float ss = 0.f, rms;
+  if (dim <= max_regs * B) {
+    // The weights never change: they load while the predecessor finishes.
+    float v[kNormRegs], w[kNormRegs];
+#pragma unroll
+    for (int k = 0; k < kNormRegs; ++k) {
+      const int i = threadIdx.x + k * B;
+      if (i < dim) w[k] = weight[i];
+    }
+    PdlWait();
+#pragma unroll
+    for (int k = 0; k < kNormRegs; ++k) {
+      const int i = threadIdx.x + k * B;
+      if (i < dim) v[k] = input(i);
+    }
+#pragma unroll
+    for (int k = 0; k < kNormRegs; ++k) {
+      const int i = threadIdx.x + k * B;
+      if (i < dim) {
+        if (kResidual) xt[i] = v[k];
+        ss += v[k] * v[k];
+      }
+    }
+    rms = sqrtf(BlockSum(ss) / dim + eps);
+    const float scale = 1.f / rms;
+#pragma unroll
+    for (int k = 0; k < kNormRegs; ++k) {
+      const int i = threadIdx.x + k * B;
+      if (i < dim) PutNormed(v[k], scale, w[k], i, ot, parts);
+    }
+  } else {
+    PdlWait();
+    for (int i = threadIdx.x; i < dim; i += B) {
+      const float v = input(i);
+      if (kResidual) xt[i] = v;
+      ss += v * v;
+    }
+    rms = sqrtf(BlockSum(ss) / dim + eps);
+    const float scale = 1.f / rms;
+    for (int i = threadIdx.x; i < dim; i += B) PutNormed(xt[i], scale, weight[i], i, ot, parts);
   }
-  __syncthreads();
-  const float rms = sqrtf(partial[0] / dim + eps);
   if (rms_out != nullptr && threadIdx.x == 0) rms_out[blockIdx.x] = rms;
-  WriteNormed(xt, 1.f / rms, weight, dim, ot, qx);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -958,11 +992,15 @@ __global__ void __launch_bounds__(kSplitWarps* kWarp)
 // is used unsigned and its offset of 8 is taken out with the block's sum of q.
 // Shape of the launch: kQxWarps warps per block (PINFER_CUDA_QX_WARPS: 4, 8 or 16), R rows per
 // warp (PINFER_CUDA_QX_ROWS: 1, 2 or 4; 0 = the most rows per warp that still give every SM four
-// blocks). Every block quantizes all of x before it streams its rows, so more rows per block
-// means less repeated work, while more rows per warp means more loads in flight per warp. On the
-// H200, Q4_0 13B-shape decode with the whole model on the GPU (docs/cuda-runs/qx-shape/):
-// 16 warps x 2 rows 292 tokens/s, 16 x 4 282-292, 8 x 2 284, 8 x 4 (the old default) 272-273,
-// automatic 272, 4 x 4 246; the sparse modes were within noise of each other. Default 16 x 2.
+// blocks). Every block quantizes all of x before it streams its rows (unless its producer did),
+// so more rows per block means less repeated work, while more rows per warp means more loads in
+// flight per warp but more registers. Nsight Compute on the H200 found 16 x 2 latency-bound (58
+// registers: two blocks, 32 warps an SM; no eligible warp in 53% of cycles, 61% of DRAM
+// bandwidth); one row a warp compiled for 48 warps an SM (40 registers) took Q4_0 13B-shape
+// decode with the whole model on the GPU from 265.6 to 287.1 tokens/s in one process (and
+// 265.3 -> 290.8 on another host), where 64 warps (32 registers, spilling) fell to 215.2
+// (docs/cuda-runs/session7-qx-occupancy/). Default 16 x 1. (Session 3's measurements, before
+// producer-quantized x: 16 x 2 292 tokens/s, 8 x 4 272, 4 x 4 246; docs/cuda-runs/qx-shape/.)
 int g_qx_warps = [] {
   const char* e = std::getenv("PINFER_CUDA_QX_WARPS");
   const int w = e != nullptr ? std::atoi(e) : 16;
@@ -970,8 +1008,24 @@ int g_qx_warps = [] {
 }();
 int g_qx_rows = [] {
   const char* e = std::getenv("PINFER_CUDA_QX_ROWS");
-  const int r = e != nullptr ? std::atoi(e) : 2;
+  const int r = e != nullptr ? std::atoi(e) : 1;
   return r == 1 || r == 2 || r == 4 ? r : 0;
+}();
+// Wave balance (PINFER_CUDA_QX_SHAPE=balanced, the default; "fixed" keeps the shape above for
+// every matrix). With 32 rows a block, a 5120-row matrix is 160 blocks on 132 SMs: a fifth of
+// the SMs stream two blocks' rows while the rest idle after one, and Nsight Compute measured the
+// Q4_0 output projection at 1.4 TB/s and the down projection at 2.0 TB/s against 2.6-2.9 TB/s
+// for the taller ones (docs/cuda-runs/session7-norms/). So a short matrix takes smaller blocks
+// (QxBalancedShape).
+bool g_qx_balanced = [] {
+  const char* e = std::getenv("PINFER_CUDA_QX_SHAPE");
+  return e == nullptr || std::strcmp(e, "fixed") != 0;
+}();
+// Norm rows held in registers up to this many elements a thread (PINFER_CUDA_NORM_LOOP=1: 0,
+// the element-by-element loop, for comparison).
+int g_norm_regs = [] {
+  const char* e = std::getenv("PINFER_CUDA_NORM_LOOP");
+  return e != nullptr && std::strcmp(e, "1") == 0 ? 0 : kNormRegs;
 }();
 
 template <WType T>
@@ -994,8 +1048,10 @@ __device__ __forceinline__ int SplitBlockIntDot(const uint4* q, const int4* xw) 
   return s;
 }
 
+// One row a warp fits in 40 registers without spilling, so it is compiled for 48 resident warps
+// an SM; two or more rows a warp take 56-80 registers (32 warps at most).
 template <WType T, int kQxWarps, int R>
-__global__ void __launch_bounds__(kQxWarps* kWarp)
+__global__ void __launch_bounds__(kQxWarps* kWarp, R == 1 ? 48 / kQxWarps : 1)
     MatVecSplitQ8xKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
                          int64_t cols, const int32_t* __restrict__ rows, int n_rows,
                          const int32_t* __restrict__ dev_count, const float* __restrict__ x,
@@ -1541,6 +1597,8 @@ void SetQuantizedActivations(bool on) { g_q8x = on; }
 void SetWeightPrefetch(bool on) { g_prefetch = on; }
 void SetQuantWarps(int warps) { g_qx_warps = warps == 4 || warps == 8 ? warps : 16; }
 void SetQuantRowsPerWarp(int rows) { g_qx_rows = rows == 1 || rows == 2 || rows == 4 ? rows : 0; }
+void SetQuantShapeBalanced(bool on) { g_qx_balanced = on; }
+void SetNormInRegisters(bool on) { g_norm_regs = on ? kNormRegs : 0; }
 bool QuantizedActivations() { return g_q8x; }
 bool ProgrammaticLaunch() { return g_pdl; }
 
@@ -1622,7 +1680,9 @@ cudaError_t RmsNorm(const float* x, const float* weight, int n, int dim, float e
                     cudaStream_t stream, void* out_qx) {
   if (n <= 0) return cudaSuccess;
   if (out_qx != nullptr && dim % 32 != 0) return cudaErrorInvalidValue;
-  return Launch(RmsNormKernel, n, NormThreads(dim), 0, stream, x, weight, dim, eps, out, out_qx);
+  return Launch(NormKernel<false>, n, NormThreads(dim), 0, stream, const_cast<float*>(x),
+                static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), weight, dim,
+                eps, out, out_qx, static_cast<float*>(nullptr), g_norm_regs);
 }
 
 cudaError_t ResidualRmsNorm(float* x, const float* d1, const float* d2, const float* weight, int n,
@@ -1630,8 +1690,8 @@ cudaError_t ResidualRmsNorm(float* x, const float* d1, const float* d2, const fl
                             float* rms_out) {
   if (n <= 0) return cudaSuccess;
   if (out_qx != nullptr && dim % 32 != 0) return cudaErrorInvalidValue;
-  return Launch(ResidualRmsNormKernel, n, NormThreads(dim), 0, stream, x, d1, d2, weight, dim, eps,
-                out, out_qx, rms_out);
+  return Launch(NormKernel<true>, n, NormThreads(dim), 0, stream, x, d1, d2, weight, dim, eps, out,
+                out_qx, rms_out, g_norm_regs);
 }
 
 cudaError_t RopeQkvToCache(const float* qkv, int n, int n_heads, int n_kv_heads, int head_dim,
@@ -1696,6 +1756,27 @@ cudaError_t AttentionAt(const float* q, const float* k, const float* v, int n,
 
 namespace {
 
+// The wave-balanced launch shape of the int8 product (g_qx_balanced): the configured shape, or
+// the same rows a warp with half or a quarter of the warps a block, whichever comes first whose
+// busiest SM streams at most 1/0.85 of the average rows (the most balanced one if none does).
+void QxBalancedShape(int n_rows, int* warps, int* rows_per_warp) {
+  const int sms = SmCount();
+  const double avg = static_cast<double>(n_rows) / sms;
+  double best = -1;
+  int best_warps = *warps;
+  for (int w = *warps; w >= 4; w /= 2) {
+    const int rpb = w * *rows_per_warp;
+    const int blocks = (n_rows + rpb - 1) / rpb;
+    const double balance = avg / (static_cast<double>((blocks + sms - 1) / sms) * rpb);
+    if (balance > best + 1e-9) {
+      best = balance;
+      best_warps = w;
+      if (balance >= 0.85) break;
+    }
+  }
+  *warps = best_warps;
+}
+
 // One launch of the matrix-vector kernels for nt <= kMaxTok tokens.
 template <WType T>
 cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
@@ -1709,12 +1790,13 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
     if (w.split() && g_q8x && qx_smem <= 48 * 1024) {
       // One launch per token (the batches here are at most kMaxTok tokens).
       const auto* sc = static_cast<const uint16_t*>(w.scales);
-      int r = g_qx_rows;
+      int r = g_qx_rows, warps = g_qx_warps;
       if (r == 0) {
         r = 4;
-        while (r > 1 && (n_rows + r * g_qx_warps - 1) / (r * g_qx_warps) < 4 * SmCount()) r /= 2;
+        while (r > 1 && (n_rows + r * warps - 1) / (r * warps) < 4 * SmCount()) r /= 2;
       }
-      const int rows_per_block = r * g_qx_warps;
+      if (g_qx_balanced) QxBalancedShape(n_rows, &warps, &r);
+      const int rows_per_block = r * warps;
       const int blocks = (n_rows + rows_per_block - 1) / rows_per_block;
       auto pick = [&](auto w) {
         constexpr int W = decltype(w)::value;
@@ -1722,14 +1804,14 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
                : r == 2 ? MatVecSplitQ8xKernel<T, W, 2>
                         : MatVecSplitQ8xKernel<T, W, 4>;
       };
-      auto kernel = g_qx_warps == 4    ? pick(std::integral_constant<int, 4>())
-                    : g_qx_warps == 16 ? pick(std::integral_constant<int, 16>())
-                                       : pick(std::integral_constant<int, 8>());
+      auto kernel = warps == 4    ? pick(std::integral_constant<int, 4>())
+                    : warps == 16 ? pick(std::integral_constant<int, 16>())
+                                  : pick(std::integral_constant<int, 8>());
       for (int t = 0; t < nt; ++t) {
         cudaError_t e =
-            Launch(kernel, blocks, g_qx_warps * kWarp, qx_smem, stream, base, sc, w.cols, rows,
-                   n_rows, dev_count, xt + t * w.cols, yt + static_cast<int64_t>(t) * ldy,
-                   g_prefetch, qx != nullptr ? qx + QxRegionBytes(w.cols) * t : nullptr);
+            Launch(kernel, blocks, warps * kWarp, qx_smem, stream, base, sc, w.cols, rows, n_rows,
+                   dev_count, xt + t * w.cols, yt + static_cast<int64_t>(t) * ldy, g_prefetch,
+                   qx != nullptr ? qx + QxRegionBytes(w.cols) * t : nullptr);
         if (e != cudaSuccess) return e;
       }
       return cudaSuccess;

@@ -79,9 +79,15 @@ bool ProgrammaticLaunch();
 void SetQuantizedActivations(bool on);
 // Warps per block of that kernel (4, 8 or 16 (default); PINFER_CUDA_QX_WARPS), a tuning knob.
 void SetQuantWarps(int warps);
-// Rows per warp of that kernel (1, 2 (default), 4; 0: chosen by the row count;
+// Rows per warp of that kernel (1 (default), 2, 4; 0: chosen by the row count;
 // PINFER_CUDA_QX_ROWS).
 void SetQuantRowsPerWarp(int rows);
+// Whether each launch of that kernel may take fewer rows a block so that the SMs' shares of a
+// short matrix stay even (default; PINFER_CUDA_QX_SHAPE=fixed turns it off).
+void SetQuantShapeBalanced(bool on);
+// Whether the norms hold a row in registers (default) or loop element by element
+// (PINFER_CUDA_NORM_LOOP=1), for comparison; the values are the same.
+void SetNormInRegisters(bool on);
 bool QuantizedActivations();
 
 // x quantized once, by the kernel that produces it, for the int8 product above, so that the

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -222,7 +223,7 @@ class CudaOpsTest : public ::testing::Test {
 };
 
 TEST_F(CudaOpsTest, RmsNormMatchesReference) {
-  for (int dim : {384, 1000, 5120}) {
+  for (int dim : {384, 1000, 5120, 9216}) {  // 9216: longer than the registers hold
     const int n = 3;
     std::vector<float> x = Random(n * dim, 2.f), w = Random(dim);
     std::vector<float> ref(n * dim);
@@ -942,14 +943,26 @@ std::vector<float> Q8xReference(const HostWeights& w, const std::vector<int32_t>
 
 // The split layout's llama.cpp-definition path (SetQuantizedActivations) against that
 // definition: all rows and listed rows with a device count, one and several tokens, for the
-// kernel's warps per block and rows per warp (0: chosen by the row count).
+// kernel's warps per block and rows per warp (0: chosen by the row count), each as configured
+// and with the wave-balanced shape of short matrices (fewer warps a block).
 TEST_F(CudaOpsTest, QuantizedActivationsMatchLlamaCppDefinition) {
   const bool q8x = cuda::QuantizedActivations();
   cuda::SetQuantizedActivations(true);
-  for (auto [warps, rows_per_warp] :
-       {std::pair{16, 2}, {4, 0}, {8, 0}, {16, 0}, {8, 1}, {8, 4}, {4, 4}, {16, 4}}) {
+  for (auto [warps, rows_per_warp, balanced] : {std::tuple{16, 1, true},
+                                                {16, 1, false},
+                                                {16, 2, false},
+                                                {4, 0, false},
+                                                {8, 0, true},
+                                                {16, 0, false},
+                                                {8, 1, false},
+                                                {4, 1, true},
+                                                {8, 4, false},
+                                                {4, 4, true},
+                                                {16, 4, false},
+                                                {16, 2, true}}) {
     cuda::SetQuantWarps(warps);
     cuda::SetQuantRowsPerWarp(rows_per_warp);
+    cuda::SetQuantShapeBalanced(balanced);
     for (DType type : {DType::kQ8_0, DType::kQ4_0}) {
       for (int64_t cols : {512, 1056, 5120}) {
         const int64_t rows = 301;
@@ -990,13 +1003,14 @@ TEST_F(CudaOpsTest, QuantizedActivationsMatchLlamaCppDefinition) {
           }
           EXPECT_LE(Nmse(out2, ref2), kFp32Limit)
               << DTypeName(type) << " listed, n " << n << ", " << warps << " warps, "
-              << rows_per_warp << " rows per warp";
+              << rows_per_warp << " rows per warp, balanced " << balanced;
         }
       }
     }
   }
   cuda::SetQuantWarps(16);  // the defaults
-  cuda::SetQuantRowsPerWarp(2);
+  cuda::SetQuantRowsPerWarp(1);
+  cuda::SetQuantShapeBalanced(true);
   cuda::SetQuantizedActivations(q8x);
 }
 
