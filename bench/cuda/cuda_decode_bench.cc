@@ -1151,6 +1151,7 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_QX_ROWS", "1", 1);
   setenv("PINFER_CUDA_QX_SHAPE", "balanced", 1);
   setenv("PINFER_CUDA_NORM_LOOP", "0", 1);
+  setenv("PINFER_CUDA_EARLY_PUBLISH", "1", 1);
   setenv("PINFER_CUDA_COLD_GPU_SHARE", "0", 1);
   setenv("PINFER_CUDA_COLD_BUNDLES", "1", 1);  // the bench's cold side (CpuColdFfn)
   if (variant == "base") return;

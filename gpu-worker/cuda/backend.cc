@@ -277,6 +277,13 @@ class CudaBackend : public Backend {
   // Per-layer events: x published, hot start, hot end, attention start; plus step start/end.
   std::vector<cudaEvent_t> ev_x_, ev_hot0_, ev_hot1_, ev_attn0_;
   cudaEvent_t ev_start_ = nullptr, ev_layers_end_ = nullptr;
+  // Early publishing (PINFER_CUDA_EARLY_PUBLISH, on by default; 0 restores the old order for
+  // comparison): the FFN input is copied to the host on publish_stream_ while the predictor runs
+  // (forked at ev_fork_, joined at ev_join_), and the hot list is compacted after the cold side
+  // has what it needs, so neither sits between the norm and the host's wake-up.
+  bool early_publish_ = true;
+  cudaStream_t publish_stream_ = nullptr;
+  cudaEvent_t ev_fork_ = nullptr, ev_join_ = nullptr;
   bool collect_gpu_times_ = false;
   bool use_graphs_ = true;
   std::map<std::vector<int64_t>, cudaGraphExec_t> graphs_;
@@ -343,6 +350,11 @@ void CudaBackend::Release() {
   }
   if (ev_start_ != nullptr) cudaEventDestroy(ev_start_);
   if (ev_layers_end_ != nullptr) cudaEventDestroy(ev_layers_end_);
+  if (ev_fork_ != nullptr) cudaEventDestroy(ev_fork_);
+  if (ev_join_ != nullptr) cudaEventDestroy(ev_join_);
+  if (publish_stream_ != nullptr) cudaStreamDestroy(publish_stream_);
+  ev_fork_ = ev_join_ = nullptr;
+  publish_stream_ = nullptr;
   for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
   graphs_.clear();
   if (cublas_ != nullptr) cublasDestroy(cublas_);
@@ -522,6 +534,9 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   }
   if (const char* g = std::getenv("PINFER_CUDA_NORM_LOOP"))
     SetNormInRegisters(std::string(g) != "1");
+  if (const char* g = std::getenv("PINFER_CUDA_EARLY_PUBLISH")) {
+    early_publish_ = std::string(g) != "0";
+  }
   if (const char* g = std::getenv("PINFER_CUDA_ZERO_COPY_COLD")) {
     zero_copy_cold_ = std::string(g) == "1";
   }
@@ -737,6 +752,9 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   }
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&ev_start_));
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&ev_layers_end_));
+  CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&ev_fork_, cudaEventDisableTiming));
+  CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&ev_join_, cudaEventDisableTiming));
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&publish_stream_, cudaStreamNonBlocking));
   CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   if (repack_tmp_ != nullptr) CUDA_RETURN_IF_ERROR(cudaFree(repack_tmp_));
   repack_tmp_ = nullptr;
@@ -906,6 +924,15 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
   // FFN block: x += attention output, xb = the FFN input.
   CUDA_RETURN_IF_ERROR(ResidualRmsNorm(x_, xb_, nullptr, L.ffn_norm, n, H, c.norm_eps, xb_, stream_,
                                        XbQx(n), L.pred_rms ? rms_ : nullptr));
+  const bool early = cold && early_publish_;
+  if (early) {
+    // The cold side's input on its way to the host while the predictor runs.
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_fork_, stream_));
+    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(publish_stream_, ev_fork_, 0));
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(exchange_x, xb_, nh * 4, cudaMemcpyDeviceToHost, publish_stream_));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_join_, publish_stream_));
+  }
   if (L.ffn == FfnPlacement::kDense) {
     if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot0_[l]));
     BACKEND_RETURN_IF_ERROR(Proj(L.gate_up, xb_, n, gate_, 2 * F, XbQx(n)));  // [n, 2 ffn]
@@ -939,17 +966,19 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
     BACKEND_RETURN_IF_ERROR(Proj(L.fc2, pred_h_, n, scores_, F));
   }
   const float* score_scale = L.pred_rms ? rms_ : nullptr;  // [n] rms(residual), pre-norm scores
-  if (mode == FfnMode::kPredicted) {
-    // With the cache, the maps route a cached neuron to its slot and keep it off the cold list.
-    if (n_hot > 0) {
-      CUDA_RETURN_IF_ERROR(CompactActive(scores_, n, F, use_cache ? L.hot_map_c : L.hot_ids, n_hot,
-                                         L.pred_cut, hot_idx_, hot_count, stream_, score_scale));
-      if (ObservesActive(a)) {
-        CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(observed_host_ + static_cast<size_t>(l) * (F + 1),
-                                             hot_list_, (static_cast<size_t>(n_hot) + 1) * 4,
-                                             cudaMemcpyDeviceToHost, stream_));
-      }
+  // With the cache, the maps route a cached neuron to its slot and keep it off the cold list.
+  auto compact_hot = [&]() -> BackendStatus {
+    CUDA_RETURN_IF_ERROR(CompactActive(scores_, n, F, use_cache ? L.hot_map_c : L.hot_ids, n_hot,
+                                       L.pred_cut, hot_idx_, hot_count, stream_, score_scale));
+    if (ObservesActive(a)) {
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(observed_host_ + static_cast<size_t>(l) * (F + 1),
+                                           hot_list_, (static_cast<size_t>(n_hot) + 1) * 4,
+                                           cudaMemcpyDeviceToHost, stream_));
     }
+    return Ok();
+  };
+  if (mode == FfnMode::kPredicted) {
+    if (n_hot > 0 && !early) BACKEND_RETURN_IF_ERROR(compact_hot());
     if (cold) {
       CUDA_RETURN_IF_ERROR(CompactActive(scores_, n, F, use_cache ? L.cold_map_c : L.cold_ids,
                                          n_cold, L.pred_cut, cold_idx_, cold_count, stream_,
@@ -971,9 +1000,15 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
 
   // Publish the FFN input for the cold side before the hot work, so both run at once.
   if (cold) {
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(exchange_x, xb_, nh * 4, cudaMemcpyDeviceToHost, stream_));
+    if (early) {
+      CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, ev_join_, 0));
+    } else {
+      CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(exchange_x, xb_, nh * 4, cudaMemcpyDeviceToHost, stream_));
+    }
     CUDA_RETURN_IF_ERROR(RecordEvent(ev_x_[l]));
   }
+  if (mode == FfnMode::kPredicted && n_hot > 0 && early) BACKEND_RETURN_IF_ERROR(compact_hot());
 
   // Hot rows.
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot0_[l]));
