@@ -1012,11 +1012,11 @@ int g_qx_rows = [] {
   return r == 1 || r == 2 || r == 4 ? r : 0;
 }();
 // Wave balance (PINFER_CUDA_QX_SHAPE=balanced, the default; "fixed" keeps the shape above for
-// every matrix). With 32 rows a block, a 5120-row matrix is 160 blocks on 132 SMs: a fifth of
-// the SMs stream two blocks' rows while the rest idle after one, and Nsight Compute measured the
-// Q4_0 output projection at 1.4 TB/s and the down projection at 2.0 TB/s against 2.6-2.9 TB/s
-// for the taller ones (docs/cuda-runs/session7-norms/). So a short matrix takes smaller blocks
-// (QxBalancedShape).
+// every matrix). With 32 rows a block (the default before one row a warp), a 5120-row matrix is 160
+// blocks on 132 SMs: a fifth of the SMs stream two blocks' rows while the rest idle after one, and
+// Nsight Compute measured the Q4_0 output projection at 1.4 TB/s and the down projection at 2.0
+// TB/s against 2.6-2.9 TB/s for the taller ones (docs/cuda-runs/session7-norms/). So a short matrix
+// takes smaller blocks (QxBalancedShape).
 bool g_qx_balanced = [] {
   const char* e = std::getenv("PINFER_CUDA_QX_SHAPE");
   return e == nullptr || std::strcmp(e, "fixed") != 0;

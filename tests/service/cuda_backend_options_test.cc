@@ -8,7 +8,6 @@
 #include "gtest/gtest.h"
 #include "shared/model/model.h"
 #include "shared/service/ffn_split.h"
-#include "shared/sparse/sparse_ffn.h"
 
 namespace pinfer::gpuworker {
 namespace {
