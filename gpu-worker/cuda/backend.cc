@@ -200,11 +200,27 @@ class CudaBackend : public Backend {
   bool UsesStepGraph(const ForwardArgs& a, int layer_end) const;
   BackendStatus RunStepGraph(const ForwardArgs& a, int layer_end, bool head);
   BackendStatus EnqueueStep(const ForwardArgs& a, int layer_end, bool head);
-  // Waits for the FFN input, runs the cold callback, and queues its contribution.
+  // Waits for the FFN input, runs the cold callback, and then either queues its contribution
+  // (pending2_) or, when the following work is already queued behind cold_ready_[l], signals it.
   BackendStatus FinishCold(int l, const ForwardArgs& a, float* exchange_x, float* exchange_out,
-                           int32_t* exchange_active);
+                           int32_t* exchange_active, bool signal);
+  // Queues layer l's GPU work (one graph replay for decode steps). With wait_cold the layer
+  // before it had a cold side whose contribution is not written yet: the work first waits on the
+  // GPU for the host's signal (cold_ready_[l - 1]) and takes the contribution from exchange_out.
+  BackendStatus LaunchLayer(int l, const ForwardArgs& a, float* exchange_x,
+                            const float* exchange_out, bool wait_cold);
   BackendStatus RunLayer(int l, const ForwardArgs& a, float* exchange_x, float* exchange_out,
                          int32_t* exchange_active);
+  // A decode step with every layer queued before the first cold callback (see prelaunch_).
+  BackendStatus RunLayersQueued(const ForwardArgs& a, int layer_end, float* exchange_x,
+                                float* exchange_out, int32_t* exchange_active);
+  // Where the next kernel reads a cold contribution written to exchange_out: in place (zero-copy)
+  // or from cold_in_ after a copy.
+  const float* ColdInput(const float* exchange_out, int n) {
+    return n == 1 && zero_copy_cold_ && DeviceReadable(exchange_out) ? exchange_out : cold_in_;
+  }
+  // Queues the wait for layer l's cold contribution and, unless read in place, its copy up.
+  BackendStatus EnqueueColdWait(int l, const float* exchange_out, int n);
   // Streamed cold rows (prompt batches, ColdPath::kStream).
   bool StreamsLayer(int l, const ForwardArgs& a) const;
   // Whether layer l hands cold rows to the callback (ColdFfn) in this step.
@@ -294,6 +310,12 @@ class CudaBackend : public Backend {
   // exchange buffer in place instead of copying it up first. Off by default: within noise on the
   // H200, and 30% slower with the GPU's cold share at skew 20% (docs/benchmarks.md, session 5).
   bool zero_copy_cold_ = false;
+  // Queued decode steps (PINFER_CUDA_PRELAUNCH, on by default; 0 for comparison): a single-token
+  // step with a cold side queues every layer at once, each waiting on the GPU (WaitHostFlag) for
+  // the previous layer's cold contribution, instead of launching a layer after the callback
+  // returns; the launch and the copy no longer sit between the callback and the next layer.
+  bool prelaunch_ = true;
+  int32_t* cold_ready_ = nullptr;       // [n_layers] pinned: the host's signals, cleared by the GPU
   const void* readable_ptr_ = nullptr;  // last pointer DeviceReadable accepted
   bool DeviceReadable(const void* p);
   bool repack_ = true;
@@ -540,6 +562,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   if (const char* g = std::getenv("PINFER_CUDA_ZERO_COPY_COLD")) {
     zero_copy_cold_ = std::string(g) == "1";
   }
+  if (const char* g = std::getenv("PINFER_CUDA_PRELAUNCH")) prelaunch_ = std::string(g) != "0";
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   cudaDeviceProp prop;
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
@@ -744,6 +767,8 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   BACKEND_RETURN_IF_ERROR(AllocHost(bh, &x_host_));
   BACKEND_RETURN_IF_ERROR(AllocHost(bh, &out_host_));
   BACKEND_RETURN_IF_ERROR(AllocHost(F, &active_host_));
+  BACKEND_RETURN_IF_ERROR(AllocHost(static_cast<size_t>(c.n_layers), &cold_ready_));
+  std::fill(cold_ready_, cold_ready_ + c.n_layers, 0);
   BACKEND_RETURN_IF_ERROR(AllocHost(static_cast<size_t>(c.n_layers) * (F + 1), &observed_host_));
 
   for (auto* v : {&ev_x_, &ev_hot0_, &ev_hot1_, &ev_attn0_}) {
@@ -844,13 +869,17 @@ BackendStatus CudaBackend::PrepareLayer(int l, const ForwardArgs& a) {
   return Ok();
 }
 
-BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange_x,
-                                    float* exchange_out, int32_t* exchange_active) {
+BackendStatus CudaBackend::LaunchLayer(int l, const ForwardArgs& a, float* exchange_x,
+                                       const float* exchange_out, bool wait_cold) {
   BACKEND_RETURN_IF_ERROR(PrepareLayer(l, a));
   const DeviceLayer& L = layers_[l];
   const bool cold = CallsColdSide(l, a);
   const float* pend1 = pending1_;
-  const float* pend2 = pending2_;
+  const float* pend2 = wait_cold ? ColdInput(exchange_out, a.n) : pending2_;
+  auto enqueue = [&]() -> BackendStatus {
+    if (wait_cold) BACKEND_RETURN_IF_ERROR(EnqueueColdWait(l - 1, exchange_out, a.n));
+    return EnqueueLayer(l, a, pend1, pend2, cold, exchange_x);
+  };
   if (use_graphs_ && a.n == 1) {
     // Decode steps replay one captured graph per layer: one launch instead of about twenty.
     const std::vector<int64_t> key = {
@@ -864,12 +893,13 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
         static_cast<int64_t>(reinterpret_cast<uintptr_t>(cold ? exchange_x : nullptr)),
         collect_gpu_times_ ? 1 : 0,
         ObservesActive(a) ? 1 : 0,
-        SharesCold(L, a) ? 1 : 0};
+        SharesCold(L, a) ? 1 : 0,
+        static_cast<int64_t>(reinterpret_cast<uintptr_t>(wait_cold ? exchange_out : nullptr))};
     auto it = graphs_.find(key);
     if (it == graphs_.end()) {
       cudaGraph_t graph = nullptr;
       CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
-      BackendStatus st = EnqueueLayer(l, a, pend1, pend2, cold, exchange_x);
+      BackendStatus st = enqueue();
       cudaError_t end = cudaStreamEndCapture(stream_, &graph);
       if (!st.ok()) {
         if (graph != nullptr) cudaGraphDestroy(graph);
@@ -884,12 +914,56 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
     }
     CUDA_RETURN_IF_ERROR(cudaGraphLaunch(it->second, stream_));
   } else {
-    BACKEND_RETURN_IF_ERROR(EnqueueLayer(l, a, pend1, pend2, cold, exchange_x));
+    BACKEND_RETURN_IF_ERROR(enqueue());
   }
   pending1_ = hot_out_;
   pending2_ = nullptr;
-  if (!cold) return Ok();
-  return FinishCold(l, a, exchange_x, exchange_out, exchange_active);
+  return Ok();
+}
+
+BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange_x,
+                                    float* exchange_out, int32_t* exchange_active) {
+  BACKEND_RETURN_IF_ERROR(LaunchLayer(l, a, exchange_x, exchange_out, /*wait_cold=*/false));
+  if (!CallsColdSide(l, a)) return Ok();
+  return FinishCold(l, a, exchange_x, exchange_out, exchange_active, /*signal=*/false);
+}
+
+BackendStatus CudaBackend::EnqueueColdWait(int l, const float* exchange_out, int n) {
+  CUDA_RETURN_IF_ERROR(WaitHostFlag(cold_ready_ + l, stream_));
+  const float* in = ColdInput(exchange_out, n);
+  if (in != exchange_out) {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cold_in_, exchange_out,
+                                         static_cast<size_t>(n) * dims_.hidden * 4,
+                                         cudaMemcpyHostToDevice, stream_));
+  }
+  pending2_ = in;
+  return Ok();
+}
+
+BackendStatus CudaBackend::RunLayersQueued(const ForwardArgs& a, int layer_end, float* exchange_x,
+                                           float* exchange_out, int32_t* exchange_active) {
+  BackendStatus st;
+  int queued = a.layer_begin;
+  bool wait_cold = false;
+  for (int l = a.layer_begin; st.ok() && l < layer_end; ++l) {
+    st = LaunchLayer(l, a, exchange_x, exchange_out, wait_cold);
+    if (st.ok()) queued = l + 1;
+    wait_cold = CallsColdSide(l, a);
+  }
+  // The last layer's contribution joins the residual after the loop (Forward).
+  if (st.ok() && wait_cold) st = EnqueueColdWait(layer_end - 1, exchange_out, a.n);
+  for (int l = a.layer_begin; st.ok() && l < queued; ++l) {
+    if (CallsColdSide(l, a)) {
+      st = FinishCold(l, a, exchange_x, exchange_out, exchange_active, /*signal=*/true);
+    }
+  }
+  if (st.ok()) return st;
+  // Release every wait the queued work may still hold, let it drain, and leave no signal behind
+  // for the next step (a layer whose wait was never queued keeps its flag set until here).
+  for (int l = 0; l < dims_.n_layers; ++l) __atomic_store_n(cold_ready_ + l, 1, __ATOMIC_RELEASE);
+  cudaStreamSynchronize(stream_);
+  for (int l = 0; l < dims_.n_layers; ++l) __atomic_store_n(cold_ready_ + l, 0, __ATOMIC_RELEASE);
+  return st;
 }
 
 BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float* pend1,
@@ -1146,7 +1220,7 @@ BackendStatus CudaBackend::EnqueueStep(const ForwardArgs& a, int layer_end, bool
 }
 
 BackendStatus CudaBackend::FinishCold(int l, const ForwardArgs& a, float* exchange_x,
-                                      float* exchange_out, int32_t* exchange_active) {
+                                      float* exchange_out, int32_t* exchange_active, bool signal) {
   // The cold side runs while the GPU works on the hot rows.
   const DeviceLayer& L = layers_[l];
   const int n = a.n;
@@ -1192,10 +1266,15 @@ BackendStatus CudaBackend::FinishCold(int l, const ForwardArgs& a, float* exchan
       CUDA_RETURN_IF_ERROR(q);
     }
   }
-  // A single token's cold contribution (one row) is read by the next kernel straight from the
-  // pinned exchange buffer over PCIe (zero-copy), which saves a copy on the critical path;
-  // batches are copied up first.
-  if (n == 1 && zero_copy_cold_ && DeviceReadable(exchange_out)) {
+  if (signal) {
+    // The callback's writes to exchange_out happen before the flag (release), and the GPU reads
+    // them only after it sees the flag.
+    __atomic_store_n(cold_ready_ + l, 1, __ATOMIC_RELEASE);
+    return Ok();
+  }
+  // A single token's cold contribution (one row) may be read by the next kernel straight from
+  // the pinned exchange buffer over PCIe (zero-copy); batches are copied up first.
+  if (ColdInput(exchange_out, n) == exchange_out) {
     pending2_ = exchange_out;
     return Ok();
   }
@@ -1286,7 +1365,13 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
       return st;
     }
   }
-  for (int l = a.layer_begin; l < layer_end && !step_graph; ++l) {
+  // Decode steps with a cold side queue every layer first (prelaunch_); others go layer by layer.
+  const bool queued = !step_graph && prelaunch_ && n == 1 && a.cold != nullptr;
+  if (queued) {
+    BackendStatus st = RunLayersQueued(a, layer_end, exchange_x, exchange_out, exchange_active);
+    if (!st.ok()) return st;  // (it has drained the stream)
+  }
+  for (int l = a.layer_begin; l < layer_end && !step_graph && !queued; ++l) {
     BackendStatus st = RunLayer(l, a, exchange_x, exchange_out, exchange_active);
     if (!st.ok()) {
       cudaStreamSynchronize(stream_);

@@ -1454,6 +1454,13 @@ __global__ void ShareOfCountKernel(const int32_t* count, const int32_t* num, int
   if (threadIdx.x == 0) *out = static_cast<int32_t>(static_cast<int64_t>(*count) * *num / den);
 }
 
+// One thread polls the flag over PCIe; the sleep keeps the bus quiet while the host works.
+__global__ void WaitHostFlagKernel(volatile int32_t* flag) {
+  while (*flag == 0) __nanosleep(256);
+  *flag = 0;
+  __threadfence_system();
+}
+
 __global__ void AddKernel(float* __restrict__ y, const float* __restrict__ x, int64_t count) {
   PdlStart();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
@@ -1987,6 +1994,11 @@ cudaError_t Relu(float* x, int64_t count, cudaStream_t stream) {
 cudaError_t ShareOfCount(const int32_t* count, const int32_t* num, int den, int32_t* out,
                          cudaStream_t stream) {
   return Launch(ShareOfCountKernel, 1, 32, 0, stream, count, num, den, out);
+}
+
+cudaError_t WaitHostFlag(int32_t* flag, cudaStream_t stream) {
+  if (flag == nullptr) return cudaErrorInvalidValue;
+  return Launch(WaitHostFlagKernel, 1, 1, 0, stream, flag);
 }
 
 cudaError_t AddInPlace(float* y, const float* x, int64_t count, cudaStream_t stream) {

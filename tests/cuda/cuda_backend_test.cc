@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "gpu-worker/cuda/backend.h"
@@ -333,6 +334,72 @@ double Nmse(const float* got, const float* want, int n) {
     norm += double(want[i]) * want[i];
   }
   return err / norm;
+}
+
+// A cold side that fails once, at a chosen layer of a chosen call, as a cpu-worker that dies
+// would; otherwise the CPU cold FFN.
+class FailingColdFfn : public cuda::ColdFfn {
+ public:
+  explicit FailingColdFfn(cuda::ColdFfn* inner) : inner_(inner) {}
+  cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
+    if (r.layer == fail_layer) {
+      fail_layer = -1;
+      return {cuda::Code::kUnavailable, "cold side gone at layer " + std::to_string(r.layer)};
+    }
+    return inner_->Run(r);
+  }
+  int fail_layer = -1;
+
+ private:
+  cuda::ColdFfn* inner_;
+};
+
+// Decode steps queue every layer before the first cold callback, each waiting on the GPU for the
+// host's signal (PINFER_CUDA_PRELAUNCH). A callback that fails at the first, a middle or the last
+// layer must return its error without leaving the GPU waiting (the test would hang) or a signal
+// set for the next step (whose layer would then read a contribution not yet written): the step
+// retried at the same position gives the CPU reference's logits. Both orders, queued and layer
+// by layer.
+TEST_F(CudaBackendTest, FailedColdCallbackLeavesNoQueuedWorkBehind) {
+  const int n_layers = model_->config.n_layers;
+  for (const char* prelaunch : {"1", "0"}) {
+    setenv("PINFER_CUDA_PRELAUNCH", prelaunch, 1);
+    auto backend = Create(Upload(/*hot=*/true));
+    unsetenv("PINFER_CUDA_PRELAUNCH");
+    ASSERT_NE(backend, nullptr);
+    CpuColdFfn cpu_cold(*model_, *down_t_, *cold_ids_);
+    FailingColdFfn cold(&cpu_cold);
+    std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
+    Transformer ref(*model_, *ref_ops);
+    KvCache cache(model_->config, 64);
+    const int V = model_->config.vocab_size;
+    std::vector<int32_t> tokens =
+        (*reference_)["prompts"][3]["input_ids"].get<std::vector<int32_t>>();
+    ASSERT_GE(tokens.size(), 5u);
+    std::vector<float> got(V), want(V);
+    for (int pos = 0; pos < static_cast<int>(tokens.size()); ++pos) {
+      ASSERT_TRUE(ref.Forward({&tokens[pos], 1}, pos, &cache, LogitsMode::kLast, want.data()).ok());
+      cuda::ForwardArgs a;
+      a.tokens = &tokens[pos];
+      a.n = 1;
+      a.pos0 = pos;
+      a.mode = cuda::FfnMode::kExact;
+      a.cold = &cold;
+      a.logits = got.data();
+      const int fail_at = pos == 1 ? 0 : pos == 2 ? n_layers / 2 : pos == 4 ? n_layers - 1 : -1;
+      if (fail_at >= 0) {
+        cold.fail_layer = fail_at;
+        cuda::BackendStatus st = backend->Forward(a);
+        EXPECT_EQ(st.code, cuda::Code::kUnavailable) << "PRELAUNCH=" << prelaunch;
+        EXPECT_EQ(st.message, "cold side gone at layer " + std::to_string(fail_at));
+        EXPECT_EQ(cold.fail_layer, -1);
+      }
+      cuda::BackendStatus st = backend->Forward(a);
+      ASSERT_TRUE(st.ok()) << st.message;
+      EXPECT_LE(Nmse(got.data(), want.data(), V), 1e-6)
+          << "position " << pos << ", PRELAUNCH=" << prelaunch;
+    }
+  }
 }
 
 // A copy of `model` with every matrix but the embeddings stored as `type`, and its transposed

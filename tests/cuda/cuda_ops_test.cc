@@ -9,10 +9,12 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -610,6 +612,32 @@ TEST_F(CudaOpsTest, ElementwiseOpsMatchReference) {
   EXPECT_LE(Nmse(dy.Download(), add), kFp32Limit);
   EXPECT_LE(Nmse(dy2.Download(), add2), kFp32Limit);
   EXPECT_TRUE(dr.GuardsIntact() && dy.GuardsIntact() && dy2.GuardsIntact());
+}
+
+// The host-signalled wait: work queued behind it must not run before the host sets the flag,
+// must run after, and the wait clears the flag for the next signal (twice in a row here).
+TEST_F(CudaOpsTest, WaitHostFlagHoldsTheStreamUntilTheHostSignals) {
+  int32_t* flag = nullptr;
+  CUDA_OK(cudaMallocHost(reinterpret_cast<void**>(&flag), sizeof(int32_t)));
+  *flag = 0;
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DevBuf<float> y(std::vector<float>(64, 1.f)), x(std::vector<float>(64, 2.f));
+  for (int round = 0; round < 2; ++round) {
+    CUDA_OK(cuda::WaitHostFlag(flag, stream));
+    CUDA_OK(cuda::AddInPlace(y.get(), x.get(), 64, stream));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    // (Nothing here may synchronize the device before the signal.)
+    EXPECT_EQ(cudaStreamQuery(stream), cudaErrorNotReady) << "round " << round;
+    __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(__atomic_load_n(flag, __ATOMIC_ACQUIRE), 0);
+    EXPECT_EQ(y.Download(), std::vector<float>(64, 1.f + 2.f * (round + 1)));
+  }
+  EXPECT_TRUE(y.GuardsIntact());
+  EXPECT_EQ(cuda::WaitHostFlag(nullptr, stream), cudaErrorInvalidValue);
+  CUDA_OK(cudaStreamDestroy(stream));
+  CUDA_OK(cudaFreeHost(flag));
 }
 
 TEST_F(CudaOpsTest, EmbedMatchesDequantizedRows) {
