@@ -211,7 +211,7 @@ class CudaBackend : public Backend {
                             const float* exchange_out, bool wait_cold);
   BackendStatus RunLayer(int l, const ForwardArgs& a, float* exchange_x, float* exchange_out,
                          int32_t* exchange_active);
-  // A decode step with every layer queued before the first cold callback (see prelaunch_).
+  // A decode step with each layer queued before the previous one's cold callback (prelaunch_).
   BackendStatus RunLayersQueued(const ForwardArgs& a, int layer_end, float* exchange_x,
                                 float* exchange_out, int32_t* exchange_active);
   // Where the next kernel reads a cold contribution written to exchange_out: in place (zero-copy)
@@ -310,10 +310,11 @@ class CudaBackend : public Backend {
   // exchange buffer in place instead of copying it up first. Off by default: within noise on the
   // H200, and 30% slower with the GPU's cold share at skew 20% (docs/benchmarks.md, session 5).
   bool zero_copy_cold_ = false;
-  // Queued decode steps (PINFER_CUDA_PRELAUNCH, on by default; 0 for comparison): a single-token
-  // step with a cold side queues every layer at once, each waiting on the GPU (WaitHostFlag) for
-  // the previous layer's cold contribution, instead of launching a layer after the callback
-  // returns; the launch and the copy no longer sit between the callback and the next layer.
+  // Queued decode steps (PINFER_CUDA_PRELAUNCH, on by default; 0 for comparison): in a
+  // single-token step with a cold side, the next layer is queued before a layer's callback runs,
+  // waiting on the GPU (WaitHostFlag) for the cold contribution, instead of being launched after
+  // the callback returns; the launch and the copy no longer sit between the callback and the
+  // next layer.
   bool prelaunch_ = true;
   int32_t* cold_ready_ = nullptr;       // [n_layers] pinned: the host's signals, cleared by the GPU
   const void* readable_ptr_ = nullptr;  // last pointer DeviceReadable accepted
@@ -942,18 +943,19 @@ BackendStatus CudaBackend::EnqueueColdWait(int l, const float* exchange_out, int
 
 BackendStatus CudaBackend::RunLayersQueued(const ForwardArgs& a, int layer_end, float* exchange_x,
                                            float* exchange_out, int32_t* exchange_active) {
-  BackendStatus st;
-  int queued = a.layer_begin;
-  bool wait_cold = false;
+  // One layer ahead: the next layer is queued (waiting for this one's signal) before this one's
+  // callback runs. Not more: a launch blocks once the device's queue is full, and with every
+  // layer of a 40-layer step queued at once the host sat in a launch while the GPU waited for a
+  // signal the host had not sent.
+  BackendStatus st = LaunchLayer(a.layer_begin, a, exchange_x, exchange_out, false);
   for (int l = a.layer_begin; st.ok() && l < layer_end; ++l) {
-    st = LaunchLayer(l, a, exchange_x, exchange_out, wait_cold);
-    if (st.ok()) queued = l + 1;
-    wait_cold = CallsColdSide(l, a);
-  }
-  // The last layer's contribution joins the residual after the loop (Forward).
-  if (st.ok() && wait_cold) st = EnqueueColdWait(layer_end - 1, exchange_out, a.n);
-  for (int l = a.layer_begin; st.ok() && l < queued; ++l) {
-    if (CallsColdSide(l, a)) {
+    const bool cold = CallsColdSide(l, a);
+    if (l + 1 < layer_end) {
+      st = LaunchLayer(l + 1, a, exchange_x, exchange_out, cold);
+    } else if (cold) {
+      st = EnqueueColdWait(l, exchange_out, a.n);  // joins the residual after the loop (Forward)
+    }
+    if (st.ok() && cold) {
       st = FinishCold(l, a, exchange_x, exchange_out, exchange_active, /*signal=*/true);
     }
   }
