@@ -313,8 +313,8 @@ class CudaBackend : public Backend {
   // Queued decode steps (PINFER_CUDA_PRELAUNCH, on by default; 0 for comparison): in a
   // single-token step with a cold side, the next layer is queued before a layer's callback runs,
   // waiting on the GPU (WaitHostFlag) for the cold contribution, instead of being launched after
-  // the callback returns; the launch and the copy no longer sit between the callback and the
-  // next layer.
+  // the callback returns, so the host's launch and copy calls leave the critical path. On the
+  // H200 the time per token outside the callback fell by 0-0.4 ms (docs/benchmarks.md, run 21).
   bool prelaunch_ = true;
   int32_t* cold_ready_ = nullptr;       // [n_layers] pinned: the host's signals, cleared by the GPU
   const void* readable_ptr_ = nullptr;  // last pointer DeviceReadable accepted
@@ -1367,7 +1367,7 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
       return st;
     }
   }
-  // Decode steps with a cold side queue every layer first (prelaunch_); others go layer by layer.
+  // Decode steps with a cold side queue each layer ahead of the callbacks (prelaunch_).
   const bool queued = !step_graph && prelaunch_ && n == 1 && a.cold != nullptr;
   if (queued) {
     BackendStatus st = RunLayersQueued(a, layer_end, exchange_x, exchange_out, exchange_active);
