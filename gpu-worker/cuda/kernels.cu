@@ -1021,12 +1021,6 @@ bool g_qx_balanced = [] {
   const char* e = std::getenv("PINFER_CUDA_QX_SHAPE");
   return e == nullptr || std::strcmp(e, "fixed") != 0;
 }();
-// Rows of at most 16 blocks take MatVecSplitQ8xShortKernel (PINFER_CUDA_QX_SHORT=0: the warp-a-row
-// kernel, for comparison).
-bool g_qx_short = [] {
-  const char* e = std::getenv("PINFER_CUDA_QX_SHORT");
-  return e == nullptr || std::strcmp(e, "0") != 0;
-}();
 // Norm rows held in registers up to this many elements a thread (PINFER_CUDA_NORM_LOOP=1: 0,
 // the element-by-element loop, for comparison).
 int g_norm_regs = [] {
@@ -1054,12 +1048,33 @@ __device__ __forceinline__ int SplitBlockIntDot(const uint4* q, const int4* xw) 
   return s;
 }
 
-// x: [cols] -> int8 blocks xq, scales xd and block sums xsum (shared memory), every thread of
-// the block taking part: four consecutive lanes per block of 32, eight values each.
-__device__ __forceinline__ void QuantizeXToShared(const float* __restrict__ x, int64_t cols,
-                                                  int threads, int8_t* xq, float* xd, int* xsum) {
-  const int lane = threadIdx.x % kWarp;
-  for (int e0 = threadIdx.x * 8; e0 < cols; e0 += threads * 8) {
+// One row a warp fits in 40 registers without spilling, so it is compiled for 48 resident warps
+// an SM; two or more rows a warp take 56-80 registers (32 warps at most).
+template <WType T, int kQxWarps, int R>
+__global__ void __launch_bounds__(kQxWarps* kWarp, R == 1 ? 48 / kQxWarps : 1)
+    MatVecSplitQ8xKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
+                         int64_t cols, const int32_t* __restrict__ rows, int n_rows,
+                         const int32_t* __restrict__ dev_count, const float* __restrict__ x,
+                         float* __restrict__ y, bool prefetch, const int8_t* __restrict__ pre) {
+  extern __shared__ int4 xsh[];
+  constexpr int QB = kSplitBlockBytes<T>;
+  constexpr int QV = QB / 16;
+  const int nblk = static_cast<int>(cols / 32);
+  const size_t qrb = static_cast<size_t>(nblk) * QB;
+  // x as int8 blocks: quantized by the producer (pre, see QxBytes) or here into shared memory.
+  const int8_t* src = pre != nullptr ? pre : reinterpret_cast<const int8_t*>(xsh);
+  int8_t* xq = const_cast<int8_t*>(src);            // [cols]
+  float* xd = reinterpret_cast<float*>(xq + cols);  // [nblk]
+  int* xsum = reinterpret_cast<int*>(xd + nblk);    // [nblk]
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int i0 = (blockIdx.x * kQxWarps + warp) * R;
+  PdlTrigger();
+  if (prefetch && rows == nullptr && dev_count == nullptr && lane < R && i0 + lane < n_rows) {
+    PrefetchL2(qs + static_cast<size_t>(i0 + lane) * qrb, static_cast<uint32_t>(qrb));
+  }
+  PdlWait();
+  // Four consecutive lanes per block of 32, eight values each.
+  for (int e0 = threadIdx.x * 8; pre == nullptr && e0 < cols; e0 += kQxWarps * kWarp * 8) {
     const unsigned group = 0xfu << (lane & ~3);
     const float4 a = __ldg(reinterpret_cast<const float4*>(x + e0));
     const float4 c = __ldg(reinterpret_cast<const float4*>(x + e0 + 4));
@@ -1087,37 +1102,7 @@ __device__ __forceinline__ void QuantizeXToShared(const float* __restrict__ x, i
       xsum[e0 / 32] = sum;
     }
   }
-}
-
-// One row a warp fits in 40 registers without spilling, so it is compiled for 48 resident warps
-// an SM; two or more rows a warp take 56-80 registers (32 warps at most).
-template <WType T, int kQxWarps, int R>
-__global__ void __launch_bounds__(kQxWarps* kWarp, R == 1 ? 48 / kQxWarps : 1)
-    MatVecSplitQ8xKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
-                         int64_t cols, const int32_t* __restrict__ rows, int n_rows,
-                         const int32_t* __restrict__ dev_count, const float* __restrict__ x,
-                         float* __restrict__ y, bool prefetch, const int8_t* __restrict__ pre) {
-  extern __shared__ int4 xsh[];
-  constexpr int QB = kSplitBlockBytes<T>;
-  constexpr int QV = QB / 16;
-  const int nblk = static_cast<int>(cols / 32);
-  const size_t qrb = static_cast<size_t>(nblk) * QB;
-  // x as int8 blocks: quantized by the producer (pre, see QxBytes) or here into shared memory.
-  const int8_t* src = pre != nullptr ? pre : reinterpret_cast<const int8_t*>(xsh);
-  int8_t* xq = const_cast<int8_t*>(src);            // [cols]
-  float* xd = reinterpret_cast<float*>(xq + cols);  // [nblk]
-  int* xsum = reinterpret_cast<int*>(xd + nblk);    // [nblk]
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int i0 = (blockIdx.x * kQxWarps + warp) * R;
-  PdlTrigger();
-  if (prefetch && rows == nullptr && dev_count == nullptr && lane < R && i0 + lane < n_rows) {
-    PrefetchL2(qs + static_cast<size_t>(i0 + lane) * qrb, static_cast<uint32_t>(qrb));
-  }
-  PdlWait();
-  if (pre == nullptr) {
-    QuantizeXToShared(x, cols, kQxWarps * kWarp, xq, xd, xsum);
-    __syncthreads();
-  }
+  if (pre == nullptr) __syncthreads();
   const int count = dev_count != nullptr ? *dev_count : n_rows;
   if (i0 >= count) return;
   const int nr = min(R, count - i0);
@@ -1187,60 +1172,6 @@ __global__ void __launch_bounds__(kQxWarps* kWarp, R == 1 ? 48 / kQxWarps : 1)
     const float v = WarpSum(acc[r]);
     if (lane == 0 && r < nr) y[i0 + r] = v;
   }
-}
-
-// Short rows (at most 16 blocks, such as a predictor's fc2, [ffn, rank]): with a warp a row most
-// lanes would idle (Nsight Compute: the Q4_0 fc2 of rank 256, 13824 rows, 7.5-8 us for 2 MB with
-// 8 of 32 lanes busy; docs/cuda-runs/session8-ncu/), so kLanes lanes share a row and a warp takes
-// 32 / kLanes rows. The same per-block terms as MatVecSplitQ8xKernel (d_w * d_x * integer dot);
-// only the order in which they are added differs.
-constexpr int kQxShortWarps = 8;
-template <WType T, int kLanes>
-__global__ void __launch_bounds__(kQxShortWarps* kWarp)
-    MatVecSplitQ8xShortKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
-                              int64_t cols, const int32_t* __restrict__ rows, int n_rows,
-                              const int32_t* __restrict__ dev_count, const float* __restrict__ x,
-                              float* __restrict__ y, const int8_t* __restrict__ pre) {
-  extern __shared__ int4 xsh[];
-  constexpr int QB = kSplitBlockBytes<T>;
-  constexpr int QV = QB / 16;
-  const int nblk = static_cast<int>(cols / 32);
-  const size_t qrb = static_cast<size_t>(nblk) * QB;
-  const int8_t* src = pre != nullptr ? pre : reinterpret_cast<const int8_t*>(xsh);
-  int8_t* xq = const_cast<int8_t*>(src);            // [cols]
-  float* xd = reinterpret_cast<float*>(xq + cols);  // [nblk]
-  int* xsum = reinterpret_cast<int*>(xd + nblk);    // [nblk]
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int sub = lane % kLanes;
-  const int i = (blockIdx.x * kQxShortWarps + warp) * (kWarp / kLanes) + lane / kLanes;
-  PdlTrigger();
-  PdlWait();
-  if (pre == nullptr) {
-    QuantizeXToShared(x, cols, kQxShortWarps * kWarp, xq, xd, xsum);
-    __syncthreads();
-  }
-  const int count = dev_count != nullptr ? *dev_count : n_rows;
-  if ((blockIdx.x * kQxShortWarps + warp) * (kWarp / kLanes) >= count) return;  // whole warp
-  float acc = 0.f;
-  if (i < count) {
-    const int64_t rid = rows != nullptr ? rows[i] : i;
-    const uint8_t* rq = qs + static_cast<size_t>(rid) * qrb;
-    const uint16_t* rs = scales + static_cast<size_t>(rid) * nblk;
-    for (int b = sub; b < nblk; b += kLanes) {
-      uint4 q[QV];
-      const uint4* p = reinterpret_cast<const uint4*>(rq + static_cast<size_t>(b) * QB);
-#pragma unroll
-      for (int v = 0; v < QV; ++v) q[v] = LoadStream(p + v);
-      const float dw = H2F(rs[b]);
-      const int off = T == WType::kQ4_0 ? 8 * xsum[b] : 0;
-      acc += dw * xd[b] *
-             static_cast<float>(SplitBlockIntDot<T>(q, reinterpret_cast<const int4*>(xq + b * 32)) -
-                                off);
-    }
-  }
-#pragma unroll
-  for (int o = kLanes / 2; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  if (sub == 0 && i < count) y[i] = acc;
 }
 
 // The sparse down projection over a split matrix: as AccumulateRowsKernel's 16-byte path, a
@@ -1674,7 +1605,6 @@ void SetWeightPrefetch(bool on) { g_prefetch = on; }
 void SetQuantWarps(int warps) { g_qx_warps = warps == 4 || warps == 8 ? warps : 16; }
 void SetQuantRowsPerWarp(int rows) { g_qx_rows = rows == 1 || rows == 2 || rows == 4 ? rows : 0; }
 void SetQuantShapeBalanced(bool on) { g_qx_balanced = on; }
-void SetQuantShortRows(bool on) { g_qx_short = on; }
 void SetNormInRegisters(bool on) { g_norm_regs = on ? kNormRegs : 0; }
 bool QuantizedActivations() { return g_q8x; }
 bool ProgrammaticLaunch() { return g_pdl; }
@@ -1867,23 +1797,6 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
     if (w.split() && g_q8x && qx_smem <= 48 * 1024) {
       // One launch per token (the batches here are at most kMaxTok tokens).
       const auto* sc = static_cast<const uint16_t*>(w.scales);
-      const int64_t nblk = w.cols / 32;
-      if (g_qx_short && nblk <= 16) {
-        const int lanes = nblk <= 4 ? 4 : nblk <= 8 ? 8 : 16;
-        const int rows_per_block = kQxShortWarps * kWarp / lanes;
-        const int blocks = (n_rows + rows_per_block - 1) / rows_per_block;
-        auto kernel = lanes == 4   ? MatVecSplitQ8xShortKernel<T, 4>
-                      : lanes == 8 ? MatVecSplitQ8xShortKernel<T, 8>
-                                   : MatVecSplitQ8xShortKernel<T, 16>;
-        for (int t = 0; t < nt; ++t) {
-          cudaError_t e =
-              Launch(kernel, blocks, kQxShortWarps * kWarp, qx_smem, stream, base, sc, w.cols, rows,
-                     n_rows, dev_count, xt + t * w.cols, yt + static_cast<int64_t>(t) * ldy,
-                     qx != nullptr ? qx + QxRegionBytes(w.cols) * t : nullptr);
-          if (e != cudaSuccess) return e;
-        }
-        return cudaSuccess;
-      }
       int r = g_qx_rows, warps = g_qx_warps;
       if (r == 0) {
         r = 4;

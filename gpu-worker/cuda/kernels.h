@@ -85,10 +85,6 @@ void SetQuantRowsPerWarp(int rows);
 // Whether each launch of that kernel may take fewer rows a block so that the SMs' shares of a
 // short matrix stay even (default; PINFER_CUDA_QX_SHAPE=fixed turns it off).
 void SetQuantShapeBalanced(bool on);
-// Whether rows of at most 16 blocks (a predictor's fc2) share a warp, a few lanes a row
-// (default), or take a warp each (PINFER_CUDA_QX_SHORT=0); the values are the same up to the
-// order of the per-block terms.
-void SetQuantShortRows(bool on);
 // Whether the norms hold a row in registers (default) or loop element by element
 // (PINFER_CUDA_NORM_LOOP=1), for comparison; the values are the same.
 void SetNormInRegisters(bool on);

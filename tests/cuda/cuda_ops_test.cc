@@ -972,32 +972,27 @@ std::vector<float> Q8xReference(const HostWeights& w, const std::vector<int32_t>
 // The split layout's llama.cpp-definition path (SetQuantizedActivations) against that
 // definition: all rows and listed rows with a device count, one and several tokens, for the
 // kernel's warps per block and rows per warp (0: chosen by the row count), each as configured
-// and with the wave-balanced shape of short matrices (fewer warps a block), and rows of 1 to 16
-// blocks both in the kernel that shares a warp among them and in the warp-a-row one.
+// and with the wave-balanced shape of short matrices (fewer warps a block).
 TEST_F(CudaOpsTest, QuantizedActivationsMatchLlamaCppDefinition) {
   const bool q8x = cuda::QuantizedActivations();
   cuda::SetQuantizedActivations(true);
-  // short_rows: rows of at most 16 blocks (32..512 columns here) share a warp; without it they
-  // take the configured shape like the longer ones.
-  for (auto [warps, rows_per_warp, balanced, short_rows] : {std::tuple{16, 1, true, true},
-                                                            {16, 1, true, false},
-                                                            {16, 1, false, true},
-                                                            {16, 2, false, true},
-                                                            {4, 0, false, false},
-                                                            {8, 0, true, true},
-                                                            {16, 0, false, true},
-                                                            {8, 1, false, false},
-                                                            {4, 1, true, true},
-                                                            {8, 4, false, true},
-                                                            {4, 4, true, false},
-                                                            {16, 4, false, true},
-                                                            {16, 2, true, true}}) {
+  for (auto [warps, rows_per_warp, balanced] : {std::tuple{16, 1, true},
+                                                {16, 1, false},
+                                                {16, 2, false},
+                                                {4, 0, false},
+                                                {8, 0, true},
+                                                {16, 0, false},
+                                                {8, 1, false},
+                                                {4, 1, true},
+                                                {8, 4, false},
+                                                {4, 4, true},
+                                                {16, 4, false},
+                                                {16, 2, true}}) {
     cuda::SetQuantWarps(warps);
     cuda::SetQuantRowsPerWarp(rows_per_warp);
     cuda::SetQuantShapeBalanced(balanced);
-    cuda::SetQuantShortRows(short_rows);
     for (DType type : {DType::kQ8_0, DType::kQ4_0}) {
-      for (int64_t cols : {32, 96, 256, 512, 1056, 5120}) {
+      for (int64_t cols : {512, 1056, 5120}) {
         const int64_t rows = 301;
         HostWeights w = RandomWeights(type, rows, cols);
         DevBuf<uint8_t> dg(w.bytes.size()), ds(w.bytes.size());
@@ -1035,9 +1030,8 @@ TEST_F(CudaOpsTest, QuantizedActivationsMatchLlamaCppDefinition) {
             }
           }
           EXPECT_LE(Nmse(out2, ref2), kFp32Limit)
-              << DTypeName(type) << " listed, cols " << cols << ", n " << n << ", " << warps
-              << " warps, " << rows_per_warp << " rows per warp, balanced " << balanced
-              << ", short rows " << short_rows;
+              << DTypeName(type) << " listed, n " << n << ", " << warps << " warps, "
+              << rows_per_warp << " rows per warp, balanced " << balanced;
         }
       }
     }
@@ -1045,7 +1039,6 @@ TEST_F(CudaOpsTest, QuantizedActivationsMatchLlamaCppDefinition) {
   cuda::SetQuantWarps(16);  // the defaults
   cuda::SetQuantRowsPerWarp(1);
   cuda::SetQuantShapeBalanced(true);
-  cuda::SetQuantShortRows(true);
   cuda::SetQuantizedActivations(q8x);
 }
 
