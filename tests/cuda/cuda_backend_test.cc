@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -110,6 +111,16 @@ class CpuColdFfn : public cuda::ColdFfn {
   const std::vector<std::vector<int32_t>>& cold_ids_;
   std::unique_ptr<CpuOps> ops_;
 };
+
+double Nmse(const float* got, const float* want, int n) {
+  double err = 0, norm = 0;
+  for (int i = 0; i < n; ++i) {
+    if (std::isnan(got[i])) return INFINITY;
+    err += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+    norm += double(want[i]) * want[i];
+  }
+  return err / norm;
+}
 
 class CudaBackendTest : public ::testing::Test {
  protected:
@@ -244,6 +255,37 @@ class CudaBackendTest : public ::testing::Test {
     return out;
   }
 
+  // Token by token over a reference prompt, in exact mode with `cold`: each step's logits equal
+  // the CPU reference forward pass's up to fp32 summation order (NMSE <= 1e-6, no NaN).
+  // `before` may run steps of its own at each position first.
+  static void ExpectStepsMatchReference(
+      cuda::Backend* b, cuda::ColdFfn* cold, int prompt_no, int seq,
+      const std::function<void(const cuda::ForwardArgs&)>& before = nullptr) {
+    std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
+    Transformer ref(*model_, *ref_ops);
+    KvCache cache(model_->config, 64);
+    const int V = model_->config.vocab_size;
+    std::vector<int32_t> tokens =
+        (*reference_)["prompts"][prompt_no]["input_ids"].get<std::vector<int32_t>>();
+    ASSERT_GE(tokens.size(), 5u);
+    std::vector<float> got(V), want(V);
+    for (int pos = 0; pos < static_cast<int>(tokens.size()); ++pos) {
+      ASSERT_TRUE(ref.Forward({&tokens[pos], 1}, pos, &cache, LogitsMode::kLast, want.data()).ok());
+      cuda::ForwardArgs a;
+      a.tokens = &tokens[pos];
+      a.n = 1;
+      a.pos0 = pos;
+      a.seq = seq;
+      a.mode = cuda::FfnMode::kExact;
+      a.cold = cold;
+      a.logits = got.data();
+      if (before) before(a);
+      cuda::BackendStatus st = b->Forward(a);
+      ASSERT_TRUE(st.ok()) << st.message;
+      EXPECT_LE(Nmse(got.data(), want.data(), V), 1e-6) << "position " << pos;
+    }
+  }
+
   static Module* module_;
   static Model* model_;
   static nlohmann::json* reference_;
@@ -297,43 +339,7 @@ TEST_F(CudaBackendTest, StepLogitsMatchCpuReference) {
   auto backend = Create(Upload(/*hot=*/true));
   ASSERT_NE(backend, nullptr);
   CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
-  std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
-  Transformer ref(*model_, *ref_ops);
-  KvCache cache(model_->config, 64);
-  const int V = model_->config.vocab_size;
-  std::vector<int32_t> tokens =
-      (*reference_)["prompts"][10]["input_ids"].get<std::vector<int32_t>>();
-  std::vector<float> got(V), want(V);
-  for (int pos = 0; pos < static_cast<int>(tokens.size()); ++pos) {
-    ASSERT_TRUE(ref.Forward({&tokens[pos], 1}, pos, &cache, LogitsMode::kLast, want.data()).ok());
-    cuda::ForwardArgs a;
-    a.tokens = &tokens[pos];
-    a.n = 1;
-    a.pos0 = pos;
-    a.seq = 1;
-    a.mode = cuda::FfnMode::kExact;
-    a.cold = &cold;
-    a.logits = got.data();
-    cuda::BackendStatus st = backend->Forward(a);
-    ASSERT_TRUE(st.ok()) << st.message;
-    double err = 0, norm = 0;
-    for (int i = 0; i < V; ++i) {
-      ASSERT_FALSE(std::isnan(got[i]));
-      err += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-      norm += double(want[i]) * want[i];
-    }
-    EXPECT_LE(err / norm, 1e-6) << "position " << pos;
-  }
-}
-
-double Nmse(const float* got, const float* want, int n) {
-  double err = 0, norm = 0;
-  for (int i = 0; i < n; ++i) {
-    if (std::isnan(got[i])) return INFINITY;
-    err += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-    norm += double(want[i]) * want[i];
-  }
-  return err / norm;
+  ExpectStepsMatchReference(backend.get(), &cold, /*prompt_no=*/10, /*seq=*/1);
 }
 
 // A cold side that fails once, at a chosen layer of a chosen call, as a cpu-worker that dies
@@ -363,42 +369,29 @@ class FailingColdFfn : public cuda::ColdFfn {
 TEST_F(CudaBackendTest, FailedColdCallbackLeavesNoQueuedWorkBehind) {
   const int n_layers = model_->config.n_layers;
   for (const char* prelaunch : {"1", "0"}) {
+    SCOPED_TRACE(std::string("PINFER_CUDA_PRELAUNCH=") + prelaunch);
     setenv("PINFER_CUDA_PRELAUNCH", prelaunch, 1);
     auto backend = Create(Upload(/*hot=*/true));
     unsetenv("PINFER_CUDA_PRELAUNCH");
     ASSERT_NE(backend, nullptr);
     CpuColdFfn cpu_cold(*model_, *down_t_, *cold_ids_);
     FailingColdFfn cold(&cpu_cold);
-    std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
-    Transformer ref(*model_, *ref_ops);
-    KvCache cache(model_->config, 64);
-    const int V = model_->config.vocab_size;
-    std::vector<int32_t> tokens =
-        (*reference_)["prompts"][3]["input_ids"].get<std::vector<int32_t>>();
-    ASSERT_GE(tokens.size(), 5u);
-    std::vector<float> got(V), want(V);
-    for (int pos = 0; pos < static_cast<int>(tokens.size()); ++pos) {
-      ASSERT_TRUE(ref.Forward({&tokens[pos], 1}, pos, &cache, LogitsMode::kLast, want.data()).ok());
-      cuda::ForwardArgs a;
-      a.tokens = &tokens[pos];
-      a.n = 1;
-      a.pos0 = pos;
-      a.mode = cuda::FfnMode::kExact;
-      a.cold = &cold;
-      a.logits = got.data();
-      const int fail_at = pos == 1 ? 0 : pos == 2 ? n_layers / 2 : pos == 4 ? n_layers - 1 : -1;
-      if (fail_at >= 0) {
-        cold.fail_layer = fail_at;
-        cuda::BackendStatus st = backend->Forward(a);
-        EXPECT_EQ(st.code, cuda::Code::kUnavailable) << "PRELAUNCH=" << prelaunch;
-        EXPECT_EQ(st.message, "cold side gone at layer " + std::to_string(fail_at));
-        EXPECT_EQ(cold.fail_layer, -1);
-      }
-      cuda::BackendStatus st = backend->Forward(a);
-      ASSERT_TRUE(st.ok()) << st.message;
-      EXPECT_LE(Nmse(got.data(), want.data(), V), 1e-6)
-          << "position " << pos << ", PRELAUNCH=" << prelaunch;
-    }
+    int failures = 0;
+    ExpectStepsMatchReference(
+        backend.get(), &cold, /*prompt_no=*/3, /*seq=*/0, [&](const cuda::ForwardArgs& a) {
+          const int fail_at = a.pos0 == 1   ? 0
+                              : a.pos0 == 2 ? n_layers / 2
+                              : a.pos0 == 4 ? n_layers - 1
+                                            : -1;
+          if (fail_at < 0) return;
+          cold.fail_layer = fail_at;
+          cuda::BackendStatus st = backend->Forward(a);
+          EXPECT_EQ(st.code, cuda::Code::kUnavailable);
+          EXPECT_EQ(st.message, "cold side gone at layer " + std::to_string(fail_at));
+          EXPECT_EQ(cold.fail_layer, -1);
+          ++failures;
+        });
+    EXPECT_EQ(failures, 3);
   }
 }
 
