@@ -219,7 +219,8 @@ class CudaBackend : public Backend {
   const float* ColdInput(const float* exchange_out, int n) {
     return n == 1 && zero_copy_cold_ && DeviceReadable(exchange_out) ? exchange_out : cold_in_;
   }
-  // Queues the wait for layer l's cold contribution and, unless read in place, its copy up.
+  // Queues the wait for layer l's cold contribution and, unless read in place (ColdInput), its
+  // copy up.
   BackendStatus EnqueueColdWait(int l, const float* exchange_out, int n);
   // Streamed cold rows (prompt batches, ColdPath::kStream).
   bool StreamsLayer(int l, const ForwardArgs& a) const;
@@ -314,7 +315,7 @@ class CudaBackend : public Backend {
   // single-token step with a cold side, the next layer is queued before a layer's callback runs,
   // waiting on the GPU (WaitHostFlag) for the cold contribution, instead of being launched after
   // the callback returns, so the host's launch and copy calls leave the critical path. On the
-  // H200 the time per token outside the callback fell by 0-0.4 ms (docs/benchmarks.md, run 21).
+  // H200 the time per token outside the callback fell by 0-0.65 ms (docs/benchmarks.md, run 21).
   bool prelaunch_ = true;
   int32_t* cold_ready_ = nullptr;       // [n_layers] pinned: the host's signals, cleared by the GPU
   const void* readable_ptr_ = nullptr;  // last pointer DeviceReadable accepted
@@ -937,7 +938,6 @@ BackendStatus CudaBackend::EnqueueColdWait(int l, const float* exchange_out, int
                                          static_cast<size_t>(n) * dims_.hidden * 4,
                                          cudaMemcpyHostToDevice, stream_));
   }
-  pending2_ = in;
   return Ok();
 }
 
@@ -953,7 +953,9 @@ BackendStatus CudaBackend::RunLayersQueued(const ForwardArgs& a, int layer_end, 
     if (l + 1 < layer_end) {
       st = LaunchLayer(l + 1, a, exchange_x, exchange_out, cold);
     } else if (cold) {
-      st = EnqueueColdWait(l, exchange_out, a.n);  // joins the residual after the loop (Forward)
+      // The last contribution joins the residual after the loop (Forward).
+      st = EnqueueColdWait(l, exchange_out, a.n);
+      pending2_ = ColdInput(exchange_out, a.n);
     }
     if (st.ok() && cold) {
       st = FinishCold(l, a, exchange_x, exchange_out, exchange_active, /*signal=*/true);

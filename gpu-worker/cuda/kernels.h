@@ -179,9 +179,9 @@ cudaError_t AddInPlace(float* y, const float* x, int64_t count, cudaStream_t str
 cudaError_t ShareOfCount(const int32_t* count, const int32_t* num, int den, int32_t* out,
                          cudaStream_t stream);
 // Holds the stream until the host sets *flag (pinned host memory) to non-zero, then clears it:
-// work queued behind it waits for a result the host has not written yet, so a decode step can be
-// queued whole before its cold contributions exist. Each set must be consumed by exactly one
-// wait; the host must not set the flag again before this wait has run.
+// work queued behind it waits for a result the host has not written yet, so a decode step's next
+// layer can be queued before the current layer's cold contribution exists. Each set must be
+// consumed by exactly one wait; the host must not set the flag again before this wait has run.
 cudaError_t WaitHostFlag(int32_t* flag, cudaStream_t stream);
 // y[i] += x[i] + z[i] (the residual plus the hot and cold FFN parts).
 cudaError_t Add2InPlace(float* y, const float* x, const float* z, int64_t count,
