@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <utility>
 
 #include "gpu-worker/cuda/kernels.h"
@@ -258,11 +259,15 @@ __device__ __forceinline__ void LoadUnit(const uint8_t* row, int64_t u, float* w
 }
 
 // ---------------------------------------------------------------------------------------------
-// x quantized for the int8 matrix-vector product (QxBytes): where the region's parts start.
+// x quantized for the int8 matrix-vector product (QxBytes), one region per token: the values,
+// then each block's scale, then each block's sum. (Measured and dropped: each block's first and
+// last 16 values in separate halves, so that a warp's two 16-byte loads of x each cover 512
+// contiguous bytes instead of 1 KB at half use; the products took 3-12% longer under Nsight
+// Compute, docs/cuda-runs/session9-norm/.)
 struct QxParts {
-  int8_t* q;
-  float* d;
-  int* sum;
+  int8_t* q;  // [cols]
+  float* d;   // [cols / 32] the blocks' scales, rounded to fp16
+  int* sum;   // [cols / 32] the sums of their int8 values (Q4_0's offset of 8 needs them)
 };
 __host__ __device__ __forceinline__ size_t QxRegionBytes(int64_t cols) {
   return (static_cast<size_t>(cols) + static_cast<size_t>(cols / 32) * 8 + 15) / 16 * 16;
@@ -273,8 +278,8 @@ __device__ __forceinline__ QxParts QxAt(void* region, int64_t cols, int token) {
   return {q, d, reinterpret_cast<int*>(d + cols / 32)};
 }
 // A warp whose lanes hold the 32 consecutive values of block `blk` (lane l: value l) quantizes
-// it. The operations are MatVecSplitQ8xKernel's own (max is exact in any order, the sum is an
-// integer), so the product gets the same values whichever side quantized.
+// it. The operations are QuantizeEight's (max is exact in any order, the sum is an integer), so
+// the product gets the same values whichever side quantized.
 __device__ __forceinline__ void QuantizeBlockInWarp(float v, int lane, int64_t blk, QxParts out) {
   float amax = fabsf(v);
 #pragma unroll
@@ -289,6 +294,33 @@ __device__ __forceinline__ void QuantizeBlockInWarp(float v, int lane, int64_t b
   if (lane == 0) {
     out.d[blk] = __half2float(__float2half_rn(d));
     out.sum[blk] = sum;
+  }
+}
+// Four consecutive lanes quantize a block of 32, eight consecutive values each: v holds values
+// e0 .. e0 + 7 (e0 a multiple of 8); all four lanes of the group take part.
+__device__ __forceinline__ void QuantizeEight(const float (&v)[8], int64_t e0, QxParts out) {
+  const unsigned group = 0xfu << ((threadIdx.x % kWarp) & ~3);
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  amax = fmaxf(amax, __shfl_xor_sync(group, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(group, amax, 2));
+  const float d = amax / 127.f;
+  const float inv = d != 0.f ? 1.f / d : 0.f;
+  uint32_t packed[2] = {0u, 0u};
+  int sum = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int q = __float2int_rn(v[i] * inv);
+    sum += q;
+    packed[i / 4] |= (static_cast<uint32_t>(q) & 0xffu) << (8 * (i % 4));
+  }
+  *reinterpret_cast<uint2*>(out.q + e0) = make_uint2(packed[0], packed[1]);
+  sum += __shfl_xor_sync(group, sum, 1);
+  sum += __shfl_xor_sync(group, sum, 2);
+  if (e0 % 32 == 0) {
+    out.d[e0 / 32] = __half2float(__float2half_rn(d));
+    out.sum[e0 / 32] = sum;
   }
 }
 
@@ -393,6 +425,62 @@ __global__ void __launch_bounds__(1024)
     const float scale = 1.f / rms;
     for (int i = threadIdx.x; i < dim; i += B) PutNormed(xt[i], scale, weight[i], i, ot, parts);
   }
+  if (rms_out != nullptr && threadIdx.x == 0) rms_out[blockIdx.x] = rms;
+}
+
+__device__ __forceinline__ void Load8(const float* p, float (&v)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ __forceinline__ void Store8(float* p, const float (&v)[8]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// NormKernel with eight consecutive elements a thread (blockDim = dim / 8, a multiple of 32, and
+// 16-byte aligned rows; see NormVec8Fits): two 16-byte loads an input, and a block of 32 values
+// quantized by four lanes with two shuffles a reduction instead of a warp with five. A single
+// multiprocessor runs a norm, so its instruction count is its time: the element-a-lane kernel
+// issued 28k warp instructions for one 5120-wide row with the Q8_0 output, 10 us (Nsight
+// Compute, docs/cuda-runs/session9-norm/). Same values as NormKernel up to the order of the sum
+// of squares.
+template <bool kResidual>
+__global__ void __launch_bounds__(1024)
+    NormVec8Kernel(float* x, const float* d1, const float* d2, const float* __restrict__ weight,
+                   int dim, float eps, float* out, void* qx, float* __restrict__ rms_out) {
+  PdlTrigger();
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * dim;
+  const int e0 = threadIdx.x * 8;
+  float w[8], v[8];
+  Load8(weight + e0, w);
+  PdlWait();
+  // Each thread reads its elements of d1/d2 before writing the same elements of out, so out may
+  // alias them.
+  Load8(x + row + e0, v);
+  if (kResidual) {
+    float a[8];
+    Load8(d1 + row + e0, a);
+    if (d2 != nullptr) {
+      float b[8];
+      Load8(d2 + row + e0, b);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = v[k] + (a[k] + b[k]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = v[k] + a[k];
+    }
+    Store8(x + row + e0, v);
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) ss += v[k] * v[k];
+  const float rms = sqrtf(BlockSum(ss) / dim + eps);
+  const float scale = 1.f / rms;
+  float o[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) o[k] = v[k] * scale * w[k];
+  Store8(out + row + e0, o);
+  if (qx != nullptr) QuantizeEight(o, e0, QxAt(qx, dim, blockIdx.x));
   if (rms_out != nullptr && threadIdx.x == 0) rms_out[blockIdx.x] = rms;
 }
 
@@ -1027,6 +1115,12 @@ int g_norm_regs = [] {
   const char* e = std::getenv("PINFER_CUDA_NORM_LOOP");
   return e != nullptr && std::strcmp(e, "1") == 0 ? 0 : kNormRegs;
 }();
+// Norms with eight elements a thread where the row suits them (NormVec8Kernel;
+// PINFER_CUDA_NORM_VEC8=0: NormKernel for every row, for comparison).
+bool g_norm_vec8 = [] {
+  const char* e = std::getenv("PINFER_CUDA_NORM_VEC8");
+  return e == nullptr || e[0] != '0';
+}();
 
 template <WType T>
 __device__ __forceinline__ int SplitBlockIntDot(const uint4* q, const int4* xw) {
@@ -1062,10 +1156,8 @@ __global__ void __launch_bounds__(kQxWarps* kWarp, R == 1 ? 48 / kQxWarps : 1)
   const int nblk = static_cast<int>(cols / 32);
   const size_t qrb = static_cast<size_t>(nblk) * QB;
   // x as int8 blocks: quantized by the producer (pre, see QxBytes) or here into shared memory.
-  const int8_t* src = pre != nullptr ? pre : reinterpret_cast<const int8_t*>(xsh);
-  int8_t* xq = const_cast<int8_t*>(src);            // [cols]
-  float* xd = reinterpret_cast<float*>(xq + cols);  // [nblk]
-  int* xsum = reinterpret_cast<int*>(xd + nblk);    // [nblk]
+  const QxParts xp =
+      QxAt(pre != nullptr ? const_cast<int8_t*>(pre) : reinterpret_cast<int8_t*>(xsh), cols, 0);
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int i0 = (blockIdx.x * kQxWarps + warp) * R;
   PdlTrigger();
@@ -1073,34 +1165,11 @@ __global__ void __launch_bounds__(kQxWarps* kWarp, R == 1 ? 48 / kQxWarps : 1)
     PrefetchL2(qs + static_cast<size_t>(i0 + lane) * qrb, static_cast<uint32_t>(qrb));
   }
   PdlWait();
-  // Four consecutive lanes per block of 32, eight values each.
   for (int e0 = threadIdx.x * 8; pre == nullptr && e0 < cols; e0 += kQxWarps * kWarp * 8) {
-    const unsigned group = 0xfu << (lane & ~3);
     const float4 a = __ldg(reinterpret_cast<const float4*>(x + e0));
     const float4 c = __ldg(reinterpret_cast<const float4*>(x + e0 + 4));
     const float v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-    amax = fmaxf(amax, __shfl_xor_sync(group, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(group, amax, 2));
-    const float d = amax / 127.f;
-    const float inv = d != 0.f ? 1.f / d : 0.f;
-    uint32_t packed[2] = {0u, 0u};
-    int sum = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int q = __float2int_rn(v[i] * inv);
-      sum += q;
-      packed[i / 4] |= (static_cast<uint32_t>(q) & 0xffu) << (8 * (i % 4));
-    }
-    *reinterpret_cast<uint2*>(xq + e0) = make_uint2(packed[0], packed[1]);
-    sum += __shfl_xor_sync(group, sum, 1);
-    sum += __shfl_xor_sync(group, sum, 2);
-    if ((lane & 3) == 0) {
-      xd[e0 / 32] = __half2float(__float2half_rn(d));
-      xsum[e0 / 32] = sum;
-    }
+    QuantizeEight(v, e0, xp);
   }
   if (pre == nullptr) __syncthreads();
   const int count = dev_count != nullptr ? *dev_count : n_rows;
@@ -1140,9 +1209,9 @@ __global__ void __launch_bounds__(kQxWarps* kWarp, R == 1 ? 48 / kQxWarps : 1)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int bb = b + h * kWarp;
-      const int4* xw = reinterpret_cast<const int4*>(xq + bb * 32);
-      const float dx = xd[bb];
-      const int off = T == WType::kQ4_0 ? 8 * xsum[bb] : 0;
+      const int4* xw = reinterpret_cast<const int4*>(xp.q + bb * 32);
+      const float dx = xp.d[bb];
+      const int off = T == WType::kQ4_0 ? 8 * xp.sum[bb] : 0;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         acc[r] += dw[h][r] * dx * static_cast<float>(SplitBlockIntDot<T>(q[h][r], xw) - off);
@@ -1159,9 +1228,9 @@ __global__ void __launch_bounds__(kQxWarps* kWarp, R == 1 ? 48 / kQxWarps : 1)
       for (int v = 0; v < QV; ++v) q[r][v] = LoadStream(src + v);
       dw[r] = H2F(rs[r][b]);
     }
-    const int4* xw = reinterpret_cast<const int4*>(xq + b * 32);
-    const float dx = xd[b];
-    const int off = T == WType::kQ4_0 ? 8 * xsum[b] : 0;
+    const int4* xw = reinterpret_cast<const int4*>(xp.q + b * 32);
+    const float dx = xp.d[b];
+    const int off = T == WType::kQ4_0 ? 8 * xp.sum[b] : 0;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       acc[r] += dw[r] * dx * static_cast<float>(SplitBlockIntDot<T>(q[r], xw) - off);
@@ -1606,6 +1675,7 @@ void SetQuantWarps(int warps) { g_qx_warps = warps == 4 || warps == 8 ? warps : 
 void SetQuantRowsPerWarp(int rows) { g_qx_rows = rows == 1 || rows == 2 || rows == 4 ? rows : 0; }
 void SetQuantShapeBalanced(bool on) { g_qx_balanced = on; }
 void SetNormInRegisters(bool on) { g_norm_regs = on ? kNormRegs : 0; }
+void SetNormVec8(bool on) { g_norm_vec8 = on; }
 bool QuantizedActivations() { return g_q8x; }
 bool ProgrammaticLaunch() { return g_pdl; }
 
@@ -1683,10 +1753,28 @@ int NormThreads(int dim) { return dim >= 4096 ? 1024 : dim >= 1024 ? 512 : 256; 
 
 size_t QxBytes(int64_t cols) { return QxRegionBytes(cols); }
 
+namespace {
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+// Whether NormVec8Kernel takes the rows: whole warps of eight elements a thread, and 16-byte
+// aligned pointers (rows then stay aligned: dim is a multiple of 256).
+bool NormVec8Fits(int dim, std::initializer_list<const void*> ptrs) {
+  if (!g_norm_vec8 || dim % 256 != 0 || dim / 8 > 1024) return false;
+  for (const void* p : ptrs) {
+    if (p != nullptr && !Aligned16(p)) return false;
+  }
+  return true;
+}
+}  // namespace
+
 cudaError_t RmsNorm(const float* x, const float* weight, int n, int dim, float eps, float* out,
                     cudaStream_t stream, void* out_qx) {
   if (n <= 0) return cudaSuccess;
   if (out_qx != nullptr && dim % 32 != 0) return cudaErrorInvalidValue;
+  if (NormVec8Fits(dim, {x, weight, out})) {
+    return Launch(NormVec8Kernel<false>, n, dim / 8, 0, stream, const_cast<float*>(x),
+                  static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), weight,
+                  dim, eps, out, out_qx, static_cast<float*>(nullptr));
+  }
   return Launch(NormKernel<false>, n, NormThreads(dim), 0, stream, const_cast<float*>(x),
                 static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), weight, dim,
                 eps, out, out_qx, static_cast<float*>(nullptr), g_norm_regs);
@@ -1697,6 +1785,10 @@ cudaError_t ResidualRmsNorm(float* x, const float* d1, const float* d2, const fl
                             float* rms_out) {
   if (n <= 0) return cudaSuccess;
   if (out_qx != nullptr && dim % 32 != 0) return cudaErrorInvalidValue;
+  if (NormVec8Fits(dim, {x, d1, d2, weight, out})) {
+    return Launch(NormVec8Kernel<true>, n, dim / 8, 0, stream, x, d1, d2, weight, dim, eps, out,
+                  out_qx, rms_out);
+  }
   return Launch(NormKernel<true>, n, NormThreads(dim), 0, stream, x, d1, d2, weight, dim, eps, out,
                 out_qx, rms_out, g_norm_regs);
 }

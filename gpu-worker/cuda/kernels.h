@@ -88,6 +88,9 @@ void SetQuantShapeBalanced(bool on);
 // Whether the norms hold a row in registers (default) or loop element by element
 // (PINFER_CUDA_NORM_LOOP=1), for comparison; the values are the same.
 void SetNormInRegisters(bool on);
+// Whether norms of rows that suit it (a multiple of 256 wide, up to 8192) run with eight
+// elements a thread (default) or as above (PINFER_CUDA_NORM_VEC8=0), for comparison.
+void SetNormVec8(bool on);
 bool QuantizedActivations();
 
 // x quantized once, by the kernel that produces it, for the int8 product above, so that the

@@ -224,25 +224,33 @@ class CudaOpsTest : public ::testing::Test {
   std::unique_ptr<CpuOps> ref_;
 };
 
+// Both norm kernels where the eight-a-thread one applies (256, 2048, 5120), the element-a-lane
+// one elsewhere (9216: longer than its registers hold).
 TEST_F(CudaOpsTest, RmsNormMatchesReference) {
-  for (int dim : {384, 1000, 5120, 9216}) {  // 9216: longer than the registers hold
-    const int n = 3;
-    std::vector<float> x = Random(n * dim, 2.f), w = Random(dim);
-    std::vector<float> ref(n * dim);
-    ref_->RmsNorm(x.data(), w.data(), n, dim, 1e-5f, ref.data());
-    DevBuf<float> dx(x), dw(w), dout(n * dim);
-    CUDA_OK(cuda::RmsNorm(dx.get(), dw.get(), n, dim, 1e-5f, dout.get(), nullptr));
-    std::vector<float> out = dout.Download();
-    EXPECT_FALSE(AnyNan(out));
-    EXPECT_LE(Nmse(out, ref), kFp32Limit) << "dim " << dim;
-    EXPECT_TRUE(dout.GuardsIntact());
+  for (bool vec8 : {true, false}) {
+    cuda::SetNormVec8(vec8);
+    for (int dim : {256, 384, 1000, 2048, 5120, 9216}) {
+      const int n = 3;
+      std::vector<float> x = Random(n * dim, 2.f), w = Random(dim);
+      std::vector<float> ref(n * dim);
+      ref_->RmsNorm(x.data(), w.data(), n, dim, 1e-5f, ref.data());
+      DevBuf<float> dx(x), dw(w), dout(n * dim);
+      CUDA_OK(cuda::RmsNorm(dx.get(), dw.get(), n, dim, 1e-5f, dout.get(), nullptr));
+      std::vector<float> out = dout.Download();
+      EXPECT_FALSE(AnyNan(out));
+      EXPECT_LE(Nmse(out, ref), kFp32Limit) << "dim " << dim << " vec8 " << vec8;
+      EXPECT_TRUE(dout.GuardsIntact());
+    }
   }
+  cuda::SetNormVec8(true);
 }
 
 // x += d1 (+ d2), then the norm, writing over d1 (the backend's in-place use), and each token's
 // rms for the pre-norm predictors' threshold.
 TEST_F(CudaOpsTest, ResidualRmsNormMatchesReference) {
-  for (bool two : {false, true}) {
+  for (int variant = 0; variant < 4; ++variant) {
+    const bool two = variant % 2 == 1;
+    cuda::SetNormVec8(variant < 2);
     const int n = 3, dim = 5120;
     std::vector<float> x = Random(n * dim), d1 = Random(n * dim), d2 = Random(n * dim);
     std::vector<float> w = Random(dim), ref_x = x, ref(n * dim);
@@ -264,6 +272,7 @@ TEST_F(CudaOpsTest, ResidualRmsNormMatchesReference) {
     }
     EXPECT_TRUE(dd1.GuardsIntact() && dx.GuardsIntact() && drms.GuardsIntact());
   }
+  cuda::SetNormVec8(true);
 }
 
 // The stacked q/k/v projection's output rotated and scattered: q to its buffer, k and v to the
@@ -1055,17 +1064,19 @@ TEST_F(CudaOpsTest, ProducerQuantizedActivationsGiveTheSameProduct) {
       HostWeights w = RandomWeights(type, rows, cols);
       DevBuf<uint8_t> dg(w.bytes.size()), ds(w.bytes.size());
       DeviceMatrix m = ToDeviceSplit(w, &dg, &ds);
-      for (int producer = 0; producer < 3; ++producer) {
-        // x: [n, cols] from an RMSNorm, a residual RMSNorm or the packed activation.
+      for (int producer = 0; producer < 5; ++producer) {
+        // x: [n, cols] from an RMSNorm, a residual RMSNorm or the packed activation; 3 and 4:
+        // the norms again, each with the other norm kernel where both apply.
+        cuda::SetNormVec8(producer < 3);
         DevBuf<float> dx(static_cast<size_t>(n) * cols);
         DevBuf<int8_t> dqx(n * cuda::QxBytes(cols));
         std::vector<float> a = Random(static_cast<size_t>(n) * 2 * cols, 2.f);
         std::vector<float> nw = Random(cols);
         DevBuf<float> da(a), dnw(nw), dres(std::vector<float>(a.begin(), a.begin() + n * cols));
-        if (producer == 0) {
+        if (producer % 3 == 0) {
           CUDA_OK(cuda::RmsNorm(da.get(), dnw.get(), n, static_cast<int>(cols), 1e-5f, dx.get(),
                                 nullptr, dqx.get()));
-        } else if (producer == 1) {
+        } else if (producer % 3 == 1) {
           CUDA_OK(cuda::ResidualRmsNorm(dres.get(), da.get(), nullptr, dnw.get(), n,
                                         static_cast<int>(cols), 1e-5f, dx.get(), nullptr,
                                         dqx.get()));
@@ -1107,6 +1118,7 @@ TEST_F(CudaOpsTest, ProducerQuantizedActivationsGiveTheSameProduct) {
       }
     }
   }
+  cuda::SetNormVec8(true);
   // The quantized output needs whole blocks of 32.
   DevBuf<float> dx(3 * 1000), dw(1000), dout(3 * 1000);
   DevBuf<int8_t> dqx(3 * cuda::QxBytes(1024));
