@@ -57,6 +57,11 @@ inline V vexp(V x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+// out[j] = a[j] * (the fp16 value in bits 16j..16j+15 of d) for j < 4, one conversion for all.
+inline void scale4(const float* a, uint64_t d, float* out) {
+  _mm_store_ps(
+      out, _mm_mul_ps(_mm_load_ps(a), _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(d)))));
+}
 // One Q4_0 block's 32 values (q - 8) as four fp32 vectors, unpacked in registers.
 inline void q4_vecs(const uint8_t* qs, V* out) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
@@ -118,7 +123,7 @@ const RowKernels* RowKernelsAvx2() {
       SiluMul,
       ExpSubSum,
       PINFER_AXPY_ROWS,
-      PINFER_DOT_ROWS,
+      PINFER_DOT_ROWS((DotRowsQ8x<BlockQ4_0, Q4BlockDot>)),
   };
   return &k;
 }

@@ -53,6 +53,11 @@ inline V vexp(V x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+// out[j] = a[j] * (the fp16 value in bits 16j..16j+15 of d) for j < 4, one conversion for all.
+inline void scale4(const float* a, uint64_t d, float* out) {
+  _mm_store_ps(
+      out, _mm_mul_ps(_mm_load_ps(a), _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(d)))));
+}
 // One Q4_0 block's 32 values (q - 8) as two fp32 vectors. vpermps reads only the low four bits
 // of each index, so the zero-extended bytes index a table of -8..7 directly (low nibbles) and
 // after a shift by 4 (high nibbles): no masking, no offset, no int-to-float conversion.
@@ -152,6 +157,58 @@ float DotQ4x512(const void* row, const Q8Vector& x, int64_t n) {
                  q4q8_block(r[b].qs, x.q + b * 32, x.s8 + b * 8));
   return sum;
 }
+// DotRowsQ8xK's sums for K Q4_0 rows (the sparse FFN's gate and up rows), two blocks per 512-bit
+// step in DotQ4x512's layout: the low half accumulates the even blocks and the high half the odd
+// ones, exactly DotRowsQ8xK's acc0 and acc1 (the same fp32 products and FMAs, the same result),
+// with ~40% fewer instructions. Up to eight scattered rows read together keep more loads in
+// flight: with eight-neuron groups the sparse FFN token measured ~1.3x faster than with the
+// 256-bit four-row kernel (ffn_bench's Q4_0 layer, one thread). VBMI unpacking was no faster.
+template <int K>
+void DotRowsQ4x512K(const uint8_t* const* rows, const Q8Vector& x, int64_t n, float* out) {
+  const BlockQ4_0* r[K];
+  __m512 acc[K];
+  for (int j = 0; j < K; ++j) {
+    r[j] = reinterpret_cast<const BlockQ4_0*>(rows[j]);
+    acc[j] = _mm512_setzero_ps();
+  }
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const int64_t nb = n / 32;
+  int64_t b = 0;
+  for (; b + 1 < nb; b += 2) {
+    const __m512i xq = _mm512_loadu_si512(x.q + b * 32), xs = _mm512_loadu_si512(x.s8 + b * 8);
+    const __m128 xd = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x.d + b)));
+    for (int j = 0; j < K; ++j) {
+      const __m256i q01 = _mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r[j][b].qs))),
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(r[j][b + 1].qs)), 1);
+      __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(q01), _mm256_srli_epi16(q01, 4), 1);
+      z = _mm512_and_si512(_mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), m4);
+      const __m512i p = _mm512_dpbusd_epi32(xs, z, xq);
+      const __m128i dw = _mm_insert_epi16(_mm_cvtsi32_si128(r[j][b].d), r[j][b + 1].d, 1);
+      const __m128 sc = _mm_mul_ps(_mm_cvtph_ps(dw), xd);
+      acc[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pair, _mm512_castps128_ps512(sc)),
+                               _mm512_cvtepi32_ps(p), acc[j]);
+    }
+  }
+  for (int j = 0; j < K; ++j) {
+    F8 acc0 = _mm512_castps512_ps256(acc[j]);
+    const F8 acc1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1));
+    if (b < nb) {
+      acc0 = f8fma(f8set1(half_to_float(r[j][b].d) * x.d[b]),
+                   q4q8_block(r[j][b].qs, x.q + b * 32, x.s8 + b * 8), acc0);
+    }
+    out[j] = f8sum(f8add(acc0, acc1));
+  }
+}
+
+void DotRowsQ4x512(const uint8_t* const* rows, int k, const Q8Vector& x, int64_t n, float* out) {
+  for (int j = 0; j < k; j += 8) {
+    WithRowCount<8>(std::min(8, k - j),
+                    [&](auto kk) { DotRowsQ4x512K<decltype(kk)::value>(rows + j, x, n, out + j); });
+  }
+}
+
 // The same with AVX-512 VBMI (Ice Lake, Zen 4 and later): one masked load takes both blocks
 // (scales and nibbles), one byte permute lays the nibble bytes out as [qs0, qs0, qs1, qs1] and
 // one variable shift moves the high nibbles down; the scales come from the same register.
@@ -250,7 +307,7 @@ const RowKernels* RowKernelsAvx512(bool vbmi) {
       SiluMul,
       ExpSubSum,
       PINFER_AXPY_ROWS,
-      PINFER_DOT_ROWS,
+      PINFER_DOT_ROWS(DotRowsQ4x512),
   };
   static const RowKernels without_vbmi = {
       "avx512-novbmi",
@@ -265,7 +322,7 @@ const RowKernels* RowKernelsAvx512(bool vbmi) {
       SiluMul,
       ExpSubSum,
       PINFER_AXPY_ROWS,
-      PINFER_DOT_ROWS,
+      PINFER_DOT_ROWS(DotRowsQ4x512),
   };
   return vbmi ? &with_vbmi : &without_vbmi;
 }

@@ -26,6 +26,10 @@ inline V vmul(V a, V b) { return a * b; }
 inline V vdiv(V a, V b) { return a / b; }
 inline V vexp(V x) { return std::exp(x); }
 inline float half_to_float(uint16_t h) { return Fp16ToFp32(h); }
+// out[j] = a[j] * (the fp16 value in bits 16j..16j+15 of d) for j < 4.
+inline void scale4(const float* a, uint64_t d, float* out) {
+  for (int j = 0; j < 4; ++j) out[j] = a[j] * Fp16ToFp32(static_cast<uint16_t>(d >> (16 * j)));
+}
 // One Q4_0 block's 32 values (q - 8), one "vector" each.
 inline void q4_vecs(const uint8_t* qs, V* out) {
   for (int j = 0; j < 16; ++j) {
@@ -76,7 +80,7 @@ const RowKernels* RowKernelsScalar() {
       SiluMul,
       ExpSubSum,
       PINFER_AXPY_ROWS,
-      PINFER_DOT_ROWS,
+      PINFER_DOT_ROWS((DotRowsQ8x<BlockQ4_0, Q4BlockDot>)),
   };
   return &k;
 }

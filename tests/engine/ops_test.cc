@@ -128,14 +128,14 @@ class OpsTest : public ::testing::TestWithParam<Impl> {
 const DType kDTypes[] = {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ4_0};
 
 // The grouped kernel behind the sparse down projection must add exactly what one AXPY per row
-// adds, in the same order: bit for bit, for 1..6 rows (more than a group of four), every dtype,
-// widths with and without a vector tail.
+// adds, in the same order: bit for bit, for 1..10 rows (more than a group of four or eight),
+// every dtype, widths with and without a vector tail.
 TEST_P(OpsTest, AxpyRowsEqualsOneAxpyPerRow) {
   const RowKernels* k = GetParam().kernels;
   for (DType dt : kDTypes) {
     for (int64_t cols : {int64_t{96}, int64_t{1056}}) {
-      Weight w = MakeWeight(dt, 6, cols, rng_);
-      for (int n = 1; n <= 6; ++n) {
+      Weight w = MakeWeight(dt, 10, cols, rng_);
+      for (int n = 1; n <= 10; ++n) {
         std::vector<float> a = Random(n, rng_), start = Random(cols, rng_);
         std::vector<const uint8_t*> rows;
         for (int j = 0; j < n; ++j) rows.push_back(static_cast<const uint8_t*>(w.view.row(j)));
@@ -454,6 +454,44 @@ INSTANTIATE_TEST_SUITE_P(AllKernels, OpsTest, ::testing::ValuesIn(Implementation
                            std::replace(name.begin(), name.end(), '-', '_');
                            return name + "_t" + std::to_string(info.param.threads);
                          });
+
+// AVX-512's Q4_0 row-group dots (two blocks a 512-bit step, up to eight rows) form each sum exactly
+// as the 256-bit block kernel does (the AVX2 set's): bit for bit, for 1..17 rows and odd block
+// counts.
+TEST(RowKernelsTest, Avx512Q4_0RowDotsEqualTheBlockKernelsBitForBit) {
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("avx512bw") ||
+      !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512vnni")) {
+    GTEST_SKIP() << "needs AVX2 and AVX-512 VNNI";
+  }
+  const RowKernels* want_k = RowKernelsAvx2();
+  if (want_k == nullptr || RowKernelsAvx512(false) == nullptr) GTEST_SKIP() << "not compiled in";
+  std::mt19937 rng(11);
+  for (int64_t cols : {int64_t{32}, int64_t{96}, int64_t{1056}}) {
+    Weight w = MakeWeight(DType::kQ4_0, 17, cols, rng);
+    std::vector<float> x = Random(cols, rng);
+    std::vector<int8_t> q(cols);
+    std::vector<float> d(cols / 32);
+    std::vector<int32_t> s8(cols / 4);
+    want_k->quantize_q8x(x.data(), cols, q.data(), d.data(), s8.data());
+    const Q8Vector v{q.data(), d.data(), s8.data()};
+    for (bool vbmi : {false, true}) {
+      if (vbmi && !__builtin_cpu_supports("avx512vbmi")) continue;
+      const RowKernels* k = RowKernelsAvx512(vbmi);
+      for (int n = 1; n <= 17; ++n) {
+        std::vector<const uint8_t*> rows;
+        for (int j = 0; j < n; ++j) {
+          rows.push_back(static_cast<const uint8_t*>(w.view.row((j * 7) % 17)));
+        }
+        std::vector<float> got(n), want(n);
+        k->dot_rows_q8x[static_cast<size_t>(DType::kQ4_0)](rows.data(), n, v, cols, got.data());
+        want_k->dot_rows_q8x[static_cast<size_t>(DType::kQ4_0)](rows.data(), n, v, cols,
+                                                                want.data());
+        ASSERT_EQ(0, std::memcmp(got.data(), want.data(), n * sizeof(float)))
+            << k->name << " cols " << cols << " rows " << n;
+      }
+    }
+  }
+}
 
 // The storage formats round-trip within their precision.
 TEST(QuantizeTest, RoundTripErrorWithinFormatPrecision) {
