@@ -1,7 +1,7 @@
 // Decode speed through the full service (gateway -> gpu-worker <-shared memory-> cpu-worker)
 // against the in-process engine on the same model and threads. Prints a markdown table.
 //
-//   service_bench --pinfer build/cli/pinfer --model models/relu-llama-tiny --tokens 256 \
+//   service_bench --pinfer build/cli/pinfer --model models/relu-llama-tiny --tokens 256
 //       --threads 1 --repeats 3 [--hot-fraction 0.5] [--streams 4]
 //   service_bench --address HOST:PORT --reference models/relu-llama-tiny/reference.json
 //       (an already running service: check its greedy tokens against the reference, then

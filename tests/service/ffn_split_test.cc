@@ -146,7 +146,9 @@ TEST(FfnSplitTest, StoreHoldsOnlyItsRowsAndRejectsBadPlacements) {
   for (int i : {0, 1, static_cast<int>(L1.neurons.size()) - 1}) {
     EXPECT_EQ(L1.up.row(i), L1.gate.row(i) + rb);
     EXPECT_EQ(L1.down_t.row(i), L1.gate.row(i) + 2 * rb);
-    if (i > 0) EXPECT_EQ(L1.gate.row(i), L1.down_t.row(i - 1) + rb);
+    if (i > 0) {
+      EXPECT_EQ(L1.gate.row(i), L1.down_t.row(i - 1) + rb);
+    }
     EXPECT_EQ(std::memcmp(L1.gate.row(i), m->layers[1].gate.row(L1.neurons[i]), rb), 0);
     EXPECT_EQ(std::memcmp(L1.up.row(i), m->layers[1].up.row(L1.neurons[i]), rb), 0);
   }

@@ -383,7 +383,9 @@ TEST_F(ServiceTest, MetricsCountTheLoad) {
   EXPECT_GT(MetricSum(*after, "pinfer_request_duration_seconds_sum"), 0);
   // No request ids or other unbounded labels: every series of these families is known.
   for (const auto& [k, v] : *after) {
-    if (k.rfind("pinfer_requests_total{", 0) == 0) EXPECT_THAT(k, HasSubstr("finish_reason="));
+    if (k.rfind("pinfer_requests_total{", 0) == 0) {
+      EXPECT_THAT(k, HasSubstr("finish_reason="));
+    }
     EXPECT_EQ(k.find("request_id"), std::string::npos) << k;
   }
 
