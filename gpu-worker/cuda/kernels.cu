@@ -1756,7 +1756,8 @@ size_t QxBytes(int64_t cols) { return QxRegionBytes(cols); }
 namespace {
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 // Whether NormVec8Kernel takes the rows: whole warps of eight elements a thread, and 16-byte
-// aligned pointers (rows then stay aligned: dim is a multiple of 256).
+// aligned pointers (rows then stay aligned: dim is a multiple of 256), the quantized output's
+// too (QuantizeEight stores eight values at once; any other caller falls back, not faults).
 bool NormVec8Fits(int dim, std::initializer_list<const void*> ptrs) {
   if (!g_norm_vec8 || dim % 256 != 0 || dim / 8 > 1024) return false;
   for (const void* p : ptrs) {
@@ -1770,7 +1771,7 @@ cudaError_t RmsNorm(const float* x, const float* weight, int n, int dim, float e
                     cudaStream_t stream, void* out_qx) {
   if (n <= 0) return cudaSuccess;
   if (out_qx != nullptr && dim % 32 != 0) return cudaErrorInvalidValue;
-  if (NormVec8Fits(dim, {x, weight, out})) {
+  if (NormVec8Fits(dim, {x, weight, out, out_qx})) {
     return Launch(NormVec8Kernel<false>, n, dim / 8, 0, stream, const_cast<float*>(x),
                   static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), weight,
                   dim, eps, out, out_qx, static_cast<float*>(nullptr));
@@ -1785,7 +1786,7 @@ cudaError_t ResidualRmsNorm(float* x, const float* d1, const float* d2, const fl
                             float* rms_out) {
   if (n <= 0) return cudaSuccess;
   if (out_qx != nullptr && dim % 32 != 0) return cudaErrorInvalidValue;
-  if (NormVec8Fits(dim, {x, d1, d2, weight, out})) {
+  if (NormVec8Fits(dim, {x, d1, d2, weight, out, out_qx})) {
     return Launch(NormVec8Kernel<true>, n, dim / 8, 0, stream, x, d1, d2, weight, dim, eps, out,
                   out_qx, rms_out);
   }
