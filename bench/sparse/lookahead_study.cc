@@ -1,0 +1,955 @@
+// Study: how well can a layer's FFN active set be predicted from the layer's INPUT, i.e. the
+// residual stream before the layer's attention ("lookahead", as in Deja Vu, Liu et al. 2023),
+// instead of from the FFN's own input (PowerInfer's predictors, pinfer's default)? A lookahead
+// prediction would be known before attention runs, so a GPU could start copying the predicted
+// cold rows over PCIe while it computes attention. The price is accuracy: attention moves the
+// residual between the two points. This program measures that price on held-out tokens, per
+// layer, for predictors of the same shape (fc1 -> ReLU -> fc2, one rank) trained the same way:
+//   (a) standard: features = the FFN input (RmsNorm(residual after attention) * ffn_norm);
+//   (b) lookahead: features = the layer input (RmsNorm(residual before attention) * attn_norm);
+//   and, as the simplest baseline, the previous token's active set in the same layer.
+// Targets are always the true activations: relu(gate . ffn_input) > 0, weighted by the
+// contribution relu(g) * |up| * |down column| exactly as predictor_training.cc weighs them.
+//
+// Training mirrors shared/sparse/predictor_training.cc step by step (its helpers are private to
+// that file and TrainPredictors derives its targets from its features through the gate, so it
+// cannot train on other features; the steps are re-implemented here on arbitrary features):
+//  1. closed-form start: the reduced-rank regression of the contribution-weighted gate g on the
+//     features u. For (a) the gate is exactly linear in u (coefficients = Wg, no residual), which
+//     is the library's start; for (b) the coefficients are the least-squares fit
+//     C = E[g u^T] (E[u u^T] + eps I)^-1 and each neuron's logit scale also counts the fit's
+//     residual variance E[(g - C u)^2] on top of the rank truncation's;
+//  2. the same Adam fine-tuning on the same contribution-weighted BCE (PredictorTrainingOptions'
+//     defaults), weights rounded to F16 as stored;
+//  3. the same per-neuron threshold rule: one cut lambda on log(sigmoid(score)) + log(m_j) that
+//     keeps `target` (0.96) of the activation magnitude on held-back pairs (the last 10% of the
+//     training tokens), neuron j's threshold on the score being logit(exp(lambda) / m_j)
+//     (applied per neuron here, not folded into fc2's rows; both select the same neurons).
+// (a) is also trained with the library's TrainPredictors as a check on the re-implementation.
+// Evaluation is on heldout-tokens.u32, disjoint from the calibration text trained on; (b) is
+// reported twice: at its own calibrated threshold (the same rule as (a)), and with lambda set on
+// the evaluation tokens so that its magnitude recall equals (a)'s there, so that the predicted-
+// active fractions compare the two at equal recall.
+//
+// usage: lookahead_study MODEL_DIR [key=value ...]
+//   calibration=PATH (MODEL_DIR/calibration.txt) heldout=PATH (MODEL_DIR/heldout-tokens.u32)
+//   rank=128 train_tokens=49152 eval_tokens=8192 epochs=6 target=0.96 threads=2 library_check=1
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "shared/engine/transformer.h"
+#include "shared/sparse/predictor_training.h"
+#include "shared/sparse/profiler.h"
+#include "shared/util/half.h"
+#include "shared/util/mapped_file.h"
+
+using namespace pinfer;
+
+namespace {
+
+constexpr int kWindow = 512;
+
+std::vector<float> ToFloat(const TensorView& t) {
+  std::vector<float> v(t.numel());
+  DequantizeRow(t.dtype, t.data, v.data(), t.numel());
+  return v;
+}
+
+void AppendFp16(const float* x, size_t n, std::vector<uint16_t>* dst) {
+  const size_t at = dst->size();
+  dst->resize(at + n);
+  for (size_t i = 0; i < n; ++i) (*dst)[at + i] = Fp32ToFp16(std::clamp(x[i], -65504.f, 65504.f));
+}
+
+// Per layer and token, stored as fp16 like the profiler's samples: [layer][n * hidden].
+struct Recorded {
+  int64_t n = 0;
+  std::vector<std::vector<uint16_t>> layer_in;  // RmsNorm(residual before attention) * attn_norm
+  std::vector<std::vector<uint16_t>> ffn_in;    // RmsNorm(residual after attention) * ffn_norm
+};
+
+// The dense FFN (as DenseFfn computes it) that also records the FFN input of its layer and the
+// next layer's normalized input (this layer's residual + FFN output, through the next attn_norm).
+class RecordingFfn : public FfnBlock {
+ public:
+  RecordingFfn(const Model& model, const CpuOps& ops, Recorded* rec)
+      : model_(model), ops_(ops), rec_(rec) {
+    for (const LayerWeights& L : model.layers) attn_norm_.push_back(ToFloat(L.attn_norm));
+  }
+  absl::Status Forward(int layer, const float* x, int n, float* out) override {
+    Dense(layer, x, n, out);
+    return absl::OkStatus();
+  }
+  absl::Status ForwardFromResidual(int layer, const float* residual, const float* x, int n,
+                                   float* out) override {
+    const ModelConfig& c = model_.config;
+    const size_t nh = static_cast<size_t>(n) * c.hidden_size;
+    Dense(layer, x, n, out);
+    AppendFp16(x, nh, &rec_->ffn_in[layer]);
+    if (layer + 1 < c.n_layers) {
+      next_.resize(nh);
+      norm_.resize(nh);
+      for (size_t i = 0; i < nh; ++i) next_[i] = residual[i] + out[i];
+      ops_.RmsNorm(next_.data(), attn_norm_[layer + 1].data(), n, c.hidden_size, c.norm_eps,
+                   norm_.data());
+      AppendFp16(norm_.data(), nh, &rec_->layer_in[layer + 1]);
+    }
+    return absl::OkStatus();
+  }
+  const std::vector<float>& attn_norm(int layer) const { return attn_norm_[layer]; }
+
+ private:
+  void Dense(int layer, const float* x, int n, float* out) {
+    const ModelConfig& c = model_.config;
+    const LayerWeights& L = model_.layers[layer];
+    const size_t nf = static_cast<size_t>(n) * c.ffn_size;
+    gate_.resize(std::max(gate_.size(), nf));
+    up_.resize(std::max(up_.size(), nf));
+    ops_.MatMul(L.gate, x, n, gate_.data());
+    ops_.MatMul(L.up, x, n, up_.data());
+    ops_.GatedActivation(c.activation, gate_.data(), up_.data(), static_cast<int64_t>(nf));
+    ops_.MatMul(L.down, gate_.data(), n, out);
+  }
+  const Model& model_;
+  const CpuOps& ops_;
+  Recorded* rec_;
+  std::vector<std::vector<float>> attn_norm_;
+  std::vector<float> gate_, up_, next_, norm_;
+};
+
+// Runs whole windows of `tokens` (fresh KV cache each, as the profiler does) and records.
+absl::StatusOr<Recorded> Record(const Model& m, const CpuOps& ops,
+                                std::span<const int32_t> tokens) {
+  const ModelConfig& c = m.config;
+  const int H = c.hidden_size;
+  Recorded rec;
+  rec.layer_in.resize(c.n_layers);
+  rec.ffn_in.resize(c.n_layers);
+  RecordingFfn ffn(m, ops, &rec);
+  Transformer tr(m, ops);
+  tr.set_ffn(&ffn);
+  KvCache cache(c, kWindow);
+  std::vector<float> emb(static_cast<size_t>(kWindow) * H), norm(emb.size());
+  for (size_t w = 0; w + kWindow <= tokens.size(); w += kWindow) {
+    std::span<const int32_t> win = tokens.subspan(w, kWindow);
+    // Layer 0's input is the token embedding.
+    for (int t = 0; t < kWindow; ++t) {
+      DequantizeRow(m.tok_embeddings.dtype, m.tok_embeddings.row(win[t]), &emb[t * H], H);
+    }
+    ops.RmsNorm(emb.data(), ffn.attn_norm(0).data(), kWindow, H, c.norm_eps, norm.data());
+    AppendFp16(norm.data(), norm.size(), &rec.layer_in[0]);
+    absl::Status st = tr.Forward(win, 0, &cache, LogitsMode::kNone, nullptr);
+    if (!st.ok()) return st;
+    rec.n += kWindow;
+  }
+  return rec;
+}
+
+// ---- Training, re-implemented from predictor_training.cc on arbitrary features. ----
+
+void MatMulF32(const CpuOps& ops, const float* w, int64_t rows, int64_t cols, const float* x, int n,
+               float* y) {
+  TensorView t;
+  t.dtype = DType::kF32;
+  t.shape = {rows, cols};
+  t.data = w;
+  ops.MatMul(t, x, n, y);
+}
+
+void Transpose(const float* a, int64_t rows, int64_t cols, float* out) {
+  constexpr int64_t kTile = 32;
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+      const int64_t r1 = std::min(rows, r0 + kTile), c1 = std::min(cols, c0 + kTile);
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t c = c0; c < c1; ++c) out[c * rows + r] = a[r * cols + c];
+      }
+    }
+  }
+}
+
+void GemmNN(const float* a, const float* b, float* c, int64_t m, int64_t k, int64_t n) {
+  std::fill(c, c + m * n, 0.f);
+  for (int64_t i = 0; i < m; ++i) {
+    float* ci = c + i * n;
+    for (int64_t p = 0; p < k; ++p) {
+      const float aip = a[i * k + p];
+      if (aip == 0) continue;
+      const float* bp = b + p * n;
+      for (int64_t j = 0; j < n; ++j) ci[j] += aip * bp[j];
+    }
+  }
+}
+
+void OrthonormaliseG(std::vector<float>& z, const std::vector<float>& g, int h, int k,
+                     std::mt19937& rng) {
+  std::vector<double> col(h), gcol(h);
+  std::vector<std::vector<double>> basis_g, basis;
+  std::normal_distribution<double> nd;
+  for (int c = 0; c < k; ++c) {
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      for (int i = 0; i < h; ++i) col[i] = z[static_cast<size_t>(i) * k + c];
+      for (size_t b = 0; b < basis.size(); ++b) {
+        double dot = 0;
+        for (int i = 0; i < h; ++i) dot += col[i] * basis_g[b][i];
+        for (int i = 0; i < h; ++i) col[i] -= dot * basis[b][i];
+      }
+      for (int i = 0; i < h; ++i) {
+        double s = 0;
+        for (int j = 0; j < h; ++j)
+          s += static_cast<double>(g[static_cast<size_t>(i) * h + j]) * col[j];
+        gcol[i] = s;
+      }
+      double norm2 = 0;
+      for (int i = 0; i < h; ++i) norm2 += col[i] * gcol[i];
+      if (norm2 > 1e-20) {
+        const double inv = 1.0 / std::sqrt(norm2);
+        for (int i = 0; i < h; ++i) {
+          col[i] *= inv;
+          gcol[i] *= inv;
+        }
+        break;
+      }
+      for (int i = 0; i < h; ++i) z[static_cast<size_t>(i) * k + c] = static_cast<float>(nd(rng));
+    }
+    basis.push_back(col);
+    basis_g.push_back(gcol);
+    for (int i = 0; i < h; ++i) z[static_cast<size_t>(i) * k + c] = static_cast<float>(col[i]);
+  }
+}
+
+// The targets of one layer (from the FFN input through the real gate/up/down), shared by both
+// feature sets. Rows: the n_cal calibration tokens (the first n_train trained on, the rest held
+// back for the threshold), then the evaluation tokens.
+struct Targets {
+  int64_t n_train = 0, n_cal = 0, n_all = 0;
+  std::vector<float> gate;               // [n_all, F]
+  std::vector<float> importance;         // [n_all, F]: contribution of truly active neurons, else 0
+  std::vector<float> unit_contribution;  // [F]
+  std::vector<float> mean_active_importance;  // [F]
+  double mean_positive_importance = 0;
+};
+
+Targets ComputeTargets(const Model& model, const CpuOps& ops, int layer, const float* ffn_x,
+                       int64_t n_train, int64_t n_cal, int64_t n_all) {
+  const ModelConfig& c = model.config;
+  const LayerWeights& L = model.layers[layer];
+  const int H = c.hidden_size, F = c.ffn_size;
+  Targets d;
+  d.n_train = n_train;
+  d.n_cal = n_cal;
+  d.n_all = n_all;
+  std::vector<double> col2(F, 0.0);
+  {
+    std::vector<float> row(F);
+    for (int64_t h = 0; h < H; ++h) {
+      DequantizeRow(L.down.dtype, L.down.row(h), row.data(), F);
+      for (int j = 0; j < F; ++j) col2[j] += static_cast<double>(row[j]) * row[j];
+    }
+  }
+  std::vector<float> down_norm(F);
+  for (int j = 0; j < F; ++j) down_norm[j] = static_cast<float>(std::sqrt(col2[j]));
+  d.gate.resize(static_cast<size_t>(n_all) * F);
+  d.importance.resize(d.gate.size());
+  std::vector<double> imp2(F, 0.0), gate2(F, 0.0), sum(F, 0.0);
+  std::vector<int64_t> count(F, 0);
+  double pos_sum = 0;
+  int64_t pos_count = 0;
+  constexpr int kChunk = 512;
+  std::vector<float> u(static_cast<size_t>(kChunk) * F);
+  for (int64_t b0 = 0; b0 < n_all; b0 += kChunk) {
+    const int nb = static_cast<int>(std::min<int64_t>(kChunk, n_all - b0));
+    float* g = d.gate.data() + b0 * F;
+    ops.MatMul(L.gate, ffn_x + b0 * H, nb, g);
+    ops.MatMul(L.up, ffn_x + b0 * H, nb, u.data());
+    for (int t = 0; t < nb; ++t) {
+      float* imp = d.importance.data() + (b0 + t) * F;
+      const float* gt = g + static_cast<size_t>(t) * F;
+      const float* ut = u.data() + static_cast<size_t>(t) * F;
+      for (int j = 0; j < F; ++j) {
+        const float gj = gt[j];
+        const bool active = gj > 0 && (c.activation != Activation::kDRelu || ut[j] > 0);
+        if (!active) {
+          imp[j] = 0;
+          continue;
+        }
+        const float v = std::max(gj * std::fabs(ut[j]) * down_norm[j], 1e-30f);
+        imp[j] = v;
+        if (b0 + t < n_train) {
+          imp2[j] += static_cast<double>(v) * v;
+          gate2[j] += static_cast<double>(gj) * gj;
+          pos_sum += v;
+          ++pos_count;
+          sum[j] += v;
+          ++count[j];
+        }
+      }
+    }
+  }
+  d.mean_positive_importance = pos_count > 0 ? pos_sum / pos_count : 1.0;
+  d.mean_active_importance.resize(F);
+  d.unit_contribution.resize(F);
+  for (int j = 0; j < F; ++j) {
+    d.mean_active_importance[j] = count[j] > 0
+                                      ? static_cast<float>(sum[j] / count[j])
+                                      : static_cast<float>(d.mean_positive_importance * 1e-3);
+    d.unit_contribution[j] =
+        gate2[j] > 0 ? static_cast<float>(std::sqrt(imp2[j] / gate2[j])) : down_norm[j];
+  }
+  return d;
+}
+
+// E[u u^T] over the training rows.
+std::vector<float> SecondMoment(const CpuOps& ops, const float* x, int64_t n_train, int H) {
+  constexpr int kChunk = 512;
+  std::vector<double> acc(static_cast<size_t>(H) * H, 0.0);
+  std::vector<float> xt(static_cast<size_t>(kChunk) * H), part(static_cast<size_t>(H) * H);
+  for (int64_t b0 = 0; b0 < n_train; b0 += kChunk) {
+    const int nb = static_cast<int>(std::min<int64_t>(kChunk, n_train - b0));
+    Transpose(x + b0 * H, nb, H, xt.data());
+    MatMulF32(ops, xt.data(), H, nb, xt.data(), H, part.data());
+    for (size_t i = 0; i < part.size(); ++i) acc[i] += part[i];
+  }
+  std::vector<float> out(acc.size());
+  for (size_t i = 0; i < acc.size(); ++i) out[i] = static_cast<float>(acc[i] / n_train);
+  return out;
+}
+
+// The least-squares linear predictor of the gate from features u (training rows):
+// coef: [F, H] = E[g u^T] (E[u u^T] + eps I)^-1; resid_var[j] = E[(g_j - coef_j u)^2].
+void FitGateRegression(const CpuOps& ops, const Targets& d, const float* u,
+                       const std::vector<float>& s2, int H, int F, std::vector<float>* coef,
+                       std::vector<float>* resid_var) {
+  constexpr int kChunk = 512;
+  std::vector<double> cross(static_cast<size_t>(F) * H, 0.0), g2(F, 0.0);
+  std::vector<float> ut(static_cast<size_t>(kChunk) * H), gt(static_cast<size_t>(kChunk) * F);
+  std::vector<float> part(static_cast<size_t>(F) * H);
+  for (int64_t b0 = 0; b0 < d.n_train; b0 += kChunk) {
+    const int nb = static_cast<int>(std::min<int64_t>(kChunk, d.n_train - b0));
+    const float* g = d.gate.data() + b0 * F;
+    Transpose(u + b0 * H, nb, H, ut.data());                      // [H, nb]
+    Transpose(g, nb, F, gt.data());                               // [F, nb]
+    MatMulF32(ops, ut.data(), H, nb, gt.data(), F, part.data());  // [F, H] = g^T u
+    for (size_t i = 0; i < part.size(); ++i) cross[i] += part[i];
+    for (int t = 0; t < nb; ++t) {
+      for (int j = 0; j < F; ++j) g2[j] += static_cast<double>(g[t * F + j]) * g[t * F + j];
+    }
+  }
+  for (double& v : cross) v /= d.n_train;
+  for (double& v : g2) v /= d.n_train;
+  // Cholesky of A = s2 + eps I (eps: 1e-4 of the mean diagonal).
+  std::vector<double> a(static_cast<size_t>(H) * H);
+  double tr = 0;
+  for (int i = 0; i < H; ++i) tr += s2[static_cast<size_t>(i) * H + i];
+  const double eps = 1e-4 * tr / H;
+  for (int i = 0; i < H; ++i) {
+    for (int j = 0; j < H; ++j) a[i * H + j] = s2[static_cast<size_t>(i) * H + j] + (i == j) * eps;
+  }
+  std::vector<double> l(a.size(), 0.0);
+  for (int i = 0; i < H; ++i) {
+    for (int j = 0; j <= i; ++j) {
+      double s = a[i * H + j];
+      for (int k = 0; k < j; ++k) s -= l[i * H + k] * l[j * H + k];
+      l[i * H + j] = i == j ? std::sqrt(std::max(s, 1e-30)) : s / l[j * H + j];
+    }
+  }
+  coef->assign(static_cast<size_t>(F) * H, 0.f);
+  resid_var->assign(F, 0.f);
+  std::vector<double> y(H), c(H), sc(H);
+  for (int j = 0; j < F; ++j) {
+    const double* b = cross.data() + static_cast<size_t>(j) * H;
+    for (int i = 0; i < H; ++i) {  // L y = b
+      double s = b[i];
+      for (int k = 0; k < i; ++k) s -= l[i * H + k] * y[k];
+      y[i] = s / l[i * H + i];
+    }
+    for (int i = H - 1; i >= 0; --i) {  // L^T c = y
+      double s = y[i];
+      for (int k = i + 1; k < H; ++k) s -= l[k * H + i] * c[k];
+      c[i] = s / l[i * H + i];
+    }
+    // E[(g - c u)^2] = E[g^2] - 2 c . E[g u] + c^T s2 c.
+    double quad = 0, lin = 0;
+    for (int p = 0; p < H; ++p) {
+      double s = 0;
+      for (int q = 0; q < H; ++q) s += s2[static_cast<size_t>(p) * H + q] * c[q];
+      quad += s * c[p];
+      lin += c[p] * b[p];
+    }
+    (*resid_var)[j] = static_cast<float>(std::max(g2[j] - 2 * lin + quad, 0.0));
+    for (int i = 0; i < H; ++i) (*coef)[static_cast<size_t>(j) * H + i] = static_cast<float>(c[i]);
+  }
+}
+
+struct Mlp {
+  int r = 0;
+  std::vector<float> w1, w2;  // [r, H], [F, r]
+};
+
+// predictor_training.cc's ClosedFormInit with the gate's coefficients `wg` given (the gate itself
+// for FFN-input features, the regression for others) and the regression's residual variance added
+// to each neuron's spread.
+Mlp ClosedFormInit(const std::vector<float>& wg, const std::vector<float>& s2,
+                   const std::vector<float>& resid_var, const Targets& d, int H, int F, int r,
+                   uint32_t seed) {
+  const int k = r / 2;
+  std::mt19937 rng(seed);
+  std::vector<float> a(wg.size());
+  for (int j = 0; j < F; ++j) {
+    for (int h = 0; h < H; ++h)
+      a[static_cast<size_t>(j) * H + h] =
+          d.unit_contribution[j] * wg[static_cast<size_t>(j) * H + h];
+  }
+  std::vector<float> at(a.size());
+  Transpose(a.data(), F, H, at.data());
+  std::vector<float> g(static_cast<size_t>(H) * H);
+  GemmNN(at.data(), a.data(), g.data(), H, F, H);
+  std::vector<float> z(static_cast<size_t>(H) * k), tmp(z.size());
+  std::normal_distribution<float> nd;
+  for (float& v : z) v = nd(rng);
+  OrthonormaliseG(z, g, H, k, rng);
+  for (int it = 0; it < 40; ++it) {
+    GemmNN(g.data(), z.data(), tmp.data(), H, H, k);
+    GemmNN(s2.data(), tmp.data(), z.data(), H, H, k);
+    OrthonormaliseG(z, g, H, k, rng);
+  }
+  std::vector<float> zt(static_cast<size_t>(k) * H);
+  Transpose(z.data(), H, k, zt.data());
+  std::vector<float> fc1(static_cast<size_t>(k) * H), fc2(static_cast<size_t>(F) * k);
+  GemmNN(zt.data(), g.data(), fc1.data(), k, H, H);
+  GemmNN(wg.data(), z.data(), fc2.data(), F, H, k);
+  for (int i = 0; i < k; ++i) {
+    float* row = fc1.data() + static_cast<size_t>(i) * H;
+    double var = 0;
+    for (int p = 0; p < H; ++p) {
+      double s = 0;
+      for (int q = 0; q < H; ++q)
+        s += static_cast<double>(s2[static_cast<size_t>(p) * H + q]) * row[q];
+      var += s * row[p];
+    }
+    const float sd = static_cast<float>(std::sqrt(std::max(var, 1e-30)));
+    for (int p = 0; p < H; ++p) row[p] /= sd;
+    for (int j = 0; j < F; ++j) fc2[static_cast<size_t>(j) * k + i] *= sd;
+  }
+  std::vector<float> approx(static_cast<size_t>(F) * H);
+  GemmNN(fc2.data(), fc1.data(), approx.data(), F, k, H);
+  std::vector<float> scale(F), e(H);
+  for (int j = 0; j < F; ++j) {
+    for (int h = 0; h < H; ++h) {
+      e[h] = wg[static_cast<size_t>(j) * H + h] - approx[static_cast<size_t>(j) * H + h];
+    }
+    double var = resid_var.empty() ? 0.0 : resid_var[j];
+    for (int p = 0; p < H; ++p) {
+      const float* s2p = s2.data() + static_cast<size_t>(p) * H;
+      double s = 0;
+      for (int q = 0; q < H; ++q) s += static_cast<double>(s2p[q]) * e[q];
+      var += s * e[p];
+    }
+    scale[j] = 1.7f / static_cast<float>(std::sqrt(std::max(var, 1e-12)));
+  }
+  Mlp m;
+  m.r = 2 * k;
+  m.w1.resize(static_cast<size_t>(m.r) * H);
+  m.w2.resize(static_cast<size_t>(F) * m.r);
+  for (int i = 0; i < k; ++i) {
+    for (int h = 0; h < H; ++h) {
+      m.w1[static_cast<size_t>(i) * H + h] = fc1[static_cast<size_t>(i) * H + h];
+      m.w1[static_cast<size_t>(k + i) * H + h] = -fc1[static_cast<size_t>(i) * H + h];
+    }
+  }
+  for (int j = 0; j < F; ++j) {
+    for (int i = 0; i < k; ++i) {
+      const float v = scale[j] * fc2[static_cast<size_t>(j) * k + i];
+      m.w2[static_cast<size_t>(j) * m.r + i] = v;
+      m.w2[static_cast<size_t>(j) * m.r + k + i] = -v;
+    }
+  }
+  return m;
+}
+
+inline float Sigmoid(float s) { return 1.f / (1.f + std::exp(-s)); }
+
+// predictor_training.cc's FineTune (Adam on the contribution-weighted BCE) on features x.
+void FineTune(const CpuOps& ops, const float* x, const Targets& d, int H, int F, Mlp& m,
+              const PredictorTrainingOptions& o, uint32_t seed) {
+  const int r = m.r, B = o.batch;
+  std::vector<float> m1(m.w1.size(), 0.f), v1(m.w1.size(), 0.f);
+  std::vector<float> m2(m.w2.size(), 0.f), v2(m.w2.size(), 0.f);
+  std::vector<float> xb(static_cast<size_t>(B) * H), xbt(xb.size());
+  std::vector<float> z(static_cast<size_t>(B) * r), hd(z.size()), hdt(z.size());
+  std::vector<float> s(static_cast<size_t>(B) * F), ds(s.size()), dst(s.size());
+  std::vector<float> w2t(m.w2.size()), dhd(z.size()), dzt(z.size());
+  std::vector<float> gw1(m.w1.size()), gw2(m.w2.size());
+  std::vector<int64_t> order(d.n_train);
+  std::iota(order.begin(), order.end(), 0);
+  std::mt19937 rng(seed);
+  const float inv_mean = static_cast<float>(1.0 / d.mean_positive_importance);
+  auto PositiveWeight = [&](float imp) {
+    const float w = o.positive_weight_power == 0.5f
+                        ? std::sqrt(imp * inv_mean)
+                        : std::pow(imp * inv_mean, o.positive_weight_power);
+    return std::clamp(w, o.positive_weight_min, o.positive_weight_max);
+  };
+  const float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
+  int64_t step = 0;
+  for (int epoch = 0; epoch < o.epochs; ++epoch) {
+    std::shuffle(order.begin(), order.end(), rng);
+    for (int64_t b0 = 0; b0 + B <= d.n_train; b0 += B) {
+      for (int t = 0; t < B; ++t) {
+        std::copy_n(x + order[b0 + t] * H, H, xb.data() + static_cast<size_t>(t) * H);
+      }
+      MatMulF32(ops, m.w1.data(), r, H, xb.data(), B, z.data());
+      for (size_t i = 0; i < z.size(); ++i) hd[i] = std::max(z[i], 0.f);
+      MatMulF32(ops, m.w2.data(), F, r, hd.data(), B, s.data());
+      const float inv_b = 1.f / B;
+      for (int t = 0; t < B; ++t) {
+        const float* imp = d.importance.data() + order[b0 + t] * F;
+        const float* st = s.data() + static_cast<size_t>(t) * F;
+        float* dt = ds.data() + static_cast<size_t>(t) * F;
+        for (int j = 0; j < F; ++j) {
+          const float p = Sigmoid(st[j]);
+          dt[j] = imp[j] > 0 ? PositiveWeight(imp[j]) * (p - 1.f) * inv_b
+                             : o.negative_weight * p * inv_b;
+        }
+      }
+      Transpose(hd.data(), B, r, hdt.data());
+      Transpose(ds.data(), B, F, dst.data());
+      MatMulF32(ops, hdt.data(), r, B, dst.data(), F, gw2.data());
+      Transpose(m.w2.data(), F, r, w2t.data());
+      MatMulF32(ops, w2t.data(), r, F, ds.data(), B, dhd.data());
+      for (size_t i = 0; i < dhd.size(); ++i) {
+        if (z[i] <= 0) dhd[i] = 0;
+      }
+      Transpose(dhd.data(), B, r, dzt.data());
+      Transpose(xb.data(), B, H, xbt.data());
+      MatMulF32(ops, xbt.data(), H, B, dzt.data(), r, gw1.data());
+      ++step;
+      const float c1 = 1.f - std::pow(beta1, static_cast<float>(step));
+      const float c2 = 1.f - std::pow(beta2, static_cast<float>(step));
+      const float lr = o.learning_rate * std::sqrt(c2) / c1;
+      auto adam = [&](std::vector<float>& w, std::vector<float>& mm, std::vector<float>& vv,
+                      const std::vector<float>& grad) {
+        for (size_t i = 0; i < w.size(); ++i) {
+          mm[i] = beta1 * mm[i] + (1 - beta1) * grad[i];
+          vv[i] = beta2 * vv[i] + (1 - beta2) * grad[i] * grad[i];
+          w[i] -= lr * mm[i] / (std::sqrt(vv[i]) + eps);
+        }
+      };
+      adam(m.w1, m1, v1, gw1);
+      adam(m.w2, m2, v2, gw2);
+    }
+  }
+}
+
+void RoundF16(std::vector<float>& w) {
+  for (float& v : w) v = Fp16ToFp32(Fp32ToFp16(v));
+}
+
+// s: [n, F] = fc2 relu(fc1 x) for rows [begin, end) of x.
+std::vector<float> Scores(const CpuOps& ops, const Mlp& m, int H, int F, const float* x,
+                          int64_t begin, int64_t end) {
+  const int64_t n = end - begin;
+  std::vector<float> s(static_cast<size_t>(n) * F), z;
+  constexpr int kChunk = 512;
+  z.resize(static_cast<size_t>(kChunk) * m.r);
+  for (int64_t b0 = 0; b0 < n; b0 += kChunk) {
+    const int nb = static_cast<int>(std::min<int64_t>(kChunk, n - b0));
+    MatMulF32(ops, m.w1.data(), m.r, H, x + (begin + b0) * H, nb, z.data());
+    for (size_t i = 0; i < static_cast<size_t>(nb) * m.r; ++i) z[i] = std::max(z[i], 0.f);
+    MatMulF32(ops, m.w2.data(), F, m.r, z.data(), nb, s.data() + b0 * F);
+  }
+  return s;
+}
+
+inline float LogSigmoid(float sc) {
+  return sc >= 0 ? -std::log1p(std::exp(-sc)) : sc - std::log1p(std::exp(sc));
+}
+
+// Neuron j's threshold on its score for the cut lambda on log(sigmoid(s)) + log(m_j), clamped as
+// FoldPerNeuronThresholds clamps it.
+std::vector<float> NeuronThresholds(const Targets& d, double lambda) {
+  const int F = static_cast<int>(d.mean_active_importance.size());
+  std::vector<float> thr(F);
+  for (int j = 0; j < F; ++j) {
+    const double log_m = std::log(std::max(d.mean_active_importance[j], 1e-30f));
+    if (!std::isfinite(lambda)) {
+      thr[j] = lambda > 0 ? 1e30f : -1e30f;
+      continue;
+    }
+    const double q = std::exp(lambda - log_m);
+    thr[j] = q >= 0.499 ? -0.004f : static_cast<float>(std::log(q / (1 - q)));
+  }
+  return thr;
+}
+
+// The cut that keeps `target` of the magnitude on rows [begin, end) (scores s over those rows).
+double CalibrateLambda(const Targets& d, const std::vector<float>& s, int64_t begin, int64_t end,
+                       int F, double target) {
+  std::vector<float> log_m(F);
+  for (int j = 0; j < F; ++j) log_m[j] = std::log(std::max(d.mean_active_importance[j], 1e-30f));
+  std::vector<std::pair<float, float>> active;
+  for (int64_t t = begin; t < end; ++t) {
+    const float* imp = d.importance.data() + t * F;
+    const float* st = s.data() + (t - begin) * F;
+    for (int j = 0; j < F; ++j) {
+      if (imp[j] > 0) active.emplace_back(LogSigmoid(st[j]) + log_m[j], imp[j]);
+    }
+  }
+  return ThresholdForWeightedRecall(std::move(active), target);
+}
+
+struct Metrics {
+  double recall = 0, magnitude_recall = 0, precision = 0, predicted = 0, active = 0;
+};
+
+// Selection: s >= thr[j], over the evaluation rows [begin, end).
+Metrics Measure(const Targets& d, const std::vector<float>& s, int64_t begin, int64_t end, int F,
+                const std::vector<float>& thr) {
+  int64_t selected = 0, hits = 0, n_active = 0;
+  double mag_total = 0, mag_hit = 0;
+  for (int64_t t = begin; t < end; ++t) {
+    const float* imp = d.importance.data() + t * F;
+    const float* st = s.data() + (t - begin) * F;
+    for (int j = 0; j < F; ++j) {
+      const bool sel = st[j] >= thr[j];
+      selected += sel;
+      if (imp[j] > 0) {
+        ++n_active;
+        mag_total += imp[j];
+        if (sel) {
+          ++hits;
+          mag_hit += imp[j];
+        }
+      }
+    }
+  }
+  const double pairs = static_cast<double>(end - begin) * F;
+  Metrics m;
+  m.recall = n_active ? static_cast<double>(hits) / n_active : 1.0;
+  m.magnitude_recall = mag_total > 0 ? mag_hit / mag_total : 1.0;
+  m.precision = selected ? static_cast<double>(hits) / selected : 1.0;
+  m.predicted = selected / pairs;
+  m.active = n_active / pairs;
+  return m;
+}
+
+// The previous token's active set (same layer, same window) as the prediction of this one's.
+Metrics PreviousToken(const Targets& d, int64_t begin, int64_t end, int F) {
+  int64_t selected = 0, hits = 0, n_active = 0, rows = 0;
+  double mag_total = 0, mag_hit = 0;
+  for (int64_t t = begin; t < end; ++t) {
+    if ((t - begin) % kWindow == 0) continue;  // no previous token in this window
+    ++rows;
+    const float* imp = d.importance.data() + t * F;
+    const float* prev = imp - F;
+    for (int j = 0; j < F; ++j) {
+      const bool sel = prev[j] > 0;
+      selected += sel;
+      if (imp[j] > 0) {
+        ++n_active;
+        mag_total += imp[j];
+        if (sel) {
+          ++hits;
+          mag_hit += imp[j];
+        }
+      }
+    }
+  }
+  const double pairs = static_cast<double>(rows) * F;
+  Metrics m;
+  m.recall = n_active ? static_cast<double>(hits) / n_active : 1.0;
+  m.magnitude_recall = mag_total > 0 ? mag_hit / mag_total : 1.0;
+  m.precision = selected ? static_cast<double>(hits) / selected : 1.0;
+  m.predicted = selected / pairs;
+  m.active = n_active / pairs;
+  return m;
+}
+
+struct Trained {
+  Mlp mlp;
+  double lambda = 0;  // calibrated on the held-back calibration rows
+};
+
+Trained Train(const CpuOps& ops, const Targets& d, const float* x, const std::vector<float>& wg,
+              const std::vector<float>& resid_var, int H, int F, int layer,
+              const PredictorTrainingOptions& o, int rank) {
+  const std::vector<float> s2 = SecondMoment(ops, x, d.n_train, H);
+  std::vector<float> coef = wg, rv = resid_var;
+  if (coef.empty()) FitGateRegression(ops, d, x, s2, H, F, &coef, &rv);
+  Trained t;
+  t.mlp = ClosedFormInit(coef, s2, rv, d, H, F, rank, o.seed + 7919 * layer + rank);
+  if (o.epochs > 0) FineTune(ops, x, d, H, F, t.mlp, o, o.seed + 31 * layer + rank);
+  RoundF16(t.mlp.w1);
+  RoundF16(t.mlp.w2);
+  const std::vector<float> s = Scores(ops, t.mlp, H, F, x, d.n_train, d.n_cal);
+  t.lambda = CalibrateLambda(d, s, d.n_train, d.n_cal, F, o.target_recall);
+  return t;
+}
+
+std::vector<float> ToF32(const std::vector<uint16_t>& h) {
+  std::vector<float> out(h.size());
+  for (size_t i = 0; i < h.size(); ++i) out[i] = Fp16ToFp32(h[i]);
+  return out;
+}
+
+struct LayerResult {
+  Metrics std_pred, lib_pred, look_matched, look_same, prev;
+  double look_lambda_shift = 0, seconds = 0;
+  double cosine = 0;  // mean cos(residual before attention, residual after), evaluation tokens
+  bool has_lib = false;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: %s MODEL_DIR [key=value...]\n", argv[0]);
+    return 2;
+  }
+  const std::string dir = argv[1];
+  std::map<std::string, std::string> kv;
+  for (int i = 2; i < argc; ++i) {
+    std::vector<std::string> p = absl::StrSplit(argv[i], absl::MaxSplits('=', 1));
+    kv[p[0]] = p.size() > 1 ? p[1] : "";
+  }
+  auto num = [&](const std::string& k, double def) {
+    double v = def;
+    if (kv.count(k) && !absl::SimpleAtod(kv[k], &v)) {
+      std::fprintf(stderr, "bad value for %s\n", k.c_str());
+      std::exit(2);
+    }
+    return v;
+  };
+  auto str = [&](const std::string& k, const std::string& def) {
+    return kv.count(k) ? kv[k] : def;
+  };
+  const int rank = static_cast<int>(num("rank", 128));
+  const int64_t train_tokens = static_cast<int64_t>(num("train_tokens", 49152));
+  const int64_t eval_tokens = static_cast<int64_t>(num("eval_tokens", 8192));
+  const bool library_check = num("library_check", 1) != 0;
+  PredictorTrainingOptions o;
+  o.epochs = static_cast<int>(num("epochs", o.epochs));
+  o.target_recall = num("target", o.target_recall);
+
+  auto model = LoadModel(dir);
+  if (!model.ok()) {
+    std::fprintf(stderr, "%s\n", model.status().ToString().c_str());
+    return 1;
+  }
+  const Model& m = **model;
+  const ModelConfig& c = m.config;
+  const int H = c.hidden_size, F = c.ffn_size;
+  ThreadPool pool(static_cast<int>(num("threads", 2)));
+  auto ops = NewSimdOps(&pool);
+
+  auto text = ReadFileToString(str("calibration", dir + "/calibration.txt"));
+  auto heldout = ReadFileToString(str("heldout", dir + "/heldout-tokens.u32"));
+  if (!text.ok() || !heldout.ok()) {
+    std::fprintf(stderr, "cannot read the calibration text or the held-out tokens\n");
+    return 1;
+  }
+  auto cal_ids = TokenizeCalibrationText(m, *text);
+  if (!cal_ids.ok()) {
+    std::fprintf(stderr, "%s\n", cal_ids.status().ToString().c_str());
+    return 1;
+  }
+  std::vector<int32_t> ev_ids(heldout->size() / 4);
+  std::memcpy(ev_ids.data(), heldout->data(), ev_ids.size() * 4);
+  const int64_t n_cal_tok = std::min<int64_t>(train_tokens, cal_ids->size()) / kWindow * kWindow;
+  const int64_t n_ev_tok = std::min<int64_t>(eval_tokens, ev_ids.size()) / kWindow * kWindow;
+  if (n_cal_tok == 0 || n_ev_tok == 0) {
+    std::fprintf(stderr, "need at least one window of %d tokens of each\n", kWindow);
+    return 1;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  auto cal = Record(m, *ops, std::span<const int32_t>(*cal_ids).first(n_cal_tok));
+  auto ev = Record(m, *ops, std::span<const int32_t>(ev_ids).first(n_ev_tok));
+  if (!cal.ok() || !ev.ok()) {
+    std::fprintf(stderr, "forward pass failed\n");
+    return 1;
+  }
+  std::fprintf(stderr,
+               "recorded %lld calibration tokens (of %zu) and %lld held-out tokens in %.1f s; "
+               "rank %d, %d epochs, target magnitude recall %.2f\n",
+               static_cast<long long>(cal->n), cal_ids->size(), static_cast<long long>(ev->n),
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), rank,
+               o.epochs, o.target_recall);
+
+  const int64_t n_cal = cal->n;
+  const int64_t n_hold = std::max<int64_t>(1, static_cast<int64_t>(n_cal * o.holdout_fraction));
+  const int64_t n_train = n_cal - n_hold, n_all = n_cal + ev->n;
+  std::vector<LayerResult> results;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const auto tl = std::chrono::steady_clock::now();
+    LayerResult res;
+    // Rows: calibration then evaluation, per feature set.
+    std::vector<float> ffn_x = ToF32(cal->ffn_in[l]), lay_x = ToF32(cal->layer_in[l]);
+    {
+      const std::vector<float> a = ToF32(ev->ffn_in[l]), b = ToF32(ev->layer_in[l]);
+      ffn_x.insert(ffn_x.end(), a.begin(), a.end());
+      lay_x.insert(lay_x.end(), b.begin(), b.end());
+    }
+    const Targets d = ComputeTargets(m, *ops, l, ffn_x.data(), n_train, n_cal, n_all);
+
+    // (a) standard: the gate is exactly linear in the FFN input.
+    const std::vector<float> wg = ToFloat(m.layers[l].gate);
+    const Trained a = Train(*ops, d, ffn_x.data(), wg, {}, H, F, l, o, rank);
+    const std::vector<float> sa = Scores(*ops, a.mlp, H, F, ffn_x.data(), n_cal, n_all);
+    const std::vector<float> thr_a = NeuronThresholds(d, a.lambda);
+    res.std_pred = Measure(d, sa, n_cal, n_all, F, thr_a);
+
+    // (b) lookahead: regression of the gate on the layer input.
+    const Trained b = Train(*ops, d, lay_x.data(), {}, {}, H, F, l, o, rank);
+    const std::vector<float> sb = Scores(*ops, b.mlp, H, F, lay_x.data(), n_cal, n_all);
+    res.look_same = Measure(d, sb, n_cal, n_all, F, NeuronThresholds(d, b.lambda));
+    // Matched: the largest cut at which (b)'s magnitude recall reaches (a)'s, by bisection.
+    {
+      // Magnitude recall falls as the cut rises: about 1 at lo; at hi every threshold is at its
+      // clamp (-0.004), the least this threshold family selects.
+      double lo = -200, hi = 50;
+      for (int it = 0; it < 60; ++it) {
+        const double mid = 0.5 * (lo + hi);
+        const Metrics mm = Measure(d, sb, n_cal, n_all, F, NeuronThresholds(d, mid));
+        (mm.magnitude_recall >= res.std_pred.magnitude_recall ? lo : hi) = mid;
+      }
+      res.look_matched = Measure(d, sb, n_cal, n_all, F, NeuronThresholds(d, lo));
+      res.look_lambda_shift = lo - b.lambda;
+    }
+    res.prev = PreviousToken(d, n_cal, n_all, F);
+    {
+      // How far attention turns the residual: undo the two norms' weights (both vectors then
+      // have unit RMS up to the norm's own scale) and average the cosine over tokens.
+      const std::vector<float> wa = ToFloat(m.layers[l].attn_norm);
+      const std::vector<float> wf = ToFloat(m.layers[l].ffn_norm);
+      double sum = 0;
+      for (int64_t t = n_cal; t < n_all; ++t) {
+        double ab = 0, aa = 0, bb = 0;
+        for (int h = 0; h < H; ++h) {
+          if (wa[h] == 0 || wf[h] == 0) continue;
+          const double x = lay_x[t * H + h] / wa[h], y = ffn_x[t * H + h] / wf[h];
+          ab += x * y;
+          aa += x * x;
+          bb += y * y;
+        }
+        sum += ab / std::sqrt(std::max(aa * bb, 1e-30));
+      }
+      res.cosine = sum / (n_all - n_cal);
+    }
+
+    if (library_check) {
+      FfnSamples samples;
+      samples.hidden = H;
+      samples.count = n_cal;
+      samples.inputs.resize(c.n_layers);
+      samples.inputs[l] = cal->ffn_in[l];
+      PredictorTrainingOptions lo = o;
+      lo.ranks = {rank};
+      lo.min_sparsity = 0;
+      lo.layers = {l};
+      auto lib = TrainPredictors(m, *ops, samples, lo);
+      if (!lib.ok()) {
+        std::fprintf(stderr, "%s\n", lib.status().ToString().c_str());
+        return 1;
+      }
+      const LayerPredictor& p = lib->predictors.layers[l];
+      const int r = static_cast<int>(p.fc1.rows());
+      std::vector<float> z(static_cast<size_t>(ev->n) * r), s(static_cast<size_t>(ev->n) * F);
+      ops->MatMul(p.fc1, ffn_x.data() + n_cal * H, static_cast<int>(ev->n), z.data());
+      for (float& v : z) v = std::max(v, 0.f);
+      ops->MatMul(p.fc2, z.data(), static_cast<int>(ev->n), s.data());
+      res.lib_pred = Measure(d, s, n_cal, n_all, F, std::vector<float>(F, p.threshold));
+      res.has_lib = true;
+    }
+    res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - tl).count();
+    auto line = [&](const char* name, const Metrics& x) {
+      std::fprintf(stderr,
+                   "layer %d %-22s recall %.3f  magnitude %.4f  precision %.3f  predicted %.3f "
+                   "(active %.3f)\n",
+                   l, name, x.recall, x.magnitude_recall, x.precision, x.predicted, x.active);
+    };
+    line("(a) standard", res.std_pred);
+    if (res.has_lib) line("(a) library check", res.lib_pred);
+    line("(b) lookahead matched", res.look_matched);
+    line("(b) lookahead same rule", res.look_same);
+    line("previous token", res.prev);
+    std::fprintf(stderr, "layer %d: cos(residual before, after attention) %.3f; done in %.1f s\n",
+                 l, res.cosine, res.seconds);
+    results.push_back(res);
+  }
+
+  // Markdown tables: per layer, then the mean over layers.
+  auto mean = [&](auto get) {
+    double s = 0;
+    for (const LayerResult& r : results) s += get(r);
+    return s / results.size();
+  };
+  std::printf(
+      "Eval: %lld held-out tokens; train: %lld calibration tokens (%lld held back for the "
+      "threshold); rank %d, %d epochs, target %.2f.\n\n",
+      static_cast<long long>(ev->n), static_cast<long long>(n_cal), static_cast<long long>(n_hold),
+      rank, o.epochs, o.target_recall);
+  std::printf(
+      "| layer | active | (a) recall / mag. recall / precision / predicted | (b) same mag. recall: "
+      "recall / mag. recall / precision / predicted | (b) / (a) predicted | (b) own threshold: "
+      "recall / mag. "
+      "recall / precision / predicted | prev. token: recall / mag. recall / precision / "
+      "predicted |\n|---|---|---|---|---|---|---|\n");
+  auto row = [&](const std::string& name, auto get) {
+    const Metrics a = get([](const LayerResult& r) { return r.std_pred; });
+    const Metrics bm = get([](const LayerResult& r) { return r.look_matched; });
+    const Metrics bs = get([](const LayerResult& r) { return r.look_same; });
+    const Metrics p = get([](const LayerResult& r) { return r.prev; });
+    std::printf(
+        "| %s | %.3f | %.3f / %.3f / %.3f / %.3f | %.3f / %.3f / %.3f / %.3f | %.2fx | %.3f / %.3f "
+        "/ "
+        "%.3f / %.3f | %.3f / %.3f / %.3f / %.3f |\n",
+        name.c_str(), a.active, a.recall, a.magnitude_recall, a.precision, a.predicted, bm.recall,
+        bm.magnitude_recall, bm.precision, bm.predicted, bm.predicted / a.predicted, bs.recall,
+        bs.magnitude_recall, bs.precision, bs.predicted, p.recall, p.magnitude_recall, p.precision,
+        p.predicted);
+  };
+  for (size_t i = 0; i < results.size(); ++i) {
+    row(std::to_string(i), [&](auto pick) { return pick(results[i]); });
+  }
+  row("mean", [&](auto pick) {
+    Metrics out;
+    out.active = mean([&](const LayerResult& r) { return pick(r).active; });
+    out.recall = mean([&](const LayerResult& r) { return pick(r).recall; });
+    out.magnitude_recall = mean([&](const LayerResult& r) { return pick(r).magnitude_recall; });
+    out.precision = mean([&](const LayerResult& r) { return pick(r).precision; });
+    out.predicted = mean([&](const LayerResult& r) { return pick(r).predicted; });
+    return out;
+  });
+  std::printf(
+      "\n| layer | cos(residual before, after attention) | (a) neurons / token | (b) at (a)'s "
+      "mag. recall: neurons / token | extra |\n|---|---|---|---|---|\n");
+  for (size_t i = 0; i < results.size(); ++i) {
+    const double na = results[i].std_pred.predicted * F, nb = results[i].look_matched.predicted * F;
+    std::printf("| %zu | %.3f | %.0f | %.0f | %+.0f (%+.0f%%) |\n", i, results[i].cosine, na, nb,
+                nb - na, 100 * (nb / na - 1));
+  }
+  if (library_check) {
+    std::printf(
+        "\nCheck, (a) trained by the library's TrainPredictors (same rank, data, split):\n\n"
+        "| layer | recall | mag. recall | precision | predicted |\n|---|---|---|---|---|\n");
+    for (size_t i = 0; i < results.size(); ++i) {
+      const Metrics& x = results[i].lib_pred;
+      std::printf("| %zu | %.3f | %.4f | %.3f | %.3f |\n", i, x.recall, x.magnitude_recall,
+                  x.precision, x.predicted);
+    }
+  }
+  return 0;
+}
