@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <map>
+#include <mutex>
 #include <utility>
 
 #include "gpu-worker/cuda/kernels.h"
@@ -1121,6 +1123,12 @@ bool g_norm_vec8 = [] {
   const char* e = std::getenv("PINFER_CUDA_NORM_VEC8");
   return e == nullptr || e[0] != '0';
 }();
+// The int8 product with x in registers where the row suits it (MatVecQxRegsKernel;
+// PINFER_CUDA_QX_REGS=0: MatVecSplitQ8xKernel for every row, for comparison).
+bool g_qx_regs = [] {
+  const char* e = std::getenv("PINFER_CUDA_QX_REGS");
+  return e == nullptr || e[0] != '0';
+}();
 
 template <WType T>
 __device__ __forceinline__ int SplitBlockIntDot(const uint4* q, const int4* xw) {
@@ -1240,6 +1248,126 @@ __global__ void __launch_bounds__(kQxWarps* kWarp, R == 1 ? 48 / kQxWarps : 1)
   for (int r = 0; r < R; ++r) {
     const float v = WarpSum(acc[r]);
     if (lane == 0 && r < nr) y[i0 + r] = v;
+  }
+}
+
+// The int8 product with x held in registers (g_qx_regs). MatVecSplitQ8xKernel's lane l reads x's
+// blocks l, l + 32, ... from L1 for every row, twice the bytes of the weights it multiplies them
+// with, and Nsight Compute found those products with L1 their busiest unit and warps stalled on
+// L1 loads two thirds of the time (docs/benchmarks.md, run 22). Here a row's blocks are split into
+// S parts of at most KB * 32 blocks, one warp a part; each lane loads its blocks of x once, into
+// registers, and the warps then stream rows (a grid sized to the resident blocks, each row slot
+// taking rows i and i + stride per step for two rows' loads in flight), so the only loads per row
+// are the weights and their scales. A block of kQxRegWarps warps holds kQxRegWarps / S row slots;
+// with S > 1 the parts' sums meet in shared memory and are added in part order. With S = 1 the
+// per-lane block order and arithmetic are MatVecSplitQ8xKernel's, so the result is the same bit
+// for bit; with S > 1 it differs by summation order only (and is the same on every run).
+constexpr int kQxRegWarps = 8;
+template <WType T, int KB, int S, bool kExact>
+__global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
+    MatVecQxRegsKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
+                       int64_t cols, const int32_t* __restrict__ rows, int n_rows,
+                       const int32_t* __restrict__ dev_count, const float* __restrict__ x,
+                       float* __restrict__ y, const int8_t* __restrict__ pre) {
+  extern __shared__ int4 xsh[];
+  __shared__ float partial[2][2][kQxRegWarps];  // [step parity][row of the pair][warp]
+  constexpr int QB = kSplitBlockBytes<T>;
+  constexpr int QV = QB / 16;
+  constexpr int kSlots = kQxRegWarps / S;
+  const int nblk = static_cast<int>(cols / 32);
+  const size_t qrb = static_cast<size_t>(nblk) * QB;
+  const QxParts xp =
+      QxAt(pre != nullptr ? const_cast<int8_t*>(pre) : reinterpret_cast<int8_t*>(xsh), cols, 0);
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int slot = warp / S, part = warp % S;
+  // This part's blocks: [b0, b1).
+  const int part_blocks = (nblk + S - 1) / S;
+  const int b0 = part * part_blocks, b1 = min(nblk, b0 + part_blocks);
+  PdlTrigger();
+  PdlWait();
+  for (int e0 = threadIdx.x * 8; pre == nullptr && e0 < cols; e0 += kQxRegWarps * kWarp * 8) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(x + e0));
+    const float4 c = __ldg(reinterpret_cast<const float4*>(x + e0 + 4));
+    const float v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+    QuantizeEight(v, e0, xp);
+  }
+  if (pre == nullptr) __syncthreads();
+  // Lanes past the part's end (unless every part is KB * 32 blocks, kExact) read its last block
+  // again and weigh it by dx = 0 (an exact +0 in the sum): loads that are never predicated stay
+  // batched ahead of their use.
+  int4 xq[KB][2];  // this lane's blocks of x: [KB, 32 int8]
+  float dx[KB];
+  int off[KB], blk[KB];
+#pragma unroll
+  for (int k = 0; k < KB; ++k) {
+    const int b = b0 + lane + k * kWarp;
+    blk[k] = kExact ? b : min(b, b1 - 1);
+    const int4* xw = reinterpret_cast<const int4*>(xp.q + blk[k] * 32);
+    xq[k][0] = xw[0];
+    xq[k][1] = xw[1];
+    dx[k] = kExact || b < b1 ? xp.d[blk[k]] : 0.f;
+    off[k] = T == WType::kQ4_0 ? 8 * xp.sum[blk[k]] : 0;
+  }
+  const int count = dev_count != nullptr ? *dev_count : n_rows;
+  const int stride = gridDim.x * kSlots;
+  // With S > 1 the trip count is the block's, so that every warp reaches the same
+  // __syncthreads; a slot past the count then reads a row that exists (the block's first) and
+  // writes nothing.
+  int step = 0;
+  for (int base = blockIdx.x * kSlots + (S == 1 ? slot : 0); base < count;
+       base += 2 * stride, ++step) {
+    const int i = base + (S == 1 ? 0 : slot), i1 = i + stride;
+    const bool has[2] = {S == 1 || i < count, i1 < count};
+    const int first = S == 1 ? i : min(blockIdx.x * kSlots, count - 1);
+    int64_t rid[2];
+    rid[0] = rows != nullptr ? rows[has[0] ? i : first] : (has[0] ? i : first);
+    rid[1] = has[1] ? (rows != nullptr ? rows[i1] : i1) : rid[0];
+    uint4 q[2][KB][QV];
+    float dw[2][KB];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const uint8_t* rq = qs + static_cast<size_t>(rid[u]) * qrb;
+#pragma unroll
+      for (int k = 0; k < KB; ++k) {
+        const uint4* src = reinterpret_cast<const uint4*>(rq + blk[k] * QB);
+#pragma unroll
+        for (int v = 0; v < QV; ++v) q[u][k][v] = LoadStream(src + v);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const uint16_t* rs = scales + static_cast<size_t>(rid[u]) * nblk;
+#pragma unroll
+      for (int k = 0; k < KB; ++k) dw[u][k] = H2F(rs[blk[k]]);
+    }
+    float acc[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      acc[u] = 0.f;
+#pragma unroll
+      for (int k = 0; k < KB; ++k) {
+        acc[u] +=
+            dw[u][k] * dx[k] * static_cast<float>(SplitBlockIntDot<T>(q[u][k], xq[k]) - off[k]);
+      }
+      acc[u] = WarpSum(acc[u]);
+    }
+    if constexpr (S == 1) {
+      if (lane == 0 && has[0]) y[i] = acc[0];
+      if (lane == 0 && has[1]) y[i1] = acc[1];
+    } else {
+      // Two parities of partial sums: a step's writes never meet the previous step's reads.
+      if (lane == 0) {
+        partial[step & 1][0][warp] = acc[0];
+        partial[step & 1][1][warp] = acc[1];
+      }
+      __syncthreads();
+      if (part == 0 && lane < 2 && has[lane]) {
+        float sum = 0.f;
+#pragma unroll
+        for (int p = 0; p < S; ++p) sum += partial[step & 1][lane][slot * S + p];
+        y[lane == 0 ? i : i1] = sum;
+      }
+    }
   }
 }
 
@@ -1676,6 +1804,7 @@ void SetQuantRowsPerWarp(int rows) { g_qx_rows = rows == 1 || rows == 2 || rows 
 void SetQuantShapeBalanced(bool on) { g_qx_balanced = on; }
 void SetNormInRegisters(bool on) { g_norm_regs = on ? kNormRegs : 0; }
 void SetNormVec8(bool on) { g_norm_vec8 = on; }
+void SetQuantRegs(bool on) { g_qx_regs = on; }
 bool QuantizedActivations() { return g_q8x; }
 bool ProgrammaticLaunch() { return g_pdl; }
 
@@ -1887,6 +2016,61 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
   if constexpr (quant) {
     const size_t qx_smem =
         qx != nullptr ? 0 : static_cast<size_t>(w.cols) + static_cast<size_t>(w.cols / 32) * 8;
+    // x in registers: the fewest parts a row (1, 2 or 4) whose blocks fit five a lane (Q8_0,
+    // whose weight blocks take twice the registers: four, as five spill).
+    constexpr int kMaxKb = T == WType::kQ8_0 ? 4 : 5;
+    const int64_t nblk = w.cols / 32;
+    int parts = 1;
+    while (parts < 4 && (nblk + parts - 1) / parts > kMaxKb * kWarp) parts *= 2;
+    const int64_t kb = ((nblk + parts - 1) / parts + kWarp - 1) / kWarp;
+    if (w.split() && g_q8x && g_qx_regs && !g_prefetch && w.cols % 32 == 0 && kb <= kMaxKb &&
+        qx_smem <= 48 * 1024) {
+      const auto* sc = static_cast<const uint16_t*>(w.scales);
+      const bool exact = nblk == parts * kb * kWarp;
+      auto pick_kb = [&](auto parts_c, auto exact_c) {
+        constexpr int P = decltype(parts_c)::value;
+        constexpr bool E = decltype(exact_c)::value;
+        return kb == 1                  ? MatVecQxRegsKernel<T, 1, P, E>
+               : kb == 2                ? MatVecQxRegsKernel<T, 2, P, E>
+               : kb == 3                ? MatVecQxRegsKernel<T, 3, P, E>
+               : kb == 4 || kMaxKb == 4 ? MatVecQxRegsKernel<T, 4, P, E>
+                                        : MatVecQxRegsKernel<T, kMaxKb, P, E>;
+      };
+      auto pick = [&](auto parts_c) {
+        return exact ? pick_kb(parts_c, std::true_type()) : pick_kb(parts_c, std::false_type());
+      };
+      auto kernel = parts == 1   ? pick(std::integral_constant<int, 1>())
+                    : parts == 2 ? pick(std::integral_constant<int, 2>())
+                                 : pick(std::integral_constant<int, 4>());
+      const int slots = kQxRegWarps / parts;
+      // As many blocks as stay resident (each warp strides over the rows), fewer for short
+      // matrices.
+      static std::mutex mu;
+      static std::map<std::pair<const void*, size_t>, int> resident;
+      int capacity = 0;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), qx_smem);
+        auto it = resident.find(key);
+        if (it == resident.end()) {
+          int per_sm = 0;
+          cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+              &per_sm, kernel, kQxRegWarps * kWarp, qx_smem);
+          if (e != cudaSuccess) return e;
+          it = resident.emplace(key, std::max(1, per_sm) * SmCount()).first;
+        }
+        capacity = it->second;
+      }
+      const int blocks = std::max(1, std::min(capacity, (n_rows + 2 * slots - 1) / (2 * slots)));
+      for (int t = 0; t < nt; ++t) {
+        cudaError_t e =
+            Launch(kernel, blocks, kQxRegWarps * kWarp, qx_smem, stream, base, sc, w.cols, rows,
+                   n_rows, dev_count, xt + t * w.cols, yt + static_cast<int64_t>(t) * ldy,
+                   qx != nullptr ? qx + QxRegionBytes(w.cols) * t : nullptr);
+        if (e != cudaSuccess) return e;
+      }
+      return cudaSuccess;
+    }
     if (w.split() && g_q8x && qx_smem <= 48 * 1024) {
       // One launch per token (the batches here are at most kMaxTok tokens).
       const auto* sc = static_cast<const uint16_t*>(w.scales);

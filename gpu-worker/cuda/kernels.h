@@ -91,6 +91,11 @@ void SetNormInRegisters(bool on);
 // Whether norms of rows that suit it (a multiple of 256 wide, up to 8192) run with eight
 // elements a thread (default) or as above (PINFER_CUDA_NORM_VEC8=0), for comparison.
 void SetNormVec8(bool on);
+// Whether the int8 product holds x in registers (default; rows up to 20480 columns for Q4_0 and
+// 16384 for Q8_0, wider ones split between two or four warps) or reads it from memory for every
+// row (PINFER_CUDA_QX_REGS=0), for comparison. Rows a warp covers alone give the same values bit
+// for bit; split rows differ by summation order.
+void SetQuantRegs(bool on);
 bool QuantizedActivations();
 
 // x quantized once, by the kernel that produces it, for the int8 product above, so that the

@@ -1051,6 +1051,86 @@ TEST_F(CudaOpsTest, QuantizedActivationsMatchLlamaCppDefinition) {
   cuda::SetQuantizedActivations(q8x);
 }
 
+// The int8 product with x in registers: rows whose blocks fit one warp (up to 5120 columns) give
+// exactly what the kernel that reads x from memory gives; wider rows, split between two or four
+// warps, give the same up to summation order, the same on every run. For whole matrices of
+// several heights (one block to more blocks than stay resident), listed rows with a device count,
+// several tokens, and x quantized by the product itself or by its producer; all against the
+// llama.cpp-definition reference.
+TEST_F(CudaOpsTest, QuantRegsProductMatchesTheMemoryKernel) {
+  const bool q8x = cuda::QuantizedActivations();
+  cuda::SetQuantizedActivations(true);
+  for (DType type : {DType::kQ4_0, DType::kQ8_0}) {
+    for (int64_t cols : {512, 1056, 3072, 5120, 5152, 8192, 13824, 20480}) {
+      for (int64_t rows : {1, 17, 301, 20000}) {
+        if (rows == 20000 && cols != 5120 && cols != 13824) continue;
+        HostWeights w = RandomWeights(type, rows, cols);
+        DevBuf<uint8_t> dg(w.bytes.size()), ds(w.bytes.size());
+        DeviceMatrix m = ToDeviceSplit(w, &dg, &ds);
+        const int n = rows == 20000 ? 1 : 3;
+        std::vector<float> x = Random(static_cast<size_t>(n) * cols);
+        DevBuf<float> dx(x);
+        DevBuf<int8_t> dqx(n * cuda::QxBytes(cols));
+        std::vector<float> nw(cols, 1.f);
+        DevBuf<float> dnw(nw), dxn(static_cast<size_t>(n) * cols);
+        // x through a norm that also writes the quantized copy (the producer path).
+        CUDA_OK(cuda::RmsNorm(dx.get(), dnw.get(), n, static_cast<int>(cols), 1e-5f, dxn.get(),
+                              nullptr, dqx.get()));
+        const std::vector<float> xn = dxn.Download();
+        const int bound = static_cast<int>(std::min<int64_t>(rows, 120));
+        const int count = std::max(1, bound * 4 / 5);
+        std::vector<int32_t> ids = RandomRows(static_cast<int>(rows), bound);
+        DevBuf<int32_t> dids(ids), dcount(std::vector<int32_t>{count});
+        std::vector<int32_t> all(rows);
+        std::iota(all.begin(), all.end(), 0);
+        const std::vector<float> ref = Q8xReference(w, all, xn, n);
+        const std::vector<float> ref_listed =
+            Q8xReference(w, std::vector<int32_t>(ids.begin(), ids.begin() + count), xn, n);
+        const bool one_warp = cols / 32 <= (type == DType::kQ8_0 ? 128 : 160);
+        for (bool producer : {false, true}) {
+          // [0]: x from memory; [1], [2]: x in registers, twice.
+          std::vector<float> whole[3], listed[3];
+          for (int run = 0; run < 3; ++run) {
+            cuda::SetQuantRegs(run > 0);
+            DevBuf<float> dy(static_cast<size_t>(n) * rows), dy2(static_cast<size_t>(n) * bound);
+            const int8_t* qx = producer ? dqx.get() : nullptr;
+            CUDA_OK(cuda::MatVecRows(m, nullptr, static_cast<int>(rows), nullptr, dxn.get(), n,
+                                     dy.get(), static_cast<int>(rows), nullptr, qx));
+            CUDA_OK(cuda::MatVecRows(m, dids.get(), bound, dcount.get(), dxn.get(), n, dy2.get(),
+                                     bound, nullptr, qx));
+            whole[run] = dy.Download();
+            const std::vector<float> got = dy2.Download();
+            for (int t = 0; t < n; ++t) {
+              for (int i = 0; i < bound; ++i) {
+                if (i < count) {
+                  listed[run].push_back(got[t * bound + i]);
+                } else {
+                  EXPECT_TRUE(std::isnan(got[t * bound + i])) << "wrote past the count at " << i;
+                }
+              }
+            }
+            EXPECT_TRUE(dy.GuardsIntact() && dy2.GuardsIntact());
+          }
+          const std::string what = std::string(DTypeName(type)) + " cols " + std::to_string(cols) +
+                                   " rows " + std::to_string(rows) +
+                                   (producer ? " producer" : " own");
+          EXPECT_FALSE(AnyNan(whole[1]) || AnyNan(listed[1])) << what;
+          EXPECT_EQ(whole[1], whole[2]) << what << ": not the same on every run";
+          EXPECT_EQ(listed[1], listed[2]) << what << ": not the same on every run";
+          if (one_warp) {
+            EXPECT_EQ(whole[1], whole[0]) << what;
+            EXPECT_EQ(listed[1], listed[0]) << what << " listed";
+          }
+          EXPECT_LE(Nmse(whole[1], ref), kFp32Limit) << what;
+          EXPECT_LE(Nmse(listed[1], ref_listed), kFp32Limit) << what << " listed";
+        }
+      }
+    }
+  }
+  cuda::SetQuantRegs(true);
+  cuda::SetQuantizedActivations(q8x);
+}
+
 // x quantized by the kernel that produces it (the norms, the packed activation) gives the int8
 // product exactly what the product computes when it quantizes x itself, for whole matrices and
 // listed rows, and matches the llama.cpp-definition reference.
