@@ -71,6 +71,9 @@ struct Options {
   int threads = 0;  // 0: all cores
   std::string modes = "pinfer,offload,gpu";
   bool graphs = true;
+  // --bandwidths=0 skips measuring the bandwidths, the products by shape and the cold rows
+  // (profiling runs, where every launch is slow; the roofline columns are then meaningless).
+  bool bandwidths = true;
   // --variants=base;PDL=0;REPACK=0+STEP_GRAPH=0: the modes are run once per variant, each a set
   // of the CUDA module's PINFER_CUDA_* knobs (read when a backend is created); "base" is none.
   std::vector<std::string> variants = {"base"};
@@ -1427,6 +1430,8 @@ int Main(int argc, char** argv) {
       o.threads = std::atoi(v);
     else if (const char* v = val("--modes="))
       o.modes = v;
+    else if (const char* v = val("--bandwidths="))
+      o.bandwidths = std::string(v) != "0";
     else if (const char* v = val("--variants="))
       o.variants = Split(v, ';');
     else if (const char* v = val("--variant-modes="))
@@ -1504,7 +1509,12 @@ int Main(int argc, char** argv) {
 
   if (o.modes == "prefill") return PrefillBench(o, m, pool, threads);
   if (o.modes == "adaptive") return AdaptiveBench(o, m, pool, threads);
-  Bandwidths bw = MeasureBandwidths(m.dtype, pool);
+  Bandwidths bw;
+  if (o.bandwidths) {
+    bw = MeasureBandwidths(m.dtype, pool);
+  } else {
+    std::printf("bandwidths not measured (--bandwidths=0): roofline columns are meaningless\n");
+  }
   std::printf(
       "bandwidth: GPU copy %.0f GB/s, GPU %s matvec %.0f GB/s (GGUF layout %.0f), CPU %s "
       "matvec (%d threads) %.1f GB/s, host->GPU %.1f GB/s; kernel launch %.2f us host, "
@@ -1513,8 +1523,10 @@ int Main(int argc, char** argv) {
       DTypeName(m.dtype).data(), threads, bw.cpu_gemv / 1e9, bw.h2d / 1e9, bw.launch_us,
       bw.kernel_us);
 
-  MeasureShapes(m.dtype, pool);
-  MeasureColdRows(m.dtype, c.hidden_size, c.ffn_size, threads, pool);
+  if (o.bandwidths) {
+    MeasureShapes(m.dtype, pool);
+    MeasureColdRows(m.dtype, c.hidden_size, c.ffn_size, threads, pool);
+  }
   if (const char* v = std::getenv("PINFER_MATVEC_WARP_ROWS")) {
     cuda::SetMatVecWarpRowsMin(std::atoi(v));
     std::printf("warp-per-row from %d rows\n", cuda::MatVecWarpRowsMin());
