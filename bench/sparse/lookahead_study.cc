@@ -11,9 +11,9 @@
 // Targets are always the true activations: relu(gate . ffn_input) > 0, weighted by the
 // contribution relu(g) * |up| * |down column| exactly as predictor_training.cc weighs them.
 //
-// Training mirrors shared/sparse/predictor_training.cc step by step (its helpers are private to
-// that file and TrainPredictors derives its targets from its features through the gate, so it
-// cannot train on other features; the steps are re-implemented here on arbitrary features):
+// Training runs TrainPredictors' own steps (shared/sparse/predictor_fit.h) on either feature
+// set; TrainPredictors itself derives its targets from its features through the gate, so it
+// cannot train on other features:
 //  1. closed-form start: the reduced-rank regression of the contribution-weighted gate g on the
 //     features u. For (a) the gate is exactly linear in u (coefficients = Wg, no residual), which
 //     is the library's start; for (b) the coefficients are the least-squares fit
@@ -25,7 +25,8 @@
 //     keeps `target` (0.96) of the activation magnitude on held-back pairs (the last 10% of the
 //     training tokens), neuron j's threshold on the score being logit(exp(lambda) / m_j)
 //     (applied per neuron here, not folded into fc2's rows; both select the same neurons).
-// (a) is also trained with the library's TrainPredictors as a check on the re-implementation.
+// (a) is also trained with the library's TrainPredictors as a check on this program's use of the
+// steps.
 // Evaluation is on heldout-tokens.u32, disjoint from the calibration text trained on; (b) is
 // reported twice: at its own calibrated threshold (the same rule as (a)), and with lambda set on
 // the evaluation tokens so that its magnitude recall equals (a)'s there, so that the predicted-
@@ -51,6 +52,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "shared/engine/transformer.h"
+#include "shared/sparse/predictor_fit.h"
 #include "shared/sparse/predictor_training.h"
 #include "shared/sparse/profiler.h"
 #include "shared/util/half.h"
@@ -158,174 +160,24 @@ absl::StatusOr<Recorded> Record(const Model& m, const CpuOps& ops,
   return rec;
 }
 
-// ---- Training, re-implemented from predictor_training.cc on arbitrary features. ----
-
-void MatMulF32(const CpuOps& ops, const float* w, int64_t rows, int64_t cols, const float* x, int n,
-               float* y) {
-  TensorView t;
-  t.dtype = DType::kF32;
-  t.shape = {rows, cols};
-  t.data = w;
-  ops.MatMul(t, x, n, y);
-}
-
-void Transpose(const float* a, int64_t rows, int64_t cols, float* out) {
-  constexpr int64_t kTile = 32;
-  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-    for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
-      const int64_t r1 = std::min(rows, r0 + kTile), c1 = std::min(cols, c0 + kTile);
-      for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t c = c0; c < c1; ++c) out[c * rows + r] = a[r * cols + c];
-      }
-    }
-  }
-}
-
-void GemmNN(const float* a, const float* b, float* c, int64_t m, int64_t k, int64_t n) {
-  std::fill(c, c + m * n, 0.f);
-  for (int64_t i = 0; i < m; ++i) {
-    float* ci = c + i * n;
-    for (int64_t p = 0; p < k; ++p) {
-      const float aip = a[i * k + p];
-      if (aip == 0) continue;
-      const float* bp = b + p * n;
-      for (int64_t j = 0; j < n; ++j) ci[j] += aip * bp[j];
-    }
-  }
-}
-
-void OrthonormaliseG(std::vector<float>& z, const std::vector<float>& g, int h, int k,
-                     std::mt19937& rng) {
-  std::vector<double> col(h), gcol(h);
-  std::vector<std::vector<double>> basis_g, basis;
-  std::normal_distribution<double> nd;
-  for (int c = 0; c < k; ++c) {
-    for (int attempt = 0; attempt < 3; ++attempt) {
-      for (int i = 0; i < h; ++i) col[i] = z[static_cast<size_t>(i) * k + c];
-      for (size_t b = 0; b < basis.size(); ++b) {
-        double dot = 0;
-        for (int i = 0; i < h; ++i) dot += col[i] * basis_g[b][i];
-        for (int i = 0; i < h; ++i) col[i] -= dot * basis[b][i];
-      }
-      for (int i = 0; i < h; ++i) {
-        double s = 0;
-        for (int j = 0; j < h; ++j)
-          s += static_cast<double>(g[static_cast<size_t>(i) * h + j]) * col[j];
-        gcol[i] = s;
-      }
-      double norm2 = 0;
-      for (int i = 0; i < h; ++i) norm2 += col[i] * gcol[i];
-      if (norm2 > 1e-20) {
-        const double inv = 1.0 / std::sqrt(norm2);
-        for (int i = 0; i < h; ++i) {
-          col[i] *= inv;
-          gcol[i] *= inv;
-        }
-        break;
-      }
-      for (int i = 0; i < h; ++i) z[static_cast<size_t>(i) * k + c] = static_cast<float>(nd(rng));
-    }
-    basis.push_back(col);
-    basis_g.push_back(gcol);
-    for (int i = 0; i < h; ++i) z[static_cast<size_t>(i) * k + c] = static_cast<float>(col[i]);
-  }
-}
+// ---- Training: predictor_fit.h's steps (the library's own) on either feature set. ----
 
 // The targets of one layer (from the FFN input through the real gate/up/down), shared by both
 // feature sets. Rows: the n_cal calibration tokens (the first n_train trained on, the rest held
 // back for the threshold), then the evaluation tokens.
-struct Targets {
+struct Targets : FfnTargets {
   int64_t n_train = 0, n_cal = 0, n_all = 0;
-  std::vector<float> gate;               // [n_all, F]
-  std::vector<float> importance;         // [n_all, F]: contribution of truly active neurons, else 0
-  std::vector<float> unit_contribution;  // [F]
-  std::vector<float> mean_active_importance;  // [F]
-  double mean_positive_importance = 0;
 };
 
 Targets ComputeTargets(const Model& model, const CpuOps& ops, int layer, const float* ffn_x,
                        int64_t n_train, int64_t n_cal, int64_t n_all) {
-  const ModelConfig& c = model.config;
-  const LayerWeights& L = model.layers[layer];
-  const int H = c.hidden_size, F = c.ffn_size;
   Targets d;
+  static_cast<FfnTargets&>(d) =
+      ComputeFfnTargets(model, ops, layer, ffn_x, n_all, n_train, /*keep_gate=*/true);
   d.n_train = n_train;
   d.n_cal = n_cal;
   d.n_all = n_all;
-  std::vector<double> col2(F, 0.0);
-  {
-    std::vector<float> row(F);
-    for (int64_t h = 0; h < H; ++h) {
-      DequantizeRow(L.down.dtype, L.down.row(h), row.data(), F);
-      for (int j = 0; j < F; ++j) col2[j] += static_cast<double>(row[j]) * row[j];
-    }
-  }
-  std::vector<float> down_norm(F);
-  for (int j = 0; j < F; ++j) down_norm[j] = static_cast<float>(std::sqrt(col2[j]));
-  d.gate.resize(static_cast<size_t>(n_all) * F);
-  d.importance.resize(d.gate.size());
-  std::vector<double> imp2(F, 0.0), gate2(F, 0.0), sum(F, 0.0);
-  std::vector<int64_t> count(F, 0);
-  double pos_sum = 0;
-  int64_t pos_count = 0;
-  constexpr int kChunk = 512;
-  std::vector<float> u(static_cast<size_t>(kChunk) * F);
-  for (int64_t b0 = 0; b0 < n_all; b0 += kChunk) {
-    const int nb = static_cast<int>(std::min<int64_t>(kChunk, n_all - b0));
-    float* g = d.gate.data() + b0 * F;
-    ops.MatMul(L.gate, ffn_x + b0 * H, nb, g);
-    ops.MatMul(L.up, ffn_x + b0 * H, nb, u.data());
-    for (int t = 0; t < nb; ++t) {
-      float* imp = d.importance.data() + (b0 + t) * F;
-      const float* gt = g + static_cast<size_t>(t) * F;
-      const float* ut = u.data() + static_cast<size_t>(t) * F;
-      for (int j = 0; j < F; ++j) {
-        const float gj = gt[j];
-        const bool active = gj > 0 && (c.activation != Activation::kDRelu || ut[j] > 0);
-        if (!active) {
-          imp[j] = 0;
-          continue;
-        }
-        const float v = std::max(gj * std::fabs(ut[j]) * down_norm[j], 1e-30f);
-        imp[j] = v;
-        if (b0 + t < n_train) {
-          imp2[j] += static_cast<double>(v) * v;
-          gate2[j] += static_cast<double>(gj) * gj;
-          pos_sum += v;
-          ++pos_count;
-          sum[j] += v;
-          ++count[j];
-        }
-      }
-    }
-  }
-  d.mean_positive_importance = pos_count > 0 ? pos_sum / pos_count : 1.0;
-  d.mean_active_importance.resize(F);
-  d.unit_contribution.resize(F);
-  for (int j = 0; j < F; ++j) {
-    d.mean_active_importance[j] = count[j] > 0
-                                      ? static_cast<float>(sum[j] / count[j])
-                                      : static_cast<float>(d.mean_positive_importance * 1e-3);
-    d.unit_contribution[j] =
-        gate2[j] > 0 ? static_cast<float>(std::sqrt(imp2[j] / gate2[j])) : down_norm[j];
-  }
   return d;
-}
-
-// E[u u^T] over the training rows.
-std::vector<float> SecondMoment(const CpuOps& ops, const float* x, int64_t n_train, int H) {
-  constexpr int kChunk = 512;
-  std::vector<double> acc(static_cast<size_t>(H) * H, 0.0);
-  std::vector<float> xt(static_cast<size_t>(kChunk) * H), part(static_cast<size_t>(H) * H);
-  for (int64_t b0 = 0; b0 < n_train; b0 += kChunk) {
-    const int nb = static_cast<int>(std::min<int64_t>(kChunk, n_train - b0));
-    Transpose(x + b0 * H, nb, H, xt.data());
-    MatMulF32(ops, xt.data(), H, nb, xt.data(), H, part.data());
-    for (size_t i = 0; i < part.size(); ++i) acc[i] += part[i];
-  }
-  std::vector<float> out(acc.size());
-  for (size_t i = 0; i < acc.size(); ++i) out[i] = static_cast<float>(acc[i] / n_train);
-  return out;
 }
 
 // The least-squares linear predictor of the gate from features u (training rows):
@@ -399,161 +251,6 @@ struct Mlp {
   std::vector<float> w1, w2;  // [r, H], [F, r]
 };
 
-// predictor_training.cc's ClosedFormInit with the gate's coefficients `wg` given (the gate itself
-// for FFN-input features, the regression for others) and the regression's residual variance added
-// to each neuron's spread.
-Mlp ClosedFormInit(const std::vector<float>& wg, const std::vector<float>& s2,
-                   const std::vector<float>& resid_var, const Targets& d, int H, int F, int r,
-                   uint32_t seed) {
-  const int k = r / 2;
-  std::mt19937 rng(seed);
-  std::vector<float> a(wg.size());
-  for (int j = 0; j < F; ++j) {
-    for (int h = 0; h < H; ++h)
-      a[static_cast<size_t>(j) * H + h] =
-          d.unit_contribution[j] * wg[static_cast<size_t>(j) * H + h];
-  }
-  std::vector<float> at(a.size());
-  Transpose(a.data(), F, H, at.data());
-  std::vector<float> g(static_cast<size_t>(H) * H);
-  GemmNN(at.data(), a.data(), g.data(), H, F, H);
-  std::vector<float> z(static_cast<size_t>(H) * k), tmp(z.size());
-  std::normal_distribution<float> nd;
-  for (float& v : z) v = nd(rng);
-  OrthonormaliseG(z, g, H, k, rng);
-  for (int it = 0; it < 40; ++it) {
-    GemmNN(g.data(), z.data(), tmp.data(), H, H, k);
-    GemmNN(s2.data(), tmp.data(), z.data(), H, H, k);
-    OrthonormaliseG(z, g, H, k, rng);
-  }
-  std::vector<float> zt(static_cast<size_t>(k) * H);
-  Transpose(z.data(), H, k, zt.data());
-  std::vector<float> fc1(static_cast<size_t>(k) * H), fc2(static_cast<size_t>(F) * k);
-  GemmNN(zt.data(), g.data(), fc1.data(), k, H, H);
-  GemmNN(wg.data(), z.data(), fc2.data(), F, H, k);
-  for (int i = 0; i < k; ++i) {
-    float* row = fc1.data() + static_cast<size_t>(i) * H;
-    double var = 0;
-    for (int p = 0; p < H; ++p) {
-      double s = 0;
-      for (int q = 0; q < H; ++q)
-        s += static_cast<double>(s2[static_cast<size_t>(p) * H + q]) * row[q];
-      var += s * row[p];
-    }
-    const float sd = static_cast<float>(std::sqrt(std::max(var, 1e-30)));
-    for (int p = 0; p < H; ++p) row[p] /= sd;
-    for (int j = 0; j < F; ++j) fc2[static_cast<size_t>(j) * k + i] *= sd;
-  }
-  std::vector<float> approx(static_cast<size_t>(F) * H);
-  GemmNN(fc2.data(), fc1.data(), approx.data(), F, k, H);
-  std::vector<float> scale(F), e(H);
-  for (int j = 0; j < F; ++j) {
-    for (int h = 0; h < H; ++h) {
-      e[h] = wg[static_cast<size_t>(j) * H + h] - approx[static_cast<size_t>(j) * H + h];
-    }
-    double var = resid_var.empty() ? 0.0 : resid_var[j];
-    for (int p = 0; p < H; ++p) {
-      const float* s2p = s2.data() + static_cast<size_t>(p) * H;
-      double s = 0;
-      for (int q = 0; q < H; ++q) s += static_cast<double>(s2p[q]) * e[q];
-      var += s * e[p];
-    }
-    scale[j] = 1.7f / static_cast<float>(std::sqrt(std::max(var, 1e-12)));
-  }
-  Mlp m;
-  m.r = 2 * k;
-  m.w1.resize(static_cast<size_t>(m.r) * H);
-  m.w2.resize(static_cast<size_t>(F) * m.r);
-  for (int i = 0; i < k; ++i) {
-    for (int h = 0; h < H; ++h) {
-      m.w1[static_cast<size_t>(i) * H + h] = fc1[static_cast<size_t>(i) * H + h];
-      m.w1[static_cast<size_t>(k + i) * H + h] = -fc1[static_cast<size_t>(i) * H + h];
-    }
-  }
-  for (int j = 0; j < F; ++j) {
-    for (int i = 0; i < k; ++i) {
-      const float v = scale[j] * fc2[static_cast<size_t>(j) * k + i];
-      m.w2[static_cast<size_t>(j) * m.r + i] = v;
-      m.w2[static_cast<size_t>(j) * m.r + k + i] = -v;
-    }
-  }
-  return m;
-}
-
-inline float Sigmoid(float s) { return 1.f / (1.f + std::exp(-s)); }
-
-// predictor_training.cc's FineTune (Adam on the contribution-weighted BCE) on features x.
-void FineTune(const CpuOps& ops, const float* x, const Targets& d, int H, int F, Mlp& m,
-              const PredictorTrainingOptions& o, uint32_t seed) {
-  const int r = m.r, B = o.batch;
-  std::vector<float> m1(m.w1.size(), 0.f), v1(m.w1.size(), 0.f);
-  std::vector<float> m2(m.w2.size(), 0.f), v2(m.w2.size(), 0.f);
-  std::vector<float> xb(static_cast<size_t>(B) * H), xbt(xb.size());
-  std::vector<float> z(static_cast<size_t>(B) * r), hd(z.size()), hdt(z.size());
-  std::vector<float> s(static_cast<size_t>(B) * F), ds(s.size()), dst(s.size());
-  std::vector<float> w2t(m.w2.size()), dhd(z.size()), dzt(z.size());
-  std::vector<float> gw1(m.w1.size()), gw2(m.w2.size());
-  std::vector<int64_t> order(d.n_train);
-  std::iota(order.begin(), order.end(), 0);
-  std::mt19937 rng(seed);
-  const float inv_mean = static_cast<float>(1.0 / d.mean_positive_importance);
-  auto PositiveWeight = [&](float imp) {
-    const float w = o.positive_weight_power == 0.5f
-                        ? std::sqrt(imp * inv_mean)
-                        : std::pow(imp * inv_mean, o.positive_weight_power);
-    return std::clamp(w, o.positive_weight_min, o.positive_weight_max);
-  };
-  const float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
-  int64_t step = 0;
-  for (int epoch = 0; epoch < o.epochs; ++epoch) {
-    std::shuffle(order.begin(), order.end(), rng);
-    for (int64_t b0 = 0; b0 + B <= d.n_train; b0 += B) {
-      for (int t = 0; t < B; ++t) {
-        std::copy_n(x + order[b0 + t] * H, H, xb.data() + static_cast<size_t>(t) * H);
-      }
-      MatMulF32(ops, m.w1.data(), r, H, xb.data(), B, z.data());
-      for (size_t i = 0; i < z.size(); ++i) hd[i] = std::max(z[i], 0.f);
-      MatMulF32(ops, m.w2.data(), F, r, hd.data(), B, s.data());
-      const float inv_b = 1.f / B;
-      for (int t = 0; t < B; ++t) {
-        const float* imp = d.importance.data() + order[b0 + t] * F;
-        const float* st = s.data() + static_cast<size_t>(t) * F;
-        float* dt = ds.data() + static_cast<size_t>(t) * F;
-        for (int j = 0; j < F; ++j) {
-          const float p = Sigmoid(st[j]);
-          dt[j] = imp[j] > 0 ? PositiveWeight(imp[j]) * (p - 1.f) * inv_b
-                             : o.negative_weight * p * inv_b;
-        }
-      }
-      Transpose(hd.data(), B, r, hdt.data());
-      Transpose(ds.data(), B, F, dst.data());
-      MatMulF32(ops, hdt.data(), r, B, dst.data(), F, gw2.data());
-      Transpose(m.w2.data(), F, r, w2t.data());
-      MatMulF32(ops, w2t.data(), r, F, ds.data(), B, dhd.data());
-      for (size_t i = 0; i < dhd.size(); ++i) {
-        if (z[i] <= 0) dhd[i] = 0;
-      }
-      Transpose(dhd.data(), B, r, dzt.data());
-      Transpose(xb.data(), B, H, xbt.data());
-      MatMulF32(ops, xbt.data(), H, B, dzt.data(), r, gw1.data());
-      ++step;
-      const float c1 = 1.f - std::pow(beta1, static_cast<float>(step));
-      const float c2 = 1.f - std::pow(beta2, static_cast<float>(step));
-      const float lr = o.learning_rate * std::sqrt(c2) / c1;
-      auto adam = [&](std::vector<float>& w, std::vector<float>& mm, std::vector<float>& vv,
-                      const std::vector<float>& grad) {
-        for (size_t i = 0; i < w.size(); ++i) {
-          mm[i] = beta1 * mm[i] + (1 - beta1) * grad[i];
-          vv[i] = beta2 * vv[i] + (1 - beta2) * grad[i] * grad[i];
-          w[i] -= lr * mm[i] / (std::sqrt(vv[i]) + eps);
-        }
-      };
-      adam(m.w1, m1, v1, gw1);
-      adam(m.w2, m2, v2, gw2);
-    }
-  }
-}
-
 void RoundF16(std::vector<float>& w) {
   for (float& v : w) v = Fp16ToFp32(Fp32ToFp16(v));
 }
@@ -615,48 +312,19 @@ struct Metrics {
   double recall = 0, magnitude_recall = 0, precision = 0, predicted = 0, active = 0;
 };
 
-// Selection: s >= thr[j], over the evaluation rows [begin, end).
-Metrics Measure(const Targets& d, const std::vector<float>& s, int64_t begin, int64_t end, int F,
-                const std::vector<float>& thr) {
-  int64_t selected = 0, hits = 0, n_active = 0;
-  double mag_total = 0, mag_hit = 0;
-  for (int64_t t = begin; t < end; ++t) {
-    const float* imp = d.importance.data() + t * F;
-    const float* st = s.data() + (t - begin) * F;
-    for (int j = 0; j < F; ++j) {
-      const bool sel = st[j] >= thr[j];
-      selected += sel;
-      if (imp[j] > 0) {
-        ++n_active;
-        mag_total += imp[j];
-        if (sel) {
-          ++hits;
-          mag_hit += imp[j];
-        }
-      }
-    }
-  }
-  const double pairs = static_cast<double>(end - begin) * F;
-  Metrics m;
-  m.recall = n_active ? static_cast<double>(hits) / n_active : 1.0;
-  m.magnitude_recall = mag_total > 0 ? mag_hit / mag_total : 1.0;
-  m.precision = selected ? static_cast<double>(hits) / selected : 1.0;
-  m.predicted = selected / pairs;
-  m.active = n_active / pairs;
-  return m;
-}
-
-// The previous token's active set (same layer, same window) as the prediction of this one's.
-Metrics PreviousToken(const Targets& d, int64_t begin, int64_t end, int F) {
+// Recall, precision and selected fraction over rows [begin, end) for a selection rule:
+// selects(t, j) says whether neuron j is predicted active at row t. Rows the rule skips
+// (skip(t)) are not counted.
+template <typename Selects, typename Skip>
+Metrics Tally(const Targets& d, int64_t begin, int64_t end, int F, Selects selects, Skip skip) {
   int64_t selected = 0, hits = 0, n_active = 0, rows = 0;
   double mag_total = 0, mag_hit = 0;
   for (int64_t t = begin; t < end; ++t) {
-    if ((t - begin) % kWindow == 0) continue;  // no previous token in this window
+    if (skip(t)) continue;
     ++rows;
     const float* imp = d.importance.data() + t * F;
-    const float* prev = imp - F;
     for (int j = 0; j < F; ++j) {
-      const bool sel = prev[j] > 0;
+      const bool sel = selects(t, j);
       selected += sel;
       if (imp[j] > 0) {
         ++n_active;
@@ -678,6 +346,21 @@ Metrics PreviousToken(const Targets& d, int64_t begin, int64_t end, int F) {
   return m;
 }
 
+// Selection: s >= thr[j], over the evaluation rows [begin, end).
+Metrics Measure(const Targets& d, const std::vector<float>& s, int64_t begin, int64_t end, int F,
+                const std::vector<float>& thr) {
+  return Tally(
+      d, begin, end, F, [&](int64_t t, int j) { return s[(t - begin) * F + j] >= thr[j]; },
+      [](int64_t) { return false; });
+}
+
+// The previous token's active set (same layer, same window) as the prediction of this one's.
+Metrics PreviousToken(const Targets& d, int64_t begin, int64_t end, int F) {
+  return Tally(
+      d, begin, end, F, [&](int64_t t, int j) { return d.importance[(t - 1) * F + j] > 0; },
+      [&](int64_t t) { return (t - begin) % kWindow == 0; });  // no previous token in the window
+}
+
 struct Trained {
   Mlp mlp;
   double lambda = 0;  // calibrated on the held-back calibration rows
@@ -690,8 +373,13 @@ Trained Train(const CpuOps& ops, const Targets& d, const float* x, const std::ve
   std::vector<float> coef = wg, rv = resid_var;
   if (coef.empty()) FitGateRegression(ops, d, x, s2, H, F, &coef, &rv);
   Trained t;
-  t.mlp = ClosedFormInit(coef, s2, rv, d, H, F, rank, o.seed + 7919 * layer + rank);
-  if (o.epochs > 0) FineTune(ops, x, d, H, F, t.mlp, o, o.seed + 31 * layer + rank);
+  t.mlp.r = 2 * (rank / 2);
+  ClosedFormPredictor(coef, &d.unit_contribution, s2, rv.empty() ? nullptr : &rv, H, F, rank,
+                      o.seed + 7919 * layer + rank, &t.mlp.w1, &t.mlp.w2);
+  if (o.epochs > 0) {
+    FineTunePredictor(ops, x, d.importance.data(), d.mean_positive_importance, d.n_train, H, F,
+                      t.mlp.r, o, o.seed + 31 * layer + rank, &t.mlp.w1, &t.mlp.w2);
+  }
   RoundF16(t.mlp.w1);
   RoundF16(t.mlp.w2);
   const std::vector<float> s = Scores(ops, t.mlp, H, F, x, d.n_train, d.n_cal);
