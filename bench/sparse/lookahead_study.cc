@@ -83,23 +83,22 @@ struct Recorded {
   std::vector<std::vector<uint16_t>> ffn_in;    // RmsNorm(residual after attention) * ffn_norm
 };
 
-// The dense FFN (as DenseFfn computes it) that also records the FFN input of its layer and the
-// next layer's normalized input (this layer's residual + FFN output, through the next attn_norm).
+// The dense FFN (DenseFfn) that also records the FFN input of its layer and the next layer's
+// normalized input (this layer's residual + FFN output, through the next attn_norm).
 class RecordingFfn : public FfnBlock {
  public:
   RecordingFfn(const Model& model, const CpuOps& ops, Recorded* rec)
-      : model_(model), ops_(ops), rec_(rec) {
+      : model_(model), ops_(ops), dense_(model, ops), rec_(rec) {
     for (const LayerWeights& L : model.layers) attn_norm_.push_back(ToFloat(L.attn_norm));
   }
   absl::Status Forward(int layer, const float* x, int n, float* out) override {
-    Dense(layer, x, n, out);
-    return absl::OkStatus();
+    return dense_.Forward(layer, x, n, out);
   }
   absl::Status ForwardFromResidual(int layer, const float* residual, const float* x, int n,
                                    float* out) override {
     const ModelConfig& c = model_.config;
     const size_t nh = static_cast<size_t>(n) * c.hidden_size;
-    Dense(layer, x, n, out);
+    if (absl::Status st = dense_.Forward(layer, x, n, out); !st.ok()) return st;
     AppendFp16(x, nh, &rec_->ffn_in[layer]);
     if (layer + 1 < c.n_layers) {
       next_.resize(nh);
@@ -114,22 +113,12 @@ class RecordingFfn : public FfnBlock {
   const std::vector<float>& attn_norm(int layer) const { return attn_norm_[layer]; }
 
  private:
-  void Dense(int layer, const float* x, int n, float* out) {
-    const ModelConfig& c = model_.config;
-    const LayerWeights& L = model_.layers[layer];
-    const size_t nf = static_cast<size_t>(n) * c.ffn_size;
-    gate_.resize(std::max(gate_.size(), nf));
-    up_.resize(std::max(up_.size(), nf));
-    ops_.MatMul(L.gate, x, n, gate_.data());
-    ops_.MatMul(L.up, x, n, up_.data());
-    ops_.GatedActivation(c.activation, gate_.data(), up_.data(), static_cast<int64_t>(nf));
-    ops_.MatMul(L.down, gate_.data(), n, out);
-  }
   const Model& model_;
   const CpuOps& ops_;
+  DenseFfn dense_;
   Recorded* rec_;
   std::vector<std::vector<float>> attn_norm_;
-  std::vector<float> gate_, up_, next_, norm_;
+  std::vector<float> next_, norm_;
 };
 
 // Runs whole windows of `tokens` (fresh KV cache each, as the profiler does) and records.

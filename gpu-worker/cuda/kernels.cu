@@ -326,6 +326,19 @@ __device__ __forceinline__ void QuantizeEight(const float (&v)[8], int64_t e0, Q
   }
 }
 
+// The int8 products' own quantization of x (when its producer did not quantize it): the block's
+// threads quantize x: [cols] into xp, eight values a thread per step, then meet at a barrier.
+__device__ __forceinline__ void QuantizeRowInBlock(const float* __restrict__ x, int64_t cols,
+                                                   QxParts xp) {
+  for (int64_t e0 = threadIdx.x * 8; e0 < cols; e0 += blockDim.x * 8) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(x + e0));
+    const float4 c = __ldg(reinterpret_cast<const float4*>(x + e0 + 4));
+    const float v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+    QuantizeEight(v, e0, xp);
+  }
+  __syncthreads();
+}
+
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: one block per token.
 
@@ -1173,13 +1186,7 @@ __global__ void __launch_bounds__(kQxWarps* kWarp, R == 1 ? 48 / kQxWarps : 1)
     PrefetchL2(qs + static_cast<size_t>(i0 + lane) * qrb, static_cast<uint32_t>(qrb));
   }
   PdlWait();
-  for (int e0 = threadIdx.x * 8; pre == nullptr && e0 < cols; e0 += kQxWarps * kWarp * 8) {
-    const float4 a = __ldg(reinterpret_cast<const float4*>(x + e0));
-    const float4 c = __ldg(reinterpret_cast<const float4*>(x + e0 + 4));
-    const float v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-    QuantizeEight(v, e0, xp);
-  }
-  if (pre == nullptr) __syncthreads();
+  if (pre == nullptr) QuantizeRowInBlock(x, cols, xp);
   const int count = dev_count != nullptr ? *dev_count : n_rows;
   if (i0 >= count) return;
   const int nr = min(R, count - i0);
@@ -1285,13 +1292,7 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
   const int b0 = part * part_blocks, b1 = min(nblk, b0 + part_blocks);
   PdlTrigger();
   PdlWait();
-  for (int e0 = threadIdx.x * 8; pre == nullptr && e0 < cols; e0 += kQxRegWarps * kWarp * 8) {
-    const float4 a = __ldg(reinterpret_cast<const float4*>(x + e0));
-    const float4 c = __ldg(reinterpret_cast<const float4*>(x + e0 + 4));
-    const float v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-    QuantizeEight(v, e0, xp);
-  }
-  if (pre == nullptr) __syncthreads();
+  if (pre == nullptr) QuantizeRowInBlock(x, cols, xp);
   // Lanes past the part's end (unless every part is KB * 32 blocks, kExact) read its last block
   // again and weigh it by dx = 0 (an exact +0 in the sum): loads that are never predicated stay
   // batched ahead of their use.

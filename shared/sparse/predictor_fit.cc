@@ -117,7 +117,8 @@ FfnTargets ComputeFfnTargets(const Model& model, const CpuOps& ops, int layer, c
   double pos_sum = 0;
   int64_t pos_count = 0;
   constexpr int kChunk = 512;
-  std::vector<float> g(static_cast<size_t>(kChunk) * F), u(g.size());
+  std::vector<float> g(keep_gate ? 0 : static_cast<size_t>(kChunk) * F),
+      u(static_cast<size_t>(kChunk) * F);
   for (int64_t b0 = 0; b0 < n; b0 += kChunk) {
     const int nb = static_cast<int>(std::min<int64_t>(kChunk, n - b0));
     const float* xb = ffn_x + b0 * H;
