@@ -635,6 +635,111 @@ __global__ void AttentionKernel(const float* __restrict__ q, const float* __rest
   }
 }
 
+// Attention with every key's K and V rows in flight at once (g_attn_online): AttentionKernel's
+// warps each wait on memory once per key for the scores and the value loop waits again (a
+// decode step's keys come from DRAM: the 13B shape's KV cache is 80 MB at 48 positions), and
+// taking the attention and RoPE kernels out of the whole Q4_0 decode step made it 0.44 ms (15%)
+// shorter on the H200 (docs/cuda-runs/session11-ablation/). Here one block per (head, token)
+// again, a lane holds V = head_dim / 32 of the head's dimensions, and each warp takes keys
+// warp, warp + 8, ... in batches of kAttnBatch whose K and V loads are all issued before the
+// first is used; a warp keeps an online softmax (running max, sum and weighted values) over its
+// keys, and the eight warps' states are merged at the end. Same values as the reference up to
+// rounding (the exponentials are taken against running maxima instead of the final one).
+constexpr int kAttnBatch = 8;
+template <int V>
+__device__ __forceinline__ void LoadHeadSlice(const float* p, float (&r)[V]) {
+  if constexpr (V == 4) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    r[0] = a.x, r[1] = a.y, r[2] = a.z, r[3] = a.w;
+  } else if constexpr (V == 2) {
+    const float2 a = *reinterpret_cast<const float2*>(p);
+    r[0] = a.x, r[1] = a.y;
+  } else {
+    r[0] = *p;
+  }
+}
+template <int V>
+__global__ void __launch_bounds__(kAttnThreads, 1)
+    AttentionOnlineKernel(const float* __restrict__ q, const float* __restrict__ k,
+                          const float* __restrict__ v, int pos0,
+                          const int32_t* __restrict__ positions, int n_heads, int n_kv_heads,
+                          float* __restrict__ out) {
+  constexpr int hd = V * kWarp;
+  constexpr int kWarps = kAttnThreads / kWarp;
+  __shared__ float warp_max[kWarps], warp_sum[kWarps];
+  __shared__ float warp_acc[kWarps][hd];
+  PdlStart();
+  const int h = blockIdx.x, t = blockIdx.y;
+  const int len = (positions != nullptr ? positions[0] : pos0) + t + 1;
+  const int64_t kv_stride = static_cast<int64_t>(n_kv_heads) * hd;
+  const int kvh = h / (n_heads / n_kv_heads);
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const float scale = 1.f / sqrtf(static_cast<float>(hd));
+  float qv[V];
+  LoadHeadSlice<V>(q + (static_cast<int64_t>(t) * n_heads + h) * hd + lane * V, qv);
+#pragma unroll
+  for (int i = 0; i < V; ++i) qv[i] *= scale;
+  const float* kh = k + kvh * hd + lane * V;
+  const float* vh = v + kvh * hd + lane * V;
+  float m = -INFINITY, sum = 0.f, acc[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) acc[i] = 0.f;
+  for (int p0 = warp; p0 < len; p0 += kWarps * kAttnBatch) {
+    // Keys past the end re-read the last one (loads stay unpredicated) and are skipped below.
+    float kr[kAttnBatch][V], vr[kAttnBatch][V];
+#pragma unroll
+    for (int b = 0; b < kAttnBatch; ++b) {
+      const int64_t p = min(p0 + b * kWarps, len - 1);
+      LoadHeadSlice<V>(kh + p * kv_stride, kr[b]);
+      LoadHeadSlice<V>(vh + p * kv_stride, vr[b]);
+    }
+    float dot[kAttnBatch];
+#pragma unroll
+    for (int b = 0; b < kAttnBatch; ++b) {
+      dot[b] = 0.f;
+#pragma unroll
+      for (int i = 0; i < V; ++i) dot[b] += qv[i] * kr[b][i];
+    }
+#pragma unroll
+    for (int o = kWarp / 2; o > 0; o >>= 1) {
+#pragma unroll
+      for (int b = 0; b < kAttnBatch; ++b) dot[b] += __shfl_xor_sync(0xffffffffu, dot[b], o);
+    }
+#pragma unroll
+    for (int b = 0; b < kAttnBatch; ++b) {
+      if (p0 + b * kWarps < len) {  // the same for the whole warp
+        const float nm = fmaxf(m, dot[b]);
+        const float c = expf(m - nm), e = expf(dot[b] - nm);
+        sum = sum * c + e;
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[i] = acc[i] * c + e * vr[b][i];
+        m = nm;
+      }
+    }
+  }
+  if (lane == 0) {
+    warp_max[warp] = m;
+    warp_sum[warp] = sum;
+  }
+#pragma unroll
+  for (int i = 0; i < V; ++i) warp_acc[warp][lane * V + i] = acc[i];
+  __syncthreads();
+  if (threadIdx.x < hd) {
+    // A warp that had no key holds m = -inf, sum = 0 and weighs exp(-inf) = 0.
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, warp_max[w]);
+    float total = 0.f, o = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = expf(warp_max[w] - mx);
+      total += warp_sum[w] * f;
+      o += warp_acc[w][threadIdx.x] * f;
+    }
+    out[(static_cast<int64_t>(t) * n_heads + h) * hd + threadIdx.x] = o / total;
+  }
+}
+
 // One warp per row (eight rows per block): the alternative to the block-per-row kernel below,
 // chosen by row count (SetMatVecWarpRowsMin). With single-token specialisations of both, the
 // block-per-row kernel measured as fast or faster on every decode shape of a 13B model on the
@@ -1138,6 +1243,12 @@ bool g_norm_vec8 = [] {
 }();
 // The int8 product with x in registers where the row suits it (MatVecQxRegsKernel;
 // PINFER_CUDA_QX_REGS=0: MatVecSplitQ8xKernel for every row, for comparison).
+// Attention with an online softmax and every key's loads in flight (AttentionOnlineKernel) for
+// head sizes of 32, 64 and 128 (PINFER_CUDA_ATTN_ONLINE=0: AttentionKernel, for comparison).
+bool g_attn_online = [] {
+  const char* e = std::getenv("PINFER_CUDA_ATTN_ONLINE");
+  return e == nullptr || e[0] != '0';
+}();
 bool g_qx_regs = [] {
   const char* e = std::getenv("PINFER_CUDA_QX_REGS");
   return e == nullptr || e[0] != '0';
@@ -1806,6 +1917,7 @@ void SetQuantShapeBalanced(bool on) { g_qx_balanced = on; }
 void SetNormInRegisters(bool on) { g_norm_regs = on ? kNormRegs : 0; }
 void SetNormVec8(bool on) { g_norm_vec8 = on; }
 void SetQuantRegs(bool on) { g_qx_regs = on; }
+void SetOnlineAttention(bool on) { g_attn_online = on; }
 bool QuantizedActivations() { return g_q8x; }
 bool ProgrammaticLaunch() { return g_pdl; }
 
@@ -1945,6 +2057,29 @@ cudaError_t Rope(float* x, int n, int n_heads, int head_dim, const int32_t* posi
 
 int MaxAttentionContext() { return (kAttnMaxSmemBytes / 4) - kAttnThreads - 256; }
 
+namespace {
+// AttentionOnlineKernel where it takes the head size; cudaErrorNotSupported otherwise.
+cudaError_t LaunchOnlineAttention(const float* q, const float* k, const float* v, int n, int pos0,
+                                  const int32_t* positions, int n_heads, int n_kv_heads,
+                                  int head_dim, float* out, cudaStream_t stream) {
+  if (!g_attn_online) return cudaErrorNotSupported;
+  const dim3 grid(n_heads, n);
+  switch (head_dim) {
+    case 128:
+      return Launch(AttentionOnlineKernel<4>, grid, kAttnThreads, 0, stream, q, k, v, pos0,
+                    positions, n_heads, n_kv_heads, out);
+    case 64:
+      return Launch(AttentionOnlineKernel<2>, grid, kAttnThreads, 0, stream, q, k, v, pos0,
+                    positions, n_heads, n_kv_heads, out);
+    case 32:
+      return Launch(AttentionOnlineKernel<1>, grid, kAttnThreads, 0, stream, q, k, v, pos0,
+                    positions, n_heads, n_kv_heads, out);
+    default:
+      return cudaErrorNotSupported;
+  }
+}
+}  // namespace
+
 cudaError_t Attention(const float* q, const float* k, const float* v, int n, int pos0, int n_heads,
                       int n_kv_heads, int head_dim, float* out, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
@@ -1954,6 +2089,12 @@ cudaError_t Attention(const float* q, const float* k, const float* v, int n, int
   }
   const int len = pos0 + n;
   if (len > MaxAttentionContext()) return cudaErrorInvalidValue;
+  const int32_t* no_positions = nullptr;
+  if (cudaError_t e = LaunchOnlineAttention(q, k, v, n, pos0, no_positions, n_heads, n_kv_heads,
+                                            head_dim, out, stream);
+      e != cudaErrorNotSupported) {
+    return e;
+  }
   const size_t smem = (static_cast<size_t>(head_dim) + kAttnThreads + len) * sizeof(float);
   if (smem > 48 * 1024) {
     // Above 48 KB a kernel needs an explicit opt-in (per device; cheap to repeat).
@@ -1961,7 +2102,6 @@ cudaError_t Attention(const float* q, const float* k, const float* v, int n, int
         AttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAttnMaxSmemBytes);
     if (e != cudaSuccess) return e;
   }
-  const int32_t* no_positions = nullptr;
   return Launch(AttentionKernel, dim3(n_heads, n), kAttnThreads, smem, stream, q, k, v, pos0,
                 no_positions, n_heads, n_kv_heads, head_dim, out);
 }
@@ -1973,6 +2113,11 @@ cudaError_t AttentionAt(const float* q, const float* k, const float* v, int n,
   if (head_dim > kAttnThreads || head_dim <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 ||
       max_ctx > MaxAttentionContext()) {
     return cudaErrorInvalidValue;
+  }
+  if (cudaError_t e = LaunchOnlineAttention(q, k, v, n, 0, positions, n_heads, n_kv_heads, head_dim,
+                                            out, stream);
+      e != cudaErrorNotSupported) {
+    return e;
   }
   const size_t smem = (static_cast<size_t>(head_dim) + kAttnThreads + max_ctx) * sizeof(float);
   if (smem > 48 * 1024) {

@@ -342,38 +342,46 @@ TEST_F(CudaOpsTest, RopeBothLayoutsMatchReference) {
 }
 
 // Decode (n = 1) and prompt batches (n > 1), grouped-query heads, short and long contexts
-// (the long one needs more than 48 KB of scores in shared memory).
+// (the long one needs more than 48 KB of scores in shared memory), with the online-softmax
+// kernel (head sizes 32, 64, 128; 96 takes the other kernel either way) and the stored-scores
+// kernel.
 TEST_F(CudaOpsTest, AttentionDecodeAndPromptMatchReference) {
   struct Case {
     int n, pos0, heads, kv_heads, head_dim;
   };
-  for (const Case& c :
-       {Case{1, 0, 4, 4, 64}, Case{1, 37, 8, 2, 64}, Case{1, 300, 6, 2, 128}, Case{9, 0, 6, 2, 64},
-        Case{7, 13, 8, 8, 128}, Case{33, 100, 4, 1, 96}, Case{1, 15000, 2, 1, 128}}) {
-    const int ctx = c.pos0 + c.n;
-    const size_t kv = static_cast<size_t>(ctx) * c.kv_heads * c.head_dim;
-    std::vector<float> q = Random(static_cast<size_t>(c.n) * c.heads * c.head_dim);
-    std::vector<float> k = Random(kv), v = Random(kv);
-    std::vector<float> ref(q.size());
-    ref_->Attention(q.data(), k.data(), v.data(), c.n, c.pos0, c.heads, c.kv_heads, c.head_dim,
-                    ref.data());
-    DevBuf<float> dq(q), dk(k), dv(v), dout(q.size());
-    CUDA_OK(cuda::Attention(dq.get(), dk.get(), dv.get(), c.n, c.pos0, c.heads, c.kv_heads,
-                            c.head_dim, dout.get(), nullptr));
-    std::vector<float> out = dout.Download();
-    EXPECT_FALSE(AnyNan(out));
-    EXPECT_LE(Nmse(out, ref), kFp32Limit) << "n " << c.n << " pos0 " << c.pos0;
-    EXPECT_TRUE(dout.GuardsIntact());
-    // The graph-friendly variant: the first position from device memory.
-    std::vector<int32_t> positions(c.n);
-    for (int t = 0; t < c.n; ++t) positions[t] = c.pos0 + t;
-    DevBuf<int32_t> dpos(positions);
-    DevBuf<float> dout2(q.size());
-    CUDA_OK(cuda::AttentionAt(dq.get(), dk.get(), dv.get(), c.n, dpos.get(), ctx + 7, c.heads,
-                              c.kv_heads, c.head_dim, dout2.get(), nullptr));
-    EXPECT_EQ(dout2.Download(), out);
-    EXPECT_TRUE(dout2.GuardsIntact());
+  for (bool online : {true, false}) {
+    cuda::SetOnlineAttention(online);
+    SCOPED_TRACE(online ? "online softmax" : "stored scores");
+    for (const Case& c : {Case{1, 0, 4, 4, 64}, Case{1, 37, 8, 2, 64}, Case{1, 300, 6, 2, 128},
+                          Case{9, 0, 6, 2, 64}, Case{7, 13, 8, 8, 128}, Case{33, 100, 4, 1, 96},
+                          Case{1, 15000, 2, 1, 128}, Case{1, 63, 40, 40, 128},
+                          Case{1, 64, 40, 40, 128}, Case{5, 70, 4, 2, 32}}) {
+      const int ctx = c.pos0 + c.n;
+      const size_t kv = static_cast<size_t>(ctx) * c.kv_heads * c.head_dim;
+      std::vector<float> q = Random(static_cast<size_t>(c.n) * c.heads * c.head_dim);
+      std::vector<float> k = Random(kv), v = Random(kv);
+      std::vector<float> ref(q.size());
+      ref_->Attention(q.data(), k.data(), v.data(), c.n, c.pos0, c.heads, c.kv_heads, c.head_dim,
+                      ref.data());
+      DevBuf<float> dq(q), dk(k), dv(v), dout(q.size());
+      CUDA_OK(cuda::Attention(dq.get(), dk.get(), dv.get(), c.n, c.pos0, c.heads, c.kv_heads,
+                              c.head_dim, dout.get(), nullptr));
+      std::vector<float> out = dout.Download();
+      EXPECT_FALSE(AnyNan(out));
+      EXPECT_LE(Nmse(out, ref), kFp32Limit) << "n " << c.n << " pos0 " << c.pos0;
+      EXPECT_TRUE(dout.GuardsIntact());
+      // The graph-friendly variant: the first position from device memory.
+      std::vector<int32_t> positions(c.n);
+      for (int t = 0; t < c.n; ++t) positions[t] = c.pos0 + t;
+      DevBuf<int32_t> dpos(positions);
+      DevBuf<float> dout2(q.size());
+      CUDA_OK(cuda::AttentionAt(dq.get(), dk.get(), dv.get(), c.n, dpos.get(), ctx + 7, c.heads,
+                                c.kv_heads, c.head_dim, dout2.get(), nullptr));
+      EXPECT_EQ(dout2.Download(), out);
+      EXPECT_TRUE(dout2.GuardsIntact());
+    }
   }
+  cuda::SetOnlineAttention(true);
 }
 
 // Dense matrix-vector (all rows) and the sparse gate/up projection (listed rows only), for every
