@@ -186,6 +186,7 @@ class CudaBackend : public Backend {
   // model with block-format weights; null otherwise (the products then quantize for themselves).
   void* XbQx(int n) const { return qx_on_ && n <= kSmallBatch ? xb_qx_ : nullptr; }
   void* UpQx(int n) const { return qx_on_ && n <= kSmallBatch ? up_qx_ : nullptr; }
+  void* AttQx(int n) const { return qx_on_ && attn_qx_ && n <= kSmallBatch ? att_qx_ : nullptr; }
   static FfnMode EffectiveMode(const ForwardArgs& a) {
     return a.mode == FfnMode::kDense ? FfnMode::kExact : a.mode;
   }
@@ -279,6 +280,10 @@ class CudaBackend : public Backend {
   int max_rank_ = 0;
   bool qx_on_ = false;
   int8_t *xb_qx_ = nullptr, *up_qx_ = nullptr;  // [kSmallBatch, QxBytes(hidden or ffn)]
+  int8_t* att_qx_ = nullptr;                    // [kSmallBatch, QxBytes(q_dim)]
+  // The attention quantizes its output for the output projection (PINFER_CUDA_ATTN_QX=0: the
+  // projection does, for comparison).
+  bool attn_qx_ = true;
   GemmScratch gemm_;
 
   // Pinned host staging.
@@ -560,6 +565,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
     SetNormInRegisters(std::string(g) != "1");
   if (const char* g = std::getenv("PINFER_CUDA_NORM_VEC8")) SetNormVec8(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_QX_REGS")) SetQuantRegs(std::string(g) != "0");
+  if (const char* g = std::getenv("PINFER_CUDA_ATTN_QX")) attn_qx_ = std::string(g) != "0";
   if (const char* g = std::getenv("PINFER_CUDA_ATTN_ONLINE")) {
     SetOnlineAttention(std::string(g) != "0");
   }
@@ -730,7 +736,9 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   if (qx_on_) {
     BACKEND_RETURN_IF_ERROR(Alloc(kSmallBatch * QxBytes(H), &xb_qx_));
     BACKEND_RETURN_IF_ERROR(Alloc(kSmallBatch * QxBytes(F), &up_qx_));
+    if (qdim % 32 == 0) BACKEND_RETURN_IF_ERROR(Alloc(kSmallBatch * QxBytes(qdim), &att_qx_));
   }
+  attn_qx_ = attn_qx_ && att_qx_ != nullptr;
   BACKEND_RETURN_IF_ERROR(Alloc(bf, &scores_));
   BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B), &rms_));
   if (max_rank_ > 0) BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B) * max_rank_, &pred_h_));
@@ -1001,8 +1009,9 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
                                       inv_freq_, c.rope_interleaved, q_, k_seq, v_seq,
                                       stream_));  // q: [n, q_dim]; k, v into the cache
   CUDA_RETURN_IF_ERROR(AttentionAt(q_, k_seq, v_seq, n, positions_dev_, max_ctx_, c.n_heads,
-                                   c.n_kv_heads, c.head_dim, att_, stream_));  // [n, q_dim]
-  BACKEND_RETURN_IF_ERROR(Proj(L.wo, att_, n, xb_, H));                        // xb: [n, hidden]
+                                   c.n_kv_heads, c.head_dim, att_, stream_,
+                                   AttQx(n)));                     // [n, q_dim]
+  BACKEND_RETURN_IF_ERROR(Proj(L.wo, att_, n, xb_, H, AttQx(n)));  // xb: [n, hidden]
 
   // FFN block: x += attention output, xb = the FFN input.
   CUDA_RETURN_IF_ERROR(ResidualRmsNorm(x_, xb_, nullptr, L.ffn_norm, n, H, c.norm_eps, xb_, stream_,

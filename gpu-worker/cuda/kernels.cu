@@ -568,7 +568,7 @@ constexpr int kAttnMaxSmemBytes = 200 * 1024;
 __global__ void AttentionKernel(const float* __restrict__ q, const float* __restrict__ k,
                                 const float* __restrict__ v, int pos0,
                                 const int32_t* __restrict__ positions, int n_heads, int n_kv_heads,
-                                int head_dim, float* __restrict__ out) {
+                                int head_dim, float* __restrict__ out, void* out_qx) {
   PdlStart();
   extern __shared__ float smem[];
   const int h = blockIdx.x, t = blockIdx.y;
@@ -632,6 +632,11 @@ __global__ void AttentionKernel(const float* __restrict__ q, const float* __rest
     float total = 0.f;
     for (int gg = 0; gg < groups; ++gg) total += red[gg * head_dim + d];
     out[(static_cast<int64_t>(t) * n_heads + h) * head_dim + d] = total * inv;
+    // (head_dim a multiple of 32 with out_qx: whole warps hold blocks of 32 outputs)
+    if (out_qx != nullptr) {
+      QuantizeBlockInWarp(total * inv, lane, (h * head_dim + d) / 32,
+                          QxAt(out_qx, n_heads * head_dim, t));
+    }
   }
 }
 
@@ -658,21 +663,33 @@ __device__ __forceinline__ void LoadHeadSlice(const float* p, float (&r)[V]) {
     r[0] = *p;
   }
 }
+// The online softmax's step for one key whose score the whole warp holds.
+template <int V>
+__device__ __forceinline__ void OnlineSoftmaxStep(float dot, const float (&vr)[V], float* m,
+                                                  float* sum, float (&acc)[V]) {
+  const float nm = fmaxf(*m, dot);
+  const float c = expf(*m - nm), e = expf(dot - nm);
+  *sum = *sum * c + e;
+#pragma unroll
+  for (int i = 0; i < V; ++i) acc[i] = acc[i] * c + e * vr[i];
+  *m = nm;
+}
 template <int V>
 __global__ void __launch_bounds__(kAttnThreads, 1)
     AttentionOnlineKernel(const float* __restrict__ q, const float* __restrict__ k,
                           const float* __restrict__ v, int pos0,
                           const int32_t* __restrict__ positions, int n_heads, int n_kv_heads,
-                          float* __restrict__ out) {
+                          float* __restrict__ out, void* out_qx) {
   constexpr int hd = V * kWarp;
   constexpr int kWarps = kAttnThreads / kWarp;
   __shared__ float warp_max[kWarps], warp_sum[kWarps];
   __shared__ float warp_acc[kWarps][hd];
   PdlStart();
   const int h = blockIdx.x, t = blockIdx.y;
-  const int len = (positions != nullptr ? positions[0] : pos0) + t + 1;
+  const int pos = (positions != nullptr ? positions[0] : pos0) + t;
+  const int q_dim = n_heads * hd;
   const int64_t kv_stride = static_cast<int64_t>(n_kv_heads) * hd;
-  const int kvh = h / (n_heads / n_kv_heads);
+  const int group = n_heads / n_kv_heads, kvh = h / group;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const float scale = 1.f / sqrtf(static_cast<float>(hd));
   float qv[V];
@@ -684,6 +701,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1)
   float m = -INFINITY, sum = 0.f, acc[V];
 #pragma unroll
   for (int i = 0; i < V; ++i) acc[i] = 0.f;
+  const int len = pos + 1;
   for (int p0 = warp; p0 < len; p0 += kWarps * kAttnBatch) {
     // Keys past the end re-read the last one (loads stay unpredicated) and are skipped below.
     float kr[kAttnBatch][V], vr[kAttnBatch][V];
@@ -707,14 +725,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1)
     }
 #pragma unroll
     for (int b = 0; b < kAttnBatch; ++b) {
-      if (p0 + b * kWarps < len) {  // the same for the whole warp
-        const float nm = fmaxf(m, dot[b]);
-        const float c = expf(m - nm), e = expf(dot[b] - nm);
-        sum = sum * c + e;
-#pragma unroll
-        for (int i = 0; i < V; ++i) acc[i] = acc[i] * c + e * vr[b][i];
-        m = nm;
-      }
+      if (p0 + b * kWarps < len) OnlineSoftmaxStep<V>(dot[b], vr[b], &m, &sum, acc);  // warp-wide
     }
   }
   if (lane == 0) {
@@ -736,7 +747,12 @@ __global__ void __launch_bounds__(kAttnThreads, 1)
       total += warp_sum[w] * f;
       o += warp_acc[w][threadIdx.x] * f;
     }
-    out[(static_cast<int64_t>(t) * n_heads + h) * hd + threadIdx.x] = o / total;
+    const float y = o / total;
+    out[(static_cast<int64_t>(t) * n_heads + h) * hd + threadIdx.x] = y;
+    // Whole warps of the head's 32-aligned outputs quantize a block each for the int8 product.
+    if (out_qx != nullptr) {
+      QuantizeBlockInWarp(y, lane, (h * hd + threadIdx.x) / 32, QxAt(out_qx, q_dim, t));
+    }
   }
 }
 
@@ -2061,19 +2077,19 @@ namespace {
 // AttentionOnlineKernel where it takes the head size; cudaErrorNotSupported otherwise.
 cudaError_t LaunchOnlineAttention(const float* q, const float* k, const float* v, int n, int pos0,
                                   const int32_t* positions, int n_heads, int n_kv_heads,
-                                  int head_dim, float* out, cudaStream_t stream) {
+                                  int head_dim, float* out, void* out_qx, cudaStream_t stream) {
   if (!g_attn_online) return cudaErrorNotSupported;
   const dim3 grid(n_heads, n);
   switch (head_dim) {
     case 128:
       return Launch(AttentionOnlineKernel<4>, grid, kAttnThreads, 0, stream, q, k, v, pos0,
-                    positions, n_heads, n_kv_heads, out);
+                    positions, n_heads, n_kv_heads, out, out_qx);
     case 64:
       return Launch(AttentionOnlineKernel<2>, grid, kAttnThreads, 0, stream, q, k, v, pos0,
-                    positions, n_heads, n_kv_heads, out);
+                    positions, n_heads, n_kv_heads, out, out_qx);
     case 32:
       return Launch(AttentionOnlineKernel<1>, grid, kAttnThreads, 0, stream, q, k, v, pos0,
-                    positions, n_heads, n_kv_heads, out);
+                    positions, n_heads, n_kv_heads, out, out_qx);
     default:
       return cudaErrorNotSupported;
   }
@@ -2090,8 +2106,9 @@ cudaError_t Attention(const float* q, const float* k, const float* v, int n, int
   const int len = pos0 + n;
   if (len > MaxAttentionContext()) return cudaErrorInvalidValue;
   const int32_t* no_positions = nullptr;
+  void* no_qx = nullptr;
   if (cudaError_t e = LaunchOnlineAttention(q, k, v, n, pos0, no_positions, n_heads, n_kv_heads,
-                                            head_dim, out, stream);
+                                            head_dim, out, no_qx, stream);
       e != cudaErrorNotSupported) {
     return e;
   }
@@ -2103,19 +2120,19 @@ cudaError_t Attention(const float* q, const float* k, const float* v, int n, int
     if (e != cudaSuccess) return e;
   }
   return Launch(AttentionKernel, dim3(n_heads, n), kAttnThreads, smem, stream, q, k, v, pos0,
-                no_positions, n_heads, n_kv_heads, head_dim, out);
+                no_positions, n_heads, n_kv_heads, head_dim, out, no_qx);
 }
 
 cudaError_t AttentionAt(const float* q, const float* k, const float* v, int n,
                         const int32_t* positions, int max_ctx, int n_heads, int n_kv_heads,
-                        int head_dim, float* out, cudaStream_t stream) {
+                        int head_dim, float* out, cudaStream_t stream, void* out_qx) {
   if (n <= 0) return cudaSuccess;
   if (head_dim > kAttnThreads || head_dim <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 ||
-      max_ctx > MaxAttentionContext()) {
+      max_ctx > MaxAttentionContext() || (out_qx != nullptr && head_dim % 32 != 0)) {
     return cudaErrorInvalidValue;
   }
   if (cudaError_t e = LaunchOnlineAttention(q, k, v, n, 0, positions, n_heads, n_kv_heads, head_dim,
-                                            out, stream);
+                                            out, out_qx, stream);
       e != cudaErrorNotSupported) {
     return e;
   }
@@ -2126,7 +2143,7 @@ cudaError_t AttentionAt(const float* q, const float* k, const float* v, int n,
     if (e != cudaSuccess) return e;
   }
   return Launch(AttentionKernel, dim3(n_heads, n), kAttnThreads, smem, stream, q, k, v, 0,
-                positions, n_heads, n_kv_heads, head_dim, out);
+                positions, n_heads, n_kv_heads, head_dim, out, out_qx);
 }
 
 namespace {

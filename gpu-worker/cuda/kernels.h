@@ -145,9 +145,11 @@ int MaxAttentionContext();
 // The same with the first position read from positions[0] (device memory), so that a decode
 // step does not depend on host values and can be captured in a CUDA graph; shared memory is
 // sized for max_ctx.
+// out_qx (optional; head_dim a multiple of 32): the output also quantized for the int8 product
+// (QxBytes(n_heads * head_dim) per token), as the norms do.
 cudaError_t AttentionAt(const float* q, const float* k, const float* v, int n,
                         const int32_t* positions, int max_ctx, int n_heads, int n_kv_heads,
-                        int head_dim, float* out, cudaStream_t stream);
+                        int head_dim, float* out, cudaStream_t stream, void* out_qx = nullptr);
 
 // y[t * ldy + i] = w.row(rows ? rows[i] : i) . x[t]   for i < count, t < n,
 // count = dev_count ? *dev_count : n_rows (n_rows is the upper bound). x: [n, w.cols].

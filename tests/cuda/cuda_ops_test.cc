@@ -379,6 +379,25 @@ TEST_F(CudaOpsTest, AttentionDecodeAndPromptMatchReference) {
                                 c.kv_heads, c.head_dim, dout2.get(), nullptr));
       EXPECT_EQ(dout2.Download(), out);
       EXPECT_TRUE(dout2.GuardsIntact());
+      // The output quantized by the attention itself gives the int8 product what its own
+      // quantization gives, bit for bit.
+      const int qd = c.heads * c.head_dim;
+      if (c.head_dim % 32 == 0 && c.n <= 4) {
+        DevBuf<int8_t> dqx(c.n * cuda::QxBytes(qd));
+        DevBuf<float> dout3(q.size());
+        CUDA_OK(cuda::AttentionAt(dq.get(), dk.get(), dv.get(), c.n, dpos.get(), ctx + 7, c.heads,
+                                  c.kv_heads, c.head_dim, dout3.get(), nullptr, dqx.get()));
+        EXPECT_EQ(dout3.Download(), out);
+        HostWeights w = RandomWeights(DType::kQ8_0, 29, qd);
+        DevBuf<uint8_t> wg(w.bytes.size()), ws(w.bytes.size());
+        const DeviceMatrix m = ToDeviceSplit(w, &wg, &ws);
+        DevBuf<float> y1(c.n * 29), y2(c.n * 29);
+        CUDA_OK(cuda::MatVecRows(m, nullptr, 29, nullptr, dout3.get(), c.n, y1.get(), 29, nullptr,
+                                 dqx.get()));
+        CUDA_OK(cuda::MatVecRows(m, nullptr, 29, nullptr, dout3.get(), c.n, y2.get(), 29, nullptr));
+        EXPECT_EQ(y1.Download(), y2.Download()) << "n " << c.n << " pos0 " << c.pos0;
+        EXPECT_TRUE(dqx.GuardsIntact());
+      }
     }
   }
   cuda::SetOnlineAttention(true);
@@ -1291,6 +1310,11 @@ TEST_F(CudaOpsTest, RejectsShapesTheKernelsCannotRead) {
   EXPECT_EQ(cuda::CheckMatrixShape(f), cudaErrorInvalidValue);
   EXPECT_EQ(cuda::Attention(nullptr, nullptr, nullptr, 1, 0, 4, 4, 512, nullptr, nullptr),
             cudaErrorInvalidValue);
+  // A quantized copy of the attention's output needs whole blocks of 32 in every head.
+  int8_t qx = 0;
+  EXPECT_EQ(
+      cuda::AttentionAt(nullptr, nullptr, nullptr, 1, nullptr, 16, 4, 4, 48, nullptr, nullptr, &qx),
+      cudaErrorInvalidValue);
 }
 
 }  // namespace
