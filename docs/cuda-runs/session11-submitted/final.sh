@@ -2,7 +2,10 @@
 # Session 11's final run: with the bundle built on the Debian machine (make_bundle.sh; the same
 # steps as device_build_run.sh after its build), the op and backend tests and the standard decode
 # bench, then the whole service with the CUDA gpu-worker on relu-llama-tiny's 12 reference
-# prompts.
+# prompts. .device/svc.tar.xz was made on the Debian machine with
+#   bench/make_service_bundle.sh build /tmp/svcb/svc
+#   gpu-worker/cuda/make_bundle.sh build /tmp/svcb/cudamod
+#   tar -cJf .device/svc.tar.xz -C /tmp/svcb svc cudamod
 set -u
 out=$1
 mkdir -p /tmp/s && tar -xJf .device/svc.tar.xz -C /tmp/s
