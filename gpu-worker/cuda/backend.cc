@@ -186,7 +186,7 @@ class CudaBackend : public Backend {
   // model with block-format weights; null otherwise (the products then quantize for themselves).
   void* XbQx(int n) const { return qx_on_ && n <= kSmallBatch ? xb_qx_ : nullptr; }
   void* UpQx(int n) const { return qx_on_ && n <= kSmallBatch ? up_qx_ : nullptr; }
-  void* AttQx(int n) const { return qx_on_ && attn_qx_ && n <= kSmallBatch ? att_qx_ : nullptr; }
+  void* AttQx(int n) const { return n <= kSmallBatch ? att_qx_ : nullptr; }
   static FfnMode EffectiveMode(const ForwardArgs& a) {
     return a.mode == FfnMode::kDense ? FfnMode::kExact : a.mode;
   }
@@ -280,10 +280,9 @@ class CudaBackend : public Backend {
   int max_rank_ = 0;
   bool qx_on_ = false;
   int8_t *xb_qx_ = nullptr, *up_qx_ = nullptr;  // [kSmallBatch, QxBytes(hidden or ffn)]
-  int8_t* att_qx_ = nullptr;                    // [kSmallBatch, QxBytes(q_dim)]
-  // The attention quantizes its output for the output projection (PINFER_CUDA_ATTN_QX=0: the
-  // projection does, for comparison).
-  bool attn_qx_ = true;
+  // [kSmallBatch, QxBytes(q_dim)], where the attention quantizes its output for the output
+  // projection (PINFER_CUDA_ATTN_QX=0: null, the projection does it, for comparison).
+  int8_t* att_qx_ = nullptr;
   GemmScratch gemm_;
 
   // Pinned host staging.
@@ -565,7 +564,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
     SetNormInRegisters(std::string(g) != "1");
   if (const char* g = std::getenv("PINFER_CUDA_NORM_VEC8")) SetNormVec8(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_QX_REGS")) SetQuantRegs(std::string(g) != "0");
-  if (const char* g = std::getenv("PINFER_CUDA_ATTN_QX")) attn_qx_ = std::string(g) != "0";
+  const char* attn_qx = std::getenv("PINFER_CUDA_ATTN_QX");  // 0: off (benchmarks)
   if (const char* g = std::getenv("PINFER_CUDA_ATTN_ONLINE")) {
     SetOnlineAttention(std::string(g) != "0");
   }
@@ -736,9 +735,10 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   if (qx_on_) {
     BACKEND_RETURN_IF_ERROR(Alloc(kSmallBatch * QxBytes(H), &xb_qx_));
     BACKEND_RETURN_IF_ERROR(Alloc(kSmallBatch * QxBytes(F), &up_qx_));
-    if (qdim % 32 == 0) BACKEND_RETURN_IF_ERROR(Alloc(kSmallBatch * QxBytes(qdim), &att_qx_));
+    if (qdim % 32 == 0 && (attn_qx == nullptr || std::string(attn_qx) != "0")) {
+      BACKEND_RETURN_IF_ERROR(Alloc(kSmallBatch * QxBytes(qdim), &att_qx_));
+    }
   }
-  attn_qx_ = attn_qx_ && att_qx_ != nullptr;
   BACKEND_RETURN_IF_ERROR(Alloc(bf, &scores_));
   BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B), &rms_));
   if (max_rank_ > 0) BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B) * max_rank_, &pred_h_));
