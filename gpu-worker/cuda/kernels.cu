@@ -1257,16 +1257,22 @@ bool g_norm_vec8 = [] {
   const char* e = std::getenv("PINFER_CUDA_NORM_VEC8");
   return e == nullptr || e[0] != '0';
 }();
-// The int8 product with x in registers where the row suits it (MatVecQxRegsKernel;
-// PINFER_CUDA_QX_REGS=0: MatVecSplitQ8xKernel for every row, for comparison).
 // Attention with an online softmax and every key's loads in flight (AttentionOnlineKernel) for
 // head sizes of 32, 64 and 128 (PINFER_CUDA_ATTN_ONLINE=0: AttentionKernel, for comparison).
 bool g_attn_online = [] {
   const char* e = std::getenv("PINFER_CUDA_ATTN_ONLINE");
   return e == nullptr || e[0] != '0';
 }();
+// The int8 product with x in registers where the row suits it (MatVecQxRegsKernel;
+// PINFER_CUDA_QX_REGS=0: MatVecSplitQ8xKernel for every row, for comparison).
 bool g_qx_regs = [] {
   const char* e = std::getenv("PINFER_CUDA_QX_REGS");
+  return e == nullptr || e[0] != '0';
+}();
+// A dense MatVecQxRegsKernel loads its first rows before it waits for its predecessor
+// (PINFER_CUDA_QX_EARLY=0: after, for comparison).
+bool g_qx_early = [] {
+  const char* e = std::getenv("PINFER_CUDA_QX_EARLY");
   return e == nullptr || e[0] != '0';
 }();
 
@@ -1402,7 +1408,7 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
     MatVecQxRegsKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
                        int64_t cols, const int32_t* __restrict__ rows, int n_rows,
                        const int32_t* __restrict__ dev_count, const float* __restrict__ x,
-                       float* __restrict__ y, const int8_t* __restrict__ pre) {
+                       float* __restrict__ y, const int8_t* __restrict__ pre, bool early) {
   extern __shared__ int4 xsh[];
   __shared__ float partial[2][2][kQxRegWarps];  // [step parity][row of the pair][warp]
   constexpr int QB = kSplitBlockBytes<T>;
@@ -1414,44 +1420,34 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
       QxAt(pre != nullptr ? const_cast<int8_t*>(pre) : reinterpret_cast<int8_t*>(xsh), cols, 0);
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int slot = warp / S, part = warp % S;
-  // This part's blocks: [b0, b1).
+  // This part's blocks: [b0, b1). Lanes past the part's end (unless every part is KB * 32
+  // blocks, kExact) read its last block again and weigh it by dx = 0 (an exact +0 in the sum):
+  // loads that are never predicated stay batched ahead of their use.
   const int part_blocks = (nblk + S - 1) / S;
   const int b0 = part * part_blocks, b1 = min(nblk, b0 + part_blocks);
-  PdlTrigger();
-  PdlWait();
-  if (pre == nullptr) QuantizeRowInBlock(x, cols, xp);
-  // Lanes past the part's end (unless every part is KB * 32 blocks, kExact) read its last block
-  // again and weigh it by dx = 0 (an exact +0 in the sum): loads that are never predicated stay
-  // batched ahead of their use.
-  int4 xq[KB][2];  // this lane's blocks of x: [KB, 32 int8]
-  float dx[KB];
-  int off[KB], blk[KB];
+  int blk[KB];
 #pragma unroll
-  for (int k = 0; k < KB; ++k) {
-    const int b = b0 + lane + k * kWarp;
-    blk[k] = kExact ? b : min(b, b1 - 1);
-    const int4* xw = reinterpret_cast<const int4*>(xp.q + blk[k] * 32);
-    xq[k][0] = xw[0];
-    xq[k][1] = xw[1];
-    dx[k] = kExact || b < b1 ? xp.d[blk[k]] : 0.f;
-    off[k] = T == WType::kQ4_0 ? 8 * xp.sum[blk[k]] : 0;
-  }
-  const int count = dev_count != nullptr ? *dev_count : n_rows;
+  for (int k = 0; k < KB; ++k)
+    blk[k] = kExact ? b0 + lane + k * kWarp : min(b0 + lane + k * kWarp, b1 - 1);
   const int stride = gridDim.x * kSlots;
-  // With S > 1 the trip count is the block's, so that every warp reaches the same
-  // __syncthreads; a slot past the count then reads a row that exists (the block's first) and
-  // writes nothing.
-  int step = 0;
-  for (int base = blockIdx.x * kSlots + (S == 1 ? slot : 0); base < count;
-       base += 2 * stride, ++step) {
-    const int i = base + (S == 1 ? 0 : slot), i1 = i + stride;
-    const bool has[2] = {S == 1 || i < count, i1 < count};
+  const int base0 = blockIdx.x * kSlots + (S == 1 ? slot : 0);
+
+  // A step's two rows (i and i + stride) and their weights. With S > 1 the trip count is the
+  // block's, so that every warp reaches the same __syncthreads; a slot past the count then reads
+  // a row that exists (the block's first) and writes nothing.
+  int i = 0, i1 = 0;
+  bool has0 = false, has1 = false;
+  uint4 q[2][KB][QV];
+  float dw[2][KB];
+  auto load_step = [&](int base, int count) {
+    i = base + (S == 1 ? 0 : slot);
+    i1 = i + stride;
+    has0 = S == 1 || i < count;
+    has1 = i1 < count;
     const int first = S == 1 ? i : min(blockIdx.x * kSlots, count - 1);
     int64_t rid[2];
-    rid[0] = rows != nullptr ? rows[has[0] ? i : first] : (has[0] ? i : first);
-    rid[1] = has[1] ? (rows != nullptr ? rows[i1] : i1) : rid[0];
-    uint4 q[2][KB][QV];
-    float dw[2][KB];
+    rid[0] = rows != nullptr ? rows[has0 ? i : first] : (has0 ? i : first);
+    rid[1] = has1 ? (rows != nullptr ? rows[i1] : i1) : rid[0];
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const uint8_t* rq = qs + static_cast<size_t>(rid[u]) * qrb;
@@ -1468,6 +1464,31 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
 #pragma unroll
       for (int k = 0; k < KB; ++k) dw[u][k] = H2F(rs[blk[k]]);
     }
+  };
+
+  PdlTrigger();
+  // Weights never change: a dense product (no row list, no device count; the caller says so with
+  // `early`) loads its first step's rows before the wait, so that they arrive while the
+  // predecessor (a norm, the attention, the activation) still runs.
+  const bool preloaded = early && base0 < n_rows;
+  if (preloaded) load_step(base0, n_rows);
+  PdlWait();
+  if (pre == nullptr) QuantizeRowInBlock(x, cols, xp);
+  int4 xq[KB][2];  // this lane's blocks of x: [KB, 32 int8]
+  float dx[KB];
+  int off[KB];
+#pragma unroll
+  for (int k = 0; k < KB; ++k) {
+    const int4* xw = reinterpret_cast<const int4*>(xp.q + blk[k] * 32);
+    xq[k][0] = xw[0];
+    xq[k][1] = xw[1];
+    dx[k] = kExact || b0 + lane + k * kWarp < b1 ? xp.d[blk[k]] : 0.f;
+    off[k] = T == WType::kQ4_0 ? 8 * xp.sum[blk[k]] : 0;
+  }
+  const int count = dev_count != nullptr ? *dev_count : n_rows;
+  int step = 0;
+  for (int base = base0; base < count; base += 2 * stride, ++step) {
+    if (step > 0 || !preloaded) load_step(base, count);
     float acc[2];
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
@@ -1480,8 +1501,8 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
       acc[u] = WarpSum(acc[u]);
     }
     if constexpr (S == 1) {
-      if (lane == 0 && has[0]) y[i] = acc[0];
-      if (lane == 0 && has[1]) y[i1] = acc[1];
+      if (lane == 0 && has0) y[i] = acc[0];
+      if (lane == 0 && has1) y[i1] = acc[1];
     } else {
       // Two parities of partial sums: a step's writes never meet the previous step's reads.
       if (lane == 0) {
@@ -1489,7 +1510,7 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
         partial[step & 1][1][warp] = acc[1];
       }
       __syncthreads();
-      if (part == 0 && lane < 2 && has[lane]) {
+      if (part == 0 && lane < 2 && (lane == 0 ? has0 : has1)) {
         float sum = 0.f;
 #pragma unroll
         for (int p = 0; p < S; ++p) sum += partial[step & 1][lane][slot * S + p];
@@ -1933,6 +1954,7 @@ void SetQuantShapeBalanced(bool on) { g_qx_balanced = on; }
 void SetNormInRegisters(bool on) { g_norm_regs = on ? kNormRegs : 0; }
 void SetNormVec8(bool on) { g_norm_vec8 = on; }
 void SetQuantRegs(bool on) { g_qx_regs = on; }
+void SetQuantEarlyLoad(bool on) { g_qx_early = on; }
 void SetOnlineAttention(bool on) { g_attn_online = on; }
 bool QuantizedActivations() { return g_q8x; }
 bool ProgrammaticLaunch() { return g_pdl; }
@@ -2229,7 +2251,8 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
         cudaError_t e =
             Launch(kernel, blocks, kQxRegWarps * kWarp, qx_smem, stream, base, sc, w.cols, rows,
                    n_rows, dev_count, xt + t * w.cols, yt + static_cast<int64_t>(t) * ldy,
-                   qx != nullptr ? qx + QxRegionBytes(w.cols) * t : nullptr);
+                   qx != nullptr ? qx + QxRegionBytes(w.cols) * t : nullptr,
+                   g_qx_early && rows == nullptr && dev_count == nullptr);
         if (e != cudaSuccess) return e;
       }
       return cudaSuccess;

@@ -96,6 +96,10 @@ void SetNormVec8(bool on);
 // row (PINFER_CUDA_QX_REGS=0), for comparison. Rows a warp covers alone give the same values bit
 // for bit; split rows differ by summation order.
 void SetQuantRegs(bool on);
+// Whether a dense product with x in registers loads its first rows before it waits for its
+// predecessor in the stream (default) or after (PINFER_CUDA_QX_EARLY=0), for comparison; the
+// values are the same bit for bit.
+void SetQuantEarlyLoad(bool on);
 // Whether attention of head sizes 32, 64 and 128 keeps an online softmax with every key's
 // loads in flight (default) or stores every score first (PINFER_CUDA_ATTN_ONLINE=0), for
 // comparison; the values agree up to rounding.

@@ -1115,10 +1115,12 @@ TEST_F(CudaOpsTest, QuantRegsProductMatchesTheMemoryKernel) {
             Q8xReference(w, std::vector<int32_t>(ids.begin(), ids.begin() + count), xn, n);
         const bool one_warp = cols / 32 <= (type == DType::kQ8_0 ? 128 : 160);
         for (bool producer : {false, true}) {
-          // [0]: x from memory; [1], [2]: x in registers, twice.
-          std::vector<float> whole[3], listed[3];
-          for (int run = 0; run < 3; ++run) {
+          // [0]: x from memory; [1], [2]: x in registers, twice; [3]: x in registers, the
+          // first rows loaded after the wait instead of before.
+          std::vector<float> whole[4], listed[4];
+          for (int run = 0; run < 4; ++run) {
             cuda::SetQuantRegs(run > 0);
+            cuda::SetQuantEarlyLoad(run != 3);
             DevBuf<float> dy(static_cast<size_t>(n) * rows), dy2(static_cast<size_t>(n) * bound);
             const int8_t* qx = producer ? dqx.get() : nullptr;
             CUDA_OK(cuda::MatVecRows(m, nullptr, static_cast<int>(rows), nullptr, dxn.get(), n,
@@ -1144,6 +1146,7 @@ TEST_F(CudaOpsTest, QuantRegsProductMatchesTheMemoryKernel) {
           EXPECT_FALSE(AnyNan(whole[1]) || AnyNan(listed[1])) << what;
           EXPECT_EQ(whole[1], whole[2]) << what << ": not the same on every run";
           EXPECT_EQ(listed[1], listed[2]) << what << ": not the same on every run";
+          EXPECT_EQ(whole[1], whole[3]) << what << ": the early load changed the values";
           if (one_warp) {
             EXPECT_EQ(whole[1], whole[0]) << what;
             EXPECT_EQ(listed[1], listed[0]) << what << " listed";
