@@ -679,37 +679,59 @@ __global__ void __launch_bounds__(kAttnThreads, 1)
     AttentionOnlineKernel(const float* __restrict__ q, const float* __restrict__ k,
                           const float* __restrict__ v, int pos0,
                           const int32_t* __restrict__ positions, int n_heads, int n_kv_heads,
-                          float* __restrict__ out, void* out_qx) {
+                          float* __restrict__ out, void* out_qx, bool early) {
   constexpr int hd = V * kWarp;
   constexpr int kWarps = kAttnThreads / kWarp;
   __shared__ float warp_max[kWarps], warp_sum[kWarps];
   __shared__ float warp_acc[kWarps][hd];
-  PdlStart();
+  PdlTrigger();
   const int h = blockIdx.x, t = blockIdx.y;
-  const int pos = (positions != nullptr ? positions[0] : pos0) + t;
+  // The positions come from the forward call's upload, a copy that ran before any kernel of it.
+  const int first = positions != nullptr ? positions[0] : pos0;
+  const int pos = first + t;
   const int q_dim = n_heads * hd;
   const int64_t kv_stride = static_cast<int64_t>(n_kv_heads) * hd;
   const int group = n_heads / n_kv_heads, kvh = h / group;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const float scale = 1.f / sqrtf(static_cast<float>(hd));
+  const float* kh = k + kvh * hd + lane * V;
+  const float* vh = v + kvh * hd + lane * V;
+  const int len = pos + 1;
+  // Keys past the end re-read the last one (loads stay unpredicated) and are skipped below.
+  float kr[kAttnBatch][V], vr[kAttnBatch][V];
+  auto load_batch = [&](int p0, int end) {
+#pragma unroll
+    for (int b = 0; b < kAttnBatch; ++b) {
+      const int64_t p = min(p0 + b * kWarps, end - 1);
+      LoadHeadSlice<V>(kh + p * kv_stride, kr[b]);
+      LoadHeadSlice<V>(vh + p * kv_stride, vr[b]);
+    }
+  };
+  // Keys before the call's first position were written by earlier calls, which finished before
+  // its upload: with `early` the first batch's loads of those go out before the wait, while the
+  // RoPE kernel that writes this call's keys still runs, and only its own keys load after.
+  const int old = early ? min(first, len) : 0;
+  if (old > 0) load_batch(warp, old);
+  PdlWait();
   float qv[V];
   LoadHeadSlice<V>(q + (static_cast<int64_t>(t) * n_heads + h) * hd + lane * V, qv);
 #pragma unroll
   for (int i = 0; i < V; ++i) qv[i] *= scale;
-  const float* kh = k + kvh * hd + lane * V;
-  const float* vh = v + kvh * hd + lane * V;
   float m = -INFINITY, sum = 0.f, acc[V];
 #pragma unroll
   for (int i = 0; i < V; ++i) acc[i] = 0.f;
-  const int len = pos + 1;
   for (int p0 = warp; p0 < len; p0 += kWarps * kAttnBatch) {
-    // Keys past the end re-read the last one (loads stay unpredicated) and are skipped below.
-    float kr[kAttnBatch][V], vr[kAttnBatch][V];
+    if (p0 != warp || old == 0) {
+      load_batch(p0, len);
+    } else {
 #pragma unroll
-    for (int b = 0; b < kAttnBatch; ++b) {
-      const int64_t p = min(p0 + b * kWarps, len - 1);
-      LoadHeadSlice<V>(kh + p * kv_stride, kr[b]);
-      LoadHeadSlice<V>(vh + p * kv_stride, vr[b]);
+      for (int b = 0; b < kAttnBatch; ++b) {
+        const int64_t p = p0 + b * kWarps;
+        if (p >= old && p < len) {
+          LoadHeadSlice<V>(kh + p * kv_stride, kr[b]);
+          LoadHeadSlice<V>(vh + p * kv_stride, vr[b]);
+        }
+      }
     }
     float dot[kAttnBatch];
 #pragma unroll
@@ -1261,6 +1283,12 @@ bool g_norm_vec8 = [] {
 // head sizes of 32, 64 and 128 (PINFER_CUDA_ATTN_ONLINE=0: AttentionKernel, for comparison).
 bool g_attn_online = [] {
   const char* e = std::getenv("PINFER_CUDA_ATTN_ONLINE");
+  return e == nullptr || e[0] != '0';
+}();
+// The online attention loads the first batch of keys from before the call ahead of its wait
+// (PINFER_CUDA_ATTN_EARLY=0: after, for comparison).
+bool g_attn_early = [] {
+  const char* e = std::getenv("PINFER_CUDA_ATTN_EARLY");
   return e == nullptr || e[0] != '0';
 }();
 // The int8 product with x in registers where the row suits it (MatVecQxRegsKernel;
@@ -1955,6 +1983,7 @@ void SetNormInRegisters(bool on) { g_norm_regs = on ? kNormRegs : 0; }
 void SetNormVec8(bool on) { g_norm_vec8 = on; }
 void SetQuantRegs(bool on) { g_qx_regs = on; }
 void SetQuantEarlyLoad(bool on) { g_qx_early = on; }
+void SetAttentionEarlyLoad(bool on) { g_attn_early = on; }
 void SetOnlineAttention(bool on) { g_attn_online = on; }
 bool QuantizedActivations() { return g_q8x; }
 bool ProgrammaticLaunch() { return g_pdl; }
@@ -2105,13 +2134,13 @@ cudaError_t LaunchOnlineAttention(const float* q, const float* k, const float* v
   switch (head_dim) {
     case 128:
       return Launch(AttentionOnlineKernel<4>, grid, kAttnThreads, 0, stream, q, k, v, pos0,
-                    positions, n_heads, n_kv_heads, out, out_qx);
+                    positions, n_heads, n_kv_heads, out, out_qx, g_attn_early);
     case 64:
       return Launch(AttentionOnlineKernel<2>, grid, kAttnThreads, 0, stream, q, k, v, pos0,
-                    positions, n_heads, n_kv_heads, out, out_qx);
+                    positions, n_heads, n_kv_heads, out, out_qx, g_attn_early);
     case 32:
       return Launch(AttentionOnlineKernel<1>, grid, kAttnThreads, 0, stream, q, k, v, pos0,
-                    positions, n_heads, n_kv_heads, out, out_qx);
+                    positions, n_heads, n_kv_heads, out, out_qx, g_attn_early);
     default:
       return cudaErrorNotSupported;
   }

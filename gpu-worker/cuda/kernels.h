@@ -104,6 +104,10 @@ void SetQuantEarlyLoad(bool on);
 // loads in flight (default) or stores every score first (PINFER_CUDA_ATTN_ONLINE=0), for
 // comparison; the values agree up to rounding.
 void SetOnlineAttention(bool on);
+// Whether the online attention loads its first batch of keys from before the call (positions
+// below the first token's) ahead of its wait for the RoPE kernel (default) or after
+// (PINFER_CUDA_ATTN_EARLY=0), for comparison; the values are the same bit for bit.
+void SetAttentionEarlyLoad(bool on);
 bool QuantizedActivations();
 
 // x quantized once, by the kernel that produces it, for the int8 product above, so that the

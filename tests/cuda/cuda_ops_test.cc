@@ -315,6 +315,53 @@ TEST_F(CudaOpsTest, RopeQkvToCacheMatchesReference) {
   }
 }
 
+// On a stream, with programmatic launch, as a decode step runs them: RoPE writes the new keys
+// into a cache whose rows from there on hold NaN, and the attention that follows loads the older
+// keys before it waits for RoPE; a new key read too early would bring a NaN into the output.
+TEST_F(CudaOpsTest, AttentionAfterRopeOnAStreamReadsTheNewKeys) {
+  const int heads = 8, kv_heads = 2, hd = 128, qd = heads * hd, kvd = kv_heads * hd;
+  std::vector<float> inv(hd / 2);
+  for (int i = 0; i < hd / 2; ++i)
+    inv[i] = static_cast<float>(1.0 / std::pow(10000.0, 2.0 * i / hd));
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int n : {1, 3}) {
+    for (int pos0 : {0, 5, 47, 300}) {
+      const int ctx = pos0 + n;
+      std::vector<float> qkv = Random(static_cast<size_t>(n) * (qd + 2 * kvd));
+      std::vector<float> kc = Random(static_cast<size_t>(ctx) * kvd), vc = Random(kc.size());
+      std::vector<int32_t> pos(n);
+      std::vector<float> q(n * qd);
+      for (int t = 0; t < n; ++t) {
+        pos[t] = pos0 + t;
+        const float* src = qkv.data() + t * (qd + 2 * kvd);
+        std::copy(src, src + qd, q.begin() + t * qd);
+        std::copy(src + qd, src + qd + kvd, kc.begin() + (pos0 + t) * kvd);
+        std::copy(src + qd + kvd, src + qd + 2 * kvd, vc.begin() + (pos0 + t) * kvd);
+      }
+      ref_->Rope(q.data(), n, heads, hd, pos.data(), inv.data(), false);
+      ref_->Rope(kc.data() + pos0 * kvd, n, kv_heads, hd, pos.data(), inv.data(), false);
+      std::vector<float> ref(q.size());
+      ref_->Attention(q.data(), kc.data(), vc.data(), n, pos0, heads, kv_heads, hd, ref.data());
+      std::vector<float> k_old(kc), v_old(vc);
+      std::fill(k_old.begin() + pos0 * kvd, k_old.end(), NAN);
+      std::fill(v_old.begin() + pos0 * kvd, v_old.end(), NAN);
+      DevBuf<float> dqkv(qkv), dinv(inv), dq(q.size()), dk(k_old), dv(v_old), dout(q.size());
+      DevBuf<int32_t> dpos(pos);
+      CUDA_OK(cudaDeviceSynchronize());  // the buffers' set-up, on the legacy stream
+      CUDA_OK(cuda::RopeQkvToCache(dqkv.get(), n, heads, kv_heads, hd, dpos.get(), dinv.get(),
+                                   false, dq.get(), dk.get(), dv.get(), stream));
+      CUDA_OK(cuda::AttentionAt(dq.get(), dk.get(), dv.get(), n, dpos.get(), ctx, heads, kv_heads,
+                                hd, dout.get(), stream));
+      CUDA_OK(cudaStreamSynchronize(stream));
+      const std::vector<float> out = dout.Download();
+      EXPECT_FALSE(AnyNan(out)) << "n " << n << " pos0 " << pos0;
+      EXPECT_LE(Nmse(out, ref), kFp32Limit) << "n " << n << " pos0 " << pos0;
+    }
+  }
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
 TEST_F(CudaOpsTest, RopeBothLayoutsMatchReference) {
   for (bool interleaved : {false, true}) {
     for (int head_dim : {64, 128}) {
@@ -379,6 +426,14 @@ TEST_F(CudaOpsTest, AttentionDecodeAndPromptMatchReference) {
                                 c.kv_heads, c.head_dim, dout2.get(), nullptr));
       EXPECT_EQ(dout2.Download(), out);
       EXPECT_TRUE(dout2.GuardsIntact());
+      if (online) {
+        // The first keys loaded after the wait instead of before: the same values.
+        cuda::SetAttentionEarlyLoad(false);
+        CUDA_OK(cuda::AttentionAt(dq.get(), dk.get(), dv.get(), c.n, dpos.get(), ctx + 7, c.heads,
+                                  c.kv_heads, c.head_dim, dout2.get(), nullptr));
+        cuda::SetAttentionEarlyLoad(true);
+        EXPECT_EQ(dout2.Download(), out) << "early load, n " << c.n << " pos0 " << c.pos0;
+      }
       // The output quantized by the attention itself gives the int8 product what its own
       // quantization gives, bit for bit.
       const int qd = c.heads * c.head_dim;
@@ -1158,6 +1213,7 @@ TEST_F(CudaOpsTest, QuantRegsProductMatchesTheMemoryKernel) {
     }
   }
   cuda::SetQuantRegs(true);
+  cuda::SetQuantEarlyLoad(true);
   cuda::SetQuantizedActivations(q8x);
 }
 
