@@ -565,6 +565,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   if (const char* g = std::getenv("PINFER_CUDA_NORM_VEC8")) SetNormVec8(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_QX_REGS")) SetQuantRegs(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_QX_EARLY")) SetQuantEarlyLoad(std::string(g) != "0");
+  if (const char* g = std::getenv("PINFER_CUDA_QX_PIPE")) SetQuantPipeline(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_ATTN_EARLY")) {
     SetAttentionEarlyLoad(std::string(g) != "0");
   }

@@ -1299,6 +1299,12 @@ bool g_qx_regs = [] {
 }();
 // A dense MatVecQxRegsKernel loads its first rows before it waits for its predecessor
 // (PINFER_CUDA_QX_EARLY=0: after, for comparison).
+// MatVecQxRegsKernel loads a step's weights before the previous step's sums
+// (PINFER_CUDA_QX_PIPE=0: after, for comparison).
+bool g_qx_pipe = [] {
+  const char* e = std::getenv("PINFER_CUDA_QX_PIPE");
+  return e == nullptr || e[0] != '0';
+}();
 bool g_qx_early = [] {
   const char* e = std::getenv("PINFER_CUDA_QX_EARLY");
   return e == nullptr || e[0] != '0';
@@ -1436,7 +1442,8 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
     MatVecQxRegsKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
                        int64_t cols, const int32_t* __restrict__ rows, int n_rows,
                        const int32_t* __restrict__ dev_count, const float* __restrict__ x,
-                       float* __restrict__ y, const int8_t* __restrict__ pre, bool early) {
+                       float* __restrict__ y, const int8_t* __restrict__ pre, bool early,
+                       bool pipe) {
   extern __shared__ int4 xsh[];
   __shared__ float partial[2][2][kQxRegWarps];  // [step parity][row of the pair][warp]
   constexpr int QB = kSplitBlockBytes<T>;
@@ -1514,9 +1521,11 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
     off[k] = T == WType::kQ4_0 ? 8 * xp.sum[blk[k]] : 0;
   }
   const int count = dev_count != nullptr ? *dev_count : n_rows;
+  bool loaded = preloaded;
   int step = 0;
   for (int base = base0; base < count; base += 2 * stride, ++step) {
-    if (step > 0 || !preloaded) load_step(base, count);
+    if (!loaded) load_step(base, count);
+    loaded = false;
     float acc[2];
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
@@ -1526,11 +1535,21 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
         acc[u] +=
             dw[u][k] * dx[k] * static_cast<float>(SplitBlockIntDot<T>(q[u][k], xq[k]) - off[k]);
       }
-      acc[u] = WarpSum(acc[u]);
     }
+    // With `pipe`, the next step's weights load (into the registers this step has just used)
+    // before this step's sums cross the warp and, with S > 1, the block's barrier, so that the
+    // block keeps loads in flight through them. The trip count is the block's for S > 1.
+    const int r0 = i, r1 = i1;
+    const bool w0 = has0, w1 = has1;
+    if (pipe && base + 2 * stride < count) {
+      load_step(base + 2 * stride, count);
+      loaded = true;
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) acc[u] = WarpSum(acc[u]);
     if constexpr (S == 1) {
-      if (lane == 0 && has0) y[i] = acc[0];
-      if (lane == 0 && has1) y[i1] = acc[1];
+      if (lane == 0 && w0) y[r0] = acc[0];
+      if (lane == 0 && w1) y[r1] = acc[1];
     } else {
       // Two parities of partial sums: a step's writes never meet the previous step's reads.
       if (lane == 0) {
@@ -1538,11 +1557,11 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
         partial[step & 1][1][warp] = acc[1];
       }
       __syncthreads();
-      if (part == 0 && lane < 2 && (lane == 0 ? has0 : has1)) {
+      if (part == 0 && lane < 2 && (lane == 0 ? w0 : w1)) {
         float sum = 0.f;
 #pragma unroll
         for (int p = 0; p < S; ++p) sum += partial[step & 1][lane][slot * S + p];
-        y[lane == 0 ? i : i1] = sum;
+        y[lane == 0 ? r0 : r1] = sum;
       }
     }
   }
@@ -1983,6 +2002,7 @@ void SetNormInRegisters(bool on) { g_norm_regs = on ? kNormRegs : 0; }
 void SetNormVec8(bool on) { g_norm_vec8 = on; }
 void SetQuantRegs(bool on) { g_qx_regs = on; }
 void SetQuantEarlyLoad(bool on) { g_qx_early = on; }
+void SetQuantPipeline(bool on) { g_qx_pipe = on; }
 void SetAttentionEarlyLoad(bool on) { g_attn_early = on; }
 void SetOnlineAttention(bool on) { g_attn_online = on; }
 bool QuantizedActivations() { return g_q8x; }
@@ -2281,7 +2301,7 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
             Launch(kernel, blocks, kQxRegWarps * kWarp, qx_smem, stream, base, sc, w.cols, rows,
                    n_rows, dev_count, xt + t * w.cols, yt + static_cast<int64_t>(t) * ldy,
                    qx != nullptr ? qx + QxRegionBytes(w.cols) * t : nullptr,
-                   g_qx_early && rows == nullptr && dev_count == nullptr);
+                   g_qx_early && rows == nullptr && dev_count == nullptr, g_qx_pipe);
         if (e != cudaSuccess) return e;
       }
       return cudaSuccess;

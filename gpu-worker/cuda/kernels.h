@@ -100,6 +100,10 @@ void SetQuantRegs(bool on);
 // predecessor in the stream (default) or after (PINFER_CUDA_QX_EARLY=0), for comparison; the
 // values are the same bit for bit.
 void SetQuantEarlyLoad(bool on);
+// Whether the product with x in registers loads a step's weights before the previous step's
+// sums cross the warp (and, for split rows, the block's barrier) (default) or after
+// (PINFER_CUDA_QX_PIPE=0), for comparison; the values are the same bit for bit.
+void SetQuantPipeline(bool on);
 // Whether attention of head sizes 32, 64 and 128 keeps an online softmax with every key's
 // loads in flight (default) or stores every score first (PINFER_CUDA_ATTN_ONLINE=0), for
 // comparison; the values agree up to rounding.

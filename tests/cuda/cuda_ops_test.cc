@@ -1171,11 +1171,13 @@ TEST_F(CudaOpsTest, QuantRegsProductMatchesTheMemoryKernel) {
         const bool one_warp = cols / 32 <= (type == DType::kQ8_0 ? 128 : 160);
         for (bool producer : {false, true}) {
           // [0]: x from memory; [1], [2]: x in registers, twice; [3]: x in registers, the
-          // first rows loaded after the wait instead of before.
+          // first rows loaded after the wait instead of before and every step's rows after the
+          // previous step's sums.
           std::vector<float> whole[4], listed[4];
           for (int run = 0; run < 4; ++run) {
             cuda::SetQuantRegs(run > 0);
             cuda::SetQuantEarlyLoad(run != 3);
+            cuda::SetQuantPipeline(run != 3);
             DevBuf<float> dy(static_cast<size_t>(n) * rows), dy2(static_cast<size_t>(n) * bound);
             const int8_t* qx = producer ? dqx.get() : nullptr;
             CUDA_OK(cuda::MatVecRows(m, nullptr, static_cast<int>(rows), nullptr, dxn.get(), n,
@@ -1201,7 +1203,8 @@ TEST_F(CudaOpsTest, QuantRegsProductMatchesTheMemoryKernel) {
           EXPECT_FALSE(AnyNan(whole[1]) || AnyNan(listed[1])) << what;
           EXPECT_EQ(whole[1], whole[2]) << what << ": not the same on every run";
           EXPECT_EQ(listed[1], listed[2]) << what << ": not the same on every run";
-          EXPECT_EQ(whole[1], whole[3]) << what << ": the early load changed the values";
+          EXPECT_EQ(whole[1], whole[3]) << what << ": the load order changed the values";
+          EXPECT_EQ(listed[1], listed[3]) << what << ": the load order changed the values";
           if (one_warp) {
             EXPECT_EQ(whole[1], whole[0]) << what;
             EXPECT_EQ(listed[1], listed[0]) << what << " listed";
@@ -1214,6 +1217,7 @@ TEST_F(CudaOpsTest, QuantRegsProductMatchesTheMemoryKernel) {
   }
   cuda::SetQuantRegs(true);
   cuda::SetQuantEarlyLoad(true);
+  cuda::SetQuantPipeline(true);
   cuda::SetQuantizedActivations(q8x);
 }
 
