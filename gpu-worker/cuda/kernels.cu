@@ -1297,14 +1297,14 @@ bool g_qx_regs = [] {
   const char* e = std::getenv("PINFER_CUDA_QX_REGS");
   return e == nullptr || e[0] != '0';
 }();
-// A dense MatVecQxRegsKernel loads its first rows before it waits for its predecessor
-// (PINFER_CUDA_QX_EARLY=0: after, for comparison).
 // MatVecQxRegsKernel loads a step's weights before the previous step's sums
 // (PINFER_CUDA_QX_PIPE=0: after, for comparison).
 bool g_qx_pipe = [] {
   const char* e = std::getenv("PINFER_CUDA_QX_PIPE");
   return e == nullptr || e[0] != '0';
 }();
+// A dense MatVecQxRegsKernel loads its first rows before it waits for its predecessor
+// (PINFER_CUDA_QX_EARLY=0: after, for comparison).
 bool g_qx_early = [] {
   const char* e = std::getenv("PINFER_CUDA_QX_EARLY");
   return e == nullptr || e[0] != '0';
