@@ -1435,7 +1435,10 @@ __global__ void __launch_bounds__(kQxWarps* kWarp, R == 1 ? 48 / kQxWarps : 1)
 // are the weights and their scales. A block of kQxRegWarps warps holds kQxRegWarps / S row slots;
 // with S > 1 the parts' sums meet in shared memory and are added in part order. With S = 1 the
 // per-lane block order and arithmetic are MatVecSplitQ8xKernel's, so the result is the same bit
-// for bit; with S > 1 it differs by summation order only (and is the same on every run).
+// for bit; with S > 1 it differs by summation order only (and is the same on every run). The
+// weights' loads run ahead of what waits on them (docs/benchmarks.md, run 26): a dense product's
+// first step before the wait for its predecessor, and each next step before the current one's
+// sums cross the warp and the block.
 constexpr int kQxRegWarps = 8;
 template <WType T, int KB, int S, bool kExact>
 __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
