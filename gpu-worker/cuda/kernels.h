@@ -151,6 +151,10 @@ cudaError_t RopeQkvToCache(const float* qkv, int n, int n_heads, int n_kv_heads,
 // Causal attention of n queries at positions pos0..pos0+n-1 over cache rows 0..pos (decode is
 // n = 1, a prompt batch n > 1). q: [n, n_heads, hd]; k, v: [ctx, n_kv_heads, hd];
 // out: [n, n_heads, hd]. head_dim <= 256, context up to MaxAttentionContext().
+// With programmatic launch the kernel reads the first position (pos0 or positions[0]) and the
+// cache rows before it ahead of its wait for the previous kernel in the stream
+// (SetAttentionEarlyLoad): those must not be written by kernels still running before it (in the
+// backend, each call's upload of its positions is a copy that waits for all earlier work).
 cudaError_t Attention(const float* q, const float* k, const float* v, int n, int pos0, int n_heads,
                       int n_kv_heads, int head_dim, float* out, cudaStream_t stream);
 int MaxAttentionContext();
@@ -166,6 +170,9 @@ cudaError_t AttentionAt(const float* q, const float* k, const float* v, int n,
 // y[t * ldy + i] = w.row(rows ? rows[i] : i) . x[t]   for i < count, t < n,
 // count = dev_count ? *dev_count : n_rows (n_rows is the upper bound). x: [n, w.cols].
 // Dense matrix-vector when rows is null; the sparse gate/up projection when it lists active rows.
+// A dense product of a block-format matrix may read its first rows of w before it waits for the
+// previous kernel in the stream (SetQuantEarlyLoad): w must not be written by kernels still
+// running before it (the backend's weights are written once, before a synchronize).
 cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
                        const int32_t* dev_count, const float* x, int n, float* y, int ldy,
                        cudaStream_t stream, const void* x_qx = nullptr);
