@@ -196,6 +196,8 @@ class CudaBackend : public Backend {
   // The layer's GPU work up to the hot FFN output (capturable: no host waits, fixed sizes).
   BackendStatus EnqueueLayer(int l, const ForwardArgs& a, const float* pend1, const float* pend2,
                              bool cold, float* exchange_x);
+  // EnqueueLayer for a dense layer whose norms fold into their products (FusesNorms).
+  BackendStatus EnqueueDenseLayerFused(int l, const float* pend1, float* k_seq, float* v_seq);
   // A single-token step with no cold side as one CUDA graph: embedding, layers, and (head) the
   // output norm and projection into logits_.
   bool UsesStepGraph(const ForwardArgs& a, int layer_end) const;
@@ -280,6 +282,14 @@ class CudaBackend : public Backend {
   int max_rank_ = 0;
   bool qx_on_ = false;
   int8_t *xb_qx_ = nullptr, *up_qx_ = nullptr;  // [kSmallBatch, QxBytes(hidden or ffn)]
+  // Decode steps of dense layers fold both norms into the int8 products that consume them
+  // (NormMatVec). The residual then alternates between x_ and x_alt_ ([hidden]): a fused norm's
+  // product cannot update it in place while its other blocks still read it.
+  float* x_alt_ = nullptr;
+  bool FusesNorms(const DeviceLayer& L, int n, const float* pend2) const {
+    return x_alt_ != nullptr && n == 1 && pend2 == nullptr && L.ffn == FfnPlacement::kDense &&
+           AttQx(1) != nullptr && NormMatVecFits(L.wqkv) && NormMatVecFits(L.gate_up);
+  }
   // [kSmallBatch, QxBytes(q_dim)], where the attention quantizes its output for the output
   // projection (PINFER_CUDA_ATTN_QX=0: null, the projection does it, for comparison).
   int8_t* att_qx_ = nullptr;
@@ -566,6 +576,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   if (const char* g = std::getenv("PINFER_CUDA_QX_REGS")) SetQuantRegs(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_QX_EARLY")) SetQuantEarlyLoad(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_QX_PIPE")) SetQuantPipeline(std::string(g) != "0");
+  if (const char* g = std::getenv("PINFER_CUDA_FUSED_NORM")) SetFusedNorm(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_ATTN_EARLY")) {
     SetAttentionEarlyLoad(std::string(g) != "0");
   }
@@ -740,6 +751,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   if (qx_on_) {
     BACKEND_RETURN_IF_ERROR(Alloc(kSmallBatch * QxBytes(H), &xb_qx_));
     BACKEND_RETURN_IF_ERROR(Alloc(kSmallBatch * QxBytes(F), &up_qx_));
+    BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(H), &x_alt_));
     if (qdim % 32 == 0 && (attn_qx == nullptr || std::string(attn_qx) != "0")) {
       BACKEND_RETURN_IF_ERROR(Alloc(kSmallBatch * QxBytes(qdim), &att_qx_));
     }
@@ -1002,6 +1014,7 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
   float* k_seq = k_cache_ + slot * kvdim;  // [max_ctx, kv_dim]
   float* v_seq = v_cache_ + slot * kvdim;
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_attn0_[l]));
+  if (FusesNorms(L, n, pend2)) return EnqueueDenseLayerFused(l, pend1, k_seq, v_seq);
   // The previous layer's FFN output joins the residual inside this norm.
   if (pend1 != nullptr) {
     CUDA_RETURN_IF_ERROR(
@@ -1182,6 +1195,31 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
   return Ok();
 }
 
+BackendStatus CudaBackend::EnqueueDenseLayerFused(int l, const float* pend1, float* k_seq,
+                                                  float* v_seq) {
+  // EnqueueLayer's dense decode path with each norm inside the product that consumes it.
+  const ModelDims& c = dims_;
+  const DeviceLayer& L = layers_[l];
+  const int H = c.hidden, F = c.ffn;
+  // x_alt = x + the previous layer's FFN output; qkv: [1, q + 2 kv] = wqkv * norm(x_alt).
+  CUDA_RETURN_IF_ERROR(
+      NormMatVec(L.wqkv, x_, pend1, nullptr, L.attn_norm, c.norm_eps, x_alt_, qkv_, stream_));
+  CUDA_RETURN_IF_ERROR(RopeQkvToCache(qkv_, 1, c.n_heads, c.n_kv_heads, c.head_dim, positions_dev_,
+                                      inv_freq_, c.rope_interleaved, q_, k_seq, v_seq, stream_));
+  CUDA_RETURN_IF_ERROR(AttentionAt(q_, k_seq, v_seq, 1, positions_dev_, max_ctx_, c.n_heads,
+                                   c.n_kv_heads, c.head_dim, att_, stream_, AttQx(1)));
+  BACKEND_RETURN_IF_ERROR(Proj(L.wo, att_, 1, xb_, H, AttQx(1)));  // xb: [1, hidden]
+  // x = x_alt + attention output; gate: [1, 2 ffn] = gate_up * norm(x).
+  if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot0_[l]));
+  CUDA_RETURN_IF_ERROR(
+      NormMatVec(L.gate_up, x_alt_, xb_, nullptr, L.ffn_norm, c.norm_eps, x_, gate_, stream_));
+  CUDA_RETURN_IF_ERROR(GatedActivationPacked(static_cast<ActKind>(c.activation), gate_, 1, F, up_,
+                                             stream_, UpQx(1)));        // [1, ffn]
+  BACKEND_RETURN_IF_ERROR(Proj(L.down, up_, 1, hot_out_, H, UpQx(1)));  // [1, hidden]
+  if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot1_[l]));
+  return Ok();
+}
+
 bool CudaBackend::UsesStepGraph(const ForwardArgs& a, int layer_end) const {
   if (!use_graphs_ || !step_graph_ || a.n != 1 || collect_gpu_times_ || a.hidden_in != nullptr ||
       a.hidden_out != nullptr) {
@@ -1233,6 +1271,12 @@ BackendStatus CudaBackend::EnqueueStep(const ForwardArgs& a, int layer_end, bool
   for (int l = a.layer_begin; l < layer_end; ++l) {
     BACKEND_RETURN_IF_ERROR(EnqueueLayer(l, a, pend, nullptr, /*cold=*/false, nullptr));
     pend = hot_out_;
+  }
+  if (head && x_alt_ != nullptr && NormMatVecFits(output_)) {
+    // Nothing reads the residual after the step graph (it has no hidden_out), so it is not kept.
+    CUDA_RETURN_IF_ERROR(NormMatVec(output_, x_, pend, nullptr, output_norm_, dims_.norm_eps,
+                                    nullptr, logits_, stream_));  // [1, vocab]
+    return Ok();
   }
   if (pend != nullptr) CUDA_RETURN_IF_ERROR(AddInPlace(x_, pend, H, stream_));
   if (head) {

@@ -499,6 +499,74 @@ __global__ void __launch_bounds__(1024)
   if (rms_out != nullptr && threadIdx.x == 0) rms_out[blockIdx.x] = rms;
 }
 
+// The norm done by the int8 product that consumes it (NormMatVec): x + d1 (+ d2), RMS-normed
+// and scaled by weight, quantized by each block of the product into its shared copy of x. A
+// norm kernel runs on one multiprocessor while the rest of the GPU waits for it (two a layer:
+// 6.4 us a layer of the whole Q4_0 step on the H200, docs/cuda-runs/session12-ablation/); here
+// every block of the product computes the same sum of squares over the row (20 KB from L2 for
+// a 5120-wide row) while its first rows of weights, loaded before its wait, are on their way.
+struct NormIn {
+  const float* x;       // [cols] the residual
+  const float* d1;      // [cols] added to it, or null
+  const float* d2;      // [cols] added too, or null
+  const float* weight;  // [cols] the norm's weight; null: no norm (x is the product's input)
+  float eps;
+  float* x_out;  // [cols] receives x + d1 + d2 (block 0 writes it), or null; aliases none of them
+};
+constexpr int kNormChunks = 3;  // rows up to kNormChunks * 8 * blockDim elements
+// The norm's weights never change: they load before the wait for the predecessor.
+__device__ __forceinline__ void LoadNormWeights(const NormIn& in, int cols,
+                                                float (&w)[kNormChunks][8]) {
+#pragma unroll
+  for (int c = 0; c < kNormChunks; ++c) {
+    const int e0 = (threadIdx.x + c * blockDim.x) * 8;
+    if (e0 < cols) Load8(in.weight + e0, w[c]);
+  }
+}
+__device__ __forceinline__ void NormQuantizeRowInBlock(const NormIn& in, int cols,
+                                                       const float (&w)[kNormChunks][8],
+                                                       QxParts xp) {
+  float v[kNormChunks][8];
+  float ss = 0.f;
+#pragma unroll
+  for (int c = 0; c < kNormChunks; ++c) {
+    const int e0 = (threadIdx.x + c * blockDim.x) * 8;
+    if (e0 < cols) {
+      Load8(in.x + e0, v[c]);
+      if (in.d1 != nullptr) {
+        float a[8];
+        Load8(in.d1 + e0, a);
+        if (in.d2 != nullptr) {
+          float b[8];
+          Load8(in.d2 + e0, b);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) v[c][k] = v[c][k] + (a[k] + b[k]);
+        } else {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) v[c][k] = v[c][k] + a[k];
+        }
+      }
+      if (in.x_out != nullptr && blockIdx.x == 0) Store8(in.x_out + e0, v[c]);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) ss += v[c][k] * v[c][k];
+    }
+  }
+  const float scale = 1.f / sqrtf(BlockSum(ss) / cols + in.eps);
+#pragma unroll
+  for (int c = 0; c < kNormChunks; ++c) {
+    const int e0 = (threadIdx.x + c * blockDim.x) * 8;
+    // A group of four lanes covers one aligned block of 32 (cols is a multiple of 32), so the
+    // group quantizes together or not at all.
+    if (e0 < cols) {
+      float o[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) o[k] = v[c][k] * scale * w[c][k];
+      QuantizeEight(o, e0, xp);
+    }
+  }
+  __syncthreads();
+}
+
 // ---------------------------------------------------------------------------------------------
 // RoPE: one block per (token, head), one thread per rotated pair.
 
@@ -1303,6 +1371,12 @@ bool g_qx_pipe = [] {
   const char* e = std::getenv("PINFER_CUDA_QX_PIPE");
   return e == nullptr || e[0] != '0';
 }();
+// Decode steps of dense layers fold their norms into the int8 products that consume them
+// (NormMatVec; PINFER_CUDA_FUSED_NORM=0: never, for comparison).
+bool g_fused_norm = [] {
+  const char* e = std::getenv("PINFER_CUDA_FUSED_NORM");
+  return e == nullptr || e[0] != '0';
+}();
 // A dense MatVecQxRegsKernel loads its first rows before it waits for its predecessor
 // (PINFER_CUDA_QX_EARLY=0: after, for comparison).
 bool g_qx_early = [] {
@@ -1440,13 +1514,13 @@ __global__ void __launch_bounds__(kQxWarps* kWarp, R == 1 ? 48 / kQxWarps : 1)
 // first step before the wait for its predecessor, and each next step before the current one's
 // sums cross the warp and the block.
 constexpr int kQxRegWarps = 8;
-template <WType T, int KB, int S, bool kExact>
+template <WType T, int KB, int S, bool kExact, bool kNorm>
 __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
     MatVecQxRegsKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
                        int64_t cols, const int32_t* __restrict__ rows, int n_rows,
                        const int32_t* __restrict__ dev_count, const float* __restrict__ x,
-                       float* __restrict__ y, const int8_t* __restrict__ pre, bool early,
-                       bool pipe) {
+                       float* __restrict__ y, const int8_t* __restrict__ pre, bool early, bool pipe,
+                       NormIn norm) {
   extern __shared__ int4 xsh[];
   __shared__ float partial[2][2][kQxRegWarps];  // [step parity][row of the pair][warp]
   constexpr int QB = kSplitBlockBytes<T>;
@@ -1510,8 +1584,14 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
   // predecessor (a norm, the attention, the activation) still runs.
   const bool preloaded = early && base0 < n_rows;
   if (preloaded) load_step(base0, n_rows);
+  float nw[kNormChunks][8];
+  if constexpr (kNorm) LoadNormWeights(norm, static_cast<int>(cols), nw);
   PdlWait();
-  if (pre == nullptr) QuantizeRowInBlock(x, cols, xp);
+  if constexpr (kNorm) {
+    NormQuantizeRowInBlock(norm, static_cast<int>(cols), nw, xp);
+  } else if (pre == nullptr) {
+    QuantizeRowInBlock(x, cols, xp);
+  }
   int4 xq[KB][2];  // this lane's blocks of x: [KB, 32 int8]
   float dx[KB];
   int off[KB];
@@ -2006,6 +2086,7 @@ void SetNormVec8(bool on) { g_norm_vec8 = on; }
 void SetQuantRegs(bool on) { g_qx_regs = on; }
 void SetQuantEarlyLoad(bool on) { g_qx_early = on; }
 void SetQuantPipeline(bool on) { g_qx_pipe = on; }
+void SetFusedNorm(bool on) { g_fused_norm = on; }
 void SetAttentionEarlyLoad(bool on) { g_attn_early = on; }
 void SetOnlineAttention(bool on) { g_attn_online = on; }
 bool QuantizedActivations() { return g_q8x; }
@@ -2243,11 +2324,17 @@ void QxBalancedShape(int n_rows, int* warps, int* rows_per_warp) {
   *warps = best_warps;
 }
 
+// Whether MatVecLaunch takes MatVecQxRegsKernel for a split matrix of kb blocks a lane.
+bool QxRegsFits(const DeviceMatrix& w, int64_t kb, int max_kb, size_t qx_smem) {
+  return w.split() && g_q8x && g_qx_regs && !g_prefetch && w.cols % 32 == 0 && kb <= max_kb &&
+         qx_smem <= 48 * 1024;
+}
+
 // One launch of the matrix-vector kernels for nt <= kMaxTok tokens.
 template <WType T>
 cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
                          const int32_t* dev_count, const float* xt, int nt, float* yt, int ldy,
-                         cudaStream_t stream, const int8_t* qx) {
+                         cudaStream_t stream, const int8_t* qx, const NormIn* norm = nullptr) {
   const auto* base = static_cast<const uint8_t*>(w.data);
   constexpr bool quant = T == WType::kQ8_0 || T == WType::kQ4_0;
   if constexpr (quant) {
@@ -2260,25 +2347,27 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
     int parts = 1;
     while (parts < 4 && (nblk + parts - 1) / parts > kMaxKb * kWarp) parts *= 2;
     const int64_t kb = ((nblk + parts - 1) / parts + kWarp - 1) / kWarp;
-    if (w.split() && g_q8x && g_qx_regs && !g_prefetch && w.cols % 32 == 0 && kb <= kMaxKb &&
-        qx_smem <= 48 * 1024) {
+    if (QxRegsFits(w, kb, kMaxKb, qx_smem) && (norm == nullptr || (nt == 1 && parts == 1))) {
       const auto* sc = static_cast<const uint16_t*>(w.scales);
       const bool exact = nblk == parts * kb * kWarp;
-      auto pick_kb = [&](auto parts_c, auto exact_c) {
+      auto pick_kb = [&](auto parts_c, auto exact_c, auto norm_c) {
         constexpr int P = decltype(parts_c)::value;
-        constexpr bool E = decltype(exact_c)::value;
-        return kb == 1                  ? MatVecQxRegsKernel<T, 1, P, E>
-               : kb == 2                ? MatVecQxRegsKernel<T, 2, P, E>
-               : kb == 3                ? MatVecQxRegsKernel<T, 3, P, E>
-               : kb == 4 || kMaxKb == 4 ? MatVecQxRegsKernel<T, 4, P, E>
-                                        : MatVecQxRegsKernel<T, kMaxKb, P, E>;
+        constexpr bool E = decltype(exact_c)::value, N = decltype(norm_c)::value;
+        return kb == 1                  ? MatVecQxRegsKernel<T, 1, P, E, N>
+               : kb == 2                ? MatVecQxRegsKernel<T, 2, P, E, N>
+               : kb == 3                ? MatVecQxRegsKernel<T, 3, P, E, N>
+               : kb == 4 || kMaxKb == 4 ? MatVecQxRegsKernel<T, 4, P, E, N>
+                                        : MatVecQxRegsKernel<T, kMaxKb, P, E, N>;
       };
-      auto pick = [&](auto parts_c) {
-        return exact ? pick_kb(parts_c, std::true_type()) : pick_kb(parts_c, std::false_type());
+      auto pick = [&](auto parts_c, auto norm_c) {
+        return exact ? pick_kb(parts_c, std::true_type(), norm_c)
+                     : pick_kb(parts_c, std::false_type(), norm_c);
       };
-      auto kernel = parts == 1   ? pick(std::integral_constant<int, 1>())
-                    : parts == 2 ? pick(std::integral_constant<int, 2>())
-                                 : pick(std::integral_constant<int, 4>());
+      // (The norm's product is one part a row: NormMatVecFits.)
+      auto kernel = norm != nullptr ? pick(std::integral_constant<int, 1>(), std::true_type())
+                    : parts == 1    ? pick(std::integral_constant<int, 1>(), std::false_type())
+                    : parts == 2    ? pick(std::integral_constant<int, 2>(), std::false_type())
+                                    : pick(std::integral_constant<int, 4>(), std::false_type());
       const int slots = kQxRegWarps / parts;
       // As many blocks as stay resident (each warp strides over the rows), fewer for short
       // matrices.
@@ -2304,11 +2393,13 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
             Launch(kernel, blocks, kQxRegWarps * kWarp, qx_smem, stream, base, sc, w.cols, rows,
                    n_rows, dev_count, xt + t * w.cols, yt + static_cast<int64_t>(t) * ldy,
                    qx != nullptr ? qx + QxRegionBytes(w.cols) * t : nullptr,
-                   g_qx_early && rows == nullptr && dev_count == nullptr, g_qx_pipe);
+                   g_qx_early && rows == nullptr && dev_count == nullptr, g_qx_pipe,
+                   norm != nullptr ? *norm : NormIn{});
         if (e != cudaSuccess) return e;
       }
       return cudaSuccess;
     }
+    if (norm != nullptr) return cudaErrorNotSupported;
     if (w.split() && g_q8x && qx_smem <= 48 * 1024) {
       // One launch per token (the batches here are at most kMaxTok tokens).
       const auto* sc = static_cast<const uint16_t*>(w.scales);
@@ -2423,6 +2514,38 @@ cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
     if (e != cudaSuccess) return e;
   }
   return cudaSuccess;
+}
+
+bool NormMatVecFits(const DeviceMatrix& w) {
+  // The norm keeps kNormChunks chunks of eight a thread in registers.
+  if (!g_fused_norm || w.cols % 32 != 0 || w.cols > kNormChunks * 8 * kQxRegWarps * kWarp) {
+    return false;
+  }
+  // As MatVecLaunch decides, with x quantized into shared memory by the product.
+  const int max_kb = w.type == WType::kQ8_0 ? 4 : 5;
+  const int64_t nblk = w.cols / 32;
+  const size_t own = static_cast<size_t>(w.cols) + static_cast<size_t>(nblk) * 8;
+  const int64_t kb = (nblk + kWarp - 1) / kWarp;  // one part a row
+  return (w.type == WType::kQ4_0 || w.type == WType::kQ8_0) && QxRegsFits(w, kb, max_kb, own);
+}
+
+cudaError_t NormMatVec(const DeviceMatrix& w, const float* x, const float* d1, const float* d2,
+                       const float* weight, float eps, float* x_out, float* y,
+                       cudaStream_t stream) {
+  if (!NormMatVecFits(w)) return cudaErrorNotSupported;
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (x == nullptr || weight == nullptr || !aligned(x) || !aligned(d1) || !aligned(d2) ||
+      !aligned(weight) || !aligned(x_out) ||
+      (x_out != nullptr && (x_out == x || x_out == d1 || x_out == d2))) {
+    return cudaErrorInvalidValue;
+  }
+  if (w.rows <= 0) return cudaSuccess;
+  const NormIn norm{x, d1, d2, weight, eps, x_out};
+  const int n_rows = static_cast<int>(w.rows);
+  return w.type == WType::kQ4_0 ? MatVecLaunch<WType::kQ4_0>(w, nullptr, n_rows, nullptr, x, 1, y,
+                                                             n_rows, stream, nullptr, &norm)
+                                : MatVecLaunch<WType::kQ8_0>(w, nullptr, n_rows, nullptr, x, 1, y,
+                                                             n_rows, stream, nullptr, &norm);
 }
 
 cudaError_t AccumulateRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,

@@ -136,6 +136,22 @@ cudaError_t ResidualRmsNorm(float* x, const float* d1, const float* d2, const fl
                             int dim, float eps, float* out, cudaStream_t stream,
                             void* out_qx = nullptr, float* rms_out = nullptr);
 
+// A decode step's norm fused into the int8 product that consumes it: y: [w.rows] = w *
+// RmsNorm(x + d1 (+ d2)) * weight for one token, the sum of squares computed by every block of
+// the product (no norm kernel, the normed row never stored); x + d1 + d2 goes to x_out when it is
+// not null (it must not alias x, d1 or d2). d1, d2 may be null; every pointer 16-byte aligned.
+// The values are the unfused pair's (ResidualRmsNorm with out_qx, then MatVecRows) up to the
+// order of the sum of squares. cudaErrorNotSupported where the product does not hold x in
+// registers in one warp a row (NormMatVecFits: split Q4_0 rows of a multiple of 32 up to 5120
+// columns, Q8_0 up to 4096, with the int8 product and the knobs above at their defaults, and
+// SetFusedNorm on): callers then run the pair.
+bool NormMatVecFits(const DeviceMatrix& w);
+cudaError_t NormMatVec(const DeviceMatrix& w, const float* x, const float* d1, const float* d2,
+                       const float* weight, float eps, float* x_out, float* y, cudaStream_t stream);
+// Whether NormMatVecFits may say yes (default) or never (PINFER_CUDA_FUSED_NORM=0), for
+// comparison.
+void SetFusedNorm(bool on);
+
 // Rotates x: [n, n_heads, head_dim] in place at positions[t] (device array). inv_freq: device
 // [head_dim / 2]. interleaved: pairs (2i, 2i+1) (GGUF); otherwise (i, i + head_dim/2) (HF).
 cudaError_t Rope(float* x, int n, int n_heads, int head_dim, const int32_t* positions,
