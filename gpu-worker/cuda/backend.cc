@@ -577,6 +577,9 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   if (const char* g = std::getenv("PINFER_CUDA_QX_EARLY")) SetQuantEarlyLoad(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_QX_PIPE")) SetQuantPipeline(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_FUSED_NORM")) SetFusedNorm(std::string(g) != "0");
+  if (const char* g = std::getenv("PINFER_CUDA_ROPE_IN_PRODUCT")) {
+    SetRopeInProduct(std::string(g) != "0");
+  }
   if (const char* g = std::getenv("PINFER_CUDA_ATTN_EARLY")) {
     SetAttentionEarlyLoad(std::string(g) != "0");
   }
@@ -1201,11 +1204,28 @@ BackendStatus CudaBackend::EnqueueDenseLayerFused(int l, const float* pend1, flo
   const ModelDims& c = dims_;
   const DeviceLayer& L = layers_[l];
   const int H = c.hidden, F = c.ffn;
-  // x_alt = x + the previous layer's FFN output; qkv: [1, q + 2 kv] = wqkv * norm(x_alt).
-  CUDA_RETURN_IF_ERROR(
-      NormMatVec(L.wqkv, x_, pend1, nullptr, L.attn_norm, c.norm_eps, x_alt_, qkv_, stream_));
-  CUDA_RETURN_IF_ERROR(RopeQkvToCache(qkv_, 1, c.n_heads, c.n_kv_heads, c.head_dim, positions_dev_,
-                                      inv_freq_, c.rope_interleaved, q_, k_seq, v_seq, stream_));
+  // x_alt = x + the previous layer's FFN output; qkv: [1, q + 2 kv] = wqkv * norm(x_alt), and
+  // RoPE and the cache write where the product writes its rows.
+  if (RopeInProduct()) {
+    RopeOut rope;
+    rope.n_heads = c.n_heads;
+    rope.n_kv_heads = c.n_kv_heads;
+    rope.head_dim = c.head_dim;
+    rope.positions = positions_dev_;
+    rope.inv_freq = inv_freq_;
+    rope.interleaved = c.rope_interleaved;
+    rope.q = q_;
+    rope.k_cache = k_seq;
+    rope.v_cache = v_seq;
+    CUDA_RETURN_IF_ERROR(
+        NormMatVecRope(L.wqkv, x_, pend1, nullptr, L.attn_norm, c.norm_eps, x_alt_, rope, stream_));
+  } else {
+    CUDA_RETURN_IF_ERROR(
+        NormMatVec(L.wqkv, x_, pend1, nullptr, L.attn_norm, c.norm_eps, x_alt_, qkv_, stream_));
+    CUDA_RETURN_IF_ERROR(RopeQkvToCache(qkv_, 1, c.n_heads, c.n_kv_heads, c.head_dim,
+                                        positions_dev_, inv_freq_, c.rope_interleaved, q_, k_seq,
+                                        v_seq, stream_));
+  }
   CUDA_RETURN_IF_ERROR(AttentionAt(q_, k_seq, v_seq, 1, positions_dev_, max_ctx_, c.n_heads,
                                    c.n_kv_heads, c.head_dim, att_, stream_, AttQx(1)));
   BACKEND_RETURN_IF_ERROR(Proj(L.wo, att_, 1, xb_, H, AttQx(1)));  // xb: [1, hidden]

@@ -593,6 +593,16 @@ __global__ void RopeKernel(float* __restrict__ x, int n_heads, int head_dim,
 // or copied value, blockIdx.y the token. (One block per token took 26 us per layer on the H200
 // for a 13B shape, about a fifth of the whole Q4_0 decode step: accurate sin and cos for 5120
 // pairs in 256 threads.)
+// One rotated pair, the same arithmetic wherever RoPE is applied to a product's rows (RopeQkvKernel
+// and NormMatVecRope's product), so the two give the same bits.
+__device__ __forceinline__ void RotatePair(float x0, float x1, float pos, float inv_freq, float* a,
+                                           float* b) {
+  const float angle = pos * inv_freq;
+  const float c = cosf(angle), s = sinf(angle);
+  *a = x0 * c - x1 * s;
+  *b = x0 * s + x1 * c;
+}
+
 __global__ void RopeQkvKernel(const float* __restrict__ qkv, int n_heads, int n_kv_heads,
                               int head_dim, const int32_t* __restrict__ positions,
                               const float* __restrict__ inv_freq, bool interleaved,
@@ -611,15 +621,11 @@ __global__ void RopeQkvKernel(const float* __restrict__ qkv, int n_heads, int n_
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j < pairs) {
     const int head = j / half, i = j % half;
-    const float angle = pos * inv_freq[i];
-    const float c = cosf(angle), s = sinf(angle);
     const int a = interleaved ? 2 * i : i;
     const int b = interleaved ? 2 * i + 1 : i + half;
     const float* in = src + head * head_dim;  // q heads, then k heads
     float* dst = head < n_heads ? qt + head * head_dim : kt + (head - n_heads) * head_dim;
-    const float x0 = in[a], x1 = in[b];
-    dst[a] = x0 * c - x1 * s;
-    dst[b] = x0 * s + x1 * c;
+    RotatePair(in[a], in[b], pos, inv_freq[i], dst + a, dst + b);
   } else if (j - pairs < kv_dim) {
     vt[j - pairs] = src[q_dim + kv_dim + (j - pairs)];
   }
@@ -1377,6 +1383,12 @@ bool g_fused_norm = [] {
   const char* e = std::getenv("PINFER_CUDA_FUSED_NORM");
   return e == nullptr || e[0] != '0';
 }();
+// Decode steps of dense layers apply RoPE where the q/k/v product writes its rows
+// (NormMatVecRope; PINFER_CUDA_ROPE_IN_PRODUCT=0: the RoPE kernel after it, for comparison).
+bool g_rope_product = [] {
+  const char* e = std::getenv("PINFER_CUDA_ROPE_IN_PRODUCT");
+  return e == nullptr || e[0] != '0';
+}();
 // A dense MatVecQxRegsKernel loads its first rows before it waits for its predecessor
 // (PINFER_CUDA_QX_EARLY=0: after, for comparison).
 bool g_qx_early = [] {
@@ -1513,14 +1525,46 @@ __global__ void __launch_bounds__(kQxWarps* kWarp, R == 1 ? 48 / kQxWarps : 1)
 // weights' loads run ahead of what waits on them (docs/benchmarks.md, run 26): a dense product's
 // first step before the wait for its predecessor, and each next step before the current one's
 // sums cross the warp and the block.
+// NormMatVecRope's row pairs of a stacked wqkv: pair j < (n_heads + n_kv_heads) * head_dim / 2
+// is a rotated pair of a q or k head, the rest are the values two by two.
+__device__ __forceinline__ int2 RopePairRows(const RopeOut& r, int j) {
+  const int half = r.head_dim / 2, rotated = (r.n_heads + r.n_kv_heads) * half;
+  if (j < rotated) {
+    const int head = j / half, i = j % half;
+    const int a = r.interleaved ? 2 * i : i, b = r.interleaved ? 2 * i + 1 : i + half;
+    return make_int2(head * r.head_dim + a, head * r.head_dim + b);
+  }
+  const int v = (r.n_heads + r.n_kv_heads) * r.head_dim + 2 * (j - rotated);
+  return make_int2(v, v + 1);
+}
+// Writes pair j's two product rows (x0, x1) where RopeQkvKernel would: rotated into q or the key
+// cache, or as they are into the value cache, at position pos.
+__device__ __forceinline__ void StoreRopePair(const RopeOut& r, int j, int pos, float x0,
+                                              float x1) {
+  const int half = r.head_dim / 2, rotated = (r.n_heads + r.n_kv_heads) * half;
+  const int64_t kv_row = static_cast<int64_t>(pos) * r.n_kv_heads * r.head_dim;
+  if (j < rotated) {
+    const int head = j / half, i = j % half;
+    const int a = r.interleaved ? 2 * i : i, b = r.interleaved ? 2 * i + 1 : i + half;
+    float* dst = head < r.n_heads ? r.q + head * r.head_dim
+                                  : r.k_cache + kv_row + (head - r.n_heads) * r.head_dim;
+    RotatePair(x0, x1, static_cast<float>(pos), r.inv_freq[i], dst + a, dst + b);
+  } else {
+    float* dst = r.v_cache + kv_row + 2 * (j - rotated);
+    dst[0] = x0;
+    dst[1] = x1;
+  }
+}
+
 constexpr int kQxRegWarps = 8;
-template <WType T, int KB, int S, bool kExact, bool kNorm>
+template <WType T, int KB, int S, bool kExact, bool kNorm, bool kRope>
 __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
     MatVecQxRegsKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
                        int64_t cols, const int32_t* __restrict__ rows, int n_rows,
                        const int32_t* __restrict__ dev_count, const float* __restrict__ x,
                        float* __restrict__ y, const int8_t* __restrict__ pre, bool early, bool pipe,
-                       NormIn norm) {
+                       NormIn norm, RopeOut rope) {
+  static_assert(!kRope || (S == 1 && kNorm), "RoPE rides on the norm's one-part product");
   extern __shared__ int4 xsh[];
   __shared__ float partial[2][2][kQxRegWarps];  // [step parity][row of the pair][warp]
   constexpr int QB = kSplitBlockBytes<T>;
@@ -1546,7 +1590,9 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
 
   // A step's two rows (i and i + stride) and their weights. With S > 1 the trip count is the
   // block's, so that every warp reaches the same __syncthreads; a slot past the count then reads
-  // a row that exists (the block's first) and writes nothing.
+  // a row that exists (the block's first) and writes nothing. With kRope the count is of row
+  // pairs (RopePairRows) and a step takes pair i's two rows.
+  constexpr int kUnitsPerStep = kRope ? 1 : 2;
   int i = 0, i1 = 0;
   bool has0 = false, has1 = false;
   uint4 q[2][KB][QV];
@@ -1555,11 +1601,17 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
     i = base + (S == 1 ? 0 : slot);
     i1 = i + stride;
     has0 = S == 1 || i < count;
-    has1 = i1 < count;
+    has1 = kRope || i1 < count;
     const int first = S == 1 ? i : min(blockIdx.x * kSlots, count - 1);
     int64_t rid[2];
-    rid[0] = rows != nullptr ? rows[has0 ? i : first] : (has0 ? i : first);
-    rid[1] = has1 ? (rows != nullptr ? rows[i1] : i1) : rid[0];
+    if constexpr (kRope) {
+      const int2 pair = RopePairRows(rope, i);
+      rid[0] = pair.x;
+      rid[1] = pair.y;
+    } else {
+      rid[0] = rows != nullptr ? rows[has0 ? i : first] : (has0 ? i : first);
+      rid[1] = has1 ? (rows != nullptr ? rows[i1] : i1) : rid[0];
+    }
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const uint8_t* rq = qs + static_cast<size_t>(rid[u]) * qrb;
@@ -1604,9 +1656,10 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
     off[k] = T == WType::kQ4_0 ? 8 * xp.sum[blk[k]] : 0;
   }
   const int count = dev_count != nullptr ? *dev_count : n_rows;
+  const int pos = kRope ? rope.positions[0] : 0;
   bool loaded = preloaded;
   int step = 0;
-  for (int base = base0; base < count; base += 2 * stride, ++step) {
+  for (int base = base0; base < count; base += kUnitsPerStep * stride, ++step) {
     if (!loaded) load_step(base, count);
     loaded = false;
     float acc[2];
@@ -1624,13 +1677,15 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
     // block keeps loads in flight through them. The trip count is the block's for S > 1.
     const int r0 = i, r1 = i1;
     const bool w0 = has0, w1 = has1;
-    if (pipe && base + 2 * stride < count) {
-      load_step(base + 2 * stride, count);
+    if (pipe && base + kUnitsPerStep * stride < count) {
+      load_step(base + kUnitsPerStep * stride, count);
       loaded = true;
     }
 #pragma unroll
     for (int u = 0; u < 2; ++u) acc[u] = WarpSum(acc[u]);
-    if constexpr (S == 1) {
+    if constexpr (kRope) {
+      if (lane == 0) StoreRopePair(rope, r0, pos, acc[0], acc[1]);
+    } else if constexpr (S == 1) {
       if (lane == 0 && w0) y[r0] = acc[0];
       if (lane == 0 && w1) y[r1] = acc[1];
     } else {
@@ -2087,6 +2142,8 @@ void SetQuantRegs(bool on) { g_qx_regs = on; }
 void SetQuantEarlyLoad(bool on) { g_qx_early = on; }
 void SetQuantPipeline(bool on) { g_qx_pipe = on; }
 void SetFusedNorm(bool on) { g_fused_norm = on; }
+void SetRopeInProduct(bool on) { g_rope_product = on; }
+bool RopeInProduct() { return g_rope_product; }
 void SetAttentionEarlyLoad(bool on) { g_attn_early = on; }
 void SetOnlineAttention(bool on) { g_attn_online = on; }
 bool QuantizedActivations() { return g_q8x; }
@@ -2334,7 +2391,8 @@ bool QxRegsFits(const DeviceMatrix& w, int64_t kb, int max_kb, size_t qx_smem) {
 template <WType T>
 cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
                          const int32_t* dev_count, const float* xt, int nt, float* yt, int ldy,
-                         cudaStream_t stream, const int8_t* qx, const NormIn* norm = nullptr) {
+                         cudaStream_t stream, const int8_t* qx, const NormIn* norm = nullptr,
+                         const RopeOut* rope = nullptr) {
   const auto* base = static_cast<const uint8_t*>(w.data);
   constexpr bool quant = T == WType::kQ8_0 || T == WType::kQ4_0;
   if constexpr (quant) {
@@ -2350,24 +2408,29 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
     if (QxRegsFits(w, kb, kMaxKb, qx_smem) && (norm == nullptr || (nt == 1 && parts == 1))) {
       const auto* sc = static_cast<const uint16_t*>(w.scales);
       const bool exact = nblk == parts * kb * kWarp;
-      auto pick_kb = [&](auto parts_c, auto exact_c, auto norm_c) {
+      auto pick_kb = [&](auto parts_c, auto exact_c, auto norm_c, auto rope_c) {
         constexpr int P = decltype(parts_c)::value;
         constexpr bool E = decltype(exact_c)::value, N = decltype(norm_c)::value;
-        return kb == 1                  ? MatVecQxRegsKernel<T, 1, P, E, N>
-               : kb == 2                ? MatVecQxRegsKernel<T, 2, P, E, N>
-               : kb == 3                ? MatVecQxRegsKernel<T, 3, P, E, N>
-               : kb == 4 || kMaxKb == 4 ? MatVecQxRegsKernel<T, 4, P, E, N>
-                                        : MatVecQxRegsKernel<T, kMaxKb, P, E, N>;
+        constexpr bool R = decltype(rope_c)::value;
+        return kb == 1                  ? MatVecQxRegsKernel<T, 1, P, E, N, R>
+               : kb == 2                ? MatVecQxRegsKernel<T, 2, P, E, N, R>
+               : kb == 3                ? MatVecQxRegsKernel<T, 3, P, E, N, R>
+               : kb == 4 || kMaxKb == 4 ? MatVecQxRegsKernel<T, 4, P, E, N, R>
+                                        : MatVecQxRegsKernel<T, kMaxKb, P, E, N, R>;
       };
-      auto pick = [&](auto parts_c, auto norm_c) {
-        return exact ? pick_kb(parts_c, std::true_type(), norm_c)
-                     : pick_kb(parts_c, std::false_type(), norm_c);
+      auto pick = [&](auto parts_c, auto norm_c, auto rope_c) {
+        return exact ? pick_kb(parts_c, std::true_type(), norm_c, rope_c)
+                     : pick_kb(parts_c, std::false_type(), norm_c, rope_c);
       };
-      // (The norm's product is one part a row: NormMatVecFits.)
-      auto kernel = norm != nullptr ? pick(std::integral_constant<int, 1>(), std::true_type())
-                    : parts == 1    ? pick(std::integral_constant<int, 1>(), std::false_type())
-                    : parts == 2    ? pick(std::integral_constant<int, 2>(), std::false_type())
-                                    : pick(std::integral_constant<int, 4>(), std::false_type());
+      using One = std::integral_constant<int, 1>;
+      using No = std::false_type;
+      using Yes = std::true_type;
+      // (The norm's product is one part a row: NormMatVecFits; RoPE comes with the norm.)
+      auto kernel = rope != nullptr   ? pick(One(), Yes(), Yes())
+                    : norm != nullptr ? pick(One(), Yes(), No())
+                    : parts == 1      ? pick(One(), No(), No())
+                    : parts == 2      ? pick(std::integral_constant<int, 2>(), No(), No())
+                                      : pick(std::integral_constant<int, 4>(), No(), No());
       const int slots = kQxRegWarps / parts;
       // As many blocks as stay resident (each warp strides over the rows), fewer for short
       // matrices.
@@ -2387,19 +2450,21 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
         }
         capacity = it->second;
       }
-      const int blocks = std::max(1, std::min(capacity, (n_rows + 2 * slots - 1) / (2 * slots)));
+      // A step of a slot takes two rows (one pair of RoPE's).
+      const int per_step = rope != nullptr ? slots : 2 * slots;
+      const int blocks = std::max(1, std::min(capacity, (n_rows + per_step - 1) / per_step));
       for (int t = 0; t < nt; ++t) {
         cudaError_t e =
             Launch(kernel, blocks, kQxRegWarps * kWarp, qx_smem, stream, base, sc, w.cols, rows,
                    n_rows, dev_count, xt + t * w.cols, yt + static_cast<int64_t>(t) * ldy,
                    qx != nullptr ? qx + QxRegionBytes(w.cols) * t : nullptr,
                    g_qx_early && rows == nullptr && dev_count == nullptr, g_qx_pipe,
-                   norm != nullptr ? *norm : NormIn{});
+                   norm != nullptr ? *norm : NormIn{}, rope != nullptr ? *rope : RopeOut{});
         if (e != cudaSuccess) return e;
       }
       return cudaSuccess;
     }
-    if (norm != nullptr) return cudaErrorNotSupported;
+    if (norm != nullptr || rope != nullptr) return cudaErrorNotSupported;
     if (w.split() && g_q8x && qx_smem <= 48 * 1024) {
       // One launch per token (the batches here are at most kMaxTok tokens).
       const auto* sc = static_cast<const uint16_t*>(w.scales);
@@ -2546,6 +2611,31 @@ cudaError_t NormMatVec(const DeviceMatrix& w, const float* x, const float* d1, c
                                                              n_rows, stream, nullptr, &norm)
                                 : MatVecLaunch<WType::kQ8_0>(w, nullptr, n_rows, nullptr, x, 1, y,
                                                              n_rows, stream, nullptr, &norm);
+}
+
+cudaError_t NormMatVecRope(const DeviceMatrix& w, const float* x, const float* d1, const float* d2,
+                           const float* weight, float eps, float* x_out, const RopeOut& rope,
+                           cudaStream_t stream) {
+  if (!g_rope_product || !NormMatVecFits(w)) return cudaErrorNotSupported;
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (x == nullptr || weight == nullptr || !aligned(x) || !aligned(d1) || !aligned(d2) ||
+      !aligned(weight) || !aligned(x_out) ||
+      (x_out != nullptr && (x_out == x || x_out == d1 || x_out == d2))) {
+    return cudaErrorInvalidValue;
+  }
+  if (rope.n_heads <= 0 || rope.n_kv_heads <= 0 || rope.head_dim <= 0 || rope.head_dim % 2 != 0 ||
+      w.rows != static_cast<int64_t>(rope.n_heads + 2 * rope.n_kv_heads) * rope.head_dim ||
+      rope.positions == nullptr || rope.inv_freq == nullptr || rope.q == nullptr ||
+      rope.k_cache == nullptr || rope.v_cache == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const NormIn norm{x, d1, d2, weight, eps, x_out};
+  const int pairs = static_cast<int>(w.rows / 2);
+  return w.type == WType::kQ4_0
+             ? MatVecLaunch<WType::kQ4_0>(w, nullptr, pairs, nullptr, x, 1, nullptr, pairs, stream,
+                                          nullptr, &norm, &rope)
+             : MatVecLaunch<WType::kQ8_0>(w, nullptr, pairs, nullptr, x, 1, nullptr, pairs, stream,
+                                          nullptr, &norm, &rope);
 }
 
 cudaError_t AccumulateRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,

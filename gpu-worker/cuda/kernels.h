@@ -152,6 +152,31 @@ cudaError_t NormMatVec(const DeviceMatrix& w, const float* x, const float* d1, c
 // comparison.
 void SetFusedNorm(bool on);
 
+// Where a decode step's q/k/v product (wqkv: rows of wq, wk, wv stacked) leaves its rows: q:
+// [n_heads * head_dim] rotated, and row positions[0] of k_cache and v_cache ([ctx, kv_dim]) the
+// rotated key and the value, as RopeQkvToCache leaves them.
+struct RopeOut {
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  const int32_t* positions = nullptr;  // device, [1]
+  const float* inv_freq = nullptr;     // device, [head_dim / 2]
+  bool interleaved = false;            // pairs (2i, 2i+1) (GGUF); otherwise (i, i + head_dim/2)
+  float* q = nullptr;
+  float* k_cache = nullptr;
+  float* v_cache = nullptr;
+};
+// NormMatVec over wqkv with RoPE and the cache write done where the product writes its rows: a
+// warp's two rows of a step are a rotated pair (or two values), so no kernel of their own runs
+// between the product and the attention. Bit for bit NormMatVec then RopeQkvToCache.
+// cudaErrorInvalidValue where w's rows are not (n_heads + 2 n_kv_heads) * head_dim or head_dim is
+// odd; cudaErrorNotSupported where NormMatVecFits says no or SetRopeInProduct is off.
+cudaError_t NormMatVecRope(const DeviceMatrix& w, const float* x, const float* d1, const float* d2,
+                           const float* weight, float eps, float* x_out, const RopeOut& rope,
+                           cudaStream_t stream);
+// Whether NormMatVecRope runs (default) or refuses (PINFER_CUDA_ROPE_IN_PRODUCT=0), for
+// comparison.
+void SetRopeInProduct(bool on);
+bool RopeInProduct();
+
 // Rotates x: [n, n_heads, head_dim] in place at positions[t] (device array). inv_freq: device
 // [head_dim / 2]. interleaved: pairs (2i, 2i+1) (GGUF); otherwise (i, i + head_dim/2) (HF).
 cudaError_t Rope(float* x, int n, int n_heads, int head_dim, const int32_t* positions,

@@ -119,6 +119,10 @@ double Nmse(const std::vector<float>& a, const std::vector<float>& b) {
 bool AnyNan(const std::vector<float>& a) {
   return std::any_of(a.begin(), a.end(), [](float v) { return std::isnan(v); });
 }
+// Untouched: DevBuf fills a fresh buffer with NaN.
+bool AllNan(const std::vector<float>& a) {
+  return std::all_of(a.begin(), a.end(), [](float v) { return std::isnan(v); });
+}
 
 // Fresh seed per run, printed so a failure can be replayed.
 std::mt19937& Rng() {
@@ -1316,6 +1320,130 @@ TEST_F(CudaOpsTest, FusedNormProductMatchesReference) {
       cuda::NormMatVec(mq, dx.get(), nullptr, nullptr, dw.get(), eps, nullptr, dy.get(), nullptr),
       cudaErrorNotSupported);
   cuda::SetFusedNorm(true);
+  cuda::SetQuantizedActivations(q8x);
+}
+
+// RoPE and the cache write done where the fused-norm q/k/v product writes its rows
+// (NormMatVecRope) leave q, the key cache and the value cache bit for bit as NormMatVec followed
+// by RopeQkvToCache does (each checked against the reference by its own test), with grouped
+// heads, both pair layouts and two positions; only the position's cache rows are written; the
+// residual goes to x_out as NormMatVec's. A wqkv of the wrong height, an odd head, a missing
+// output, a layout the product does not hold in registers and the knob off are refused.
+TEST_F(CudaOpsTest, RopeInProductMatchesTheProductThenRope) {
+  const bool q8x = cuda::QuantizedActivations();
+  cuda::SetQuantizedActivations(true);
+  struct Shape {
+    int heads, kv_heads, head_dim;
+    int64_t cols;
+  };
+  const float eps = 1e-5f;
+  const int ctx = 48;
+  auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+  };
+  for (DType type : {DType::kQ4_0, DType::kQ8_0}) {
+    for (Shape sh : {Shape{4, 4, 128, 512}, Shape{8, 2, 64, 1056}, Shape{40, 40, 128, 5120}}) {
+      if (type == DType::kQ8_0 && sh.cols > 4096) continue;  // two warps a row: not fused
+      const int qd = sh.heads * sh.head_dim, kvd = sh.kv_heads * sh.head_dim;
+      const int64_t rows = qd + 2 * kvd;
+      HostWeights w = RandomWeights(type, rows, sh.cols);
+      DevBuf<uint8_t> dg(w.bytes.size()), ds(w.bytes.size());
+      DeviceMatrix m = ToDeviceSplit(w, &dg, &ds);
+      std::vector<float> inv(sh.head_dim / 2);
+      for (int i = 0; i < sh.head_dim / 2; ++i)
+        inv[i] = static_cast<float>(1.0 / std::pow(10000.0, 2.0 * i / sh.head_dim));
+      DevBuf<float> dx(Random(sh.cols, 2.f)), dd1(Random(sh.cols)), dnw(Random(sh.cols)), dinv(inv);
+      for (bool interleaved : {false, true}) {
+        for (int pos : {0, 37}) {
+          DevBuf<int32_t> dpos(std::vector<int32_t>{pos});
+          const std::string what =
+              std::string(DTypeName(type)) + " heads " + std::to_string(sh.heads) + "/" +
+              std::to_string(sh.kv_heads) + " x " + std::to_string(sh.head_dim) +
+              (interleaved ? " interleaved" : " halves") + " position " + std::to_string(pos);
+          // [0]: the product, then the RoPE kernel; [1]: RoPE in the product.
+          std::vector<float> q[2], k[2], v[2], xo[2];
+          for (int run = 0; run < 2; ++run) {
+            DevBuf<float> dqkv(rows), dq(qd), dk(ctx * kvd), dv(ctx * kvd), dxo(sh.cols);
+            if (run == 0) {
+              CUDA_OK(cuda::NormMatVec(m, dx.get(), dd1.get(), nullptr, dnw.get(), eps, dxo.get(),
+                                       dqkv.get(), nullptr));
+              CUDA_OK(cuda::RopeQkvToCache(dqkv.get(), 1, sh.heads, sh.kv_heads, sh.head_dim,
+                                           dpos.get(), dinv.get(), interleaved, dq.get(), dk.get(),
+                                           dv.get(), nullptr));
+            } else {
+              cuda::RopeOut rope;
+              rope.n_heads = sh.heads;
+              rope.n_kv_heads = sh.kv_heads;
+              rope.head_dim = sh.head_dim;
+              rope.positions = dpos.get();
+              rope.inv_freq = dinv.get();
+              rope.interleaved = interleaved;
+              rope.q = dq.get();
+              rope.k_cache = dk.get();
+              rope.v_cache = dv.get();
+              CUDA_OK(cuda::NormMatVecRope(m, dx.get(), dd1.get(), nullptr, dnw.get(), eps,
+                                           dxo.get(), rope, nullptr));
+              EXPECT_TRUE(AllNan(dqkv.Download())) << what << ": wrote the stacked rows";
+            }
+            q[run] = dq.Download();
+            k[run] = dk.Download();
+            v[run] = dv.Download();
+            xo[run] = dxo.Download();
+            EXPECT_TRUE(dq.GuardsIntact() && dk.GuardsIntact() && dv.GuardsIntact() &&
+                        dxo.GuardsIntact())
+                << what;
+          }
+          EXPECT_FALSE(AnyNan(q[1])) << what;
+          EXPECT_TRUE(same_bits(q[0], q[1])) << what << ": q";
+          EXPECT_TRUE(same_bits(k[0], k[1])) << what << ": the key cache";
+          EXPECT_TRUE(same_bits(v[0], v[1])) << what << ": the value cache";
+          EXPECT_TRUE(same_bits(xo[0], xo[1])) << what << ": the residual";
+          for (int i = 0; i < ctx * kvd; ++i) {
+            const bool new_row = i / kvd == pos;
+            ASSERT_EQ(std::isnan(k[1][i]) || std::isnan(v[1][i]), !new_row)
+                << what << ": cache row " << i / kvd;
+          }
+        }
+      }
+    }
+  }
+  // Refusals.
+  HostWeights w = RandomWeights(DType::kQ4_0, 3 * 64, 512);
+  DevBuf<uint8_t> dg(w.bytes.size()), ds(w.bytes.size());
+  const DeviceMatrix m = ToDeviceSplit(w, &dg, &ds);
+  HostWeights f16 = RandomWeights(DType::kF16, 3 * 64, 512);
+  DevBuf<uint8_t> fg(f16.bytes.size());
+  const DeviceMatrix mf = ToDevice(f16, &fg);
+  DevBuf<float> dx(512), dw(512), dq(64), dk(ctx * 64), dv(ctx * 64), dinv(32);
+  DevBuf<int32_t> dpos(std::vector<int32_t>{0});
+  cuda::RopeOut rope;
+  rope.n_heads = 1;
+  rope.n_kv_heads = 1;
+  rope.head_dim = 64;
+  rope.positions = dpos.get();
+  rope.inv_freq = dinv.get();
+  rope.q = dq.get();
+  rope.k_cache = dk.get();
+  rope.v_cache = dv.get();
+  auto run = [&](const DeviceMatrix& mat, const cuda::RopeOut& r) {
+    return cuda::NormMatVecRope(mat, dx.get(), nullptr, nullptr, dw.get(), eps, nullptr, r,
+                                nullptr);
+  };
+  CUDA_OK(run(m, rope));
+  cuda::RopeOut tall = rope;
+  tall.n_kv_heads = 2;  // 5 heads of rows, the matrix has 3
+  EXPECT_EQ(run(m, tall), cudaErrorInvalidValue);
+  cuda::RopeOut odd = rope;
+  odd.head_dim = 63;
+  EXPECT_EQ(run(m, odd), cudaErrorInvalidValue);
+  cuda::RopeOut no_cache = rope;
+  no_cache.k_cache = nullptr;
+  EXPECT_EQ(run(m, no_cache), cudaErrorInvalidValue);
+  EXPECT_EQ(run(mf, rope), cudaErrorNotSupported);
+  cuda::SetRopeInProduct(false);
+  EXPECT_EQ(run(m, rope), cudaErrorNotSupported);
+  cuda::SetRopeInProduct(true);
+  cudaGetLastError();
   cuda::SetQuantizedActivations(q8x);
 }
 
