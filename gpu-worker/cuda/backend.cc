@@ -580,6 +580,9 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   if (const char* g = std::getenv("PINFER_CUDA_ROPE_IN_PRODUCT")) {
     SetRopeInProduct(std::string(g) != "0");
   }
+  if (const char* g = std::getenv("PINFER_CUDA_ACT_IN_PRODUCT")) {
+    SetActivationInProduct(std::string(g) != "0");
+  }
   if (const char* g = std::getenv("PINFER_CUDA_ATTN_EARLY")) {
     SetAttentionEarlyLoad(std::string(g) != "0");
   }
@@ -1229,12 +1232,18 @@ BackendStatus CudaBackend::EnqueueDenseLayerFused(int l, const float* pend1, flo
   CUDA_RETURN_IF_ERROR(AttentionAt(q_, k_seq, v_seq, 1, positions_dev_, max_ctx_, c.n_heads,
                                    c.n_kv_heads, c.head_dim, att_, stream_, AttQx(1)));
   BACKEND_RETURN_IF_ERROR(Proj(L.wo, att_, 1, xb_, H, AttQx(1)));  // xb: [1, hidden]
-  // x = x_alt + attention output; gate: [1, 2 ffn] = gate_up * norm(x).
+  // x = x_alt + attention output; gate: [1, 2 ffn] = gate_up * norm(x); up: [1, ffn] =
+  // act(gate) * up, applied where the product writes its rows.
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot0_[l]));
-  CUDA_RETURN_IF_ERROR(
-      NormMatVec(L.gate_up, x_alt_, xb_, nullptr, L.ffn_norm, c.norm_eps, x_, gate_, stream_));
-  CUDA_RETURN_IF_ERROR(GatedActivationPacked(static_cast<ActKind>(c.activation), gate_, 1, F, up_,
-                                             stream_, UpQx(1)));        // [1, ffn]
+  const ActKind act = static_cast<ActKind>(c.activation);
+  if (ActivationInProduct()) {
+    CUDA_RETURN_IF_ERROR(NormMatVecGated(L.gate_up, x_alt_, xb_, nullptr, L.ffn_norm, c.norm_eps,
+                                         x_, act, up_, UpQx(1), stream_));
+  } else {
+    CUDA_RETURN_IF_ERROR(
+        NormMatVec(L.gate_up, x_alt_, xb_, nullptr, L.ffn_norm, c.norm_eps, x_, gate_, stream_));
+    CUDA_RETURN_IF_ERROR(GatedActivationPacked(act, gate_, 1, F, up_, stream_, UpQx(1)));
+  }
   BACKEND_RETURN_IF_ERROR(Proj(L.down, up_, 1, hot_out_, H, UpQx(1)));  // [1, hidden]
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot1_[l]));
   return Ok();

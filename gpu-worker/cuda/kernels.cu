@@ -279,6 +279,19 @@ __device__ __forceinline__ QxParts QxAt(void* region, int64_t cols, int token) {
   float* d = reinterpret_cast<float*>(q + cols);
   return {q, d, reinterpret_cast<int*>(d + cols / 32)};
 }
+// act(gate) * up, wherever a gated activation is applied.
+__device__ __forceinline__ float ApplyGated(ActKind act, float g, float u) {
+  switch (act) {
+    case ActKind::kSilu:
+      return g / (1.f + expf(-g)) * u;
+    case ActKind::kRelu:
+      return (g > 0.f ? g : 0.f) * u;
+    case ActKind::kDRelu:
+      return (g > 0.f ? g : 0.f) * (u > 0.f ? u : 0.f);
+  }
+  return 0.f;
+}
+
 // A warp whose lanes hold the 32 consecutive values of block `blk` (lane l: value l) quantizes
 // it. The operations are QuantizeEight's (max is exact in any order, the sum is an integer), so
 // the product gets the same values whichever side quantized.
@@ -1389,6 +1402,12 @@ bool g_rope_product = [] {
   const char* e = std::getenv("PINFER_CUDA_ROPE_IN_PRODUCT");
   return e == nullptr || e[0] != '0';
 }();
+// Decode steps of dense layers apply the gated activation where the gate/up product writes its
+// rows (NormMatVecGated; PINFER_CUDA_ACT_IN_PRODUCT=0: the activation kernel after it).
+bool g_gated_product = [] {
+  const char* e = std::getenv("PINFER_CUDA_ACT_IN_PRODUCT");
+  return e == nullptr || e[0] != '0';
+}();
 // A dense MatVecQxRegsKernel loads its first rows before it waits for its predecessor
 // (PINFER_CUDA_QX_EARLY=0: after, for comparison).
 bool g_qx_early = [] {
@@ -1556,15 +1575,31 @@ __device__ __forceinline__ void StoreRopePair(const RopeOut& r, int j, int pos, 
   }
 }
 
+// What MatVecQxRegsKernel does with a step's two sums: writes them as rows of y (kOutRows), as a
+// rotated pair of q / k or two values (kOutRope, NormMatVecRope), or as one neuron's gate and up
+// (kOutGated, NormMatVecGated).
+enum QxOut : int { kOutRows = 0, kOutRope = 1, kOutGated = 2 };
+// kOutGated's destination: the activation [ffn] and its quantized copy, as GatedActivationPacked
+// leaves them.
+struct GatedOut {
+  ActKind act = ActKind::kRelu;
+  float* out = nullptr;
+  void* qx = nullptr;
+};
+
 constexpr int kQxRegWarps = 8;
-template <WType T, int KB, int S, bool kExact, bool kNorm, bool kRope>
+// kOutGated: a block takes groups of 32 neurons, kQxRegWarps a step, so that the group's
+// activations meet in the block and are quantized there.
+constexpr int kGroupSteps = 32 / kQxRegWarps;
+template <WType T, int KB, int S, bool kExact, bool kNorm, int kOut>
 __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
     MatVecQxRegsKernel(const uint8_t* __restrict__ qs, const uint16_t* __restrict__ scales,
                        int64_t cols, const int32_t* __restrict__ rows, int n_rows,
                        const int32_t* __restrict__ dev_count, const float* __restrict__ x,
                        float* __restrict__ y, const int8_t* __restrict__ pre, bool early, bool pipe,
-                       NormIn norm, RopeOut rope) {
-  static_assert(!kRope || (S == 1 && kNorm), "RoPE rides on the norm's one-part product");
+                       NormIn norm, RopeOut rope, GatedOut gated) {
+  static_assert(kOut == kOutRows || (S == 1 && kNorm), "pairs ride on the norm's product");
+  __shared__ float act_sh[2][32];  // kOutGated: [group parity][neuron of the group]
   extern __shared__ int4 xsh[];
   __shared__ float partial[2][2][kQxRegWarps];  // [step parity][row of the pair][warp]
   constexpr int QB = kSplitBlockBytes<T>;
@@ -1588,26 +1623,39 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
   const int stride = gridDim.x * kSlots;
   const int base0 = blockIdx.x * kSlots + (S == 1 ? slot : 0);
 
-  // A step's two rows (i and i + stride) and their weights. With S > 1 the trip count is the
-  // block's, so that every warp reaches the same __syncthreads; a slot past the count then reads
-  // a row that exists (the block's first) and writes nothing. With kRope the count is of row
-  // pairs (RopePairRows) and a step takes pair i's two rows.
-  constexpr int kUnitsPerStep = kRope ? 1 : 2;
+  // Step t's two rows and their weights. kOutRows: rows i and i + stride of base(t) = base0 + 2t
+  // stride; with S > 1 the trip count is the block's, so that every warp reaches the same
+  // __syncthreads, and a slot past the count then reads a row that exists (the block's first) and
+  // writes nothing. kOutRope: the count is of row pairs (RopePairRows), step t takes pair base0 +
+  // t stride. kOutGated: the count is of neurons, step t takes neuron i of group blockIdx.x + (t /
+  // kGroupSteps) gridDim.x, rows i (gate) and count + i (up).
+  auto step_base = [&](int t) {
+    if constexpr (kOut == kOutGated) {
+      const int g = blockIdx.x + (t / kGroupSteps) * static_cast<int>(gridDim.x);
+      return g * 32 + (t % kGroupSteps) * kQxRegWarps;
+    } else {
+      return base0 + t * (kOut == kOutRope ? 1 : 2) * stride;
+    }
+  };
   int i = 0, i1 = 0;
   bool has0 = false, has1 = false;
   uint4 q[2][KB][QV];
   float dw[2][KB];
-  auto load_step = [&](int base, int count) {
-    i = base + (S == 1 ? 0 : slot);
+  auto load_step = [&](int t, int count) {
+    const int base = step_base(t);
+    i = base + (S == 1 && kOut != kOutGated ? 0 : slot);
     i1 = i + stride;
     has0 = S == 1 || i < count;
-    has1 = kRope || i1 < count;
+    has1 = kOut != kOutRows || i1 < count;
     const int first = S == 1 ? i : min(blockIdx.x * kSlots, count - 1);
     int64_t rid[2];
-    if constexpr (kRope) {
+    if constexpr (kOut == kOutRope) {
       const int2 pair = RopePairRows(rope, i);
       rid[0] = pair.x;
       rid[1] = pair.y;
+    } else if constexpr (kOut == kOutGated) {
+      rid[0] = i;
+      rid[1] = count + i;
     } else {
       rid[0] = rows != nullptr ? rows[has0 ? i : first] : (has0 ? i : first);
       rid[1] = has1 ? (rows != nullptr ? rows[i1] : i1) : rid[0];
@@ -1634,8 +1682,8 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
   // Weights never change: a dense product (no row list, no device count; the caller says so with
   // `early`) loads its first step's rows before the wait, so that they arrive while the
   // predecessor (a norm, the attention, the activation) still runs.
-  const bool preloaded = early && base0 < n_rows;
-  if (preloaded) load_step(base0, n_rows);
+  const bool preloaded = early && step_base(0) < n_rows;
+  if (preloaded) load_step(0, n_rows);
   float nw[kNormChunks][8];
   if constexpr (kNorm) LoadNormWeights(norm, static_cast<int>(cols), nw);
   PdlWait();
@@ -1656,11 +1704,10 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
     off[k] = T == WType::kQ4_0 ? 8 * xp.sum[blk[k]] : 0;
   }
   const int count = dev_count != nullptr ? *dev_count : n_rows;
-  const int pos = kRope ? rope.positions[0] : 0;
+  const int pos = kOut == kOutRope ? rope.positions[0] : 0;
   bool loaded = preloaded;
-  int step = 0;
-  for (int base = base0; base < count; base += kUnitsPerStep * stride, ++step) {
-    if (!loaded) load_step(base, count);
+  for (int step = 0; step_base(step) < count; ++step) {
+    if (!loaded) load_step(step, count);
     loaded = false;
     float acc[2];
 #pragma unroll
@@ -1677,14 +1724,28 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
     // block keeps loads in flight through them. The trip count is the block's for S > 1.
     const int r0 = i, r1 = i1;
     const bool w0 = has0, w1 = has1;
-    if (pipe && base + kUnitsPerStep * stride < count) {
-      load_step(base + kUnitsPerStep * stride, count);
+    if (pipe && step_base(step + 1) < count) {
+      load_step(step + 1, count);
       loaded = true;
     }
 #pragma unroll
     for (int u = 0; u < 2; ++u) acc[u] = WarpSum(acc[u]);
-    if constexpr (kRope) {
+    if constexpr (kOut == kOutRope) {
       if (lane == 0) StoreRopePair(rope, r0, pos, acc[0], acc[1]);
+    } else if constexpr (kOut == kOutGated) {
+      // The group's activations meet in shared memory (two parities: the next group's writes
+      // never meet this one's reads), and its last step's barrier hands them to warp 0.
+      const int parity = (step / kGroupSteps) & 1;
+      if (lane == 0) act_sh[parity][r0 % 32] = ApplyGated(gated.act, acc[0], acc[1]);
+      if (step % kGroupSteps == kGroupSteps - 1) {
+        __syncthreads();
+        if (warp == 0) {
+          const float v = act_sh[parity][lane];
+          const int g = r0 / 32;
+          gated.out[g * 32 + lane] = v;
+          QuantizeBlockInWarp(v, lane, g, QxAt(gated.qx, count, 0));
+        }
+      }
     } else if constexpr (S == 1) {
       if (lane == 0 && w0) y[r0] = acc[0];
       if (lane == 0 && w1) y[r1] = acc[1];
@@ -1924,18 +1985,6 @@ __global__ void __launch_bounds__(kAccThreads)
 // ---------------------------------------------------------------------------------------------
 // Element-wise.
 
-__device__ __forceinline__ float ApplyGated(ActKind act, float g, float u) {
-  switch (act) {
-    case ActKind::kSilu:
-      return g / (1.f + expf(-g)) * u;
-    case ActKind::kRelu:
-      return (g > 0.f ? g : 0.f) * u;
-    case ActKind::kDRelu:
-      return (g > 0.f ? g : 0.f) * (u > 0.f ? u : 0.f);
-  }
-  return 0.f;
-}
-
 __global__ void GatedActivationKernel(ActKind act, float* __restrict__ gate,
                                       const float* __restrict__ up, int64_t count) {
   PdlStart();
@@ -2144,6 +2193,8 @@ void SetQuantPipeline(bool on) { g_qx_pipe = on; }
 void SetFusedNorm(bool on) { g_fused_norm = on; }
 void SetRopeInProduct(bool on) { g_rope_product = on; }
 bool RopeInProduct() { return g_rope_product; }
+void SetActivationInProduct(bool on) { g_gated_product = on; }
+bool ActivationInProduct() { return g_gated_product; }
 void SetAttentionEarlyLoad(bool on) { g_attn_early = on; }
 void SetOnlineAttention(bool on) { g_attn_online = on; }
 bool QuantizedActivations() { return g_q8x; }
@@ -2392,7 +2443,7 @@ template <WType T>
 cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
                          const int32_t* dev_count, const float* xt, int nt, float* yt, int ldy,
                          cudaStream_t stream, const int8_t* qx, const NormIn* norm = nullptr,
-                         const RopeOut* rope = nullptr) {
+                         const RopeOut* rope = nullptr, const GatedOut* gated = nullptr) {
   const auto* base = static_cast<const uint8_t*>(w.data);
   constexpr bool quant = T == WType::kQ8_0 || T == WType::kQ4_0;
   if constexpr (quant) {
@@ -2408,29 +2459,32 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
     if (QxRegsFits(w, kb, kMaxKb, qx_smem) && (norm == nullptr || (nt == 1 && parts == 1))) {
       const auto* sc = static_cast<const uint16_t*>(w.scales);
       const bool exact = nblk == parts * kb * kWarp;
-      auto pick_kb = [&](auto parts_c, auto exact_c, auto norm_c, auto rope_c) {
+      auto pick_kb = [&](auto parts_c, auto exact_c, auto norm_c, auto out_c) {
         constexpr int P = decltype(parts_c)::value;
         constexpr bool E = decltype(exact_c)::value, N = decltype(norm_c)::value;
-        constexpr bool R = decltype(rope_c)::value;
+        constexpr int R = decltype(out_c)::value;
         return kb == 1                  ? MatVecQxRegsKernel<T, 1, P, E, N, R>
                : kb == 2                ? MatVecQxRegsKernel<T, 2, P, E, N, R>
                : kb == 3                ? MatVecQxRegsKernel<T, 3, P, E, N, R>
                : kb == 4 || kMaxKb == 4 ? MatVecQxRegsKernel<T, 4, P, E, N, R>
                                         : MatVecQxRegsKernel<T, kMaxKb, P, E, N, R>;
       };
-      auto pick = [&](auto parts_c, auto norm_c, auto rope_c) {
-        return exact ? pick_kb(parts_c, std::true_type(), norm_c, rope_c)
-                     : pick_kb(parts_c, std::false_type(), norm_c, rope_c);
+      auto pick = [&](auto parts_c, auto norm_c, auto out_c) {
+        return exact ? pick_kb(parts_c, std::true_type(), norm_c, out_c)
+                     : pick_kb(parts_c, std::false_type(), norm_c, out_c);
       };
       using One = std::integral_constant<int, 1>;
       using No = std::false_type;
       using Yes = std::true_type;
-      // (The norm's product is one part a row: NormMatVecFits; RoPE comes with the norm.)
-      auto kernel = rope != nullptr   ? pick(One(), Yes(), Yes())
-                    : norm != nullptr ? pick(One(), Yes(), No())
-                    : parts == 1      ? pick(One(), No(), No())
-                    : parts == 2      ? pick(std::integral_constant<int, 2>(), No(), No())
-                                      : pick(std::integral_constant<int, 4>(), No(), No());
+      using Rows = std::integral_constant<int, kOutRows>;
+      // (The norm's product is one part a row: NormMatVecFits; the pairs come with the norm.)
+      auto kernel = rope != nullptr ? pick(One(), Yes(), std::integral_constant<int, kOutRope>())
+                    : gated != nullptr
+                        ? pick(One(), Yes(), std::integral_constant<int, kOutGated>())
+                    : norm != nullptr ? pick(One(), Yes(), Rows())
+                    : parts == 1      ? pick(One(), No(), Rows())
+                    : parts == 2      ? pick(std::integral_constant<int, 2>(), No(), Rows())
+                                      : pick(std::integral_constant<int, 4>(), No(), Rows());
       const int slots = kQxRegWarps / parts;
       // As many blocks as stay resident (each warp strides over the rows), fewer for short
       // matrices.
@@ -2450,21 +2504,28 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
         }
         capacity = it->second;
       }
-      // A step of a slot takes two rows (one pair of RoPE's).
-      const int per_step = rope != nullptr ? slots : 2 * slots;
-      const int blocks = std::max(1, std::min(capacity, (n_rows + per_step - 1) / per_step));
+      // A step of a slot takes two rows (one pair of RoPE's, one neuron's gate and up).
+      const int per_step = rope != nullptr || gated != nullptr ? slots : 2 * slots;
+      int blocks = std::max(1, std::min(capacity, (n_rows + per_step - 1) / per_step));
+      if (gated != nullptr) {
+        // Whole groups of 32 neurons a block, as evenly as the groups allow.
+        const int groups = n_rows / 32;
+        const int rounds = (groups + capacity - 1) / capacity;
+        blocks = (groups + rounds - 1) / rounds;
+      }
       for (int t = 0; t < nt; ++t) {
         cudaError_t e =
             Launch(kernel, blocks, kQxRegWarps * kWarp, qx_smem, stream, base, sc, w.cols, rows,
                    n_rows, dev_count, xt + t * w.cols, yt + static_cast<int64_t>(t) * ldy,
                    qx != nullptr ? qx + QxRegionBytes(w.cols) * t : nullptr,
                    g_qx_early && rows == nullptr && dev_count == nullptr, g_qx_pipe,
-                   norm != nullptr ? *norm : NormIn{}, rope != nullptr ? *rope : RopeOut{});
+                   norm != nullptr ? *norm : NormIn{}, rope != nullptr ? *rope : RopeOut{},
+                   gated != nullptr ? *gated : GatedOut{});
         if (e != cudaSuccess) return e;
       }
       return cudaSuccess;
     }
-    if (norm != nullptr || rope != nullptr) return cudaErrorNotSupported;
+    if (norm != nullptr || rope != nullptr || gated != nullptr) return cudaErrorNotSupported;
     if (w.split() && g_q8x && qx_smem <= 48 * 1024) {
       // One launch per token (the batches here are at most kMaxTok tokens).
       const auto* sc = static_cast<const uint16_t*>(w.scales);
@@ -2636,6 +2697,32 @@ cudaError_t NormMatVecRope(const DeviceMatrix& w, const float* x, const float* d
                                           nullptr, &norm, &rope)
              : MatVecLaunch<WType::kQ8_0>(w, nullptr, pairs, nullptr, x, 1, nullptr, pairs, stream,
                                           nullptr, &norm, &rope);
+}
+
+cudaError_t NormMatVecGated(const DeviceMatrix& w, const float* x, const float* d1, const float* d2,
+                            const float* weight, float eps, float* x_out, ActKind act, float* out,
+                            void* out_qx, cudaStream_t stream) {
+  if (!g_gated_product || !NormMatVecFits(w)) return cudaErrorNotSupported;
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (x == nullptr || weight == nullptr || !aligned(x) || !aligned(d1) || !aligned(d2) ||
+      !aligned(weight) || !aligned(x_out) ||
+      (x_out != nullptr && (x_out == x || x_out == d1 || x_out == d2))) {
+    return cudaErrorInvalidValue;
+  }
+  if (w.rows <= 0 || w.rows % 64 != 0 || out == nullptr || out_qx == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const NormIn norm{x, d1, d2, weight, eps, x_out};
+  GatedOut gated;
+  gated.act = act;
+  gated.out = out;
+  gated.qx = out_qx;
+  const int ffn = static_cast<int>(w.rows / 2);
+  return w.type == WType::kQ4_0
+             ? MatVecLaunch<WType::kQ4_0>(w, nullptr, ffn, nullptr, x, 1, nullptr, ffn, stream,
+                                          nullptr, &norm, nullptr, &gated)
+             : MatVecLaunch<WType::kQ8_0>(w, nullptr, ffn, nullptr, x, 1, nullptr, ffn, stream,
+                                          nullptr, &norm, nullptr, &gated);
 }
 
 cudaError_t AccumulateRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,

@@ -177,6 +177,22 @@ cudaError_t NormMatVecRope(const DeviceMatrix& w, const float* x, const float* d
 void SetRopeInProduct(bool on);
 bool RopeInProduct();
 
+// NormMatVec over a stacked gate/up matrix (rows of gate, then up: [2 ffn, cols]) with the gated
+// activation applied where the product writes its rows: out: [ffn] = act(gate) * up and out_qx
+// its quantized copy (QxBytes(ffn)), as GatedActivationPacked leaves them, bit for bit; the
+// stacked rows are never stored. A block takes groups of 32 neurons, a warp a neuron's two rows a
+// step, so that a group's activations meet in the block and are quantized there, with no
+// activation kernel between the product and the down projection. cudaErrorInvalidValue where
+// ffn is not a multiple of 32 or an output is missing; cudaErrorNotSupported where NormMatVecFits
+// says no or SetActivationInProduct is off.
+cudaError_t NormMatVecGated(const DeviceMatrix& w, const float* x, const float* d1, const float* d2,
+                            const float* weight, float eps, float* x_out, ActKind act, float* out,
+                            void* out_qx, cudaStream_t stream);
+// Whether NormMatVecGated runs (default) or refuses (PINFER_CUDA_ACT_IN_PRODUCT=0), for
+// comparison.
+void SetActivationInProduct(bool on);
+bool ActivationInProduct();
+
 // Rotates x: [n, n_heads, head_dim] in place at positions[t] (device array). inv_freq: device
 // [head_dim / 2]. interleaved: pairs (2i, 2i+1) (GGUF); otherwise (i, i + head_dim/2) (HF).
 cudaError_t Rope(float* x, int n, int n_heads, int head_dim, const int32_t* positions,

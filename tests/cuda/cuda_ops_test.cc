@@ -1447,6 +1447,92 @@ TEST_F(CudaOpsTest, RopeInProductMatchesTheProductThenRope) {
   cuda::SetQuantizedActivations(q8x);
 }
 
+// The gated activation applied where the fused-norm gate/up product writes its rows
+// (NormMatVecGated) leaves the activation and its quantized copy bit for bit as NormMatVec
+// followed by GatedActivationPacked does (each checked against the reference by its own test),
+// for each activation, widths of one group of 32 neurons to more than one round of the resident
+// blocks (the 13B shape's 13824: 432 groups), and the residual as NormMatVec's. An odd
+// width, a missing output, a layout the product does not hold in registers and the knob off are
+// refused.
+TEST_F(CudaOpsTest, ActivationInProductMatchesTheProductThenTheActivation) {
+  const bool q8x = cuda::QuantizedActivations();
+  cuda::SetQuantizedActivations(true);
+  const float eps = 1e-5f;
+  auto same_bytes = [](const auto& a, const auto& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+  };
+  for (DType type : {DType::kQ4_0, DType::kQ8_0}) {
+    for (int64_t cols : {512, 5120}) {
+      if (type == DType::kQ8_0 && cols > 4096) continue;  // two warps a row: not fused
+      for (int ffn : {32, 1056, 13824, 17408}) {
+        // 17408: 544 groups, so that a few blocks take one group more than the others.
+        if ((ffn == 13824 && cols != 5120) || (ffn == 17408 && cols != 512)) continue;
+        HostWeights w = RandomWeights(type, 2 * ffn, cols);
+        DevBuf<uint8_t> dg(w.bytes.size()), ds(w.bytes.size());
+        DeviceMatrix m = ToDeviceSplit(w, &dg, &ds);
+        DevBuf<float> dx(Random(cols, 2.f)), dd1(Random(cols)), dnw(Random(cols));
+        for (cuda::ActKind act :
+             {cuda::ActKind::kRelu, cuda::ActKind::kSilu, cuda::ActKind::kDRelu}) {
+          const std::string what = std::string(DTypeName(type)) + " cols " + std::to_string(cols) +
+                                   " ffn " + std::to_string(ffn) + " act " +
+                                   std::to_string(static_cast<int>(act));
+          // [0]: the product, then the activation kernel; [1]: the activation in the product.
+          std::vector<float> out[2], xo[2];
+          std::vector<int8_t> qx[2];
+          for (int run = 0; run < 2; ++run) {
+            DevBuf<float> dgu(2 * ffn), dout(ffn), dxo(cols);
+            DevBuf<int8_t> dqx(cuda::QxBytes(ffn));
+            if (run == 0) {
+              CUDA_OK(cuda::NormMatVec(m, dx.get(), dd1.get(), nullptr, dnw.get(), eps, dxo.get(),
+                                       dgu.get(), nullptr));
+              CUDA_OK(cuda::GatedActivationPacked(act, dgu.get(), 1, ffn, dout.get(), nullptr,
+                                                  dqx.get()));
+            } else {
+              CUDA_OK(cuda::NormMatVecGated(m, dx.get(), dd1.get(), nullptr, dnw.get(), eps,
+                                            dxo.get(), act, dout.get(), dqx.get(), nullptr));
+              EXPECT_TRUE(AllNan(dgu.Download())) << what << ": wrote the stacked rows";
+            }
+            out[run] = dout.Download();
+            qx[run] = dqx.Download();
+            xo[run] = dxo.Download();
+            EXPECT_TRUE(dout.GuardsIntact() && dqx.GuardsIntact() && dxo.GuardsIntact()) << what;
+          }
+          EXPECT_FALSE(AnyNan(out[1])) << what;
+          EXPECT_TRUE(same_bytes(out[0], out[1])) << what << ": the activation";
+          EXPECT_TRUE(same_bytes(qx[0], qx[1])) << what << ": its quantized copy";
+          EXPECT_TRUE(same_bytes(xo[0], xo[1])) << what << ": the residual";
+        }
+      }
+    }
+  }
+  // Refusals.
+  HostWeights w = RandomWeights(DType::kQ4_0, 2 * 48, 512);  // 48 neurons: not whole groups
+  DevBuf<uint8_t> dg(w.bytes.size()), ds(w.bytes.size());
+  const DeviceMatrix m48 = ToDeviceSplit(w, &dg, &ds);
+  HostWeights w64 = RandomWeights(DType::kQ4_0, 2 * 64, 512);
+  DevBuf<uint8_t> dg64(w64.bytes.size()), ds64(w64.bytes.size());
+  const DeviceMatrix m = ToDeviceSplit(w64, &dg64, &ds64);
+  HostWeights f16 = RandomWeights(DType::kF16, 2 * 64, 512);
+  DevBuf<uint8_t> fg(f16.bytes.size());
+  const DeviceMatrix mf = ToDevice(f16, &fg);
+  DevBuf<float> dx(512), dw(512), dout(64);
+  DevBuf<int8_t> dqx(cuda::QxBytes(64));
+  auto run = [&](const DeviceMatrix& mat, float* out, void* qx) {
+    return cuda::NormMatVecGated(mat, dx.get(), nullptr, nullptr, dw.get(), eps, nullptr,
+                                 cuda::ActKind::kRelu, out, qx, nullptr);
+  };
+  CUDA_OK(run(m, dout.get(), dqx.get()));
+  EXPECT_EQ(run(m48, dout.get(), dqx.get()), cudaErrorInvalidValue);
+  EXPECT_EQ(run(m, nullptr, dqx.get()), cudaErrorInvalidValue);
+  EXPECT_EQ(run(m, dout.get(), nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(run(mf, dout.get(), dqx.get()), cudaErrorNotSupported);
+  cuda::SetActivationInProduct(false);
+  EXPECT_EQ(run(m, dout.get(), dqx.get()), cudaErrorNotSupported);
+  cuda::SetActivationInProduct(true);
+  cudaGetLastError();
+  cuda::SetQuantizedActivations(q8x);
+}
+
 // x quantized by the kernel that produces it (the norms, the packed activation) gives the int8
 // product exactly what the product computes when it quantizes x itself, for whole matrices and
 // listed rows, and matches the llama.cpp-definition reference.
