@@ -262,6 +262,9 @@ class CudaBackend : public Backend {
   DeviceMatrix tok_embeddings_, output_;
   float* output_norm_ = nullptr;
   float* inv_freq_ = nullptr;
+  // [head_dim / 2, 2]: RoPE's cosines and sines at a decode step's position (RopeTable), for the
+  // q/k/v product that applies RoPE itself (NormMatVecRope).
+  float* rope_cos_sin_ = nullptr;
   std::vector<DeviceLayer> layers_;
   int kv_layers_ = 0;
   float* k_cache_ = nullptr;  // [kv_layers, max_seqs, max_ctx, kv_dim]
@@ -613,6 +616,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   BACKEND_RETURN_IF_ERROR(UploadMatrix(m.output, nullptr, "output", &output_));
   BACKEND_RETURN_IF_ERROR(UploadVector(m.output_norm, H, "output_norm", &output_norm_));
   BACKEND_RETURN_IF_ERROR(Alloc(c.inv_freq.size(), &inv_freq_));
+  BACKEND_RETURN_IF_ERROR(Alloc(2 * c.inv_freq.size(), &rope_cos_sin_));
   CUDA_RETURN_IF_ERROR(
       cudaMemcpy(inv_freq_, c.inv_freq.data(), c.inv_freq.size() * 4, cudaMemcpyHostToDevice));
 
@@ -1215,7 +1219,7 @@ BackendStatus CudaBackend::EnqueueDenseLayerFused(int l, const float* pend1, flo
     rope.n_kv_heads = c.n_kv_heads;
     rope.head_dim = c.head_dim;
     rope.positions = positions_dev_;
-    rope.inv_freq = inv_freq_;
+    rope.cos_sin = rope_cos_sin_;
     rope.interleaved = c.rope_interleaved;
     rope.q = q_;
     rope.k_cache = k_seq;
@@ -1437,6 +1441,9 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
   }
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tokens_dev_, tokens_host_, 2 * max_batch_ * 4,
                                        cudaMemcpyHostToDevice, stream_));
+  if (n == 1 && RopeInProduct()) {
+    CUDA_RETURN_IF_ERROR(RopeTable(positions_dev_, inv_freq_, c.head_dim, rope_cos_sin_, stream_));
+  }
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_start_, stream_));
   const bool head =
       a.logits_mode != LogitsMode::kNone && a.logits != nullptr && layer_end == c.n_layers;

@@ -606,14 +606,26 @@ __global__ void RopeKernel(float* __restrict__ x, int n_heads, int head_dim,
 // or copied value, blockIdx.y the token. (One block per token took 26 us per layer on the H200
 // for a 13B shape, about a fifth of the whole Q4_0 decode step: accurate sin and cos for 5120
 // pairs in 256 threads.)
-// One rotated pair, the same arithmetic wherever RoPE is applied to a product's rows (RopeQkvKernel
-// and NormMatVecRope's product), so the two give the same bits.
-__device__ __forceinline__ void RotatePair(float x0, float x1, float pos, float inv_freq, float* a,
-                                           float* b) {
-  const float angle = pos * inv_freq;
-  const float c = cosf(angle), s = sinf(angle);
-  *a = x0 * c - x1 * s;
-  *b = x0 * s + x1 * c;
+// One rotated pair and its angle's cosine and sine, the same arithmetic wherever RoPE is applied
+// to a product's rows (RopeQkvKernel, and NormMatVecRope's product with RopeTable's values), so
+// the two give the same bits. The rounding is spelled out: left to itself the compiler contracted
+// x0 * c - x1 * s into a different fused multiply-add in the two kernels (the H200's op test saw
+// them differ in the last bit).
+__device__ __forceinline__ float2 RopeCosSin(float pos, float inv_freq) {
+  const float angle = __fmul_rn(pos, inv_freq);
+  return make_float2(cosf(angle), sinf(angle));
+}
+__device__ __forceinline__ void RotatePair(float x0, float x1, float2 cs, float* a, float* b) {
+  *a = __fmaf_rn(x0, cs.x, -__fmul_rn(x1, cs.y));
+  *b = __fmaf_rn(x0, cs.y, __fmul_rn(x1, cs.x));
+}
+
+__global__ void RopeTableKernel(const int32_t* __restrict__ positions,
+                                const float* __restrict__ inv_freq, int half,
+                                float2* __restrict__ cos_sin) {
+  PdlWait();  // positions: uploaded before, possibly behind a kernel still running
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < half) cos_sin[i] = RopeCosSin(static_cast<float>(positions[0]), inv_freq[i]);
 }
 
 __global__ void RopeQkvKernel(const float* __restrict__ qkv, int n_heads, int n_kv_heads,
@@ -638,7 +650,7 @@ __global__ void RopeQkvKernel(const float* __restrict__ qkv, int n_heads, int n_
     const int b = interleaved ? 2 * i + 1 : i + half;
     const float* in = src + head * head_dim;  // q heads, then k heads
     float* dst = head < n_heads ? qt + head * head_dim : kt + (head - n_heads) * head_dim;
-    RotatePair(in[a], in[b], pos, inv_freq[i], dst + a, dst + b);
+    RotatePair(in[a], in[b], RopeCosSin(pos, inv_freq[i]), dst + a, dst + b);
   } else if (j - pairs < kv_dim) {
     vt[j - pairs] = src[q_dim + kv_dim + (j - pairs)];
   }
@@ -1567,7 +1579,7 @@ __device__ __forceinline__ void StoreRopePair(const RopeOut& r, int j, int pos, 
     const int a = r.interleaved ? 2 * i : i, b = r.interleaved ? 2 * i + 1 : i + half;
     float* dst = head < r.n_heads ? r.q + head * r.head_dim
                                   : r.k_cache + kv_row + (head - r.n_heads) * r.head_dim;
-    RotatePair(x0, x1, static_cast<float>(pos), r.inv_freq[i], dst + a, dst + b);
+    RotatePair(x0, x1, reinterpret_cast<const float2*>(r.cos_sin)[i], dst + a, dst + b);
   } else {
     float* dst = r.v_cache + kv_row + 2 * (j - rotated);
     dst[0] = x0;
@@ -2325,6 +2337,16 @@ cudaError_t RopeQkvToCache(const float* qkv, int n, int n_heads, int n_kv_heads,
                 n_kv_heads, head_dim, positions, inv_freq, interleaved, q, k_cache, v_cache);
 }
 
+cudaError_t RopeTable(const int32_t* positions, const float* inv_freq, int head_dim, float* cos_sin,
+                      cudaStream_t stream) {
+  if (head_dim <= 0 || head_dim % 2 != 0 || reinterpret_cast<uintptr_t>(cos_sin) % 8 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int half = head_dim / 2;
+  return Launch(RopeTableKernel, (half + 127) / 128, 128, 0, stream, positions, inv_freq, half,
+                reinterpret_cast<float2*>(cos_sin));
+}
+
 cudaError_t Rope(float* x, int n, int n_heads, int head_dim, const int32_t* positions,
                  const float* inv_freq, bool interleaved, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
@@ -2686,7 +2708,7 @@ cudaError_t NormMatVecRope(const DeviceMatrix& w, const float* x, const float* d
   }
   if (rope.n_heads <= 0 || rope.n_kv_heads <= 0 || rope.head_dim <= 0 || rope.head_dim % 2 != 0 ||
       w.rows != static_cast<int64_t>(rope.n_heads + 2 * rope.n_kv_heads) * rope.head_dim ||
-      rope.positions == nullptr || rope.inv_freq == nullptr || rope.q == nullptr ||
+      rope.positions == nullptr || rope.cos_sin == nullptr || rope.q == nullptr ||
       rope.k_cache == nullptr || rope.v_cache == nullptr) {
     return cudaErrorInvalidValue;
   }

@@ -158,7 +158,7 @@ void SetFusedNorm(bool on);
 struct RopeOut {
   int n_heads = 0, n_kv_heads = 0, head_dim = 0;
   const int32_t* positions = nullptr;  // device, [1]
-  const float* inv_freq = nullptr;     // device, [head_dim / 2]
+  const float* cos_sin = nullptr;      // device, [head_dim / 2, 2]: RopeTable at positions[0]
   bool interleaved = false;            // pairs (2i, 2i+1) (GGUF); otherwise (i, i + head_dim/2)
   float* q = nullptr;
   float* k_cache = nullptr;
@@ -192,6 +192,12 @@ cudaError_t NormMatVecGated(const DeviceMatrix& w, const float* x, const float* 
 // comparison.
 void SetActivationInProduct(bool on);
 bool ActivationInProduct();
+
+// cos_sin: [head_dim / 2, 2] = the cosine and sine of RoPE's angles at positions[0], computed as
+// the RoPE kernels compute them, for NormMatVecRope (one table a step, not a sine a row pair in
+// the product, whose registers are all in use). cos_sin must be 8-byte aligned.
+cudaError_t RopeTable(const int32_t* positions, const float* inv_freq, int head_dim, float* cos_sin,
+                      cudaStream_t stream);
 
 // Rotates x: [n, n_heads, head_dim] in place at positions[t] (device array). inv_freq: device
 // [head_dim / 2]. interleaved: pairs (2i, 2i+1) (GGUF); otherwise (i, i + head_dim/2) (HF).

@@ -1324,11 +1324,12 @@ TEST_F(CudaOpsTest, FusedNormProductMatchesReference) {
 }
 
 // RoPE and the cache write done where the fused-norm q/k/v product writes its rows
-// (NormMatVecRope) leave q, the key cache and the value cache bit for bit as NormMatVec followed
-// by RopeQkvToCache does (each checked against the reference by its own test), with grouped
-// heads, both pair layouts and two positions; only the position's cache rows are written; the
-// residual goes to x_out as NormMatVec's. A wqkv of the wrong height, an odd head, a missing
-// output, a layout the product does not hold in registers and the knob off are refused.
+// (NormMatVecRope, with RopeTable's cosines and sines) leave q, the key cache and the value cache
+// bit for bit as NormMatVec followed by RopeQkvToCache does (each checked against the reference by
+// its own test), with grouped heads, both pair layouts and two positions; only the position's cache
+// rows are written; the residual goes to x_out as NormMatVec's. A wqkv of the wrong height, an odd
+// head, a missing output, a layout the product does not hold in registers and the knob off are
+// refused.
 TEST_F(CudaOpsTest, RopeInProductMatchesTheProductThenRope) {
   const bool q8x = cuda::QuantizedActivations();
   cuda::SetQuantizedActivations(true);
@@ -1356,6 +1357,8 @@ TEST_F(CudaOpsTest, RopeInProductMatchesTheProductThenRope) {
       for (bool interleaved : {false, true}) {
         for (int pos : {0, 37}) {
           DevBuf<int32_t> dpos(std::vector<int32_t>{pos});
+          DevBuf<float> dcs(sh.head_dim);
+          CUDA_OK(cuda::RopeTable(dpos.get(), dinv.get(), sh.head_dim, dcs.get(), nullptr));
           const std::string what =
               std::string(DTypeName(type)) + " heads " + std::to_string(sh.heads) + "/" +
               std::to_string(sh.kv_heads) + " x " + std::to_string(sh.head_dim) +
@@ -1376,7 +1379,7 @@ TEST_F(CudaOpsTest, RopeInProductMatchesTheProductThenRope) {
               rope.n_kv_heads = sh.kv_heads;
               rope.head_dim = sh.head_dim;
               rope.positions = dpos.get();
-              rope.inv_freq = dinv.get();
+              rope.cos_sin = dcs.get();
               rope.interleaved = interleaved;
               rope.q = dq.get();
               rope.k_cache = dk.get();
@@ -1414,14 +1417,14 @@ TEST_F(CudaOpsTest, RopeInProductMatchesTheProductThenRope) {
   HostWeights f16 = RandomWeights(DType::kF16, 3 * 64, 512);
   DevBuf<uint8_t> fg(f16.bytes.size());
   const DeviceMatrix mf = ToDevice(f16, &fg);
-  DevBuf<float> dx(512), dw(512), dq(64), dk(ctx * 64), dv(ctx * 64), dinv(32);
+  DevBuf<float> dx(512), dw(512), dq(64), dk(ctx * 64), dv(ctx * 64), dcs(64);
   DevBuf<int32_t> dpos(std::vector<int32_t>{0});
   cuda::RopeOut rope;
   rope.n_heads = 1;
   rope.n_kv_heads = 1;
   rope.head_dim = 64;
   rope.positions = dpos.get();
-  rope.inv_freq = dinv.get();
+  rope.cos_sin = dcs.get();
   rope.q = dq.get();
   rope.k_cache = dk.get();
   rope.v_cache = dv.get();
@@ -1439,6 +1442,10 @@ TEST_F(CudaOpsTest, RopeInProductMatchesTheProductThenRope) {
   cuda::RopeOut no_cache = rope;
   no_cache.k_cache = nullptr;
   EXPECT_EQ(run(m, no_cache), cudaErrorInvalidValue);
+  cuda::RopeOut no_table = rope;
+  no_table.cos_sin = nullptr;
+  EXPECT_EQ(run(m, no_table), cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::RopeTable(dpos.get(), dcs.get(), 63, dcs.get(), nullptr), cudaErrorInvalidValue);
   EXPECT_EQ(run(mf, rope), cudaErrorNotSupported);
   cuda::SetRopeInProduct(false);
   EXPECT_EQ(run(m, rope), cudaErrorNotSupported);
