@@ -602,10 +602,6 @@ __global__ void RopeKernel(float* __restrict__ x, int n_heads, int head_dim,
   }
 }
 
-// q heads rotated into q, k heads rotated into the cache, v copied: one thread per rotated pair
-// or copied value, blockIdx.y the token. (One block per token took 26 us per layer on the H200
-// for a 13B shape, about a fifth of the whole Q4_0 decode step: accurate sin and cos for 5120
-// pairs in 256 threads.)
 // One rotated pair and its angle's cosine and sine, the same arithmetic wherever RoPE is applied
 // to a product's rows (RopeQkvKernel, and NormMatVecRope's product with RopeTable's values), so
 // the two give the same bits. The rounding is spelled out: left to itself the compiler contracted
@@ -623,11 +619,15 @@ __device__ __forceinline__ void RotatePair(float x0, float x1, float2 cs, float*
 __global__ void RopeTableKernel(const int32_t* __restrict__ positions,
                                 const float* __restrict__ inv_freq, int half,
                                 float2* __restrict__ cos_sin) {
-  PdlWait();  // positions: uploaded before, possibly behind a kernel still running
+  PdlWait();  // for the positions' writer (in a decode step, the copy just before)
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < half) cos_sin[i] = RopeCosSin(static_cast<float>(positions[0]), inv_freq[i]);
 }
 
+// q heads rotated into q, k heads rotated into the cache, v copied: one thread per rotated pair
+// or copied value, blockIdx.y the token. (One block per token took 26 us per layer on the H200
+// for a 13B shape, about a fifth of the whole Q4_0 decode step: accurate sin and cos for 5120
+// pairs in 256 threads.)
 __global__ void RopeQkvKernel(const float* __restrict__ qkv, int n_heads, int n_kv_heads,
                               int head_dim, const int32_t* __restrict__ positions,
                               const float* __restrict__ inv_freq, bool interleaved,
@@ -1542,20 +1542,6 @@ __global__ void __launch_bounds__(kQxWarps* kWarp, R == 1 ? 48 / kQxWarps : 1)
   }
 }
 
-// The int8 product with x held in registers (g_qx_regs). MatVecSplitQ8xKernel's lane l reads x's
-// blocks l, l + 32, ... from L1 for every row, twice the bytes of the weights it multiplies them
-// with, and Nsight Compute found those products with L1 their busiest unit and warps stalled on
-// L1 loads two thirds of the time (docs/benchmarks.md, run 22). Here a row's blocks are split into
-// S parts of at most KB * 32 blocks, one warp a part; each lane loads its blocks of x once, into
-// registers, and the warps then stream rows (a grid sized to the resident blocks, each row slot
-// taking rows i and i + stride per step for two rows' loads in flight), so the only loads per row
-// are the weights and their scales. A block of kQxRegWarps warps holds kQxRegWarps / S row slots;
-// with S > 1 the parts' sums meet in shared memory and are added in part order. With S = 1 the
-// per-lane block order and arithmetic are MatVecSplitQ8xKernel's, so the result is the same bit
-// for bit; with S > 1 it differs by summation order only (and is the same on every run). The
-// weights' loads run ahead of what waits on them (docs/benchmarks.md, run 26): a dense product's
-// first step before the wait for its predecessor, and each next step before the current one's
-// sums cross the warp and the block.
 // NormMatVecRope's row pairs of a stacked wqkv: pair j < (n_heads + n_kv_heads) * head_dim / 2
 // is a rotated pair of a q or k head, the rest are the values two by two.
 __device__ __forceinline__ int2 RopePairRows(const RopeOut& r, int j) {
@@ -1599,6 +1585,22 @@ struct GatedOut {
   void* qx = nullptr;
 };
 
+// The int8 product with x held in registers (g_qx_regs). MatVecSplitQ8xKernel's lane l reads x's
+// blocks l, l + 32, ... from L1 for every row, twice the bytes of the weights it multiplies them
+// with, and Nsight Compute found those products with L1 their busiest unit and warps stalled on
+// L1 loads two thirds of the time (docs/benchmarks.md, run 22). Here a row's blocks are split into
+// S parts of at most KB * 32 blocks, one warp a part; each lane loads its blocks of x once, into
+// registers, and the warps then stream rows (a grid sized to the resident blocks, each row slot
+// taking rows i and i + stride per step for two rows' loads in flight), so the only loads per row
+// are the weights and their scales. A block of kQxRegWarps warps holds kQxRegWarps / S row slots;
+// with S > 1 the parts' sums meet in shared memory and are added in part order. With S = 1 the
+// per-lane block order and arithmetic are MatVecSplitQ8xKernel's, so the result is the same bit
+// for bit; with S > 1 it differs by summation order only (and is the same on every run). The
+// weights' loads run ahead of what waits on them (docs/benchmarks.md, run 26): a dense product's
+// first step before the wait for its predecessor, and each next step before the current one's
+// sums cross the warp and the block. With kNorm every block computes x itself from the residual
+// (NormQuantizeRowInBlock), and kOut says where a step's two sums go (docs/benchmarks.md, run 27:
+// so the norm, RoPE and the activation need no kernels of their own in a dense decode layer).
 constexpr int kQxRegWarps = 8;
 // kOutGated: a block takes groups of 32 neurons, kQxRegWarps a step, so that the group's
 // activations meet in the block and are quantized there.
