@@ -124,6 +124,12 @@ bool AllNan(const std::vector<float>& a) {
   return std::all_of(a.begin(), a.end(), [](float v) { return std::isnan(v); });
 }
 
+// Bit for bit equal, NaN included (which == is not).
+template <typename T>
+bool SameBits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
 // Fresh seed per run, printed so a failure can be replayed.
 std::mt19937& Rng() {
   static std::mt19937 rng = [] {
@@ -1339,9 +1345,6 @@ TEST_F(CudaOpsTest, RopeInProductMatchesTheProductThenRope) {
   };
   const float eps = 1e-5f;
   const int ctx = 48;
-  auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
-  };
   for (DType type : {DType::kQ4_0, DType::kQ8_0}) {
     for (Shape sh : {Shape{4, 4, 128, 512}, Shape{8, 2, 64, 1056}, Shape{40, 40, 128, 5120}}) {
       if (type == DType::kQ8_0 && sh.cols > 4096) continue;  // two warps a row: not fused
@@ -1397,10 +1400,10 @@ TEST_F(CudaOpsTest, RopeInProductMatchesTheProductThenRope) {
                 << what;
           }
           EXPECT_FALSE(AnyNan(q[1])) << what;
-          EXPECT_TRUE(same_bits(q[0], q[1])) << what << ": q";
-          EXPECT_TRUE(same_bits(k[0], k[1])) << what << ": the key cache";
-          EXPECT_TRUE(same_bits(v[0], v[1])) << what << ": the value cache";
-          EXPECT_TRUE(same_bits(xo[0], xo[1])) << what << ": the residual";
+          EXPECT_TRUE(SameBits(q[0], q[1])) << what << ": q";
+          EXPECT_TRUE(SameBits(k[0], k[1])) << what << ": the key cache";
+          EXPECT_TRUE(SameBits(v[0], v[1])) << what << ": the value cache";
+          EXPECT_TRUE(SameBits(xo[0], xo[1])) << what << ": the residual";
           for (int i = 0; i < ctx * kvd; ++i) {
             const bool new_row = i / kvd == pos;
             ASSERT_EQ(std::isnan(k[1][i]) || std::isnan(v[1][i]), !new_row)
@@ -1465,9 +1468,6 @@ TEST_F(CudaOpsTest, ActivationInProductMatchesTheProductThenTheActivation) {
   const bool q8x = cuda::QuantizedActivations();
   cuda::SetQuantizedActivations(true);
   const float eps = 1e-5f;
-  auto same_bytes = [](const auto& a, const auto& b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
-  };
   for (DType type : {DType::kQ4_0, DType::kQ8_0}) {
     for (int64_t cols : {512, 5120}) {
       if (type == DType::kQ8_0 && cols > 4096) continue;  // two warps a row: not fused
@@ -1505,9 +1505,9 @@ TEST_F(CudaOpsTest, ActivationInProductMatchesTheProductThenTheActivation) {
             EXPECT_TRUE(dout.GuardsIntact() && dqx.GuardsIntact() && dxo.GuardsIntact()) << what;
           }
           EXPECT_FALSE(AnyNan(out[1])) << what;
-          EXPECT_TRUE(same_bytes(out[0], out[1])) << what << ": the activation";
-          EXPECT_TRUE(same_bytes(qx[0], qx[1])) << what << ": its quantized copy";
-          EXPECT_TRUE(same_bytes(xo[0], xo[1])) << what << ": the residual";
+          EXPECT_TRUE(SameBits(out[0], out[1])) << what << ": the activation";
+          EXPECT_TRUE(SameBits(qx[0], qx[1])) << what << ": its quantized copy";
+          EXPECT_TRUE(SameBits(xo[0], xo[1])) << what << ": the residual";
         }
       }
     }
