@@ -2679,16 +2679,23 @@ bool NormMatVecFits(const DeviceMatrix& w) {
   return (w.type == WType::kQ4_0 || w.type == WType::kQ8_0) && QxRegsFits(w, kb, max_kb, own);
 }
 
+namespace {
+// NormIn's pointers as the fused-norm products need them: x and the weight given, every pointer
+// 16-byte aligned, x_out aliasing none of the inputs.
+bool NormArgsValid(const float* x, const float* d1, const float* d2, const float* weight,
+                   const float* x_out) {
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return x != nullptr && weight != nullptr && aligned(x) && aligned(d1) && aligned(d2) &&
+         aligned(weight) && aligned(x_out) &&
+         (x_out == nullptr || (x_out != x && x_out != d1 && x_out != d2));
+}
+}  // namespace
+
 cudaError_t NormMatVec(const DeviceMatrix& w, const float* x, const float* d1, const float* d2,
                        const float* weight, float eps, float* x_out, float* y,
                        cudaStream_t stream) {
   if (!NormMatVecFits(w)) return cudaErrorNotSupported;
-  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (x == nullptr || weight == nullptr || !aligned(x) || !aligned(d1) || !aligned(d2) ||
-      !aligned(weight) || !aligned(x_out) ||
-      (x_out != nullptr && (x_out == x || x_out == d1 || x_out == d2))) {
-    return cudaErrorInvalidValue;
-  }
+  if (!NormArgsValid(x, d1, d2, weight, x_out)) return cudaErrorInvalidValue;
   if (w.rows <= 0) return cudaSuccess;
   const NormIn norm{x, d1, d2, weight, eps, x_out};
   const int n_rows = static_cast<int>(w.rows);
@@ -2702,12 +2709,7 @@ cudaError_t NormMatVecRope(const DeviceMatrix& w, const float* x, const float* d
                            const float* weight, float eps, float* x_out, const RopeOut& rope,
                            cudaStream_t stream) {
   if (!g_rope_product || !NormMatVecFits(w)) return cudaErrorNotSupported;
-  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (x == nullptr || weight == nullptr || !aligned(x) || !aligned(d1) || !aligned(d2) ||
-      !aligned(weight) || !aligned(x_out) ||
-      (x_out != nullptr && (x_out == x || x_out == d1 || x_out == d2))) {
-    return cudaErrorInvalidValue;
-  }
+  if (!NormArgsValid(x, d1, d2, weight, x_out)) return cudaErrorInvalidValue;
   if (rope.n_heads <= 0 || rope.n_kv_heads <= 0 || rope.head_dim <= 0 || rope.head_dim % 2 != 0 ||
       w.rows != static_cast<int64_t>(rope.n_heads + 2 * rope.n_kv_heads) * rope.head_dim ||
       rope.positions == nullptr || rope.cos_sin == nullptr || rope.q == nullptr ||
@@ -2727,12 +2729,7 @@ cudaError_t NormMatVecGated(const DeviceMatrix& w, const float* x, const float* 
                             const float* weight, float eps, float* x_out, ActKind act, float* out,
                             void* out_qx, cudaStream_t stream) {
   if (!g_gated_product || !NormMatVecFits(w)) return cudaErrorNotSupported;
-  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (x == nullptr || weight == nullptr || !aligned(x) || !aligned(d1) || !aligned(d2) ||
-      !aligned(weight) || !aligned(x_out) ||
-      (x_out != nullptr && (x_out == x || x_out == d1 || x_out == d2))) {
-    return cudaErrorInvalidValue;
-  }
+  if (!NormArgsValid(x, d1, d2, weight, x_out)) return cudaErrorInvalidValue;
   if (w.rows <= 0 || w.rows % 64 != 0 || out == nullptr || out_qx == nullptr) {
     return cudaErrorInvalidValue;
   }
