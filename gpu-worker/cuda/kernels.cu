@@ -66,10 +66,14 @@ __device__ __forceinline__ void PrefetchL2(const void* p, uint32_t bytes) {
 #endif
 }
 
-bool g_q8x = [] {
-  const char* e = std::getenv("PINFER_CUDA_Q8X");
+// A knob that is on unless its environment variable is set to 0 (the module's comparison
+// switches, read once at load; the Set* functions below change them for tests and benches).
+bool KnobOn(const char* name) {
+  const char* e = std::getenv(name);
   return e == nullptr || e[0] != '0';
-}();
+}
+
+bool g_q8x = KnobOn("PINFER_CUDA_Q8X");
 
 // L2 prefetch of a dense matrix-vector kernel's rows before it waits for its predecessor (off;
 // PINFER_CUDA_PREFETCH=1 turns it on). Measured on the H200 (docs/cuda-runs/final2): the whole
@@ -79,10 +83,7 @@ bool g_prefetch = [] {
   return e != nullptr && e[0] == '1';
 }();
 
-bool g_pdl = [] {
-  const char* e = std::getenv("PINFER_CUDA_PDL");
-  return e == nullptr || e[0] != '0';
-}();
+bool g_pdl = KnobOn("PINFER_CUDA_PDL");
 
 // Launches a kernel, with the programmatic-serialization attribute when it is on and the stream
 // is an explicit one (the legacy default stream keeps plain launches).
@@ -1374,58 +1375,31 @@ int g_norm_regs = [] {
 }();
 // Norms with eight elements a thread where the row suits them (NormVec8Kernel;
 // PINFER_CUDA_NORM_VEC8=0: NormKernel for every row, for comparison).
-bool g_norm_vec8 = [] {
-  const char* e = std::getenv("PINFER_CUDA_NORM_VEC8");
-  return e == nullptr || e[0] != '0';
-}();
+bool g_norm_vec8 = KnobOn("PINFER_CUDA_NORM_VEC8");
 // Attention with an online softmax and every key's loads in flight (AttentionOnlineKernel) for
 // head sizes of 32, 64 and 128 (PINFER_CUDA_ATTN_ONLINE=0: AttentionKernel, for comparison).
-bool g_attn_online = [] {
-  const char* e = std::getenv("PINFER_CUDA_ATTN_ONLINE");
-  return e == nullptr || e[0] != '0';
-}();
+bool g_attn_online = KnobOn("PINFER_CUDA_ATTN_ONLINE");
 // The online attention loads the first batch of keys from before the call ahead of its wait
 // (PINFER_CUDA_ATTN_EARLY=0: after, for comparison).
-bool g_attn_early = [] {
-  const char* e = std::getenv("PINFER_CUDA_ATTN_EARLY");
-  return e == nullptr || e[0] != '0';
-}();
+bool g_attn_early = KnobOn("PINFER_CUDA_ATTN_EARLY");
 // The int8 product with x in registers where the row suits it (MatVecQxRegsKernel;
 // PINFER_CUDA_QX_REGS=0: MatVecSplitQ8xKernel for every row, for comparison).
-bool g_qx_regs = [] {
-  const char* e = std::getenv("PINFER_CUDA_QX_REGS");
-  return e == nullptr || e[0] != '0';
-}();
+bool g_qx_regs = KnobOn("PINFER_CUDA_QX_REGS");
 // MatVecQxRegsKernel loads a step's weights before the previous step's sums
 // (PINFER_CUDA_QX_PIPE=0: after, for comparison).
-bool g_qx_pipe = [] {
-  const char* e = std::getenv("PINFER_CUDA_QX_PIPE");
-  return e == nullptr || e[0] != '0';
-}();
+bool g_qx_pipe = KnobOn("PINFER_CUDA_QX_PIPE");
 // Decode steps of dense layers fold their norms into the int8 products that consume them
 // (NormMatVec; PINFER_CUDA_FUSED_NORM=0: never, for comparison).
-bool g_fused_norm = [] {
-  const char* e = std::getenv("PINFER_CUDA_FUSED_NORM");
-  return e == nullptr || e[0] != '0';
-}();
+bool g_fused_norm = KnobOn("PINFER_CUDA_FUSED_NORM");
 // Decode steps of dense layers apply RoPE where the q/k/v product writes its rows
 // (NormMatVecRope; PINFER_CUDA_ROPE_IN_PRODUCT=0: the RoPE kernel after it, for comparison).
-bool g_rope_product = [] {
-  const char* e = std::getenv("PINFER_CUDA_ROPE_IN_PRODUCT");
-  return e == nullptr || e[0] != '0';
-}();
+bool g_rope_product = KnobOn("PINFER_CUDA_ROPE_IN_PRODUCT");
 // Decode steps of dense layers apply the gated activation where the gate/up product writes its
 // rows (NormMatVecGated; PINFER_CUDA_ACT_IN_PRODUCT=0: the activation kernel after it).
-bool g_gated_product = [] {
-  const char* e = std::getenv("PINFER_CUDA_ACT_IN_PRODUCT");
-  return e == nullptr || e[0] != '0';
-}();
+bool g_gated_product = KnobOn("PINFER_CUDA_ACT_IN_PRODUCT");
 // A dense MatVecQxRegsKernel loads its first rows before it waits for its predecessor
 // (PINFER_CUDA_QX_EARLY=0: after, for comparison).
-bool g_qx_early = [] {
-  const char* e = std::getenv("PINFER_CUDA_QX_EARLY");
-  return e == nullptr || e[0] != '0';
-}();
+bool g_qx_early = KnobOn("PINFER_CUDA_QX_EARLY");
 
 template <WType T>
 __device__ __forceinline__ int SplitBlockIntDot(const uint4* q, const int4* xw) {
