@@ -1441,7 +1441,9 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
   }
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tokens_dev_, tokens_host_, 2 * max_batch_ * 4,
                                        cudaMemcpyHostToDevice, stream_));
-  if (n == 1 && RopeInProduct()) {
+  // The cosines and sines for the q/k/v products that apply RoPE themselves, in decode steps of
+  // models whose layers can fold their small kernels (FusesNorms needs x_alt_).
+  if (n == 1 && x_alt_ != nullptr && RopeInProduct()) {
     CUDA_RETURN_IF_ERROR(RopeTable(positions_dev_, inv_freq_, c.head_dim, rope_cos_sin_, stream_));
   }
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_start_, stream_));

@@ -462,7 +462,9 @@ std::unique_ptr<Model> WithDownFromRows(const Model& model, const std::vector<Te
 // gives the CPU reference forward pass's logits on the same weights (both multiply llama.cpp's
 // way, x quantized to Q8_0 blocks), and so does the hot/cold split in exact mode against the
 // reference on the weights it multiplies (WithDownFromRows). With producers' quantization the
-// whole model's decode steps also fold their norms into the products (NormMatVec).
+// whole model's decode steps also fold their norms, RoPE and activation into the products
+// (NormMatVec, NormMatVecRope, NormMatVecGated), so this is where those paths meet the
+// reference; the op tests compare each with the kernels it replaces.
 TEST_F(CudaBackendTest, QuantizedModelStepLogitsMatchCpuReference) {
   for (DType type : {DType::kQ8_0, DType::kQ4_0}) {
     std::vector<TensorView> qdown_t;
