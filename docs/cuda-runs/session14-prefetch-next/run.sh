@@ -1,0 +1,11 @@
+#!/bin/bash
+# Session 14: dense products prefetch their second step's rows into L2 before the wait
+set -u
+out=$1
+BENCH_TIMEOUT=300 BENCH_DTYPES="Q4_0" BENCH_FLAGS="--modes=gpu --variant-modes=gpu --steps=32 --warmup=8 --bandwidths=0 --variants=base;QX_PREFETCH_NEXT=1;base;QX_PREFETCH_NEXT=1" \
+  gpu-worker/cuda/device_build_run.sh .device/sdk $out > $out/run.log 2>&1
+echo "rc $?"
+grep -E "built in" $out/run.log
+for f in $out/cuda_ops_test.log $out/cuda_backend_test.log; do grep -E "PASSED|FAILED|Failure" $f | head; done
+cat $out/cuda_ops_test.log $out/cuda_backend_test.log | grep -E "(QuantRegs|FusedNorm|QuantizedModelStep).*(OK|FAILED)|Failure|Expected|Which is|NMSE" | head -20
+for f in $out/bench_*.log; do grep -E "^\| |GPU busy" $f | grep -v "^| dtype\|^|---" | cut -d'|' -f2,3,4,6,7 | cut -c1-120; done
