@@ -1,5 +1,7 @@
 #!/bin/bash
-# Session 15 (measurement, last of the budget): a norm product's blocks from index N on (those
+# Written in session 15, not yet run (the H200 time ran out): apply early-blocks.patch to main,
+# copy this to .device/eb15.sh and run it with carry [".device/sdk", ".device/eb15.sh"]. A norm
+# product's blocks from index N on (those
 # that become resident late) load x before their first rows (QX_EARLY_BLOCKS=N), against all
 # blocks loading their first rows before the wait (base). No tests: a measurement only.
 set -u
