@@ -1144,9 +1144,10 @@ std::vector<std::string> Split(const std::string& s, char sep) {
 // Sets the module's knobs for one variant: every known knob back to its default, then the
 // variant's NAME=VALUE pairs as PINFER_CUDA_NAME.
 void ApplyVariant(const std::string& variant) {
-  for (const char* k : {"PDL", "REPACK", "STEP_GRAPH", "GRAPHS", "PRODUCER_QX", "PRELAUNCH",
-                        "NORM_VEC8", "QX_REGS", "QX_EARLY", "ATTN_ONLINE", "ATTN_QX", "ATTN_EARLY",
-                        "QX_PIPE", "FUSED_NORM", "ROPE_IN_PRODUCT", "ACT_IN_PRODUCT"}) {
+  for (const char* k :
+       {"PDL", "REPACK", "STEP_GRAPH", "GRAPHS", "PRODUCER_QX", "PRELAUNCH", "NORM_VEC8", "QX_REGS",
+        "QX_EARLY", "ATTN_ONLINE", "ATTN_QX", "ATTN_EARLY", "QX_PIPE", "FUSED_NORM",
+        "ROPE_IN_PRODUCT", "ACT_IN_PRODUCT", "LATE_X_FIRST"}) {
     setenv((std::string("PINFER_CUDA_") + k).c_str(), "1", 1);
   }
   setenv("PINFER_CUDA_PREFETCH", "0", 1);

@@ -579,6 +579,9 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   if (const char* g = std::getenv("PINFER_CUDA_QX_REGS")) SetQuantRegs(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_QX_EARLY")) SetQuantEarlyLoad(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_QX_PIPE")) SetQuantPipeline(std::string(g) != "0");
+  if (const char* g = std::getenv("PINFER_CUDA_LATE_X_FIRST")) {
+    SetLateBlocksLoadXFirst(std::string(g) != "0");
+  }
   if (const char* g = std::getenv("PINFER_CUDA_FUSED_NORM")) SetFusedNorm(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_ROPE_IN_PRODUCT")) {
     SetRopeInProduct(std::string(g) != "0");

@@ -1388,6 +1388,10 @@ bool g_qx_regs = KnobOn("PINFER_CUDA_QX_REGS");
 // MatVecQxRegsKernel loads a step's weights before the previous step's sums
 // (PINFER_CUDA_QX_PIPE=0: after, for comparison).
 bool g_qx_pipe = KnobOn("PINFER_CUDA_QX_PIPE");
+// A norm's product whose grid takes every resident slot has its last quarter of blocks load x
+// before their first rows (PINFER_CUDA_LATE_X_FIRST=0: every block loads its rows first, for
+// comparison; the values are the same bit for bit).
+bool g_late_x_first = KnobOn("PINFER_CUDA_LATE_X_FIRST");
 // Decode steps of dense layers fold their norms into the int8 products that consume them
 // (NormMatVec; PINFER_CUDA_FUSED_NORM=0: never, for comparison).
 bool g_fused_norm = KnobOn("PINFER_CUDA_FUSED_NORM");
@@ -1585,7 +1589,7 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
                        int64_t cols, const int32_t* __restrict__ rows, int n_rows,
                        const int32_t* __restrict__ dev_count, const float* __restrict__ x,
                        float* __restrict__ y, const int8_t* __restrict__ pre, bool early, bool pipe,
-                       NormIn norm, RopeOut rope, GatedOut gated) {
+                       int x_first_from, NormIn norm, RopeOut rope, GatedOut gated) {
   static_assert(kOut == kOutRows || (S == 1 && kNorm), "pairs ride on the norm's product");
   __shared__ float act_sh[2][32];  // kOutGated: [group parity][neuron of the group]
   extern __shared__ int4 xsh[];
@@ -1669,8 +1673,10 @@ __global__ void __launch_bounds__(kQxRegWarps* kWarp, 2)
   PdlTrigger();
   // Weights never change: a dense product (no row list, no device count; the caller says so with
   // `early`) loads its first step's rows before the wait, so that they arrive while the
-  // predecessor (a norm, the attention, the activation) still runs.
-  const bool preloaded = early && step_base(0) < n_rows;
+  // predecessor (a norm, the attention, the activation) still runs. Blocks from x_first_from on
+  // load x first: see MatVecLaunch.
+  const bool preloaded =
+      early && step_base(0) < n_rows && static_cast<int>(blockIdx.x) < x_first_from;
   if (preloaded) load_step(0, n_rows);
   float nw[kNormChunks][8];
   if constexpr (kNorm) LoadNormWeights(norm, static_cast<int>(cols), nw);
@@ -2178,6 +2184,7 @@ void SetNormVec8(bool on) { g_norm_vec8 = on; }
 void SetQuantRegs(bool on) { g_qx_regs = on; }
 void SetQuantEarlyLoad(bool on) { g_qx_early = on; }
 void SetQuantPipeline(bool on) { g_qx_pipe = on; }
+void SetLateBlocksLoadXFirst(bool on) { g_late_x_first = on; }
 void SetFusedNorm(bool on) { g_fused_norm = on; }
 void SetRopeInProduct(bool on) { g_rope_product = on; }
 bool RopeInProduct() { return g_rope_product; }
@@ -2511,12 +2518,20 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
         const int rounds = (groups + capacity - 1) / capacity;
         blocks = (groups + rounds - 1) / rounds;
       }
+      // A norm's product whose grid takes every resident slot becomes resident only as its
+      // predecessor's blocks leave, so its last blocks start after the release. Their first rows,
+      // loaded on arrival, then sit in the memory system's queues ahead of every block's loads of
+      // x and the residual, which the norm waits on. So the last quarter loads x first
+      // (docs/benchmarks.md, run 30: the q/k/v product after the down product, +2%; the gate/up
+      // product's grid leaves slots free).
+      const int x_first_from =
+          norm != nullptr && g_late_x_first && blocks == capacity ? blocks - blocks / 4 : blocks;
       for (int t = 0; t < nt; ++t) {
         cudaError_t e =
             Launch(kernel, blocks, kQxRegWarps * kWarp, qx_smem, stream, base, sc, w.cols, rows,
                    n_rows, dev_count, xt + t * w.cols, yt + static_cast<int64_t>(t) * ldy,
                    qx != nullptr ? qx + QxRegionBytes(w.cols) * t : nullptr,
-                   g_qx_early && rows == nullptr && dev_count == nullptr, g_qx_pipe,
+                   g_qx_early && rows == nullptr && dev_count == nullptr, g_qx_pipe, x_first_from,
                    norm != nullptr ? *norm : NormIn{}, rope != nullptr ? *rope : RopeOut{},
                    gated != nullptr ? *gated : GatedOut{});
         if (e != cudaSuccess) return e;

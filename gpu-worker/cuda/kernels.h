@@ -104,6 +104,11 @@ void SetQuantEarlyLoad(bool on);
 // sums cross the warp (and, for split rows, the block's barrier) (default) or after
 // (PINFER_CUDA_QX_PIPE=0), for comparison; the values are the same bit for bit.
 void SetQuantPipeline(bool on);
+// Whether a norm's product whose grid takes every resident slot has its last quarter of blocks,
+// which become resident after the predecessor's release, load x before their first rows (default)
+// or load their rows first as the others do (PINFER_CUDA_LATE_X_FIRST=0), for comparison; the
+// values are the same bit for bit.
+void SetLateBlocksLoadXFirst(bool on);
 // Whether attention of head sizes 32, 64 and 128 keeps an online softmax with every key's
 // loads in flight (default) or stores every score first (PINFER_CUDA_ATTN_ONLINE=0), for
 // comparison; the values agree up to rounding.

@@ -1333,9 +1333,11 @@ TEST_F(CudaOpsTest, FusedNormProductMatchesReference) {
 // (NormMatVecRope, with RopeTable's cosines and sines) leave q, the key cache and the value cache
 // bit for bit as NormMatVec followed by RopeQkvToCache does (each checked against the reference by
 // its own test), with grouped heads, both pair layouts and two positions; only the position's cache
-// rows are written; the residual goes to x_out as NormMatVec's. A wqkv of the wrong height, an odd
-// head, a missing output, a layout the product does not hold in registers and the knob off are
-// refused.
+// rows are written; the residual goes to x_out as NormMatVec's. At the 13B shape the grid takes
+// every resident slot, so its last blocks load x before their first rows: the same bits again with
+// every block loading its rows first (SetLateBlocksLoadXFirst(false)). A wqkv of the wrong height,
+// an odd head, a missing output, a layout the product does not hold in registers and the knob off
+// are refused.
 TEST_F(CudaOpsTest, RopeInProductMatchesTheProductThenRope) {
   const bool q8x = cuda::QuantizedActivations();
   cuda::SetQuantizedActivations(true);
@@ -1366,9 +1368,11 @@ TEST_F(CudaOpsTest, RopeInProductMatchesTheProductThenRope) {
               std::string(DTypeName(type)) + " heads " + std::to_string(sh.heads) + "/" +
               std::to_string(sh.kv_heads) + " x " + std::to_string(sh.head_dim) +
               (interleaved ? " interleaved" : " halves") + " position " + std::to_string(pos);
-          // [0]: the product, then the RoPE kernel; [1]: RoPE in the product.
-          std::vector<float> q[2], k[2], v[2], xo[2];
-          for (int run = 0; run < 2; ++run) {
+          // [0]: the product, then the RoPE kernel; [1]: RoPE in the product; [2]: the same with
+          // every block loading its rows before x.
+          std::vector<float> q[3], k[3], v[3], xo[3];
+          for (int run = 0; run < 3; ++run) {
+            cuda::SetLateBlocksLoadXFirst(run != 2);
             DevBuf<float> dqkv(rows), dq(qd), dk(ctx * kvd), dv(ctx * kvd), dxo(sh.cols);
             if (run == 0) {
               CUDA_OK(cuda::NormMatVec(m, dx.get(), dd1.get(), nullptr, dnw.get(), eps, dxo.get(),
@@ -1399,11 +1403,15 @@ TEST_F(CudaOpsTest, RopeInProductMatchesTheProductThenRope) {
                         dxo.GuardsIntact())
                 << what;
           }
+          cuda::SetLateBlocksLoadXFirst(true);
           EXPECT_FALSE(AnyNan(q[1])) << what;
           EXPECT_TRUE(SameBits(q[0], q[1])) << what << ": q";
           EXPECT_TRUE(SameBits(k[0], k[1])) << what << ": the key cache";
           EXPECT_TRUE(SameBits(v[0], v[1])) << what << ": the value cache";
           EXPECT_TRUE(SameBits(xo[0], xo[1])) << what << ": the residual";
+          EXPECT_TRUE(SameBits(q[1], q[2]) && SameBits(k[1], k[2]) && SameBits(v[1], v[2]) &&
+                      SameBits(xo[1], xo[2]))
+              << what << ": late blocks loading x first";
           for (int i = 0; i < ctx * kvd; ++i) {
             const bool new_row = i / kvd == pos;
             ASSERT_EQ(std::isnan(k[1][i]) || std::isnan(v[1][i]), !new_row)
