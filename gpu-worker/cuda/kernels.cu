@@ -2522,8 +2522,8 @@ cudaError_t MatVecLaunch(const DeviceMatrix& w, const int32_t* rows, int n_rows,
       // predecessor's blocks leave, so its last blocks start after the release. Their first rows,
       // loaded on arrival, then sit in the memory system's queues ahead of every block's loads of
       // x and the residual, which the norm waits on. So the last quarter loads x first
-      // (docs/benchmarks.md, run 30: the q/k/v product after the down product, +2%; the gate/up
-      // product's grid leaves slots free).
+      // (docs/benchmarks.md, run 30: the q/k/v product after the down product, 0.5-2.3%; the
+      // gate/up product's grid leaves slots free, so its blocks are resident early).
       const int x_first_from =
           norm != nullptr && g_late_x_first && blocks == capacity ? blocks - blocks / 4 : blocks;
       for (int t = 0; t < nt; ++t) {
