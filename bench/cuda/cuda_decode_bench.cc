@@ -1147,7 +1147,7 @@ void ApplyVariant(const std::string& variant) {
   for (const char* k :
        {"PDL", "REPACK", "STEP_GRAPH", "GRAPHS", "PRODUCER_QX", "PRELAUNCH", "NORM_VEC8", "QX_REGS",
         "QX_EARLY", "ATTN_ONLINE", "ATTN_QX", "ATTN_EARLY", "QX_PIPE", "FUSED_NORM",
-        "ROPE_IN_PRODUCT", "ACT_IN_PRODUCT", "LATE_X_FIRST"}) {
+        "ROPE_IN_PRODUCT", "ACT_IN_PRODUCT", "LATE_X_FIRST", "ATTN_LATE_TRIGGER"}) {
     setenv((std::string("PINFER_CUDA_") + k).c_str(), "1", 1);
   }
   setenv("PINFER_CUDA_PREFETCH", "0", 1);

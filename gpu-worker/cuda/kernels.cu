@@ -779,12 +779,13 @@ __global__ void __launch_bounds__(kAttnThreads, 1)
     AttentionOnlineKernel(const float* __restrict__ q, const float* __restrict__ k,
                           const float* __restrict__ v, int pos0,
                           const int32_t* __restrict__ positions, int n_heads, int n_kv_heads,
-                          float* __restrict__ out, void* out_qx, bool early) {
+                          float* __restrict__ out, void* out_qx, bool early,
+                          bool trigger_after_wait) {
   constexpr int hd = V * kWarp;
   constexpr int kWarps = kAttnThreads / kWarp;
   __shared__ float warp_max[kWarps], warp_sum[kWarps];
   __shared__ float warp_acc[kWarps][hd];
-  PdlTrigger();
+  if (!trigger_after_wait) PdlTrigger();
   const int h = blockIdx.x, t = blockIdx.y;
   // The positions come from the forward call's upload, a copy that ran before any kernel of it.
   const int first = positions != nullptr ? positions[0] : pos0;
@@ -813,6 +814,10 @@ __global__ void __launch_bounds__(kAttnThreads, 1)
   const int old = early ? min(first, len) : 0;
   if (old > 0) load_batch(warp, old);
   PdlWait();
+  // The output projection's blocks, released here rather than at the start, load their first rows
+  // (most of the matrix) after the q/k/v product's memory traffic has drained, not into it
+  // (docs/benchmarks.md, run 30: 2.2-2.5% on the whole Q4_0 model).
+  if (trigger_after_wait) PdlTrigger();
   float qv[V];
   LoadHeadSlice<V>(q + (static_cast<int64_t>(t) * n_heads + h) * hd + lane * V, qv);
 #pragma unroll
@@ -1382,6 +1387,9 @@ bool g_attn_online = KnobOn("PINFER_CUDA_ATTN_ONLINE");
 // The online attention loads the first batch of keys from before the call ahead of its wait
 // (PINFER_CUDA_ATTN_EARLY=0: after, for comparison).
 bool g_attn_early = KnobOn("PINFER_CUDA_ATTN_EARLY");
+// The decode attention lets the next kernel's blocks start after its own wait for the q/k/v
+// product (PINFER_CUDA_ATTN_LATE_TRIGGER=0: at its start, for comparison).
+bool g_attn_late_trigger = KnobOn("PINFER_CUDA_ATTN_LATE_TRIGGER");
 // The int8 product with x in registers where the row suits it (MatVecQxRegsKernel;
 // PINFER_CUDA_QX_REGS=0: MatVecSplitQ8xKernel for every row, for comparison).
 bool g_qx_regs = KnobOn("PINFER_CUDA_QX_REGS");
@@ -2191,6 +2199,7 @@ bool RopeInProduct() { return g_rope_product; }
 void SetActivationInProduct(bool on) { g_gated_product = on; }
 bool ActivationInProduct() { return g_gated_product; }
 void SetAttentionEarlyLoad(bool on) { g_attn_early = on; }
+void SetAttentionLateTrigger(bool on) { g_attn_late_trigger = on; }
 void SetOnlineAttention(bool on) { g_attn_online = on; }
 bool QuantizedActivations() { return g_q8x; }
 bool ProgrammaticLaunch() { return g_pdl; }
@@ -2351,13 +2360,13 @@ cudaError_t LaunchOnlineAttention(const float* q, const float* k, const float* v
   switch (head_dim) {
     case 128:
       return Launch(AttentionOnlineKernel<4>, grid, kAttnThreads, 0, stream, q, k, v, pos0,
-                    positions, n_heads, n_kv_heads, out, out_qx, g_attn_early);
+                    positions, n_heads, n_kv_heads, out, out_qx, g_attn_early, g_attn_late_trigger);
     case 64:
       return Launch(AttentionOnlineKernel<2>, grid, kAttnThreads, 0, stream, q, k, v, pos0,
-                    positions, n_heads, n_kv_heads, out, out_qx, g_attn_early);
+                    positions, n_heads, n_kv_heads, out, out_qx, g_attn_early, g_attn_late_trigger);
     case 32:
       return Launch(AttentionOnlineKernel<1>, grid, kAttnThreads, 0, stream, q, k, v, pos0,
-                    positions, n_heads, n_kv_heads, out, out_qx, g_attn_early);
+                    positions, n_heads, n_kv_heads, out, out_qx, g_attn_early, g_attn_late_trigger);
     default:
       return cudaErrorNotSupported;
   }

@@ -117,6 +117,10 @@ void SetOnlineAttention(bool on);
 // below the first token's) ahead of its wait for the RoPE kernel (default) or after
 // (PINFER_CUDA_ATTN_EARLY=0), for comparison; the values are the same bit for bit.
 void SetAttentionEarlyLoad(bool on);
+// Whether the decode attention lets the next kernel's blocks start after its wait for its
+// predecessor (default) or at its start (PINFER_CUDA_ATTN_LATE_TRIGGER=0), for comparison; only
+// the timing differs, since every kernel waits for its predecessor before reading its output.
+void SetAttentionLateTrigger(bool on);
 bool QuantizedActivations();
 
 // x quantized once, by the kernel that produces it, for the int8 product above, so that the
