@@ -816,7 +816,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1)
   PdlWait();
   // The output projection's blocks, released here rather than at the start, load their first rows
   // (most of the matrix) after the q/k/v product's memory traffic has drained, not into it
-  // (docs/benchmarks.md, run 30: 2.2-2.5% on the whole Q4_0 model).
+  // (docs/benchmarks.md, run 30: 2.0-2.3% on the whole Q4_0 model).
   if (trigger_after_wait) PdlTrigger();
   float qv[V];
   LoadHeadSlice<V>(q + (static_cast<int64_t>(t) * n_heads + h) * hd + lane * V, qv);
