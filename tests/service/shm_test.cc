@@ -147,7 +147,9 @@ TEST(WaitTest, WakesOnChangeAndTimesOut) {
 ChannelOptions FastOptions() {
   ChannelOptions o;
   o.heartbeat_interval_ns = 20'000'000;
-  o.liveness_ns = 300'000'000;
+  // Well above the heartbeat: a heartbeat thread starved by a loaded CI machine (ASan, 2 cores)
+  // must not read as a dead peer.
+  o.liveness_ns = 1'000'000'000;
   o.exchange_timeout_ns = 5'000'000'000;
   return o;
 }
@@ -294,7 +296,7 @@ TEST(ExchangeTest, KilledPeerFailsWithinBoundedTimeAndRestartRecovers) {
   ::waitpid(child, nullptr, 0);
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(st.message(), HasSubstr("stopped responding"));
-  EXPECT_LT(Seconds(t0), 2.0);  // liveness 300 ms + slices
+  EXPECT_LT(Seconds(t0), 3.0);  // liveness 1 s + slices
   // While no cpu-worker is there, new exchanges fail at once.
   EXPECT_EQ(client.Post(0, x, 1, nullptr).status().code(), absl::StatusCode::kUnavailable);
 
@@ -337,6 +339,9 @@ TEST(ExchangeTest, StalledPeerFailsWithUnavailableAndLivePeerTimesOut) {
   ASSERT_TRUE(seg.ok());
   ChannelOptions opts = FastOptions();
   opts.exchange_timeout_ns = 400'000'000;
+  // Liveness well above the timeout: on a loaded 2-core CI machine under ASan the child's 20 ms
+  // heartbeat once went 305 ms without a beat, which the old 300 ms liveness took for a stop.
+  opts.liveness_ns = 1'500'000'000;
   ExchangeClient client(std::move(*seg), opts);
   pid_t child = ForkServer(name, /*hang_on_layer=*/2);
   WaitReady(client);
@@ -352,7 +357,7 @@ TEST(ExchangeTest, StalledPeerFailsWithUnavailableAndLivePeerTimesOut) {
   EXPECT_LT(Seconds(t0), 2.0);
   // Stopped (SIGSTOP): its heartbeat stops too, so UNAVAILABLE.
   ::kill(child, SIGSTOP);
-  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1600));  // past the liveness
   t0 = std::chrono::steady_clock::now();
   st = client.Post(0, x, 1, nullptr).status();
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable);
