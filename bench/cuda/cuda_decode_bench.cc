@@ -47,6 +47,7 @@
 #include "gpu-worker/cuda/model_dims.h"
 #include "shared/engine/ops.h"
 #include "shared/engine/row_kernels.h"
+#include "shared/engine/sampler.h"
 #include "shared/engine/transformer.h"
 #include "shared/model/tensor.h"
 #include "shared/sparse/cost_model.h"
@@ -767,9 +768,8 @@ struct Result {
   double pcie_floor_s = 0;    // the floor with PCIe as a third resource (see PrintResults)
 };
 
-int Argmax(const std::vector<float>& v) {
-  return static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin());
-}
+// The next token as the product picks it greedily: a decode step's time includes it.
+int Argmax(const std::vector<float>& v) { return GreedyToken(v); }
 
 // Backend scratch and KV cache for a decode-only backend (mirrors CudaBackend::Create).
 double ScratchBytes(const SynthModel& m, int max_ctx, int kv_layers, int max_batch) {

@@ -3,10 +3,16 @@
 #include "shared/engine/sampler.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <limits>
 #include <unordered_set>
 
 #include "absl/strings/str_cat.h"
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 namespace pinfer {
 
@@ -23,6 +29,43 @@ absl::Status SamplingParams::Validate() const {
   return absl::OkStatus();
 }
 
+int32_t GreedyToken(std::span<const float> logits) {
+  const float* p = logits.data();
+  const size_t n = logits.size();
+  constexpr float kLow = -std::numeric_limits<float>::infinity();
+  size_t i = 0;
+  float max = kLow;
+  // Pass 1: the largest value. (GCC will not vectorize `a < b ? b : a` by itself: without
+  // -ffinite-math-only it may not assume the packed max's NaN rule, which here is the one wanted.)
+#if defined(__SSE2__)
+  __m128 acc[4] = {_mm_set1_ps(kLow), _mm_set1_ps(kLow), _mm_set1_ps(kLow), _mm_set1_ps(kLow)};
+  for (; i + 16 <= n; i += 16) {
+    // maxps(x, acc) is x > acc ? x : acc, so a NaN x leaves acc as it was.
+    for (int k = 0; k < 4; ++k) acc[k] = _mm_max_ps(_mm_loadu_ps(p + i + 4 * k), acc[k]);
+  }
+  alignas(16) float lane[16];
+  for (int k = 0; k < 4; ++k) _mm_store_ps(lane + 4 * k, acc[k]);
+  for (float l : lane) max = max < l ? l : max;
+#endif
+  for (; i < n; ++i) max = max < p[i] ? p[i] : max;
+  // Pass 2: the first block of 16 that holds it, then its first index there.
+  i = 0;
+#if defined(__SSE2__)
+  const __m128 m = _mm_set1_ps(max);
+  for (; i + 16 <= n; i += 16) {
+    int hits = 0;
+    for (int k = 0; k < 4; ++k) {
+      hits |= _mm_movemask_ps(_mm_cmpeq_ps(_mm_loadu_ps(p + i + 4 * k), m)) << (4 * k);
+    }
+    if (hits != 0) return static_cast<int32_t>(i + std::countr_zero(static_cast<unsigned>(hits)));
+  }
+#endif
+  for (; i < n; ++i) {
+    if (p[i] == max) return static_cast<int32_t>(i);
+  }
+  return 0;  // every logit NaN (or none)
+}
+
 Sampler::Sampler(const SamplingParams& p)
     : p_(p), rng_(p.seed.has_value() ? *p.seed : std::random_device{}()) {}
 
@@ -37,7 +80,7 @@ int32_t Sampler::Sample(std::span<float> logits, std::span<const int32_t> histor
     }
   }
   if (p_.temperature == 0.f) {
-    int32_t best = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    const int32_t best = GreedyToken(logits);
     if (logprob != nullptr) {
       float max = logits[best], sum = 0;
       for (float l : logits) sum += std::exp(l - max);

@@ -1,12 +1,15 @@
 // Sampling: greedy, seeds, and the filters (top-k, top-p, min-p, repetition penalty) checked
 // against distributions computed by hand; stop-string hold-back in the generation loop.
+#include "shared/engine/sampler.h"
+
 #include <cmath>
+#include <limits>
 #include <map>
+#include <random>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "shared/engine/generator.h"
-#include "shared/engine/sampler.h"
 
 namespace pinfer {
 namespace {
@@ -29,6 +32,42 @@ TEST(SamplerTest, GreedyPicksArgmaxAndReportsLogprob) {
   EXPECT_EQ(s.Sample(logits, {}, &lp), 1);
   const double z = std::exp(0.0) + std::exp(3.0) + std::exp(1.0);
   EXPECT_NEAR(lp, 3.0 - std::log(z), 1e-5);
+}
+
+// The plain definition GreedyToken must match: the first index of the largest non-NaN logit.
+int32_t FirstLargest(const std::vector<float>& v) {
+  int32_t best = -1;
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (std::isnan(v[i])) continue;
+    if (best < 0 || v[i] > v[best]) best = static_cast<int32_t>(i);
+  }
+  return best < 0 ? 0 : best;
+}
+
+TEST(SamplerTest, GreedyTokenIsTheFirstLargestWithTiesNaNsAndTails) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.f, 4.f);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (size_t n : {1, 2, 15, 16, 17, 31, 33, 100, 32000, 32003}) {
+    for (int trial = 0; trial < 20; ++trial) {
+      std::vector<float> v(n);
+      for (float& x : v) x = normal(rng);
+      std::uniform_int_distribution<size_t> at(0, n - 1);
+      if (trial % 2 == 1) {  // the largest value several times: the first one wins
+        const float top = 100.f + trial;
+        for (int k = 0; k < 3; ++k) v[at(rng)] = top;
+      }
+      if (trial % 3 == 1) v[0] = nan;  // a leading NaN (std::max_element would stop there)
+      if (trial % 3 == 2) v[at(rng)] = nan;
+      if (trial % 5 == 4) v[n - 1] = 1000.f;  // the largest in the tail past the last full block
+      ASSERT_EQ(GreedyToken(v), FirstLargest(v)) << "n " << n << " trial " << trial;
+    }
+  }
+  EXPECT_EQ(GreedyToken(std::vector<float>{-inf, -inf, -inf}), 0);
+  EXPECT_EQ(GreedyToken(std::vector<float>{nan, -inf, nan, 2.f, 2.f}), 3);
+  EXPECT_EQ(GreedyToken(std::vector<float>(40, nan)), 0);
+  EXPECT_EQ(GreedyToken(std::vector<float>{}), 0);
 }
 
 TEST(SamplerTest, SameSeedSameTokensDifferentSeedDifferentTokens) {

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 17 (logits.patch applies to 33a0fe6 and includes the bandwidth change of the same
+# Session 17 (logits.patch applies to 33a0fe6 and includes the bandwidth change that afed03e
 # commit): what the host's end of a whole-Q4_0-model decode step costs. Measurement patch
 # logits.patch (the bench only): LOGITS_DEST=0 copies the logits into the bench's vector
 # (pageable, as before), 1 into pinned memory, 2 copies none and skips the output head (the
