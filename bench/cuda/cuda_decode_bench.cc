@@ -1167,10 +1167,11 @@ void ApplyVariant(const std::string& variant) {
   for (const char* k :
        {"PDL", "REPACK", "STEP_GRAPH", "GRAPHS", "PRODUCER_QX", "PRELAUNCH", "NORM_VEC8", "QX_REGS",
         "QX_EARLY", "ATTN_ONLINE", "ATTN_QX", "ATTN_EARLY", "QX_PIPE", "FUSED_NORM",
-        "ROPE_IN_PRODUCT", "ACT_IN_PRODUCT", "LATE_X_FIRST", "ATTN_LATE_TRIGGER"}) {
+        "ROPE_IN_PRODUCT", "ACT_IN_PRODUCT", "LATE_X_FIRST"}) {
     setenv((std::string("PINFER_CUDA_") + k).c_str(), "1", 1);
   }
   setenv("PINFER_CUDA_PREFETCH", "0", 1);
+  setenv("PINFER_CUDA_ATTN_LATE_TRIGGER", "0", 1);
   setenv("PINFER_CUDA_Q8X", "1", 1);
   setenv("PINFER_CUDA_ZERO_COPY_COLD", "0", 1);
   setenv("PINFER_CUDA_QX_WARPS", "16", 1);  // the module's defaults (kernels.cu)

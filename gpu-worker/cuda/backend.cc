@@ -580,7 +580,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   if (const char* g = std::getenv("PINFER_CUDA_QX_EARLY")) SetQuantEarlyLoad(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_QX_PIPE")) SetQuantPipeline(std::string(g) != "0");
   if (const char* g = std::getenv("PINFER_CUDA_ATTN_LATE_TRIGGER")) {
-    SetAttentionLateTrigger(std::string(g) != "0");
+    SetAttentionLateTrigger(std::string(g) == "1");
   }
   if (const char* g = std::getenv("PINFER_CUDA_LATE_X_FIRST")) {
     SetLateBlocksLoadXFirst(std::string(g) != "0");

@@ -814,9 +814,9 @@ __global__ void __launch_bounds__(kAttnThreads, 1)
   const int old = early ? min(first, len) : 0;
   if (old > 0) load_batch(warp, old);
   PdlWait();
-  // The output projection's blocks, released here rather than at the start, load their first rows
-  // (most of the matrix) after the q/k/v product's memory traffic has drained, not into it
-  // (docs/benchmarks.md, run 30: 2.0-2.3% on the whole Q4_0 model).
+  // Released here rather than at the start, the output projection's blocks load their first rows
+  // (most of the matrix) after the q/k/v product's memory traffic has drained, not into it. Off
+  // by default: its gain did not hold on other H200 machines (docs/benchmarks.md, run 31).
   if (trigger_after_wait) PdlTrigger();
   float qv[V];
   LoadHeadSlice<V>(q + (static_cast<int64_t>(t) * n_heads + h) * hd + lane * V, qv);
@@ -1387,9 +1387,14 @@ bool g_attn_online = KnobOn("PINFER_CUDA_ATTN_ONLINE");
 // The online attention loads the first batch of keys from before the call ahead of its wait
 // (PINFER_CUDA_ATTN_EARLY=0: after, for comparison).
 bool g_attn_early = KnobOn("PINFER_CUDA_ATTN_EARLY");
-// The decode attention lets the next kernel's blocks start after its own wait for the q/k/v
-// product (PINFER_CUDA_ATTN_LATE_TRIGGER=0: at its start, for comparison).
-bool g_attn_late_trigger = KnobOn("PINFER_CUDA_ATTN_LATE_TRIGGER");
+// The decode attention lets the next kernel's blocks start at its own start (default), or after
+// its wait for the q/k/v product with PINFER_CUDA_ATTN_LATE_TRIGGER=1: that gained 2.0-2.3% on
+// the whole Q4_0 model in session 16's two H200 calls and lost 0.6% (10 of 11 pairs) in session
+// 17's five (docs/benchmarks.md, runs 30 and 31), so the longer-measured placement stays.
+bool g_attn_late_trigger = [] {
+  const char* e = std::getenv("PINFER_CUDA_ATTN_LATE_TRIGGER");
+  return e != nullptr && e[0] == '1';
+}();
 // The int8 product with x in registers where the row suits it (MatVecQxRegsKernel;
 // PINFER_CUDA_QX_REGS=0: MatVecSplitQ8xKernel for every row, for comparison).
 bool g_qx_regs = KnobOn("PINFER_CUDA_QX_REGS");

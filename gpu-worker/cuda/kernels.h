@@ -118,7 +118,7 @@ void SetOnlineAttention(bool on);
 // (PINFER_CUDA_ATTN_EARLY=0), for comparison; the values are the same bit for bit.
 void SetAttentionEarlyLoad(bool on);
 // Whether the decode attention lets the next kernel's blocks start after its wait for its
-// predecessor (default) or at its start (PINFER_CUDA_ATTN_LATE_TRIGGER=0), for comparison; only
+// predecessor (PINFER_CUDA_ATTN_LATE_TRIGGER=1) or at its start (default), for comparison; only
 // the timing differs, since every kernel waits for its predecessor before reading its output.
 void SetAttentionLateTrigger(bool on);
 bool QuantizedActivations();
