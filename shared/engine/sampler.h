@@ -12,6 +12,8 @@
 
 namespace pinfer {
 
+struct RowKernels;
+
 struct SamplingParams {
   float temperature = 0.f;         // 0: greedy
   int top_k = 0;                   // 0: off
@@ -41,7 +43,9 @@ class Sampler {
  private:
   SamplingParams p_;
   std::mt19937_64 rng_;
+  const RowKernels* kernels_;  // the vector exp (row_kernels.h)
   std::vector<std::pair<float, int32_t>> cand_;
+  std::vector<float> e_, w_;  // scratch: exp(logit - max) for top-p; the sampling weights
 };
 
 }  // namespace pinfer

@@ -2,9 +2,12 @@
 // against distributions computed by hand; stop-string hold-back in the generation loop.
 #include "shared/engine/sampler.h"
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <random>
 
 #include "gmock/gmock.h"
@@ -117,6 +120,90 @@ TEST(SamplerTest, MinPDropsTokensBelowFractionOfBest) {
   auto h = Histogram(p, {std::log(0.6f), std::log(0.3f), std::log(0.1f)}, 3000);
   EXPECT_EQ(h.count(2), 0u);
   EXPECT_NEAR(static_cast<double>(h[0]) / 3000, 2.0 / 3.0, 0.04);
+}
+
+// Larger vocabularies take the vectorized and selection paths: 1000 tokens, three of them
+// likely, the rest at logit 0.
+std::vector<float> ThreeLikely() {
+  std::vector<float> l(1000, 0.f);
+  l[10] = 5.f;
+  l[500] = 4.f;
+  l[999] = 3.f;
+  return l;
+}
+
+TEST(SamplerTest, TemperatureOverALargeVocabularyFollowsTheSoftmax) {
+  SamplingParams p;
+  p.temperature = 1.f;
+  auto h = Histogram(p, ThreeLikely(), 20000);
+  const double z = std::exp(5.) + std::exp(4.) + std::exp(3.) + 997;
+  EXPECT_NEAR(h[10] / 20000., std::exp(5.) / z, 0.01);
+  EXPECT_NEAR(h[500] / 20000., std::exp(4.) / z, 0.007);
+  EXPECT_NEAR(h[999] / 20000., std::exp(3.) / z, 0.005);
+  EXPECT_GT(h.size(), 500u);  // the flat tail is sampled too
+}
+
+TEST(SamplerTest, MinPOverALargeVocabularyKeepsTokensNearTheBest) {
+  SamplingParams p;
+  p.temperature = 1.f;
+  p.min_p = 0.3f;  // keeps p >= 0.3 p(best): e^4 / e^5 = 0.37 stays, e^3 / e^5 = 0.14 goes
+  auto h = Histogram(p, ThreeLikely(), 4000);
+  EXPECT_EQ(h.size(), 2u);
+  EXPECT_NEAR(h[10] / 4000., std::exp(5.) / (std::exp(5.) + std::exp(4.)), 0.03);
+}
+
+// The ranks (0 = best) of the smallest best-first set reaching top_p, computed in double after
+// top-k, from the plain definition.
+size_t TopPSetSize(std::vector<float> logits, int top_k, double top_p) {
+  std::sort(logits.begin(), logits.end(), std::greater<float>());
+  if (top_k > 0) logits.resize(top_k);
+  double z = 0;
+  for (float l : logits) z += std::exp(static_cast<double>(l) - logits[0]);
+  double cum = 0;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    cum += std::exp(static_cast<double>(logits[i]) - logits[0]) / z;
+    if (cum >= top_p) return i + 1;
+  }
+  return logits.size();
+}
+
+TEST(SamplerTest, TopPOverALargeVocabularyKeepsTheBestFirstSet) {
+  // 3000 distinct logits, -0.002 * rank, at shuffled ids: the set for top_p 0.5 has about 350
+  // tokens of nearly equal probability, so draws reach its end and, if it were cut wrong, past it.
+  std::vector<float> logits(3000);
+  std::vector<int> rank_of(3000);
+  std::iota(rank_of.begin(), rank_of.end(), 0);
+  std::shuffle(rank_of.begin(), rank_of.end(), std::mt19937(3));
+  for (int id = 0; id < 3000; ++id) logits[id] = -0.002f * rank_of[id];
+  for (int top_k : {0, 1000}) {
+    SamplingParams p;
+    p.temperature = 1.f;
+    p.top_k = top_k;
+    p.top_p = 0.5f;
+    const size_t size = TopPSetSize(logits, top_k, 0.5);
+    auto h = Histogram(p, logits, 4000);
+    int deepest = 0;
+    for (const auto& [id, count] : h) deepest = std::max(deepest, rank_of[id]);
+    // (one rank of slack: float and double sums may cross 0.5 a token apart)
+    EXPECT_LE(deepest, static_cast<int>(size)) << "top_k " << top_k << ", set " << size;
+    EXPECT_GE(deepest, static_cast<int>(size) - 20) << "top_k " << top_k << ", set " << size;
+  }
+}
+
+TEST(SamplerTest, EveryLogitNaNGivesTokenZeroWithoutReadingPastTheCandidates) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (float min_p : {0.f, 0.1f}) {
+    for (float top_p : {1.f, 0.9f}) {
+      SamplingParams p;
+      p.temperature = 1.f;
+      p.min_p = min_p;
+      p.top_p = top_p;
+      p.seed = 1;
+      Sampler s(p);
+      std::vector<float> logits(100, nan);
+      EXPECT_EQ(s.Sample(logits, {}, nullptr), 0) << min_p << " " << top_p;
+    }
+  }
 }
 
 TEST(SamplerTest, TemperatureSharpens) {
