@@ -768,9 +768,6 @@ struct Result {
   double pcie_floor_s = 0;    // the floor with PCIe as a third resource (see PrintResults)
 };
 
-// The next token as the product picks it greedily: a decode step's time includes it.
-int Argmax(const std::vector<float>& v) { return GreedyToken(v); }
-
 // Backend scratch and KV cache for a decode-only backend (mirrors CudaBackend::Create).
 double ScratchBytes(const SynthModel& m, int max_ctx, int kv_layers, int max_batch) {
   const ModelConfig& c = m.config;
@@ -1357,7 +1354,7 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
           std::fprintf(stderr, "adaptive forward: %s\n", st.message.c_str());
           return 1;
         }
-        token = Argmax(logits);
+        token = GreedyToken(logits);
         const double h1 = Now();
         if (slots > 0) {
           for (int l = 0; l < c.n_layers; ++l) cache->Observe(l, masks[s][l]);
@@ -1655,7 +1652,7 @@ int Main(int argc, char** argv) {
             std::fprintf(stderr, "forward: %s\n", st.message.c_str());
             return 1;
           }
-          token = Argmax(logits);
+          token = GreedyToken(logits);
           if (s >= o.warmup) {
             cold_s += be.b->last_stats().cold_callback;
             wait_s += be.b->last_stats().wait_for_x;
@@ -1743,7 +1740,7 @@ int Main(int argc, char** argv) {
           std::fprintf(stderr, "offload forward: %s\n", st.message.c_str());
           return 1;
         }
-        token = Argmax(logits);
+        token = GreedyToken(logits);
       }
       Result r;
       r.mode = "offload";
@@ -1786,7 +1783,7 @@ int Main(int argc, char** argv) {
           std::fprintf(stderr, "gpu forward: %s\n", st.message.c_str());
           return 1;
         }
-        token = Argmax(logits);
+        token = GreedyToken(logits);  // the product's greedy pick, part of the step
       }
       Result r;
       r.mode = "gpu";

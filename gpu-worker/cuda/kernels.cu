@@ -72,16 +72,18 @@ bool KnobOn(const char* name) {
   const char* e = std::getenv(name);
   return e == nullptr || e[0] != '0';
 }
+// A knob that is off unless its environment variable is set to 1.
+bool KnobOff(const char* name) {
+  const char* e = std::getenv(name);
+  return e != nullptr && e[0] == '1';
+}
 
 bool g_q8x = KnobOn("PINFER_CUDA_Q8X");
 
 // L2 prefetch of a dense matrix-vector kernel's rows before it waits for its predecessor (off;
 // PINFER_CUDA_PREFETCH=1 turns it on). Measured on the H200 (docs/cuda-runs/final2): the whole
 // F16 model on the GPU decodes at 117 tokens/s without it and 105 with it, in the same run.
-bool g_prefetch = [] {
-  const char* e = std::getenv("PINFER_CUDA_PREFETCH");
-  return e != nullptr && e[0] == '1';
-}();
+bool g_prefetch = KnobOff("PINFER_CUDA_PREFETCH");
 
 bool g_pdl = KnobOn("PINFER_CUDA_PDL");
 
@@ -1391,10 +1393,7 @@ bool g_attn_early = KnobOn("PINFER_CUDA_ATTN_EARLY");
 // its wait for the q/k/v product with PINFER_CUDA_ATTN_LATE_TRIGGER=1: that gained 2.0-2.3% on
 // the whole Q4_0 model in session 16's two H200 calls and lost 0.6% (10 of 11 pairs) in session
 // 17's five (docs/benchmarks.md, runs 30 and 31), so the longer-measured placement stays.
-bool g_attn_late_trigger = [] {
-  const char* e = std::getenv("PINFER_CUDA_ATTN_LATE_TRIGGER");
-  return e != nullptr && e[0] == '1';
-}();
+bool g_attn_late_trigger = KnobOff("PINFER_CUDA_ATTN_LATE_TRIGGER");
 // The int8 product with x in registers where the row suits it (MatVecQxRegsKernel;
 // PINFER_CUDA_QX_REGS=0: MatVecSplitQ8xKernel for every row, for comparison).
 bool g_qx_regs = KnobOn("PINFER_CUDA_QX_REGS");

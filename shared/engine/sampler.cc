@@ -104,6 +104,8 @@ int32_t Sampler::Sample(std::span<float> logits, std::span<const int32_t> histor
   // The candidates. Sorting the whole vocabulary took 2.5 ms a token at 32,000 logits
   // (bench/sampler_bench.cc), so top-k sorts only its k, top-p selects its set in linear time, and
   // min-p compares logits with a floor.
+  // min-p keeps prob >= min_p * prob(best), that is logit >= max + log(min_p).
+  const float min_p_floor = p_.min_p > 0.f ? max + std::log(p_.min_p) : -INFINITY;
   float sum = 0;  // top-p's softmax denominator: over top-k's survivors, or every logit
   if (p_.top_p < 1.f) {
     e_.assign(logits.begin(), logits.end());
@@ -119,12 +121,11 @@ int32_t Sampler::Sample(std::span<float> logits, std::span<const int32_t> histor
       for (size_t i = 0; i < n; ++i) sum += e_[cand_[i].second];
     }
   } else {
-    // min-p keeps prob >= min_p * prob(best), that is logit >= max + log(min_p), whatever top-p
-    // keeps before it, so only those are candidates (NaN never is one).
-    const float floor_logit = p_.min_p > 0.f ? max + std::log(p_.min_p) : -INFINITY;
+    // Whatever top-p keeps, min-p keeps only logits from its floor on, so only those are
+    // candidates (NaN never is one).
     cand_.clear();
     for (int i = 0; i < vocab; ++i) {
-      if (logits[i] >= floor_logit) cand_.push_back({logits[i], i});
+      if (logits[i] >= min_p_floor) cand_.push_back({logits[i], i});
     }
     n = cand_.size();
   }
@@ -162,10 +163,9 @@ int32_t Sampler::Sample(std::span<float> logits, std::span<const int32_t> histor
   // min-p over what top-k left (otherwise the candidates above are past it already). Weights
   // below e^-87 count as e^-87, the vector exp's floor.
   if (p_.min_p > 0.f && top_k) {
-    const float floor_logit = max + std::log(p_.min_p);
     size_t keep = 0;
     for (size_t i = 0; i < n; ++i) {
-      if (cand_[i].first >= floor_logit) cand_[keep++] = cand_[i];
+      if (cand_[i].first >= min_p_floor) cand_[keep++] = cand_[i];
     }
     n = std::max<size_t>(keep, 1);
   }
