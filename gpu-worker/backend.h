@@ -60,12 +60,22 @@ class ComputeBackend {
   // One decode step for several sequences: each feeds `token` at `pos` and gets the next
   // logits. Backends that can batch read the weights once for all of them (continuous
   // batching); results must equal Forward's for each sequence. A failure fails the whole batch.
+  struct GreedyPick {
+    int32_t token = 0;  // the first index of the largest logit (NaNs ignored)
+    float logprob = 0;  // its log-probability under softmax(logits)
+  };
   struct DecodeItem {
     int slot;
     int32_t token;
     int pos;
-    float* logits;  // [vocab]
+    float* logits;  // [vocab]; null when `greedy` is set
+    // Only for backends that picks_greedy(): the step's greedy token and its log-probability
+    // (what Sampler gives for a greedy request) instead of the logits.
+    GreedyPick* greedy = nullptr;
   };
+  // Whether DecodeBatch can pick greedy tokens itself (DecodeItem::greedy): the CUDA backend
+  // picks on the GPU, so that a greedy step copies 8 bytes instead of the vocabulary's logits.
+  virtual bool picks_greedy() const { return false; }
   virtual absl::Status DecodeBatch(std::span<const DecodeItem> items) {
     for (const DecodeItem& it : items) {
       absl::Status st = Forward(it.slot, std::span<const int32_t>(&it.token, 1), it.pos, it.logits);

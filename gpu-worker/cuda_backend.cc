@@ -147,18 +147,19 @@ class CudaBackend : public ComputeBackend {
 
   absl::Status Forward(int slot, std::span<const int32_t> tokens, int pos0,
                        float* logits) override {
-    return Run(slot, tokens, pos0, logits, /*decode=*/false);
+    return Run(slot, tokens, pos0, logits, nullptr, /*decode=*/false);
   }
 
   // Decode steps run one sequence at a time (the module's Forward takes one); they never stream.
   absl::Status DecodeBatch(std::span<const DecodeItem> items) override {
     for (const DecodeItem& it : items) {
       absl::Status st = Run(it.slot, std::span<const int32_t>(&it.token, 1), it.pos, it.logits,
-                            /*decode=*/true);
+                            it.greedy, /*decode=*/true);
       if (!st.ok()) return st;
     }
     return absl::OkStatus();
   }
+  bool picks_greedy() const override { return true; }
 
   uint64_t ffn_bytes() const override { return hot_bytes_; }
   uint64_t ffn_neurons() const override { return hot_neurons_; }
@@ -170,7 +171,7 @@ class CudaBackend : public ComputeBackend {
 
  private:
   absl::Status Run(int slot, std::span<const int32_t> tokens, int pos0, float* logits,
-                   bool decode) {
+                   GreedyPick* greedy, bool decode) {
     cuda::ForwardArgs a;
     a.seq = slot;
     a.tokens = tokens.data();
@@ -182,6 +183,11 @@ class CudaBackend : public ComputeBackend {
     a.cold = &cold_;
     a.logits_mode = logits != nullptr ? cuda::LogitsMode::kLast : cuda::LogitsMode::kNone;
     a.logits = logits;
+    cuda::GreedyResult pick;
+    if (greedy != nullptr) {
+      a.logits_mode = cuda::LogitsMode::kGreedy;
+      a.greedy = &pick;
+    }
     const bool adapt = decode && adaptive_ != nullptr && a.n == 1;
     if (adapt) a.active_out = &active_;
     // Prompt batches: who takes each layer's cold rows.
@@ -196,6 +202,7 @@ class CudaBackend : public ComputeBackend {
       a.cold_paths = &cold_paths_;
     }
     absl::Status st = ToStatus(backend_->Forward(a));
+    if (greedy != nullptr && st.ok()) *greedy = {pick.token, pick.logprob};
     const cuda::ForwardStats& fs = backend_->last_stats();
     if (adapt && st.ok()) {
       const uint64_t before = adaptive_->swaps_committed();

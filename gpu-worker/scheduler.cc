@@ -185,6 +185,10 @@ bool Scheduler::Step(Sequence* s) {
     s->stops_.emplace(s->opts_.gen.stop);
     s->history_ = prompt;
     s->logits_.resize(c.vocab_size);
+    // Greedy without a repetition penalty is the logits' first largest, whoever computes it.
+    const SamplingParams& sp = s->opts_.gen.sampling;
+    s->backend_picks_ =
+        backend_->picks_greedy() && sp.temperature == 0.f && sp.repetition_penalty == 1.f;
   }
   if (s->prefilled_ < prompt.size()) {
     // Prefill, one chunk per step; logits only after the last chunk.
@@ -221,7 +225,11 @@ bool Scheduler::Step(Sequence* s) {
 void Scheduler::DecodeBatch(const std::vector<Sequence*>& seqs) {
   std::vector<ComputeBackend::DecodeItem> items;
   for (Sequence* s : seqs) {
-    items.push_back({s->slot_, s->history_.back(), s->next_pos_, s->logits_.data()});
+    if (s->backend_picks_) {
+      items.push_back({s->slot_, s->history_.back(), s->next_pos_, nullptr, &s->pick_});
+    } else {
+      items.push_back({s->slot_, s->history_.back(), s->next_pos_, s->logits_.data()});
+    }
   }
   if (hooks_.on_decode_batch) hooks_.on_decode_batch(static_cast<int>(seqs.size()));
   absl::Status st = backend_->DecodeBatch(items);
@@ -231,15 +239,20 @@ void Scheduler::DecodeBatch(const std::vector<Sequence*>& seqs) {
       continue;
     }
     s->next_pos_ += 1;
-    SampleAndEmit(s, -1);
+    SampleAndEmit(s, -1, s->backend_picks_);
   }
 }
 
-void Scheduler::SampleAndEmit(Sequence* s, double prefill_seconds) {
+void Scheduler::SampleAndEmit(Sequence* s, double prefill_seconds, bool picked) {
   const ModelConfig& c = model_.config;
   const GenerateOptions& gen = s->opts_.gen;
   GeneratedToken tok;
-  tok.id = s->sampler_->Sample(s->logits_, s->history_, &tok.logprob);
+  if (picked) {
+    tok.id = s->pick_.token;
+    tok.logprob = s->pick_.logprob;
+  } else {
+    tok.id = s->sampler_->Sample(s->logits_, s->history_, &tok.logprob);
+  }
   s->history_.push_back(tok.id);
   s->generated_ += 1;
   if (hooks_.on_tokens) hooks_.on_tokens(1);

@@ -79,6 +79,9 @@ class Sequence {
   std::optional<StreamingDetokenizer> detok_;
   std::optional<StopStringMatcher> stops_;
   std::vector<float> logits_;
+  // Greedy requests on a backend that picks_greedy(): its pick replaces the logits and Sampler.
+  bool backend_picks_ = false;
+  ComputeBackend::GreedyPick pick_;
   Clock::time_point start_;
 };
 
@@ -119,7 +122,9 @@ class Scheduler {
   // sequences' decode steps.
   bool Step(Sequence* s);
   void DecodeBatch(const std::vector<Sequence*>& seqs);
-  void SampleAndEmit(Sequence* s, double prefill_seconds);
+  // Emits the next token: the backend's greedy pick (picked) or the sampler's choice from the
+  // logits.
+  void SampleAndEmit(Sequence* s, double prefill_seconds, bool picked = false);
   void Fail(Sequence* s, absl::Status st);
   void Finish(Sequence* s);
 

@@ -1158,9 +1158,28 @@ std::vector<std::string> Split(const std::string& s, char sep) {
   return out;
 }
 
+// Where each step's greedy token is picked: on the GPU, as the gpu-worker does for greedy
+// requests (LogitsMode::kGreedy: 8 bytes come back), or, in a variant with PICK=host, from the
+// logits copied to the host (the path before session 18, for comparison).
+bool g_host_pick = false;
+
+void AskForPick(cuda::ForwardArgs* a, std::vector<float>* logits, cuda::GreedyResult* pick) {
+  if (g_host_pick) {
+    a->logits = logits->data();
+  } else {
+    a->logits_mode = cuda::LogitsMode::kGreedy;
+    a->greedy = pick;
+  }
+}
+
+int32_t Picked(const std::vector<float>& logits, const cuda::GreedyResult& pick) {
+  return g_host_pick ? GreedyToken(logits) : pick.token;
+}
+
 // Sets the module's knobs for one variant: every known knob back to its default, then the
-// variant's NAME=VALUE pairs as PINFER_CUDA_NAME.
+// variant's NAME=VALUE pairs as PINFER_CUDA_NAME (PICK=host is the bench's own, above).
 void ApplyVariant(const std::string& variant) {
+  g_host_pick = false;
   for (const char* k :
        {"PDL", "REPACK", "STEP_GRAPH", "GRAPHS", "PRODUCER_QX", "PRELAUNCH", "NORM_VEC8", "QX_REGS",
         "QX_EARLY", "ATTN_ONLINE", "ATTN_QX", "ATTN_EARLY", "QX_PIPE", "FUSED_NORM",
@@ -1182,6 +1201,10 @@ void ApplyVariant(const std::string& variant) {
   for (const std::string& kv : Split(variant, '+')) {
     const size_t eq = kv.find('=');
     if (eq == std::string::npos) continue;
+    if (kv == "PICK=host") {
+      g_host_pick = true;
+      continue;
+    }
     setenv(("PINFER_CUDA_" + kv.substr(0, eq)).c_str(), kv.substr(eq + 1).c_str(), 1);
   }
 }
@@ -1254,6 +1277,7 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
   };
   std::vector<Row> rows;
   std::vector<float> logits(c.vocab_size);
+  cuda::GreedyResult pick;
   std::vector<double> fractions = {0.0};
   for (double f : o.cache_fractions) fractions.push_back(std::min(1.0, std::max(0.0, f)));
   for (double fraction : fractions) {
@@ -1348,13 +1372,13 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
         a.given_cold = &cold_ids;
         a.run_predictors = true;
         a.cold = &cold;
-        a.logits = logits.data();
+        AskForPick(&a, &logits, &pick);
         cuda::BackendStatus st = be.b->Forward(a);
         if (!st.ok()) {
           std::fprintf(stderr, "adaptive forward: %s\n", st.message.c_str());
           return 1;
         }
-        token = GreedyToken(logits);
+        token = Picked(logits, pick);
         const double h1 = Now();
         if (slots > 0) {
           for (int l = 0; l < c.n_layers; ++l) cache->Observe(l, masks[s][l]);
@@ -1560,6 +1584,7 @@ int Main(int argc, char** argv) {
   const double kv_read = 2.0 * c.kv_dim() * 4 * (o.warmup + o.steps / 2.0);
   std::vector<Result> results;
   std::vector<float> logits(c.vocab_size);
+  cuda::GreedyResult pick;
 
   const std::string* modes = &o.modes;
   auto has_mode = [&](const char* name) { return modes->find(name) != std::string::npos; };
@@ -1646,13 +1671,13 @@ int Main(int argc, char** argv) {
           a.given_cold = &cold_ids[s];
           a.run_predictors = true;
           a.cold = &cold;
-          a.logits = logits.data();
+          AskForPick(&a, &logits, &pick);
           cuda::BackendStatus st = be.b->Forward(a);
           if (!st.ok()) {
             std::fprintf(stderr, "forward: %s\n", st.message.c_str());
             return 1;
           }
-          token = GreedyToken(logits);
+          token = Picked(logits, pick);
           if (s >= o.warmup) {
             cold_s += be.b->last_stats().cold_callback;
             wait_s += be.b->last_stats().wait_for_x;
@@ -1733,14 +1758,14 @@ int Main(int argc, char** argv) {
           h.hidden_in = x.data();
           h.layer_begin = c.n_layers;
           h.layer_end = c.n_layers;
-          h.logits = logits.data();
+          AskForPick(&h, &logits, &pick);
           st = be.b->Forward(h);
         }
         if (!st.ok()) {
           std::fprintf(stderr, "offload forward: %s\n", st.message.c_str());
           return 1;
         }
-        token = GreedyToken(logits);
+        token = Picked(logits, pick);
       }
       Result r;
       r.mode = "offload";
@@ -1777,13 +1802,13 @@ int Main(int argc, char** argv) {
         a.n = 1;
         a.pos0 = s;
         a.mode = cuda::FfnMode::kDense;
-        a.logits = logits.data();
+        AskForPick(&a, &logits, &pick);
         cuda::BackendStatus st = be.b->Forward(a);
         if (!st.ok()) {
           std::fprintf(stderr, "gpu forward: %s\n", st.message.c_str());
           return 1;
         }
-        token = GreedyToken(logits);  // the product's greedy pick, part of the step
+        token = Picked(logits, pick);  // the product's greedy pick, part of the step
       }
       Result r;
       r.mode = "gpu";

@@ -278,6 +278,8 @@ class CudaBackend : public Backend {
   float *x_ = nullptr, *xb_ = nullptr, *q_ = nullptr, *att_ = nullptr, *hot_out_ = nullptr,
         *cold_in_ = nullptr, *gate_ = nullptr, *up_ = nullptr, *pred_h_ = nullptr,
         *scores_ = nullptr, *logits_ = nullptr;
+  GreedyResult* pick_dev_ = nullptr;   // device [1]: LogitsMode::kGreedy's pick
+  GreedyResult* pick_host_ = nullptr;  // pinned [1]: its copy
   float* rms_ = nullptr;  // [max_batch] each token's rms(residual) for pre-norm predictors
   // hot_list_: [1 + ffn] = count, then ids (one copy uploads a given list); cold likewise.
   int32_t *tokens_dev_ = nullptr, *positions_dev_ = nullptr, *hot_list_ = nullptr,
@@ -776,6 +778,8 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B), &rms_));
   if (max_rank_ > 0) BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B) * max_rank_, &pred_h_));
   BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B) * c.vocab, &logits_));
+  BACKEND_RETURN_IF_ERROR(Alloc(1, &pick_dev_));
+  BACKEND_RETURN_IF_ERROR(AllocHost(1, &pick_host_));
   BACKEND_RETURN_IF_ERROR(Alloc(2 * static_cast<size_t>(B), &tokens_dev_));
   positions_dev_ = tokens_dev_ + B;
   BACKEND_RETURN_IF_ERROR(Alloc(F + 1, &hot_list_));
@@ -1433,6 +1437,9 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
       }
     }
   }
+  if (a.logits_mode == LogitsMode::kGreedy && a.greedy == nullptr) {
+    return Error(Code::kInvalidArgument, "kGreedy logits without a place for the pick");
+  }
   if ((a.mode == FfnMode::kDense) && a.cold != nullptr) {
     return Error(Code::kInvalidArgument, "kDense mode has no cold side");
   }
@@ -1453,8 +1460,10 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
     CUDA_RETURN_IF_ERROR(RopeTable(positions_dev_, inv_freq_, c.head_dim, rope_cos_sin_, stream_));
   }
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_start_, stream_));
+  const bool greedy = a.logits_mode == LogitsMode::kGreedy;
   const bool head =
-      a.logits_mode != LogitsMode::kNone && a.logits != nullptr && layer_end == c.n_layers;
+      layer_end == c.n_layers &&
+      (greedy ? a.greedy != nullptr : a.logits_mode != LogitsMode::kNone && a.logits != nullptr);
   const bool step_graph = UsesStepGraph(a, layer_end);
   // x: [n, hidden] (the step graph starts with the embedding)
   if (a.hidden_in != nullptr) {
@@ -1504,7 +1513,7 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
                                          cudaMemcpyDeviceToHost, stream_));
   }
   if (head) {
-    const int first = a.logits_mode == LogitsMode::kLast ? n - 1 : 0;
+    const int first = a.logits_mode == LogitsMode::kAll ? 0 : n - 1;
     const int count = n - first;
     if (!step_graph) {  // (the step graph ends with these two)
       CUDA_RETURN_IF_ERROR(RmsNorm(x_ + static_cast<size_t>(first) * H, output_norm_, count, H,
@@ -1512,11 +1521,20 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
       BACKEND_RETURN_IF_ERROR(
           Proj(output_, xb_, count, logits_, c.vocab, XbQx(count)));  // [count, vocab]
     }
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(a.logits, logits_,
-                                         static_cast<size_t>(count) * c.vocab * 4,
-                                         cudaMemcpyDeviceToHost, stream_));
+    if (greedy) {
+      // The pick reads the logits where the head wrote them; only its 8 bytes cross PCIe.
+      CUDA_RETURN_IF_ERROR(
+          GreedyPick(logits_, c.vocab, &pick_dev_->token, &pick_dev_->logprob, stream_));
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pick_host_, pick_dev_, sizeof(GreedyResult),
+                                           cudaMemcpyDeviceToHost, stream_));
+    } else {
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(a.logits, logits_,
+                                           static_cast<size_t>(count) * c.vocab * 4,
+                                           cudaMemcpyDeviceToHost, stream_));
+    }
   }
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  if (head && greedy) *a.greedy = *pick_host_;
   for (int l = a.layer_begin; l < layer_end; ++l) {
     if (layers_[l].ffn == FfnPlacement::kHot) stats_.hot_rows_computed += counts_host_[2 * l];
   }

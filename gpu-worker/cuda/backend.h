@@ -173,7 +173,16 @@ class ColdFfn {
   virtual BackendStatus Run(const ColdRequest& request) = 0;
 };
 
-enum class LogitsMode : int { kLast = 0, kAll = 1, kNone = 2 };
+// kGreedy: the last token's greedy pick, made on the GPU (ForwardArgs::greedy), so that a greedy
+// decode step copies 8 bytes to the host instead of the vocabulary's logits.
+enum class LogitsMode : int { kLast = 0, kAll = 1, kNone = 2, kGreedy = 3 };
+
+// The greedy token (the first index of the largest logit, NaNs ignored) and its log-probability
+// under softmax of the logits: what the sampler computes for a greedy request.
+struct GreedyResult {
+  int32_t token = 0;
+  float logprob = 0;
+};
 
 struct ForwardArgs {
   int seq = 0;                      // KV cache slot
@@ -200,7 +209,8 @@ struct ForwardArgs {
   const float* hidden_in = nullptr;
   float* hidden_out = nullptr;
   LogitsMode logits_mode = LogitsMode::kLast;
-  float* logits = nullptr;  // host: [vocab] (kLast) or [n, vocab] (kAll)
+  float* logits = nullptr;         // host: [vocab] (kLast) or [n, vocab] (kAll)
+  GreedyResult* greedy = nullptr;  // kGreedy: the last token's pick (host)
   // Host exchange buffers (e.g. a shared-memory segment registered with RegisterHostMemory):
   // x [max_batch, hidden], out [max_batch, hidden], active [ffn]. Null: internal pinned buffers.
   float* exchange_x = nullptr;

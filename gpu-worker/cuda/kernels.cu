@@ -2047,6 +2047,81 @@ __global__ void WaitHostFlagKernel(volatile int32_t* flag) {
   __threadfence_system();
 }
 
+// The greedy pick's running state: the largest logit so far, the first index holding it, and
+// sum exp(l - max) over the logits seen (a logit equal to max adds exactly 1, so that infinite
+// maxima give counts instead of inf - inf).
+struct PickState {
+  float max;
+  float sum;
+  int32_t index;
+};
+
+__device__ __forceinline__ void PickAdd(PickState& s, float l, int32_t i) {
+  if (l != l) return;  // NaN: never picked, probability 0
+  if (s.index == INT32_MAX) {
+    s = {l, 1.f, i};
+  } else if (l > s.max) {
+    s.sum = s.sum * expf(s.max - l) + 1.f;
+    s.max = l;
+    s.index = i;
+  } else {
+    s.sum += l == s.max ? 1.f : expf(l - s.max);
+  }
+}
+
+__device__ __forceinline__ PickState PickJoin(PickState a, PickState b) {
+  if (b.max > a.max || (b.max == a.max && b.index < a.index)) {
+    const PickState t = a;
+    a = b;
+    b = t;
+  }
+  // a holds the larger maximum (or the first index of an equal one).
+  if (b.index != INT32_MAX) a.sum += b.max == a.max ? b.sum : b.sum * expf(b.max - a.max);
+  return a;
+}
+
+constexpr int kPickThreads = 1024;
+
+// One block: each thread folds a strided slice of the logits (four at a time when they are
+// 16-byte aligned), then the warps and the block join their states.
+__global__ void __launch_bounds__(kPickThreads)
+    GreedyPickKernel(const float* __restrict__ logits, int vocab, int32_t* token, float* logprob) {
+  PdlStart();
+  PickState s = {-INFINITY, 0.f, INT32_MAX};
+  int done = 0;
+  if ((reinterpret_cast<uintptr_t>(logits) & 15) == 0) {
+    const int quads = vocab / 4;
+    const float4* l4 = reinterpret_cast<const float4*>(logits);
+    for (int q = threadIdx.x; q < quads; q += blockDim.x) {
+      const float4 v = l4[q];
+      PickAdd(s, v.x, 4 * q);
+      PickAdd(s, v.y, 4 * q + 1);
+      PickAdd(s, v.z, 4 * q + 2);
+      PickAdd(s, v.w, 4 * q + 3);
+    }
+    done = 4 * quads;
+  }
+  for (int i = done + threadIdx.x; i < vocab; i += blockDim.x) PickAdd(s, logits[i], i);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    PickState other;
+    other.max = __shfl_xor_sync(0xffffffffu, s.max, o);
+    other.sum = __shfl_xor_sync(0xffffffffu, s.sum, o);
+    other.index = __shfl_xor_sync(0xffffffffu, s.index, o);
+    s = PickJoin(s, other);
+  }
+  __shared__ PickState warps[kPickThreads / kWarp];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  if (lane == 0) warps[warp] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < static_cast<int>(blockDim.x) / kWarp; ++w) s = PickJoin(s, warps[w]);
+    const bool any = s.index != INT32_MAX;
+    *token = any ? s.index : 0;
+    *logprob = any ? -logf(s.sum) : NAN;
+  }
+}
+
 __global__ void AddKernel(float* __restrict__ y, const float* __restrict__ x, int64_t count) {
   PdlStart();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
@@ -2837,6 +2912,14 @@ cudaError_t ShareOfCount(const int32_t* count, const int32_t* num, int den, int3
 cudaError_t WaitHostFlag(int32_t* flag, cudaStream_t stream) {
   if (flag == nullptr) return cudaErrorInvalidValue;
   return Launch(WaitHostFlagKernel, 1, 1, 0, stream, flag);
+}
+
+cudaError_t GreedyPick(const float* logits, int vocab, int32_t* token, float* logprob,
+                       cudaStream_t stream) {
+  if (logits == nullptr || token == nullptr || logprob == nullptr || vocab < 0) {
+    return cudaErrorInvalidValue;
+  }
+  return Launch(GreedyPickKernel, 1, kPickThreads, 0, stream, logits, vocab, token, logprob);
 }
 
 cudaError_t AddInPlace(float* y, const float* x, int64_t count, cudaStream_t stream) {

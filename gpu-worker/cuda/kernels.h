@@ -288,6 +288,13 @@ cudaError_t ShareOfCount(const int32_t* count, const int32_t* num, int den, int3
 // layer can be queued before the current layer's cold contribution exists. Each set must be
 // consumed by exactly one wait; the host must not set the flag again before this wait has run.
 cudaError_t WaitHostFlag(int32_t* flag, cudaStream_t stream);
+// The greedy token of logits: [vocab] without copying them to the host: *token = the first index
+// of the largest logit (NaNs ignored, as GreedyToken in shared/engine/sampler.h) and *logprob =
+// its log-probability under softmax(logits), the value the sampler reports for greedy requests
+// (NaN logits count as probability 0). Every logit NaN (or vocab 0): token 0, logprob NaN. Both
+// outputs are device memory.
+cudaError_t GreedyPick(const float* logits, int vocab, int32_t* token, float* logprob,
+                       cudaStream_t stream);
 // y[i] += x[i] + z[i] (the residual plus the hot and cold FFN parts).
 cudaError_t Add2InPlace(float* y, const float* x, const float* z, int64_t count,
                         cudaStream_t stream);

@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "shared/engine/ops.h"
+#include "shared/engine/sampler.h"
 #include "shared/engine/transformer.h"
 #include "shared/model/model.h"
 #include "shared/sparse/hot_cache.h"
@@ -230,24 +231,44 @@ class CudaBackendTest : public ::testing::Test {
     return static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin());
   }
 
-  // Greedy continuation: the prompt in one batch, then one token per step.
+  // Greedy continuation: the prompt in one batch, then one token per step. The host picks from
+  // the copied logits, or with gpu_pick the GPU does (LogitsMode::kGreedy); logprobs, if given,
+  // gets each pick's log-probability (the host's from the sampler's greedy path).
   static std::vector<int32_t> Greedy(cuda::Backend* b, const std::vector<int32_t>& prompt,
-                                     int steps, cuda::FfnMode mode, cuda::ColdFfn* cold) {
+                                     int steps, cuda::FfnMode mode, cuda::ColdFfn* cold,
+                                     bool gpu_pick = false, int seq = 0,
+                                     std::vector<float>* logprobs = nullptr) {
     std::vector<float> logits(model_->config.vocab_size);
     std::vector<int32_t> out;
+    cuda::GreedyResult pick;
+    Sampler sampler{SamplingParams{}};
     cuda::ForwardArgs a;
+    a.seq = seq;
     a.tokens = prompt.data();
     a.n = static_cast<int>(prompt.size());
     a.pos0 = 0;
     a.mode = mode;
     a.cold = cold;
-    a.logits = logits.data();
+    if (gpu_pick) {
+      a.logits_mode = cuda::LogitsMode::kGreedy;
+      a.greedy = &pick;
+    } else {
+      a.logits = logits.data();
+    }
     int pos = a.n;
     for (int s = 0; s < steps; ++s) {
       cuda::BackendStatus st = b->Forward(a);
       EXPECT_TRUE(st.ok()) << st.message;
       if (!st.ok()) return out;
-      out.push_back(Argmax(logits));
+      if (gpu_pick) {
+        out.push_back(pick.token);
+        if (logprobs != nullptr) logprobs->push_back(pick.logprob);
+      } else {
+        float logprob = 0;
+        out.push_back(sampler.Sample(logits, {}, &logprob));
+        EXPECT_EQ(out.back(), Argmax(logits));
+        if (logprobs != nullptr) logprobs->push_back(logprob);
+      }
       a.tokens = &out.back();
       a.n = 1;
       a.pos0 = pos++;
@@ -330,6 +351,42 @@ TEST_F(CudaBackendTest, WholeModelDenseGivesReferenceGreedyTokens) {
                      nullptr),
               expect)
         << p["prompt"];
+  }
+}
+
+// The GPU's greedy pick (LogitsMode::kGreedy, what the gpu-worker uses for greedy requests) gives
+// reference.json's tokens, and the same log-probabilities as the sampler on the copied logits:
+// through the step graph (the whole model, no cold side) and through the per-layer path with the
+// cold callback, from the prompt batch on.
+TEST_F(CudaBackendTest, GpuGreedyPickGivesReferenceTokensAndTheSamplersLogprobs) {
+  for (bool hot : {false, true}) {
+    SCOPED_TRACE(hot ? "hot/cold split" : "whole model");
+    auto backend = Create(Upload(hot));
+    ASSERT_NE(backend, nullptr);
+    CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
+    const cuda::FfnMode mode = hot ? cuda::FfnMode::kExact : cuda::FfnMode::kDense;
+    cuda::ColdFfn* cold_side = hot ? &cold : nullptr;
+    int prompts = 0;
+    for (const auto& p : (*reference_)["prompts"]) {
+      std::vector<int32_t> prompt = p["input_ids"].get<std::vector<int32_t>>();
+      std::vector<int32_t> expect = p["greedy_ids"].get<std::vector<int32_t>>();
+      const int steps = static_cast<int>(expect.size());
+      std::vector<float> gpu_logprobs, host_logprobs;
+      EXPECT_EQ(Greedy(backend.get(), prompt, steps, mode, cold_side, /*gpu_pick=*/true, 0,
+                       &gpu_logprobs),
+                expect)
+          << p["prompt"];
+      Greedy(backend.get(), prompt, steps, mode, cold_side, /*gpu_pick=*/false, 1, &host_logprobs);
+      ASSERT_EQ(gpu_logprobs.size(), host_logprobs.size());
+      for (size_t i = 0; i < gpu_logprobs.size(); ++i) {
+        EXPECT_LE(gpu_logprobs[i], 0.f);
+        EXPECT_NEAR(gpu_logprobs[i], host_logprobs[i], 1e-4) << "step " << i;
+      }
+      if (++prompts == 4) break;  // (the whole set runs in the tests above)
+    }
+    if (hot) {
+      EXPECT_GT(cold.calls, 0);
+    }
   }
 }
 
@@ -1141,6 +1198,12 @@ TEST_F(CudaBackendTest, RejectsBadRequestsWithSpecificErrors) {
   EXPECT_NE(st.message.find("out of range"), std::string::npos) << st.message;
 
   token = 5;
+  a.logits_mode = cuda::LogitsMode::kGreedy;  // with nowhere to put the pick
+  st = backend->Forward(a);
+  EXPECT_EQ(st.code, cuda::Code::kInvalidArgument);
+  EXPECT_NE(st.message.find("place for the pick"), std::string::npos) << st.message;
+
+  a.logits_mode = cuda::LogitsMode::kLast;
   a.mode = cuda::FfnMode::kPredicted;  // relu-llama-tiny is uploaded without predictors
   st = backend->Forward(a);
   EXPECT_EQ(st.code, cuda::Code::kFailedPrecondition);

@@ -23,6 +23,7 @@
 #include "gpu-worker/cuda/kernels.h"
 #include "gtest/gtest.h"
 #include "shared/engine/ops.h"
+#include "shared/engine/sampler.h"
 #include "shared/model/config.h"
 #include "shared/model/tensor.h"
 #include "shared/util/half.h"
@@ -713,6 +714,83 @@ TEST_F(CudaOpsTest, ElementwiseOpsMatchReference) {
   EXPECT_LE(Nmse(dy.Download(), add), kFp32Limit);
   EXPECT_LE(Nmse(dy2.Download(), add2), kFp32Limit);
   EXPECT_TRUE(dr.GuardsIntact() && dy.GuardsIntact() && dy2.GuardsIntact());
+}
+
+// The GPU's greedy pick against its definition: the token is GreedyToken's (the sampler's own
+// greedy pick) and the log-probability is log-softmax computed here in double, with NaN logits
+// left out. Sizes around the four-at-a-time loads and the block size, aligned and unaligned
+// logits, ties (the first index wins), NaNs, infinities and an all-NaN row.
+TEST_F(CudaOpsTest, GreedyPickMatchesTheSamplersDefinition) {
+  auto reference_logprob = [](const std::vector<float>& l, int32_t token) {
+    const double max = l[token];
+    double sum = 0;
+    for (float v : l) {
+      if (std::isnan(v)) continue;
+      sum += v == max ? 1.0 : std::exp(double(v) - max);
+    }
+    return -std::log(sum);
+  };
+  struct Case {
+    std::vector<float> logits;
+    const char* what;
+  };
+  std::vector<Case> cases;
+  for (int vocab : {1, 3, 5, 31, 1000, 1025, 4099, 32000, 50257}) {
+    cases.push_back({Random(vocab, 4.f), "random"});
+  }
+  {
+    std::vector<float> l = Random(32000, 4.f);
+    const int32_t best = GreedyToken(l);
+    l[best / 2] = l[best];  // an earlier tie must win
+    l[std::min<int>(best + 7, 31999)] = l[best];
+    cases.push_back({l, "ties"});
+  }
+  {
+    std::vector<float> l = Random(32000, 4.f);
+    for (int i = 0; i < 32000; i += 97) l[i] = NAN;
+    l[5] = l[6] = -INFINITY;
+    cases.push_back({l, "NaNs and -inf"});
+  }
+  {
+    std::vector<float> l = Random(4099, 4.f);
+    l[4000] = l[17] = INFINITY;
+    cases.push_back({l, "two +inf"});
+  }
+  cases.push_back({std::vector<float>(1000, -INFINITY), "all -inf"});
+  for (const Case& c : cases) {
+    for (int offset : {0, 1}) {  // offset 1: logits not 16-byte aligned
+      SCOPED_TRACE(testing::Message()
+                   << c.what << ", vocab " << c.logits.size() << ", offset " << offset);
+      std::vector<float> padded(offset, 0.f);
+      padded.insert(padded.end(), c.logits.begin(), c.logits.end());
+      DevBuf<float> dl(padded), dlogprob(1);
+      DevBuf<int32_t> dtoken(1);
+      CUDA_OK(cuda::GreedyPick(dl.get() + offset, static_cast<int>(c.logits.size()), dtoken.get(),
+                               dlogprob.get(), nullptr));
+      const int32_t want = GreedyToken(c.logits);
+      ASSERT_EQ(dtoken.Download()[0], want);
+      const float got = dlogprob.Download()[0];
+      EXPECT_NEAR(got, reference_logprob(c.logits, want), 1e-5 + 1e-6 * std::abs(got));
+      EXPECT_TRUE(dl.GuardsIntact() && dtoken.GuardsIntact() && dlogprob.GuardsIntact());
+    }
+  }
+  // Finite logits: the same log-probability as the sampler's greedy path.
+  std::vector<float> l = Random(32000, 4.f);
+  float sampler_logprob = 1;
+  std::vector<float> copy = l;
+  const int32_t sampler_token = Sampler(SamplingParams{}).Sample(copy, {}, &sampler_logprob);
+  DevBuf<float> dl(l), dlogprob(1);
+  DevBuf<int32_t> dtoken(1);
+  CUDA_OK(cuda::GreedyPick(dl.get(), 32000, dtoken.get(), dlogprob.get(), nullptr));
+  EXPECT_EQ(dtoken.Download()[0], sampler_token);
+  EXPECT_NEAR(dlogprob.Download()[0], sampler_logprob, 1e-5);
+  // Every logit NaN: token 0 (as GreedyToken) and a NaN log-probability.
+  DevBuf<float> dnan(std::vector<float>(777, NAN));
+  CUDA_OK(cuda::GreedyPick(dnan.get(), 777, dtoken.get(), dlogprob.get(), nullptr));
+  EXPECT_EQ(dtoken.Download()[0], 0);
+  EXPECT_TRUE(std::isnan(dlogprob.Download()[0]));
+  EXPECT_EQ(cuda::GreedyPick(nullptr, 1, dtoken.get(), dlogprob.get(), nullptr),
+            cudaErrorInvalidValue);
 }
 
 // The host-signalled wait: work queued behind it must not run before the host sets the flag,
