@@ -18,13 +18,13 @@ namespace {
 
 using LoadFn = Processor* (*)(const std::string*, std::string*);
 
-// AddressSanitizer refuses RTLD_DEEPBIND (google/sanitizers#611). Sanitizer builds (the fuzzers,
-// PINFER_ASAN) therefore load the module without it; they are only safe in processes that do not
-// also link the system protobuf.
-#if defined(__SANITIZE_ADDRESS__)
+// AddressSanitizer and ThreadSanitizer refuse RTLD_DEEPBIND (google/sanitizers#611). Sanitizer
+// builds (the fuzzers, PINFER_ASAN, PINFER_TSAN) therefore load the module without it; they are
+// only safe in processes that do not also link the system protobuf.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 constexpr int kDeepBind = 0;
 #elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
 constexpr int kDeepBind = 0;
 #else
 constexpr int kDeepBind = RTLD_DEEPBIND;

@@ -1,19 +1,22 @@
 // The gpu-worker's scheduler with a scripted compute backend (no GPU, no gRPC): which requests
 // take the backend's own greedy pick (ComputeBackend::picks_greedy, the CUDA backend's pick on
-// the GPU) and which get the logits and the sampler, and that the emitted tokens and
-// log-probabilities are the ones each path defines.
+// the GPU) and which get the logits and the sampler, that the emitted tokens and
+// log-probabilities are the ones each path defines, and that concurrent streams (also under TSan,
+// scripts/test.sh) keep to their own.
 //
 // The backend's logits for a step peak at one token that depends on the fed token and its
 // position, so the greedy chain is known in advance; its pick deliberately reports a
 // log-probability no sampler computes (-0.125), so that the test can tell whose value came out.
 #include "gpu-worker/scheduler.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <memory>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gpu-worker/backend.h"
@@ -190,6 +193,55 @@ TEST_F(SchedulerTest, GreedyRequestsOnABackendThatDoesNotPickUseTheSampler) {
   }
   EXPECT_EQ(backend.picked_steps.load(), 0);
   EXPECT_EQ(backend.logits_steps.load(), 4);
+}
+
+// Streams submitted from several threads at once, greedy and sampled, one of them cancelled: the
+// scheduler batches their decode steps together, and every stream still gets its own chain (the
+// scripted logits depend only on the fed token and its position). Also run under TSan.
+TEST_F(SchedulerTest, ConcurrentStreamsEachGetTheirOwnChain) {
+  ScriptedBackend backend(model_->config.vocab_size, /*picks=*/true);
+  Scheduler scheduler(&backend, *model_, SchedulerOptions{}, [] { return std::string(); }, {});
+  constexpr int kStreams = 6, kTokens = 24;
+  std::vector<std::vector<int32_t>> got(kStreams);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kStreams; ++i) {
+    clients.emplace_back([&, i] {
+      SequenceOptions opts;
+      opts.prompt = {1, 450, 1996};
+      opts.gen.max_new_tokens = kTokens;
+      opts.gen.stop_at_eos = false;
+      if (i % 2 == 1) {
+        opts.gen.sampling.temperature = 0.9f;
+        opts.gen.sampling.top_k = 1;
+        opts.gen.sampling.seed = i;
+      }
+      auto seq = scheduler.Submit(opts);
+      ASSERT_TRUE(seq.ok()) << seq.status();
+      for (bool final = false; !final;) {
+        std::vector<SequenceEvent> events;
+        if (!(*seq)->WaitEvents(&events, std::chrono::seconds(30))) {
+          ADD_FAILURE() << "stream " << i << ": no event in 30 s";
+          return;
+        }
+        for (SequenceEvent& e : events) {
+          EXPECT_TRUE(e.status.ok()) << e.status;
+          for (const GeneratedToken& t : e.tokens) got[i].push_back(t.id);
+          final = final || e.final;
+        }
+        if (i == 0 && got[i].size() >= 3) {
+          (*seq)->Cancel();  // nobody reads this stream's events any more
+          return;
+        }
+      }
+    });
+  }
+  for (std::thread& t : clients) t.join();
+  const std::vector<int32_t> chain = Chain(kTokens);
+  EXPECT_GE(got[0].size(), 3u);
+  EXPECT_TRUE(std::equal(got[0].begin(), got[0].end(), chain.begin()));
+  for (int i = 1; i < kStreams; ++i) EXPECT_EQ(got[i], chain) << "stream " << i;
+  EXPECT_GT(backend.picked_steps.load(), 0);
+  EXPECT_GT(backend.logits_steps.load(), 0);
 }
 
 }  // namespace
