@@ -57,9 +57,6 @@ class ComputeBackend {
   // token, or null when not needed (earlier prefill chunks).
   virtual absl::Status Forward(int slot, std::span<const int32_t> tokens, int pos0,
                                float* logits) = 0;
-  // One decode step for several sequences: each feeds `token` at `pos` and gets the next
-  // logits. Backends that can batch read the weights once for all of them (continuous
-  // batching); results must equal Forward's for each sequence. A failure fails the whole batch.
   struct GreedyPick {
     int32_t token = 0;  // the first index of the largest logit (NaNs ignored)
     float logprob = 0;  // its log-probability under softmax(logits)
@@ -76,6 +73,10 @@ class ComputeBackend {
   // Whether DecodeBatch can pick greedy tokens itself (DecodeItem::greedy): the CUDA backend
   // picks on the GPU, so that a greedy step copies 8 bytes instead of the vocabulary's logits.
   virtual bool picks_greedy() const { return false; }
+  // One decode step for several sequences: each feeds `token` at `pos` and gets the next
+  // logits (or its greedy pick). Backends that can batch read the weights once for all of them
+  // (continuous batching); results must equal Forward's for each sequence. A failure fails the
+  // whole batch.
   virtual absl::Status DecodeBatch(std::span<const DecodeItem> items) {
     for (const DecodeItem& it : items) {
       absl::Status st = Forward(it.slot, std::span<const int32_t>(&it.token, 1), it.pos, it.logits);
