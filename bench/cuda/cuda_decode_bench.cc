@@ -18,6 +18,11 @@
 //   offload  whole layers on the GPU up to the budget, the remaining layers computed dense on the
 //            CPU (attention included), output head on the GPU.
 //   gpu      every weight on the GPU, dense (no budget): the bandwidth check.
+//   lanes    pinfer's backend and a second lane over the same weights (Backend::NewLane) decode
+//            two sequences at once from two threads, the cold sides taking turns on the CPU:
+//            one sequence's cold rows overlap the other's GPU work, where a single sequence must
+//            wait for each layer's cold rows before the next layer's attention. Tokens/s counts
+//            both sequences; bytes per token are the same as one sequence's.
 // Weights are random, so down_t (the transposed down matrix the sparse path reads) is simply
 // another random [ffn, hidden] matrix; the dense modes read the same bytes as [hidden, ffn].
 // The synthetic model gates with SiLU rather than ReLU: with random weights a drawn-active
@@ -29,6 +34,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <barrier>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -36,6 +42,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <random>
 #include <string>
@@ -393,6 +400,21 @@ class CpuColdFfn : public cuda::ColdFfn {
   std::unique_ptr<CpuOps> ops_;
   std::vector<float> partial_, coef_;
   bool bundles_ = true;
+};
+
+// Two lanes' cold sides on one pool: each request runs alone, in arrival order, as the
+// cpu-worker serves one exchange at a time.
+class TakeTurns : public cuda::ColdFfn {
+ public:
+  TakeTurns(cuda::ColdFfn* inner, std::mutex* turn) : inner_(inner), turn_(turn) {}
+  cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
+    std::lock_guard<std::mutex> lock(*turn_);
+    return inner_->Run(r);
+  }
+
+ private:
+  cuda::ColdFfn* inner_;
+  std::mutex* turn_;
 };
 
 // The cold side's row bandwidth on one layer-sized set of gate, up and down_t rows: 10% of the
@@ -824,14 +846,14 @@ void PrintResults(const Options& o, const SynthModel& m, const Bandwidths& bw,
                   r.variant.c_str(), r.gpu_bytes * r.tok_s / 1e9,
                   100.0 * r.gpu_bytes * r.tok_s / bw.gpu());
     }
-    if (r.mode == "pinfer") {
+    if (r.mode.rfind("pinfer", 0) == 0) {
       std::printf(
-          "pinfer [%s] skew %.0f%%: per token cold callback %.2f ms, host wait for x "
+          "%s [%s] skew %.0f%%: per token cold callback %.2f ms, host wait for x "
           "%.2f ms (GPU busy %.2f ms of it), GPU hot FFN (+ its cold share) %.2f ms; GPU took "
           "%.1f%% of the active cold rows over PCIe; floor with PCIe as a third resource %.2f ms "
           "(%.0f%% of it)\n",
-          r.variant.c_str(), r.skew * 100, r.cold_s * 1e3, r.wait_s * 1e3, r.gpu_attn_s * 1e3,
-          r.gpu_hot_s * 1e3, 100 * r.gpu_cold_share, r.pcie_floor_s * 1e3,
+          r.mode.c_str(), r.variant.c_str(), r.skew * 100, r.cold_s * 1e3, r.wait_s * 1e3,
+          r.gpu_attn_s * 1e3, r.gpu_hot_s * 1e3, 100 * r.gpu_cold_share, r.pcie_floor_s * 1e3,
           100.0 * r.pcie_floor_s * r.tok_s);
     }
   }
@@ -1594,14 +1616,19 @@ int Main(int argc, char** argv) {
     modes = variant == "base" || o.variant_modes.empty() ? &o.modes : &o.variant_modes;
     std::printf("variant %s: modes %s\n", variant.c_str(), modes->c_str());
     const size_t first_result = results.size();
-    // --- pinfer: hot rows on the GPU, cold rows on the CPU, overlapped.
-    if (has_mode("pinfer")) {
+    // --- pinfer: hot rows on the GPU, cold rows on the CPU, overlapped. lanes: the same backend
+    // and a second lane (Backend::NewLane) decode two sequences at once from two threads.
+    const bool lanes = has_mode("lanes");
+    if (has_mode("pinfer") || lanes) {
+      // With lanes: a second KV slot and the lane's scratch (which holds no KV cache).
       const double fixed = m.HeadBytes() + c.n_layers * (m.AttnBytes() + m.PredBytes()) +
-                           ScratchBytes(m, max_ctx, c.n_layers, 8);
+                           ScratchBytes(m, max_ctx * (lanes ? 2 : 1), c.n_layers, 8) +
+                           (lanes ? ScratchBytes(m, 0, 0, 8) : 0);
       const double per_neuron = 3.0 * rb + 4;  // gate, up, down_t rows and the id
       const int n_hot = std::max(
           0, std::min(c.ffn_size, static_cast<int>((budget - fixed) / (c.n_layers * per_neuron))));
       cuda::ModelUpload u = BaseUpload(m, max_ctx);
+      if (lanes) u.max_seqs = 2;
       std::vector<std::vector<int32_t>> local_of(c.n_layers);  // global -> hot local or -1
       for (int l = 0; l < c.n_layers; ++l) {
         const SynthLayer& L = m.layers[l];
@@ -1634,13 +1661,23 @@ int Main(int argc, char** argv) {
           c.ffn_size, 100.0 * n_hot / c.ffn_size, Now() - t0);
       be.b->set_collect_gpu_times(true);
       be.b->set_use_graphs(o.graphs);
-      SpinPool spin(threads);
-      CpuColdFfn cold(m, spin);
+      Backend lane;
+      if (lanes) {
+        cuda::BackendStatus st = be.b->NewLane(&lane.b);
+        if (!st.ok()) {
+          std::fprintf(stderr, "lane: %s\n", st.message.c_str());
+          return 1;
+        }
+        lane.b->set_collect_gpu_times(true);
+        lane.b->set_use_graphs(o.graphs);
+      }
       for (double skew : o.skews) {
-        Masks masks = DrawMasks(m, o.active, skew, total_steps, pool);
-        std::vector<std::vector<std::vector<int32_t>>> hot(total_steps), cold_ids(total_steps);
+        // Lanes: the second sequence's steps follow the first's in the masks.
+        const int drawn = lanes ? 2 * total_steps : total_steps;
+        Masks masks = DrawMasks(m, o.active, skew, drawn, pool);
+        std::vector<std::vector<std::vector<int32_t>>> hot(drawn), cold_ids(drawn);
         double hot_rows = 0, cold_rows = 0;
-        for (int s = 0; s < total_steps; ++s) {
+        for (int s = 0; s < drawn; ++s) {
           hot[s].resize(c.n_layers);
           cold_ids[s].resize(c.n_layers);
           for (int l = 0; l < c.n_layers; ++l) {
@@ -1650,66 +1687,120 @@ int Main(int argc, char** argv) {
               else
                 cold_ids[s][l].push_back(j);
             }
-            if (s >= o.warmup) {
+            if (s % total_steps >= o.warmup) {
               hot_rows += hot[s][l].size();
               cold_rows += cold_ids[s][l].size();
             }
           }
         }
-        hot_rows /= o.steps;
-        cold_rows /= o.steps;
-        int32_t token = 1;
-        double start = 0, cold_s = 0, wait_s = 0, hot_s = 0, attn_s = 0, gpu_cold = 0, cpu_cold = 0;
-        for (int s = 0; s < total_steps; ++s) {
-          if (s == o.warmup) start = Now();
-          cuda::ForwardArgs a;
-          a.tokens = &token;
-          a.n = 1;
-          a.pos0 = s;
-          a.mode = cuda::FfnMode::kGiven;
-          a.given_hot = &hot[s];
-          a.given_cold = &cold_ids[s];
-          a.run_predictors = true;
-          a.cold = &cold;
-          AskForPick(&a, &logits, &pick);
-          cuda::BackendStatus st = be.b->Forward(a);
-          if (!st.ok()) {
-            std::fprintf(stderr, "forward: %s\n", st.message.c_str());
-            return 1;
+        hot_rows /= o.steps * (drawn / total_steps);
+        cold_rows /= o.steps * (drawn / total_steps);
+        // One sequence's decode on backend b in KV slot `seq`, its masks from step `first`;
+        // `warm` runs once between the warm-up and the measured steps. The stats sum the
+        // measured steps.
+        struct Sums {
+          double cold_s = 0, wait_s = 0, hot_s = 0, attn_s = 0, gpu_cold = 0, cpu_cold = 0;
+        };
+        auto decode = [&](cuda::Backend* b, int seq, int first, cuda::ColdFfn* cold,
+                          const std::function<void()>& warm, Sums* sums) -> bool {
+          std::vector<float> step_logits(c.vocab_size);
+          cuda::GreedyResult step_pick;
+          int32_t token = 1;
+          for (int s = 0; s < total_steps; ++s) {
+            if (s == o.warmup) warm();
+            cuda::ForwardArgs a;
+            a.seq = seq;
+            a.tokens = &token;
+            a.n = 1;
+            a.pos0 = s;
+            a.mode = cuda::FfnMode::kGiven;
+            a.given_hot = &hot[first + s];
+            a.given_cold = &cold_ids[first + s];
+            a.run_predictors = true;
+            a.cold = cold;
+            AskForPick(&a, &step_logits, &step_pick);
+            cuda::BackendStatus st = b->Forward(a);
+            if (!st.ok()) {
+              std::fprintf(stderr, "forward: %s\n", st.message.c_str());
+              return false;
+            }
+            token = Picked(step_logits, step_pick);
+            if (s >= o.warmup) {
+              const cuda::ForwardStats& fs = b->last_stats();
+              sums->cold_s += fs.cold_callback;
+              sums->wait_s += fs.wait_for_x;
+              sums->gpu_cold += static_cast<double>(fs.cold_rows_gpu);
+              sums->cpu_cold += static_cast<double>(fs.cold_rows_requested);
+              sums->hot_s += fs.gpu_hot_ffn;
+              sums->attn_s += fs.gpu_attention;
+            }
           }
-          token = Picked(logits, pick);
-          if (s >= o.warmup) {
-            cold_s += be.b->last_stats().cold_callback;
-            wait_s += be.b->last_stats().wait_for_x;
-            gpu_cold += static_cast<double>(be.b->last_stats().cold_rows_gpu);
-            cpu_cold += static_cast<double>(be.b->last_stats().cold_rows_requested);
-            hot_s += be.b->last_stats().gpu_hot_ffn;
-            attn_s += be.b->last_stats().gpu_attention;
-          }
-        }
-        Result r;
-        r.mode = "pinfer";
-        r.skew = skew;
-        r.tok_s = o.steps / (Now() - start);
+          return true;
+        };
         char pl[64];
         std::snprintf(pl, sizeof(pl), "%.1f%% FFN rows hot", 100.0 * n_hot / c.ffn_size);
-        r.placement = pl;
-        r.gpu_bytes = m.HeadBytes() / 2 + c.n_layers * (m.AttnBytes() + m.PredBytes() + kv_read) +
-                      hot_rows * 3 * rb;
-        r.cpu_bytes = cold_rows * 3 * rb;
-        r.gpu_cold_share = gpu_cold + cpu_cold > 0 ? gpu_cold / (gpu_cold + cpu_cold) : 0;
-        r.plan_bytes = plan;
-        r.actual_bytes = static_cast<double>(be.b->DeviceBytes());
-        r.cold_s = cold_s / o.steps;
-        r.wait_s = wait_s / o.steps;
-        r.gpu_hot_s = hot_s / o.steps;
-        r.gpu_attn_s = attn_s / o.steps;
+        // Bytes per token: the same for one sequence and for each of two.
+        const double gpu_bytes = m.HeadBytes() / 2 +
+                                 c.n_layers * (m.AttnBytes() + m.PredBytes() + kv_read) +
+                                 hot_rows * 3 * rb;
+        auto result = [&](const char* mode, double tok_s, const Sums& x, double actual) {
+          Result r;
+          r.mode = mode;
+          r.skew = skew;
+          r.tok_s = tok_s;
+          r.placement = pl;
+          r.gpu_bytes = gpu_bytes;
+          r.cpu_bytes = cold_rows * 3 * rb;
+          r.gpu_cold_share =
+              x.gpu_cold + x.cpu_cold > 0 ? x.gpu_cold / (x.gpu_cold + x.cpu_cold) : 0;
+          r.plan_bytes = plan;
+          r.actual_bytes = actual;
+          r.cold_s = x.cold_s / o.steps;
+          r.wait_s = x.wait_s / o.steps;
+          r.gpu_hot_s = x.hot_s / o.steps;
+          r.gpu_attn_s = x.attn_s / o.steps;
+          results.push_back(r);
+        };
         std::printf("pinfer skew %.0f%%: %.1f hot + %.1f cold active rows per layer per token\n",
                     skew * 100, hot_rows / c.n_layers, cold_rows / c.n_layers);
-        results.push_back(r);
+        if (has_mode("pinfer")) {
+          SpinPool spin(threads);
+          CpuColdFfn cold(m, spin);
+          double start = 0;
+          Sums sums;
+          if (!decode(
+                  be.b, 0, 0, &cold, [&] { start = Now(); }, &sums))
+            return 1;
+          result("pinfer", o.steps / (Now() - start), sums,
+                 static_cast<double>(be.b->DeviceBytes()));
+        }
+        if (lanes) {
+          // Two sequences, each on its own lane and thread with its own cold side; the cold
+          // sides take turns on one pool (the CPU computes one layer's cold rows at a time, while
+          // the GPU works on the other sequence). The pool has a thread fewer, for the other
+          // lane's host thread, which waits on the GPU meanwhile.
+          SpinPool spin(std::max(1, threads - 1));
+          std::mutex turn;
+          CpuColdFfn cold0(m, spin), cold1(m, spin);
+          TakeTurns take0(&cold0, &turn), take1(&cold1, &turn);
+          std::barrier warm_done(2);
+          std::atomic<double> start{0};
+          Sums sums0, sums1;
+          bool ok1 = true;
+          auto warm = [&] {
+            warm_done.arrive_and_wait();
+            double zero = 0;
+            start.compare_exchange_strong(zero, Now());
+          };
+          std::thread second([&] { ok1 = decode(lane.b, 1, total_steps, &take1, warm, &sums1); });
+          const bool ok0 = decode(be.b, 0, 0, &take0, warm, &sums0);
+          second.join();
+          if (!ok0 || !ok1) return 1;
+          result("pinfer, 2 lanes", 2.0 * o.steps / (Now() - start.load()), sums0,
+                 static_cast<double>(be.b->DeviceBytes() + lane.b->DeviceBytes()));
+        }
       }
     }
-
     // --- offload: whole layers on the GPU up to the budget, the rest dense on the CPU.
     if (has_mode("offload")) {
       const double layer_bytes = m.AttnBytes() + m.FfnBytes() + kv_per_layer + 8.0 * c.hidden_size;

@@ -133,6 +133,7 @@ class CudaBackend : public Backend {
   const ForwardStats& last_stats() const override { return stats_; }
   void set_collect_gpu_times(bool on) override { collect_gpu_times_ = on; }
   void set_use_graphs(bool on) override { use_graphs_ = on; }
+  BackendStatus NewLane(Backend** out) override;
   BackendStatus CalibrateStreaming(int layer, int n, StreamCalibration* out) override;
   BackendStatus LoadCacheRows(int layer, const std::vector<int32_t>& slots,
                               const std::vector<int32_t>& neurons) override;
@@ -249,6 +250,10 @@ class CudaBackend : public Backend {
   }
   // Adds layer l's cold rows' contribution for the FFN input xb_ ([n, hidden]) to hot_out_.
   BackendStatus StreamCold(int l, int n);
+  // This backend's own scratch, streams, events and pinned staging (Create, and a lane's whole
+  // setup: everything else a lane shares with the backend it came from).
+  BackendStatus AllocateScratch();
+  BackendStatus InitLane(const CudaBackend& base);
   void Release();
 
   ModelDims dims_;
@@ -258,6 +263,8 @@ class CudaBackend : public Backend {
   cublasHandle_t cublas_ = nullptr;
   std::vector<void*> allocations_, host_allocations_;
   size_t device_bytes_ = 0, weight_bytes_ = 0;
+  int64_t widest_ = 0;  // the widest activation row, for the cuBLAS input scratch
+  size_t w_half_ = 0;   // the largest weight conversion the cuBLAS path needs
 
   DeviceMatrix tok_embeddings_, output_;
   float* output_norm_ = nullptr;
@@ -597,7 +604,6 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   if (const char* g = std::getenv("PINFER_CUDA_ATTN_EARLY")) {
     SetAttentionEarlyLoad(std::string(g) != "0");
   }
-  const char* attn_qx = std::getenv("PINFER_CUDA_ATTN_QX");  // 0: off (benchmarks)
   if (const char* g = std::getenv("PINFER_CUDA_ATTN_ONLINE")) {
     SetOnlineAttention(std::string(g) != "0");
   }
@@ -624,7 +630,6 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   BACKEND_RETURN_IF_ERROR(UploadMatrix(m.output, nullptr, "output", &output_));
   BACKEND_RETURN_IF_ERROR(UploadVector(m.output_norm, H, "output_norm", &output_norm_));
   BACKEND_RETURN_IF_ERROR(Alloc(c.inv_freq.size(), &inv_freq_));
-  BACKEND_RETURN_IF_ERROR(Alloc(2 * c.inv_freq.size(), &rope_cos_sin_));
   CUDA_RETURN_IF_ERROR(
       cudaMemcpy(inv_freq_, c.inv_freq.data(), c.inv_freq.size() * 4, cudaMemcpyHostToDevice));
 
@@ -744,10 +749,34 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
     }
   }
 
-  // KV cache and scratch.
+  // The KV cache, shared with every lane (NewLane); then this backend's own scratch.
   const size_t kv = static_cast<size_t>(kv_layers_) * max_seqs_ * max_ctx_ * kvdim;
   BACKEND_RETURN_IF_ERROR(Alloc(kv, &k_cache_));
   BACKEND_RETURN_IF_ERROR(Alloc(kv, &v_cache_));
+  widest_ = widest;
+  w_half_ = w_half;
+  BACKEND_RETURN_IF_ERROR(AllocateScratch());
+  if (repack_tmp_ != nullptr) CUDA_RETURN_IF_ERROR(cudaFree(repack_tmp_));
+  repack_tmp_ = nullptr;
+  repack_tmp_bytes_ = 0;
+  return Ok();
+}
+
+BackendStatus CudaBackend::AllocateScratch() {
+  const ModelDims& c = dims_;
+  const int H = c.hidden, B = max_batch_, F = c.ffn;
+  const int qdim = c.n_heads * c.head_dim, kvdim = c.n_kv_heads * c.head_dim;
+  const int64_t widest = widest_;
+  const size_t w_half = w_half_;
+  const char* attn_qx = std::getenv("PINFER_CUDA_ATTN_QX");  // 0: off (benchmarks)
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  if (stream_ == nullptr) {  // a lane's (Create made the first backend's for its uploads)
+    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  }
+  if (cublas_ == nullptr && cublasCreate(&cublas_) != CUBLAS_STATUS_SUCCESS) {
+    return Error(Code::kInternal, "cublasCreate failed");
+  }
+  BACKEND_RETURN_IF_ERROR(Alloc(2 * c.inv_freq.size(), &rope_cos_sin_));
   const size_t bh = static_cast<size_t>(B) * H, bf = static_cast<size_t>(B) * F;
   BACKEND_RETURN_IF_ERROR(Alloc(bh, &x_));
   BACKEND_RETURN_IF_ERROR(Alloc(bh, &xb_));
@@ -833,10 +862,55 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&ev_join_, cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&publish_stream_, cudaStreamNonBlocking));
   CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
-  if (repack_tmp_ != nullptr) CUDA_RETURN_IF_ERROR(cudaFree(repack_tmp_));
-  repack_tmp_ = nullptr;
-  repack_tmp_bytes_ = 0;
   return Ok();
+}
+
+BackendStatus CudaBackend::NewLane(Backend** out) {
+  *out = nullptr;
+  for (const DeviceLayer& L : layers_) {
+    if (L.n_cache > 0) {
+      return Error(Code::kFailedPrecondition,
+                   "a model with adaptive cache rows has no lanes: SetCacheSlots changes what "
+                   "every lane's steps read");
+    }
+  }
+  auto lane = std::make_unique<CudaBackend>();
+  BACKEND_RETURN_IF_ERROR(lane->InitLane(*this));
+  *out = lane.release();
+  return Ok();
+}
+
+BackendStatus CudaBackend::InitLane(const CudaBackend& base) {
+  dims_ = base.dims_;
+  max_ctx_ = base.max_ctx_;
+  max_seqs_ = base.max_seqs_;
+  max_batch_ = base.max_batch_;
+  device_ = base.device_;
+  device_name_ = base.device_name_;
+  // Shared: the weights (device pointers in these structs, owned by base), the KV cache, and the
+  // pinned cold rows of the GPU's cold share.
+  tok_embeddings_ = base.tok_embeddings_;
+  output_ = base.output_;
+  output_norm_ = base.output_norm_;
+  inv_freq_ = base.inv_freq_;
+  layers_ = base.layers_;
+  kv_layers_ = base.kv_layers_;
+  k_cache_ = base.k_cache_;
+  v_cache_ = base.v_cache_;
+  max_rank_ = base.max_rank_;
+  widest_ = base.widest_;
+  w_half_ = base.w_half_;
+  // The settings Create read.
+  use_graphs_ = base.use_graphs_;
+  step_graph_ = base.step_graph_;
+  early_publish_ = base.early_publish_;
+  zero_copy_cold_ = base.zero_copy_cold_;
+  prelaunch_ = base.prelaunch_;
+  collect_gpu_times_ = base.collect_gpu_times_;
+  share_on_ = base.share_on_;
+  share_adaptive_ = base.share_adaptive_;
+  share_num_ = base.share_num_;
+  return AllocateScratch();
 }
 
 BackendStatus CudaBackend::Proj(const DeviceMatrix& w, const float* x, int n, float* y, int ldy,

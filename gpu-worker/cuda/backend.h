@@ -272,6 +272,15 @@ class Backend {
   // new rows into it.
   virtual BackendStatus SetCacheSlots(int layer, const std::vector<int32_t>& slots,
                                       const std::vector<int32_t>& neurons) = 0;
+  // A second backend over the same weights and KV cache, with its own scratch, streams, graphs
+  // and statistics, so that two threads can run Forward at once: while one sequence's cold rows
+  // run on the CPU, the GPU works on another sequence's attention, where a single sequence leaves
+  // one side idle (each layer needs the previous one's cold contribution). Sequence slots are
+  // shared: run each slot on one backend at a time. Destroy the lane (with
+  // pinfer_cuda_destroy_backend) before this backend. A lane streams no cold rows (its prompt
+  // batches take the callback). FAILED_PRECONDITION for a model with adaptive cache rows, whose
+  // slots change under SetCacheSlots.
+  virtual BackendStatus NewLane(Backend** out) = 0;
   // Single-token steps replay one CUDA graph per layer (captured on first use per layer,
   // sequence slot and mode); on by default, or off with PINFER_CUDA_GRAPHS=0.
   virtual void set_use_graphs(bool on) = 0;

@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gpu-worker/cuda/backend.h"
@@ -1104,6 +1105,87 @@ TEST_F(CudaBackendTest, ColdGpuShareMatchesCpuReference) {
   EXPECT_EQ(module_->create(&u, &b, err, sizeof(err)),
             static_cast<int>(cuda::Code::kInvalidArgument));
   EXPECT_NE(std::string(err).find("cold_gpu_share"), std::string::npos) << err;
+}
+
+// Two lanes (Backend::NewLane: shared weights and KV cache, own scratch and streams) run two
+// sequences at once from two threads, each with its own cold side, as two concurrent requests
+// would: both give reference.json's greedy tokens, in exact mode through the GPU's pick, and in
+// predicted mode with the GPU's cold share (whose pinned rows the lanes share) each step's logits
+// equal the CPU reference's. A lane holds no weights of its own, and a model with adaptive cache
+// rows has no lanes.
+TEST_F(CudaBackendTest, LanesRunTwoSequencesAtOnce) {
+  auto base = Create(Upload(/*hot=*/true));
+  ASSERT_NE(base, nullptr);
+  cuda::Backend* raw = nullptr;
+  cuda::BackendStatus st = base->NewLane(&raw);
+  ASSERT_TRUE(st.ok()) << st.message;
+  std::unique_ptr<cuda::Backend, PinferCudaDestroyFn> lane(raw, module_->destroy);
+  EXPECT_EQ(lane->WeightBytes(), 0u);
+  EXPECT_GT(lane->DeviceBytes(), 0u);
+  EXPECT_LT(lane->DeviceBytes(), base->DeviceBytes() - base->WeightBytes());  // no KV cache
+  for (int round = 0; round < 3; ++round) {
+    const auto& p0 = (*reference_)["prompts"][2 * round];
+    const auto& p1 = (*reference_)["prompts"][2 * round + 1];
+    CpuColdFfn cold0(*model_, *down_t_, *cold_ids_), cold1(*model_, *down_t_, *cold_ids_);
+    std::vector<int32_t> got0, got1;
+    auto run = [&](cuda::Backend* b, const nlohmann::json& p, cuda::ColdFfn* cold, int seq,
+                   std::vector<int32_t>* got) {
+      const std::vector<int32_t> prompt = p["input_ids"].get<std::vector<int32_t>>();
+      const int steps = static_cast<int>(p["greedy_ids"].size());
+      *got = Greedy(b, prompt, steps, cuda::FfnMode::kExact, cold, /*gpu_pick=*/true, seq);
+    };
+    std::thread other(run, lane.get(), std::cref(p1), &cold1, 1, &got1);
+    run(base.get(), p0, &cold0, 0, &got0);
+    other.join();
+    EXPECT_EQ(got0, p0["greedy_ids"].get<std::vector<int32_t>>()) << p0["prompt"];
+    EXPECT_EQ(got1, p1["greedy_ids"].get<std::vector<int32_t>>()) << p1["prompt"];
+    EXPECT_GT(cold0.calls, 0);
+    EXPECT_GT(cold1.calls, 0);
+  }
+
+  // Predicted mode with half of each cold list on the GPU, the same prompt on both lanes.
+  const ModelConfig& c = model_->config;
+  const int V = c.vocab_size;
+  std::vector<int32_t> tokens =
+      (*reference_)["prompts"][3]["input_ids"].get<std::vector<int32_t>>();
+  std::unique_ptr<PredictedCase> pc = MakePredictedCase(*model_, *down_t_, tokens);
+  ASSERT_GT(pc->min_margin, 1e-4) << "no safe threshold gap; change the seed";
+  cuda::ModelUpload u = WithPredictors(Upload(/*hot=*/true), *pc);
+  u.cold_gpu_share = 0.5;
+  auto shared_base = Create(u);
+  ASSERT_NE(shared_base, nullptr);
+  st = shared_base->NewLane(&raw);
+  ASSERT_TRUE(st.ok()) << st.message;
+  std::unique_ptr<cuda::Backend, PinferCudaDestroyFn> shared_lane(raw, module_->destroy);
+  auto steps = [&](cuda::Backend* b, int seq, int64_t* gpu_cold) {
+    CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
+    std::vector<float> got(V);
+    for (size_t pos = 0; pos < tokens.size(); ++pos) {
+      cuda::ForwardArgs a = PredictedStep(tokens, pos, &cold, got.data());
+      a.seq = seq;
+      cuda::BackendStatus s = b->Forward(a);
+      ASSERT_TRUE(s.ok()) << s.message;
+      EXPECT_LE(Nmse(got.data(), pc->want.data() + pos * V, V), 1e-6)
+          << "seq " << seq << ", position " << pos;
+      *gpu_cold += b->last_stats().cold_rows_gpu;
+    }
+  };
+  int64_t gpu_cold0 = 0, gpu_cold1 = 0;
+  std::thread other(steps, shared_lane.get(), 1, &gpu_cold1);
+  steps(shared_base.get(), 0, &gpu_cold0);
+  other.join();
+  EXPECT_GT(gpu_cold0, 0);
+  EXPECT_EQ(gpu_cold1, gpu_cold0);  // the same neurons, the same share
+
+  // Adaptive cache rows: no lanes.
+  cuda::ModelUpload cached = Upload(/*hot=*/true);
+  for (cuda::LayerUpload& lu : cached.layers) lu.cache_rows = 16;
+  auto cache_base = Create(cached);
+  ASSERT_NE(cache_base, nullptr);
+  st = cache_base->NewLane(&raw);
+  EXPECT_EQ(st.code, cuda::Code::kFailedPrecondition);
+  EXPECT_NE(st.message.find("adaptive cache rows"), std::string::npos) << st.message;
+  EXPECT_EQ(raw, nullptr);
 }
 
 // The adaptive hot set in predicted mode (what `--sparse --adaptive-cache-rows` runs): driven by
