@@ -54,6 +54,12 @@ if [[ -n $cb ]]; then
   else
     echo "reference check FAILED: $(grep -E 'reference:' "$out/bench_cuda_service.md")"; rc=1
   fi
+  # The same prompts all at once (decode batches, and the CUDA backend's lanes).
+  if grep -Eq 'reference, all prompts at once: ([0-9]+)/\1 prompts match' "$out/bench_cuda_service.md"; then
+    echo "concurrent reference check: every prompt's greedy tokens match"
+  else
+    echo "concurrent reference check FAILED: $(grep -E 'reference, all' "$out/bench_cuda_service.md")"; rc=1
+  fi
   curl -s "http://127.0.0.1:$(cat "$dir/gpu.mport")/metrics" > "$out/gpu-worker.metrics" 2>/dev/null || true
   kill $gw $gp $cp 2>/dev/null
   wait $gw $gp $cp 2>/dev/null
@@ -69,6 +75,17 @@ if [[ -n $cb ]]; then
       echo "cold prefill check: layers were streamed"
     else
       echo "cold prefill check FAILED: --cold-prefill stream but no layer streamed"; rc=1
+    fi
+  fi
+  # Decode lanes (--decode-lanes, 2 by default): the concurrent prompts and streams above must
+  # have put steps on a second lane.
+  lane_steps=$(awk '/^pinfer_worker_decode_lane_steps_total/ {print $2}' "$out/gpu-worker.metrics")
+  echo "decode lanes: ${lane_steps:-?} steps on a second or later lane"
+  if grep -q 'decode lanes: [2-9]' "$out/gpu-worker.log"; then
+    if awk -v s="${lane_steps:-0}" 'BEGIN { exit !(s > 0) }'; then
+      echo "decode lanes check: concurrent sequences ran on several lanes"
+    else
+      echo "decode lanes check FAILED: lanes were created but no step ran on one"; rc=1
     fi
   fi
   if grep -q 'VRAM: planned' "$out/gpu-worker.log"; then

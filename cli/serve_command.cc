@@ -48,7 +48,7 @@ constexpr char kUsage[] =
     "         [--port-file FILE] [--metrics-port-file FILE] [--status-file FILE] [--sparse]\n"
     "         [--placement FILE.gpuidx | --vram-budget SIZE] [--cold-prefill auto|cpu|stream]\n"
     "         [--stream-chunk-rows N] [--stream-slots N] [--adaptive-cache-rows N]\n"
-    "         [--cold-gpu-share auto|off|F]\n"
+    "         [--cold-gpu-share auto|off|F] [--decode-lanes N]\n"
     "  --port: public gRPC port of the gateway (default 50051; 0 picks one, see --port-file)\n"
     "  --metrics-port: the gateway's /metrics (off unless given); the workers default to M+1\n"
     "                  and M+2 (or 0 = any free port, when M is 0)\n"
@@ -64,7 +64,9 @@ constexpr char kUsage[] =
     "  --adaptive-cache-rows: with --sparse and a GPU, extra GPU rows per layer that follow the\n"
     "            cold neurons the text keeps activating (see pinfer-gpu-worker --help)\n"
     "  --cold-gpu-share: with --sparse and a GPU, how much of the cold work the GPU takes over\n"
-    "            PCIe (auto, the default; see pinfer-gpu-worker --help)\n";
+    "            PCIe (auto, the default; see pinfer-gpu-worker --help)\n"
+    "  --decode-lanes: with a GPU, decode steps of up to N sequences in flight at once (default\n"
+    "            2; see pinfer-gpu-worker --help)\n";
 
 struct Child {
   std::string role;
@@ -176,7 +178,8 @@ int ServeCommand(const std::vector<std::string>& args) {
                               "stream-chunk-rows",
                               "stream-slots",
                               "adaptive-cache-rows",
-                              "cold-gpu-share"},
+                              "cold-gpu-share",
+                              "decode-lanes"},
                              {"sparse"});
   if (!parsed.ok()) return UsageError(kUsage, parsed.status());
   const Flags& f = *parsed;
@@ -203,6 +206,9 @@ int ServeCommand(const std::vector<std::string>& args) {
     return UsageError(
         kUsage, absl::InvalidArgumentError(
                     absl::StrCat("--cold-prefill must be auto, cpu or stream (got \"", *v, "\")")));
+  }
+  if (auto lanes = f.Int("decode-lanes", 2); !lanes.ok() || *lanes < 1 || *lanes > 16) {
+    return UsageError(kUsage, absl::InvalidArgumentError("--decode-lanes must be in [1, 16]"));
   }
   if (auto v = f.Get("cold-gpu-share"); v && *v != "auto" && *v != "off") {
     double share = 0;
@@ -298,6 +304,7 @@ int ServeCommand(const std::vector<std::string>& args) {
   pass(&gpu.argv, "stream-slots");
   pass(&gpu.argv, "adaptive-cache-rows");
   pass(&gpu.argv, "cold-gpu-share");
+  pass(&gpu.argv, "decode-lanes");
   if (f.Has("sparse")) gpu.argv.push_back("--sparse");
   if (!gpu_metrics.empty()) {
     gpu.argv.insert(gpu.argv.end(), {"--metrics-port", gpu_metrics, "--metrics-port-file",

@@ -43,6 +43,8 @@ struct BackendStats {
   double streamed_bytes = 0;
   // Adaptive hot set (CUDA backend): cold neurons moved into cache slots.
   uint64_t cache_swaps = 0;
+  // Decode steps run on a second (or later) lane, beside another sequence's (CUDA backend).
+  uint64_t lane_steps = 0;
 };
 
 class ComputeBackend {
@@ -129,6 +131,10 @@ struct CudaBackendOptions {
   // cold_gpu_share (0: off).
   double cold_gpu_share = 0;
   bool cold_gpu_share_auto = false;
+  // Decode steps of up to this many sequences in flight at once (cuda::Backend::NewLane: a lane
+  // shares the weights and KV cache and adds its own scratch), so that one sequence's cold rows
+  // on the cpu-worker overlap another's GPU work. 1: one at a time. Not with the adaptive hot set.
+  int decode_lanes = 2;
 };
 
 // Device bytes of `rows` adaptive cache slots per layer and their maps (for the VRAM plan).

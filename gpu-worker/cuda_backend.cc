@@ -5,6 +5,12 @@
 // input while the GPU works on the hot rows, and this callback runs the same shared-memory
 // exchange with the cpu-worker as the CPU backend does.
 //
+// Decode steps of concurrent sequences run on lanes (--decode-lanes, cuda::Backend::NewLane): a
+// second backend over the same weights and KV cache, driven by its own thread, so that while the
+// cpu-worker computes one sequence's cold rows the GPU works on another's attention. A single
+// sequence cannot overlap the two sides, since each layer needs the previous layer's cold rows.
+// The exchanges take turns on the one segment, as the cpu-worker serves one at a time.
+//
 // Prompt batches can instead stream a layer's cold rows to the GPU (--cold-prefill): the module
 // keeps a pinned host copy of them, and ColdPrefillPlanner (cold_prefill.h) picks the path per
 // layer and batch from rates measured here: CalibrateStreaming at start-up for the stream, the
@@ -13,10 +19,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "gpu-worker/backend.h"
 #include "gpu-worker/cold_prefill.h"
 #include "gpu-worker/cuda/backend.h"
@@ -40,15 +49,17 @@ cuda::HostMatrix FromView(const TensorView& t, bool vector = false) {
 }
 
 // The cold side of every layer: the cpu-worker, through the segment. Each exchange is timed for
-// the cold-prefill cost model (the CPU side's cost per active row-token).
+// the cold-prefill cost model (the CPU side's cost per active row-token). Lanes call it from their
+// threads; the exchanges take turns, since the segment carries one at a time.
 class ExchangeColdFfn : public cuda::ColdFfn {
  public:
-  ExchangeColdFfn(shm::ExchangeClient* exchange, BackendStats* stats, int ffn)
-      : exchange_(exchange), stats_(stats), ffn_(ffn) {}
+  ExchangeColdFfn(shm::ExchangeClient* exchange, BackendStats* stats, absl::Mutex* stats_mu)
+      : exchange_(exchange), stats_(stats), stats_mu_(stats_mu) {}
 
   void set_planner(ColdPrefillPlanner* planner) { planner_ = planner; }
 
   cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
+    absl::MutexLock turn(&turn_);
     const uint64_t start = shm::MonotonicNanos();
     const int H = exchange_->segment().geometry().hidden;
     const int W = exchange_->segment().geometry().words_per_mask();
@@ -70,10 +81,13 @@ class ExchangeColdFfn : public cuda::ColdFfn {
     const uint64_t t0 = shm::MonotonicNanos();
     absl::Status st = exchange_->AwaitAndAdd(*seq, r.n, r.out, &xs);
     const uint64_t waited = shm::MonotonicNanos() - t0;
-    stats_->exchange_wait_ns += waited;
-    stats_->wait_samples.push_back(waited * 1e-9);
-    stats_->exchanges += 1;
-    stats_->cold_neurons += xs.cold_neurons;
+    {
+      absl::MutexLock lock(stats_mu_);
+      stats_->exchange_wait_ns += waited;
+      stats_->wait_samples.push_back(waited * 1e-9);
+      stats_->exchanges += 1;
+      stats_->cold_neurons += xs.cold_neurons;
+    }
     if (!st.ok()) return Fail(st);
     if (planner_ != nullptr) {
       planner_->ObserveCpu(r.layer, r.n, static_cast<double>(xs.cold_neurons),
@@ -89,11 +103,60 @@ class ExchangeColdFfn : public cuda::ColdFfn {
     s.message = std::string(st.message());
     return s;
   }
-  shm::ExchangeClient* exchange_;
+  absl::Mutex turn_;
+  shm::ExchangeClient* exchange_ ABSL_GUARDED_BY(turn_);
   BackendStats* stats_;
-  int ffn_;
-  ColdPrefillPlanner* planner_ = nullptr;
-  std::vector<uint64_t> masks_;
+  absl::Mutex* stats_mu_;
+  ColdPrefillPlanner* planner_ ABSL_GUARDED_BY(turn_) = nullptr;
+  std::vector<uint64_t> masks_ ABSL_GUARDED_BY(turn_);
+};
+
+// A thread that runs one job at a time for DecodeBatch: a lane's share of the sequences.
+class LaneThread {
+ public:
+  LaneThread() : thread_([this] { Loop(); }) {}
+  ~LaneThread() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    thread_.join();
+  }
+  void Start(std::function<absl::Status()> job) {
+    absl::MutexLock lock(&mu_);
+    job_ = std::move(job);
+    done_ = false;
+  }
+  absl::Status Wait() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&done_));
+    return result_;
+  }
+
+ private:
+  void Loop() {
+    for (;;) {
+      std::function<absl::Status()> job;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(this, &LaneThread::HasWork));
+        if (job_ == nullptr) return;  // stopping, nothing queued
+        job = std::move(job_);
+        job_ = nullptr;
+      }
+      absl::Status st = job();
+      absl::MutexLock lock(&mu_);
+      result_ = std::move(st);
+      done_ = true;
+    }
+  }
+  bool HasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || job_ != nullptr; }
+  absl::Mutex mu_;
+  std::function<absl::Status()> job_ ABSL_GUARDED_BY(mu_);
+  absl::Status result_ ABSL_GUARDED_BY(mu_);
+  bool done_ ABSL_GUARDED_BY(mu_) = true;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
 };
 
 class CudaBackend : public ComputeBackend {
@@ -106,7 +169,7 @@ class CudaBackend : public ComputeBackend {
         handle_(handle),
         backend_(backend),
         destroy_(destroy),
-        cold_(exchange, &stats_, model.config.ffn_size),
+        cold_(exchange, &stats_, &stats_mu_),
         free_(slots, true),
         max_ctx_(max_ctx),
         hot_neurons_(hot_neurons),
@@ -118,7 +181,15 @@ class CudaBackend : public ComputeBackend {
   }
   ~CudaBackend() override {
     adaptive_.reset();
-    destroy_(backend_);  // the module stays loaded (CUDA at exit)
+    threads_.clear();
+    for (cuda::Backend* lane : lanes_) destroy_(lane);  // before the backend they share
+    destroy_(backend_);                                 // the module stays loaded (CUDA at exit)
+  }
+
+  // Extra lanes for concurrent decode steps (the module's NewLane), each with a thread.
+  void AddLane(cuda::Backend* lane) {
+    lanes_.push_back(lane);
+    threads_.push_back(std::make_unique<LaneThread>());
   }
 
   // Decode steps keep the cache slots filled with the cold neurons the text activates.
@@ -150,14 +221,33 @@ class CudaBackend : public ComputeBackend {
     return Run(slot, tokens, pos0, logits, nullptr, /*decode=*/false);
   }
 
-  // Decode steps run one sequence at a time (the module's Forward takes one); they never stream.
+  // The module's Forward takes one sequence. With lanes the sequences are dealt round-robin to
+  // this thread (the first backend) and the lanes' threads, each running its share one after
+  // another, so that up to 1 + lanes sequences are in flight; decode steps never stream.
   absl::Status DecodeBatch(std::span<const DecodeItem> items) override {
-    for (const DecodeItem& it : items) {
-      absl::Status st = Run(it.slot, std::span<const int32_t>(&it.token, 1), it.pos, it.logits,
-                            it.greedy, /*decode=*/true);
-      if (!st.ok()) return st;
+    const size_t groups = std::min(items.size(), 1 + lanes_.size());
+    auto run_group = [this, items, groups](size_t g, cuda::Backend* b) {
+      for (size_t i = g; i < items.size(); i += groups) {
+        const DecodeItem& it = items[i];
+        absl::Status st = Run(b, it.slot, std::span<const int32_t>(&it.token, 1), it.pos, it.logits,
+                              it.greedy, /*decode=*/true);
+        if (!st.ok()) return st;
+      }
+      return absl::OkStatus();
+    };
+    for (size_t g = 1; g < groups; ++g) {
+      threads_[g - 1]->Start([&run_group, g, lane = lanes_[g - 1]] { return run_group(g, lane); });
     }
-    return absl::OkStatus();
+    absl::Status st = run_group(0, backend_);
+    for (size_t g = 1; g < groups; ++g) {
+      absl::Status lane_st = threads_[g - 1]->Wait();
+      if (st.ok()) st = lane_st;
+    }
+    if (groups > 1) {
+      absl::MutexLock lock(&stats_mu_);
+      stats_.lane_steps += items.size() - (items.size() + groups - 1) / groups;
+    }
+    return st;
   }
   bool picks_greedy() const override { return true; }
 
@@ -166,12 +256,25 @@ class CudaBackend : public ComputeBackend {
   uint64_t dense_bytes() const override {
     return backend_->WeightBytes() > hot_bytes_ ? backend_->WeightBytes() - hot_bytes_ : 0;
   }
-  uint64_t device_bytes() const override { return backend_->DeviceBytes(); }
-  BackendStats TakeStats() override { return std::exchange(stats_, BackendStats{}); }
+  uint64_t device_bytes() const override {
+    uint64_t bytes = backend_->DeviceBytes();
+    for (const cuda::Backend* lane : lanes_) bytes += lane->DeviceBytes();
+    return bytes;
+  }
+  BackendStats TakeStats() override {
+    absl::MutexLock lock(&stats_mu_);
+    return std::exchange(stats_, BackendStats{});
+  }
 
  private:
   absl::Status Run(int slot, std::span<const int32_t> tokens, int pos0, float* logits,
                    GreedyPick* greedy, bool decode) {
+    return Run(backend_, slot, tokens, pos0, logits, greedy, decode);
+  }
+  // b: the first backend or a lane (decode steps only: prompts, the adaptive hot set and the
+  // prefill planner's decisions stay on the first backend, one call at a time).
+  absl::Status Run(cuda::Backend* b, int slot, std::span<const int32_t> tokens, int pos0,
+                   float* logits, GreedyPick* greedy, bool decode) {
     cuda::ForwardArgs a;
     a.seq = slot;
     a.tokens = tokens.data();
@@ -201,9 +304,10 @@ class CudaBackend : public ComputeBackend {
       }
       a.cold_paths = &cold_paths_;
     }
-    absl::Status st = ToStatus(backend_->Forward(a));
+    absl::Status st = ToStatus(b->Forward(a));
     if (greedy != nullptr && st.ok()) *greedy = {pick.token, pick.logprob};
-    const cuda::ForwardStats& fs = backend_->last_stats();
+    const cuda::ForwardStats& fs = b->last_stats();
+    absl::MutexLock lock(&stats_mu_);
     if (adapt && st.ok()) {
       const uint64_t before = adaptive_->swaps_committed();
       absl::Status ast = adaptive_->AfterStep(active_);
@@ -286,7 +390,11 @@ class CudaBackend : public ComputeBackend {
   void* handle_;
   cuda::Backend* backend_;
   PinferCudaDestroyFn destroy_;
-  BackendStats stats_;
+  std::vector<cuda::Backend*> lanes_;                 // (NewLane) owned, destroyed first
+  std::vector<std::unique_ptr<LaneThread>> threads_;  // one per lane
+  // Counters from every lane's thread and the exchanges (TakeStats moves them out).
+  absl::Mutex stats_mu_;
+  BackendStats stats_ ABSL_GUARDED_BY(stats_mu_);
   ExchangeColdFfn cold_;
   std::vector<bool> free_;
   int max_ctx_;
@@ -456,6 +564,13 @@ absl::StatusOr<CudaFootprint> MeasureCudaFootprint(const Model& model, int max_b
   const int rc = m.create(&u, &b, err, sizeof(err));
   if (rc != 0) return absl::Status(static_cast<absl::StatusCode>(rc), err);
   f.fixed_bytes = b->DeviceBytes();
+  // The lanes NewCudaBackend will add (their scratch; they share the rest).
+  for (int i = 1; i < std::min(o.decode_lanes, o.slots) && o.adaptive_cache_rows == 0; ++i) {
+    cuda::Backend* lane = nullptr;
+    if (!b->NewLane(&lane).ok()) break;
+    f.fixed_bytes += lane->DeviceBytes();
+    m.destroy(lane);
+  }
   m.destroy(b);
   return f;
 }
@@ -553,6 +668,26 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
   auto backend = std::make_unique<CudaBackend>(
       model, m.handle, b, m.destroy, exchange, o.slots, o.max_ctx, hot_neurons, hot_bytes,
       o.predictors != nullptr, cold_layers, std::move(planner));
+  // Lanes for concurrent decode steps; the adaptive hot set's slots change under every lane's
+  // steps, so it keeps one (the module refuses lanes then).
+  int lanes = 1;
+  for (; lanes < std::min(o.decode_lanes, o.slots) && cache_rows == 0; ++lanes) {
+    cuda::Backend* lane = nullptr;
+    absl::Status st = ToStatus(b->NewLane(&lane));
+    if (!st.ok()) {
+      Log("decode lanes: %d instead of %d (%s)", lanes, o.decode_lanes, st.ToString().c_str());
+      break;
+    }
+    lane->set_collect_gpu_times(o.gpu_timing);
+    backend->AddLane(lane);
+  }
+  if (cache_rows > 0 && o.decode_lanes > 1) {
+    Log("decode lanes: 1 (the adaptive hot set's slots change under every lane's steps)");
+  }
+  if (lanes > 1) {
+    Log("decode lanes: %d sequences' steps in flight at once, %.1f MiB on the device in all", lanes,
+        backend->device_bytes() / 1048576.0);
+  }
   if (cache_rows > 0) {
     HotCacheOptions ho = o.cache_options;
     ho.slots = cache_rows;

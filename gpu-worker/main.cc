@@ -61,7 +61,7 @@ constexpr char kUsage[] =
     "         [--placement FILE.gpuidx | --vram-budget SIZE] [--sparse] [--gpu-timing]\n"
     "         [--drain-timeout-ms MS] [--cold-prefill auto|cpu|stream]\n"
     "         [--stream-chunk-rows N] [--stream-slots N] [--adaptive-cache-rows N]\n"
-    "         [--cold-gpu-share auto|off|F]\n"
+    "         [--cold-gpu-share auto|off|F] [--decode-lanes N]\n"
     "  --listen: host:port (port 0 picks one; see --port-file) or unix:/path\n"
     "  --segment: POSIX shared-memory name for the activation exchange (default: a fresh\n"
     "             unique name, printed in the log); give the cpu-worker the same name\n"
@@ -85,7 +85,11 @@ constexpr char kUsage[] =
     "               neurons that the GPU computes itself from a pinned host copy over PCIe while\n"
     "               the cpu-worker computes the rest: auto (the default) balances the two sides\n"
     "               step by step, off gives every cold neuron to the cpu-worker, F in (0, 1] fixes "
-    "it\n";
+    "it\n"
+    "  --decode-lanes: on the CUDA backend, decode steps of up to N sequences in flight at once\n"
+    "               (default 2; 1: one at a time), so that one sequence's cold rows on the\n"
+    "               cpu-worker overlap another's GPU work; each lane adds its own scratch on the\n"
+    "               GPU (counted in --vram-budget); not with --adaptive-cache-rows\n";
 
 struct Options {
   std::string model, listen = "127.0.0.1:0", port_file, segment, metrics_port, metrics_port_file;
@@ -107,6 +111,7 @@ struct Options {
   int adaptive_cache_rows = 0;
   double cold_gpu_share = 0;
   bool cold_gpu_share_auto = true;
+  int decode_lanes = 2;
 };
 
 absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
@@ -136,7 +141,8 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
                                                     "stream-chunk-rows",
                                                     "stream-slots",
                                                     "adaptive-cache-rows",
-                                                    "cold-gpu-share"},
+                                                    "cold-gpu-share",
+                                                    "decode-lanes"},
                                                    {"sparse", "gpu-timing"}));
   Options o;
   ASSIGN_OR_RETURN(o.model, f.Required("model"));
@@ -222,6 +228,10 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
         "with its own gate rows");
   }
   o.adaptive_cache_rows = static_cast<int>(cache_rows);
+  ASSIGN_OR_RETURN(int64_t lanes, f.Int("decode-lanes", 2));
+  if (lanes < 1 || lanes > 16)
+    return absl::InvalidArgumentError("--decode-lanes must be in [1, 16]");
+  o.decode_lanes = static_cast<int>(lanes);
   if (auto v = f.Get("cold-gpu-share")) {
     double share = 0;
     if (*v == "auto") {
@@ -520,6 +530,7 @@ CudaBackendOptions CudaOptions(const State& s) {
   cbo.adaptive_cache_rows = s.options.adaptive_cache_rows;
   cbo.cold_gpu_share = s.options.cold_gpu_share;
   cbo.cold_gpu_share_auto = s.options.cold_gpu_share_auto;
+  cbo.decode_lanes = s.options.decode_lanes;
   return cbo;
 }
 
@@ -801,6 +812,13 @@ int Main(const std::vector<std::string>& args) {
                               "(--adaptive-cache-rows; CUDA backend)")
                           .Register(*registry)
                           .Add({});
+  auto& lane_steps = prometheus::BuildCounter()
+                         .Name("pinfer_worker_decode_lane_steps_total")
+                         .Help(
+                             "Decode steps run on a second or later lane, in flight beside "
+                             "another sequence's (--decode-lanes; CUDA backend)")
+                         .Register(*registry)
+                         .Add({});
   auto& running = prometheus::BuildGauge()
                       .Name("pinfer_worker_sequences_running")
                       .Help("Sequences in the gpu-worker's schedule")
@@ -874,6 +892,7 @@ int Main(const std::vector<std::string>& args) {
     prefill_stream.Increment(static_cast<double>(st.prefill_cold_layers_stream));
     streamed_bytes.Increment(st.streamed_bytes);
     cache_swaps.Increment(static_cast<double>(st.cache_swaps));
+    lane_steps.Increment(static_cast<double>(st.lane_steps));
   };
   hooks.on_running = [&](int n) { running.Set(n); };
   hooks.on_tokens = [&](int n) { tokens.Increment(n); };

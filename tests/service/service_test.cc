@@ -761,6 +761,25 @@ TEST(ServiceAdaptiveCacheTest, FlagErrors) {
                               "\"half\")"));
 }
 
+// Decode lanes (the CUDA backend's concurrent sequences; CudaBackendTest.LanesRunTwoSequencesAtOnce
+// and bench/device_service_run.sh's concurrent reference check cover their behaviour on a GPU):
+// the count is checked by the gpu-worker and, before any child starts, by serve.
+TEST(ServiceDecodeLanesTest, FlagErrors) {
+  const std::string worker = std::string(PINFER_BINARY_DIR) + "/bin/pinfer-gpu-worker --model " +
+                             kTiny + " --backend cpu ";
+  auto [rc1, err1] = RunCommand(worker + "--decode-lanes 0", "lanes-1");
+  EXPECT_EQ(rc1, 2);
+  EXPECT_THAT(err1, HasSubstr("--decode-lanes must be in [1, 16]"));
+  auto [rc2, err2] = RunCommand(std::string(PINFER_BINARY_DIR) + "/cli/pinfer serve --model " +
+                                    kTiny + " --port 0 --decode-lanes 99",
+                                "lanes-2");
+  EXPECT_EQ(rc2, 2);
+  EXPECT_THAT(err2, HasSubstr("--decode-lanes must be in [1, 16]"));
+  auto [rc3, err3] = RunCommand(worker + "--decode-lanes two", "lanes-3");
+  EXPECT_EQ(rc3, 2);
+  EXPECT_THAT(err3, HasSubstr("decode-lanes"));
+}
+
 TEST(ServiceColdPrefillTest, CpuBackendIgnoresTheFlagAndStaysExact) {
   // Without a GPU the flag changes nothing: a log line says so, the tokens are the reference's
   // and no prompt layer is counted as streamed.
