@@ -48,6 +48,7 @@ if [[ -n $cb ]]; then
   for i in $(seq 600); do [[ -s $dir/gw.port ]] && break; sleep 0.1; done
   timeout 300 "$b/bin/service_bench" --address "127.0.0.1:$(cat "$dir/gw.port")" \
     --reference $model/reference.json --tokens "${TOKENS:-256}" --repeats "${REPEATS:-3}" \
+    --streams "${STREAMS:-4}" \
     2>&1 | tee "$out/bench_cuda_service.md" || rc=1
   if grep -Eq 'reference: ([0-9]+)/\1 prompts match' "$out/bench_cuda_service.md"; then
     echo "reference check: every prompt's greedy tokens match"
@@ -62,6 +63,12 @@ if [[ -n $cb ]]; then
   fi
   curl -s "http://127.0.0.1:$(cat "$dir/gpu.mport")/metrics" > "$out/gpu-worker.metrics" 2>/dev/null || true
   kill $gw $gp $cp 2>/dev/null
+  # A worker that does not stop (a hang) must not hold the run: 40 s (past the drain timeout),
+  # then SIGKILL, and the run fails.
+  for i in $(seq 400); do kill -0 $gw $gp $cp 2>/dev/null || break; sleep 0.1; done
+  if kill -0 $gw $gp $cp 2>/dev/null; then
+    echo "a process did not stop on SIGTERM: killed"; kill -9 $gw $gp $cp 2>/dev/null; rc=1
+  fi
   wait $gw $gp $cp 2>/dev/null
   cat "$out/gpu-worker.log"
   # Prompt layers by who computed their cold rows (--cold-prefill); with "stream" forced, some

@@ -207,8 +207,9 @@ int ServeCommand(const std::vector<std::string>& args) {
         kUsage, absl::InvalidArgumentError(
                     absl::StrCat("--cold-prefill must be auto, cpu or stream (got \"", *v, "\")")));
   }
-  if (auto lanes = f.Int("decode-lanes", 2); !lanes.ok() || *lanes < 1 || *lanes > 16) {
-    return UsageError(kUsage, absl::InvalidArgumentError("--decode-lanes must be in [1, 16]"));
+  // (The gpu-worker's limit, kMaxDecodeLanes.)
+  if (auto lanes = f.Int("decode-lanes", 2); !lanes.ok() || *lanes < 1 || *lanes > 8) {
+    return UsageError(kUsage, absl::InvalidArgumentError("--decode-lanes must be in [1, 8]"));
   }
   if (auto v = f.Get("cold-gpu-share"); v && *v != "auto" && *v != "off") {
     double share = 0;

@@ -136,6 +136,8 @@ struct CudaBackendOptions {
   // on the cpu-worker overlap another's GPU work. 1: one at a time. Not with the adaptive hot set.
   int decode_lanes = 2;
 };
+// The most decode lanes (the CUDA module's cuda::kMaxLanes).
+constexpr int kMaxDecodeLanes = 8;
 
 // Device bytes of `rows` adaptive cache slots per layer and their maps (for the VRAM plan).
 uint64_t AdaptiveCacheBytes(const Model& model, int rows);

@@ -37,6 +37,7 @@
 #include "shared/util/status_macros.h"
 
 namespace pinfer::gpuworker {
+static_assert(kMaxDecodeLanes == cuda::kMaxLanes);
 namespace {
 
 cuda::HostMatrix FromView(const TensorView& t, bool vector = false) {

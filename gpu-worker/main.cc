@@ -87,7 +87,8 @@ constexpr char kUsage[] =
     "               step by step, off gives every cold neuron to the cpu-worker, F in (0, 1] fixes "
     "it\n"
     "  --decode-lanes: on the CUDA backend, decode steps of up to N sequences in flight at once\n"
-    "               (default 2; 1: one at a time), so that one sequence's cold rows on the\n"
+    "               (default 2, at most 8; 1: one at a time), so that one sequence's cold rows on "
+    "the\n"
     "               cpu-worker overlap another's GPU work; each lane adds its own scratch on the\n"
     "               GPU (counted in --vram-budget); not with --adaptive-cache-rows\n";
 
@@ -229,8 +230,10 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   }
   o.adaptive_cache_rows = static_cast<int>(cache_rows);
   ASSIGN_OR_RETURN(int64_t lanes, f.Int("decode-lanes", 2));
-  if (lanes < 1 || lanes > 16)
-    return absl::InvalidArgumentError("--decode-lanes must be in [1, 16]");
+  if (lanes < 1 || lanes > kMaxDecodeLanes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--decode-lanes must be in [1, ", kMaxDecodeLanes, "]"));
+  }
   o.decode_lanes = static_cast<int>(lanes);
   if (auto v = f.Get("cold-gpu-share")) {
     double share = 0;

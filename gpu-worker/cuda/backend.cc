@@ -263,6 +263,7 @@ class CudaBackend : public Backend {
   cublasHandle_t cublas_ = nullptr;
   std::vector<void*> allocations_, host_allocations_;
   size_t device_bytes_ = 0, weight_bytes_ = 0;
+  int lanes_made_ = 0;  // NewLane's lanes so far (with this backend, at most kMaxLanes)
   int64_t widest_ = 0;  // the widest activation row, for the cuBLAS input scratch
   size_t w_half_ = 0;   // the largest weight conversion the cuBLAS path needs
 
@@ -867,6 +868,10 @@ BackendStatus CudaBackend::AllocateScratch() {
 
 BackendStatus CudaBackend::NewLane(Backend** out) {
   *out = nullptr;
+  if (lanes_made_ + 1 >= kMaxLanes) {
+    return Error(Code::kResourceExhausted,
+                 "at most " + std::to_string(kMaxLanes) + " lanes share a model's weights");
+  }
   for (const DeviceLayer& L : layers_) {
     if (L.n_cache > 0) {
       return Error(Code::kFailedPrecondition,
@@ -877,6 +882,7 @@ BackendStatus CudaBackend::NewLane(Backend** out) {
   auto lane = std::make_unique<CudaBackend>();
   BACKEND_RETURN_IF_ERROR(lane->InitLane(*this));
   *out = lane.release();
+  ++lanes_made_;
   return Ok();
 }
 
@@ -1658,6 +1664,19 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
 }  // namespace
 }  // namespace cuda
 }  // namespace pinfer
+
+namespace {
+// Lanes run several streams at once (each lane its compute and publish streams), and a lane's
+// queued layer waits on the GPU for its host signal (WaitHostFlag). The driver maps streams onto
+// CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default); two streams on one queue run in
+// order, so a waiting kernel of one lane can hold back the copy that publishes another lane's FFN
+// input, whose cold rows the first lane's signal waits behind: with four lanes the service hung
+// so on the H200. 32 queues give every stream of kMaxLanes lanes its own. Set when the module
+// loads, before the process's first CUDA call creates the context; a value the user set stays.
+__attribute__((constructor)) void EnoughHardwareQueues() {
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
+}
+}  // namespace
 
 extern "C" int pinfer_cuda_device_count() {
   int n = 0;

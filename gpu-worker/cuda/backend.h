@@ -240,6 +240,9 @@ struct ForwardStats {
   double gpu_attention = 0;
 };
 
+// Backends sharing one model's weights: the first and its lanes (Backend::NewLane).
+constexpr int kMaxLanes = 8;
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -279,7 +282,8 @@ class Backend {
   // shared: run each slot on one backend at a time. Destroy the lane (with
   // pinfer_cuda_destroy_backend) before this backend. A lane streams no cold rows (its prompt
   // batches take the callback). FAILED_PRECONDITION for a model with adaptive cache rows, whose
-  // slots change under SetCacheSlots.
+  // slots change under SetCacheSlots; RESOURCE_EXHAUSTED past kMaxLanes lanes in all (this
+  // backend included: each lane's two streams need their own hardware queue, of 32).
   virtual BackendStatus NewLane(Backend** out) = 0;
   // Single-token steps replay one CUDA graph per layer (captured on first use per layer,
   // sequence slot and mode); on by default, or off with PINFER_CUDA_GRAPHS=0.

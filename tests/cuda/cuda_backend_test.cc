@@ -1177,6 +1177,19 @@ TEST_F(CudaBackendTest, LanesRunTwoSequencesAtOnce) {
   EXPECT_GT(gpu_cold0, 0);
   EXPECT_EQ(gpu_cold1, gpu_cold0);  // the same neurons, the same share
 
+  // At most kMaxLanes backends share the weights, the first included.
+  {
+    std::vector<std::unique_ptr<cuda::Backend, PinferCudaDestroyFn>> more;
+    for (int i = 2; i < cuda::kMaxLanes; ++i) {
+      st = base->NewLane(&raw);
+      ASSERT_TRUE(st.ok()) << "lane " << i << ": " << st.message;
+      more.emplace_back(raw, module_->destroy);
+    }
+    st = base->NewLane(&raw);
+    EXPECT_EQ(st.code, cuda::Code::kResourceExhausted) << st.message;
+    EXPECT_EQ(raw, nullptr);
+  }
+
   // Adaptive cache rows: no lanes.
   cuda::ModelUpload cached = Upload(/*hot=*/true);
   for (cuda::LayerUpload& lu : cached.layers) lu.cache_rows = 16;

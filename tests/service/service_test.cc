@@ -769,12 +769,12 @@ TEST(ServiceDecodeLanesTest, FlagErrors) {
                              kTiny + " --backend cpu ";
   auto [rc1, err1] = RunCommand(worker + "--decode-lanes 0", "lanes-1");
   EXPECT_EQ(rc1, 2);
-  EXPECT_THAT(err1, HasSubstr("--decode-lanes must be in [1, 16]"));
+  EXPECT_THAT(err1, HasSubstr("--decode-lanes must be in [1, 8]"));
   auto [rc2, err2] = RunCommand(std::string(PINFER_BINARY_DIR) + "/cli/pinfer serve --model " +
                                     kTiny + " --port 0 --decode-lanes 99",
                                 "lanes-2");
   EXPECT_EQ(rc2, 2);
-  EXPECT_THAT(err2, HasSubstr("--decode-lanes must be in [1, 16]"));
+  EXPECT_THAT(err2, HasSubstr("--decode-lanes must be in [1, 8]"));
   auto [rc3, err3] = RunCommand(worker + "--decode-lanes two", "lanes-3");
   EXPECT_EQ(rc3, 2);
   EXPECT_THAT(err3, HasSubstr("decode-lanes"));
