@@ -890,7 +890,9 @@ BackendStatus CudaBackend::InitLane(const CudaBackend& base) {
   dims_ = base.dims_;
   max_ctx_ = base.max_ctx_;
   max_seqs_ = base.max_seqs_;
-  max_batch_ = base.max_batch_;
+  // Lanes take decode steps: scratch for the matrix-vector path's batches only (no cuBLAS
+  // scratch), a few hundred KB where a prompt batch's logits alone can take megabytes.
+  max_batch_ = std::min(base.max_batch_, kSmallBatch);
   device_ = base.device_;
   device_name_ = base.device_name_;
   // Shared: the weights (device pointers in these structs, owned by base), the KV cache, and the

@@ -1109,7 +1109,8 @@ TEST_F(CudaBackendTest, ColdGpuShareMatchesCpuReference) {
 
 // Two lanes (Backend::NewLane: shared weights and KV cache, own scratch and streams) run two
 // sequences at once from two threads, each with its own cold side, as two concurrent requests
-// would: both give reference.json's greedy tokens, in exact mode through the GPU's pick, and in
+// would: both give reference.json's greedy tokens (the lane's sequence prompted on the first
+// backend, decoded on the lane), in exact mode through the GPU's pick, and in
 // predicted mode with the GPU's cold share (whose pinned rows the lanes share) each step's logits
 // equal the CPU reference's. A lane holds no weights of its own, and a model with adaptive cache
 // rows has no lanes.
@@ -1123,24 +1124,57 @@ TEST_F(CudaBackendTest, LanesRunTwoSequencesAtOnce) {
   EXPECT_EQ(lane->WeightBytes(), 0u);
   EXPECT_GT(lane->DeviceBytes(), 0u);
   EXPECT_LT(lane->DeviceBytes(), base->DeviceBytes() - base->WeightBytes());  // no KV cache
+  // A lane takes decode steps: seq 1's prompt goes through the first backend (the KV cache is
+  // shared), then the lane decodes seq 1 while the first backend runs seq 0 from its prompt on.
   for (int round = 0; round < 3; ++round) {
     const auto& p0 = (*reference_)["prompts"][2 * round];
     const auto& p1 = (*reference_)["prompts"][2 * round + 1];
     CpuColdFfn cold0(*model_, *down_t_, *cold_ids_), cold1(*model_, *down_t_, *cold_ids_);
-    std::vector<int32_t> got0, got1;
-    auto run = [&](cuda::Backend* b, const nlohmann::json& p, cuda::ColdFfn* cold, int seq,
-                   std::vector<int32_t>* got) {
-      const std::vector<int32_t> prompt = p["input_ids"].get<std::vector<int32_t>>();
-      const int steps = static_cast<int>(p["greedy_ids"].size());
-      *got = Greedy(b, prompt, steps, cuda::FfnMode::kExact, cold, /*gpu_pick=*/true, seq);
+    const std::vector<int32_t> prompt1 = p1["input_ids"].get<std::vector<int32_t>>();
+    const int steps1 = static_cast<int>(p1["greedy_ids"].size());
+    std::vector<int32_t> got1 = Greedy(base.get(), prompt1, 1, cuda::FfnMode::kExact, &cold1,
+                                       /*gpu_pick=*/true, /*seq=*/1);
+    ASSERT_EQ(got1.size(), 1u);
+    auto decode1 = [&] {
+      cuda::GreedyResult pick;
+      for (int s = 1; s < steps1; ++s) {
+        cuda::ForwardArgs a;
+        a.seq = 1;
+        a.tokens = &got1.back();
+        a.n = 1;
+        a.pos0 = static_cast<int>(prompt1.size()) + s - 1;
+        a.mode = cuda::FfnMode::kExact;
+        a.cold = &cold1;
+        a.logits_mode = cuda::LogitsMode::kGreedy;
+        a.greedy = &pick;
+        cuda::BackendStatus s1 = lane->Forward(a);
+        ASSERT_TRUE(s1.ok()) << s1.message;
+        got1.push_back(pick.token);
+      }
     };
-    std::thread other(run, lane.get(), std::cref(p1), &cold1, 1, &got1);
-    run(base.get(), p0, &cold0, 0, &got0);
+    std::thread other(decode1);
+    const std::vector<int32_t> got0 =
+        Greedy(base.get(), p0["input_ids"].get<std::vector<int32_t>>(),
+               static_cast<int>(p0["greedy_ids"].size()), cuda::FfnMode::kExact, &cold0,
+               /*gpu_pick=*/true, /*seq=*/0);
     other.join();
     EXPECT_EQ(got0, p0["greedy_ids"].get<std::vector<int32_t>>()) << p0["prompt"];
     EXPECT_EQ(got1, p1["greedy_ids"].get<std::vector<int32_t>>()) << p1["prompt"];
     EXPECT_GT(cold0.calls, 0);
     EXPECT_GT(cold1.calls, 0);
+  }
+  // Batches past the matrix-vector path's 8 tokens are the first backend's.
+  {
+    std::vector<int32_t> nine(9, 1);
+    cuda::ForwardArgs a;
+    a.tokens = nine.data();
+    a.n = 9;
+    a.mode = cuda::FfnMode::kExact;
+    a.logits_mode = cuda::LogitsMode::kNone;
+    CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
+    a.cold = &cold;
+    st = lane->Forward(a);
+    EXPECT_EQ(st.code, cuda::Code::kInvalidArgument) << st.message;
   }
 
   // Predicted mode with half of each cold list on the GPU, the same prompt on both lanes.
