@@ -1672,8 +1672,9 @@ namespace {
 // queued layer waits on the GPU for its host signal (WaitHostFlag). The driver maps streams onto
 // CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default); two streams on one queue run in
 // order, so a waiting kernel of one lane can hold back the copy that publishes another lane's FFN
-// input, whose cold rows the first lane's signal waits behind: with four lanes the service hung
-// so on the H200. 32 queues give every stream of kMaxLanes lanes its own. Set when the module
+// input, whose cold rows the first lane's signal waits behind. With four lanes (nine streams) the
+// service hung once on the H200, most likely so; with 32 queues, which give every stream of
+// kMaxLanes lanes its own, four and eight lanes ran without a hang. Set when the module
 // loads, before the process's first CUDA call creates the context; a value the user set stays.
 __attribute__((constructor)) void EnoughHardwareQueues() {
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
