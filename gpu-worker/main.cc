@@ -113,6 +113,7 @@ struct Options {
   double cold_gpu_share = 0;
   bool cold_gpu_share_auto = true;
   int decode_lanes = 2;
+  bool decode_lanes_given = false;
 };
 
 absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
@@ -235,6 +236,7 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
         absl::StrCat("--decode-lanes must be in [1, ", kMaxDecodeLanes, "]"));
   }
   o.decode_lanes = static_cast<int>(lanes);
+  o.decode_lanes_given = f.Has("decode-lanes");
   if (auto v = f.Get("cold-gpu-share")) {
     double share = 0;
     if (*v == "auto") {
@@ -725,6 +727,10 @@ int Main(const std::vector<std::string>& args) {
     if (o.adaptive_cache_rows > 0) {
       Log("--adaptive-cache-rows %d ignored: the CPU backend has no device memory to cache in",
           o.adaptive_cache_rows);
+    }
+    if (o.decode_lanes_given) {
+      Log("--decode-lanes %d ignored: the CPU backend computes a decode batch in one pass",
+          o.decode_lanes);
     }
     auto backend =
         NewCpuBackend(*s.model, *s.ops, s.placement, s.exchange.get(), s.service_model.down_t(),

@@ -780,6 +780,31 @@ TEST(ServiceDecodeLanesTest, FlagErrors) {
   EXPECT_THAT(err3, HasSubstr("decode-lanes"));
 }
 
+TEST(ServiceDecodeLanesTest, CpuBackendIgnoresTheFlagAndStaysExact) {
+  DeploymentOptions o;
+  o.model = kTiny;
+  o.gpu_flags = {"--backend", "cpu", "--decode-lanes", "4"};
+  Deployment d(o);
+  ASSERT_TRUE(d.Start().ok()) << d.Logs();
+  // Without a GPU the flag changes nothing: a log line says so, and two requests at once get
+  // the reference's tokens with no step counted on a lane.
+  EXPECT_THAT(d.Logs(), HasSubstr("--decode-lanes 4 ignored: the CPU backend"));
+  const auto ref = ReadJson(kTiny + "/reference.json");
+  GenerateResult r0, r1;
+  std::thread other(
+      [&] { r1 = RunGenerate(d.stub(), GreedyRequest(ref["prompts"][1]["prompt"], 48)); });
+  r0 = RunGenerate(d.stub(), GreedyRequest(ref["prompts"][0]["prompt"], 48));
+  other.join();
+  ASSERT_TRUE(r0.status.ok()) << r0.status.error_message();
+  ASSERT_TRUE(r1.status.ok()) << r1.status.error_message();
+  EXPECT_EQ(r0.ids, U32(ref["prompts"][0]["greedy_ids"]));
+  EXPECT_EQ(r1.ids, U32(ref["prompts"][1]["greedy_ids"]));
+  auto m = ScrapeMetrics(d.gpu_metrics_port());
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->count("pinfer_worker_decode_lane_steps_total"), 1u);
+  EXPECT_EQ(MetricSum(*m, "pinfer_worker_decode_lane_steps_total"), 0);
+}
+
 TEST(ServiceColdPrefillTest, CpuBackendIgnoresTheFlagAndStaysExact) {
   // Without a GPU the flag changes nothing: a log line says so, the tokens are the reference's
   // and no prompt layer is counted as streamed.
