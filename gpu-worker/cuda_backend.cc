@@ -57,7 +57,10 @@ class ExchangeColdFfn : public cuda::ColdFfn {
   ExchangeColdFfn(shm::ExchangeClient* exchange, BackendStats* stats, absl::Mutex* stats_mu)
       : exchange_(exchange), stats_(stats), stats_mu_(stats_mu) {}
 
-  void set_planner(ColdPrefillPlanner* planner) { planner_ = planner; }
+  void set_planner(ColdPrefillPlanner* planner) {
+    absl::MutexLock turn(&turn_);
+    planner_ = planner;
+  }
 
   cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
     absl::MutexLock turn(&turn_);

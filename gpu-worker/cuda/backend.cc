@@ -263,9 +263,10 @@ class CudaBackend : public Backend {
   cublasHandle_t cublas_ = nullptr;
   std::vector<void*> allocations_, host_allocations_;
   size_t device_bytes_ = 0, weight_bytes_ = 0;
-  int lanes_made_ = 0;  // NewLane's lanes so far (with this backend, at most kMaxLanes)
-  int64_t widest_ = 0;  // the widest activation row, for the cuBLAS input scratch
-  size_t w_half_ = 0;   // the largest weight conversion the cuBLAS path needs
+  int lanes_made_ = 0;    // NewLane's lanes so far (with this backend, at most kMaxLanes)
+  bool is_lane_ = false;  // made by NewLane: shares another backend's weights
+  int64_t widest_ = 0;    // the widest activation row, for the cuBLAS input scratch
+  size_t w_half_ = 0;     // the largest weight conversion the cuBLAS path needs
 
   DeviceMatrix tok_embeddings_, output_;
   float* output_norm_ = nullptr;
@@ -868,6 +869,10 @@ BackendStatus CudaBackend::AllocateScratch() {
 
 BackendStatus CudaBackend::NewLane(Backend** out) {
   *out = nullptr;
+  if (is_lane_) {
+    return Error(Code::kFailedPrecondition,
+                 "a lane makes no lanes: ask the backend it came from, which counts them");
+  }
   if (lanes_made_ + 1 >= kMaxLanes) {
     return Error(Code::kResourceExhausted,
                  "at most " + std::to_string(kMaxLanes) + " lanes share a model's weights");
@@ -887,6 +892,7 @@ BackendStatus CudaBackend::NewLane(Backend** out) {
 }
 
 BackendStatus CudaBackend::InitLane(const CudaBackend& base) {
+  is_lane_ = true;
   dims_ = base.dims_;
   max_ctx_ = base.max_ctx_;
   max_seqs_ = base.max_seqs_;

@@ -282,9 +282,9 @@ class Backend {
   // shared: run each slot on one backend at a time. Destroy the lane (with
   // pinfer_cuda_destroy_backend) before this backend. A lane takes batches of at most 8 tokens
   // (decode steps; its scratch is sized for those) and streams no cold rows. FAILED_PRECONDITION
-  // for a model with adaptive cache rows, whose slots change under SetCacheSlots;
-  // RESOURCE_EXHAUSTED past kMaxLanes lanes in all (this backend included: each lane's two streams
-  // need their own hardware queue, of 32).
+  // for a model with adaptive cache rows, whose slots change under SetCacheSlots, and for a lane
+  // (lanes come from the first backend, which counts them); RESOURCE_EXHAUSTED past kMaxLanes lanes
+  // in all (this backend included: each lane's two streams need their own hardware queue, of 32).
   virtual BackendStatus NewLane(Backend** out) = 0;
   // Single-token steps replay one CUDA graph per layer (captured on first use per layer,
   // sequence slot and mode); on by default, or off with PINFER_CUDA_GRAPHS=0.

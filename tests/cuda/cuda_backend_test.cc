@@ -1122,6 +1122,10 @@ TEST_F(CudaBackendTest, LanesRunTwoSequencesAtOnce) {
   ASSERT_TRUE(st.ok()) << st.message;
   std::unique_ptr<cuda::Backend, PinferCudaDestroyFn> lane(raw, module_->destroy);
   EXPECT_EQ(lane->WeightBytes(), 0u);
+  cuda::Backend* grand = nullptr;
+  st = lane->NewLane(&grand);
+  EXPECT_EQ(st.code, cuda::Code::kFailedPrecondition) << st.message;
+  EXPECT_EQ(grand, nullptr);
   EXPECT_GT(lane->DeviceBytes(), 0u);
   EXPECT_LT(lane->DeviceBytes(), base->DeviceBytes() - base->WeightBytes());  // no KV cache
   // A lane takes decode steps: seq 1's prompt goes through the first backend (the KV cache is
