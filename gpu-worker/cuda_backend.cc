@@ -19,8 +19,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <functional>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -30,6 +28,7 @@
 #include "gpu-worker/cold_prefill.h"
 #include "gpu-worker/cuda/backend.h"
 #include "gpu-worker/cuda/model_dims.h"
+#include "gpu-worker/lane_threads.h"
 #include "gpu-worker/module_cache_slots.h"
 #include "shared/engine/transformer.h"
 #include "shared/service/log.h"
@@ -115,54 +114,6 @@ class ExchangeColdFfn : public cuda::ColdFfn {
   std::vector<uint64_t> masks_ ABSL_GUARDED_BY(turn_);
 };
 
-// A thread that runs one job at a time for DecodeBatch: a lane's share of the sequences.
-class LaneThread {
- public:
-  LaneThread() : thread_([this] { Loop(); }) {}
-  ~LaneThread() {
-    {
-      absl::MutexLock lock(&mu_);
-      stop_ = true;
-    }
-    thread_.join();
-  }
-  void Start(std::function<absl::Status()> job) {
-    absl::MutexLock lock(&mu_);
-    job_ = std::move(job);
-    done_ = false;
-  }
-  absl::Status Wait() {
-    absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(&done_));
-    return result_;
-  }
-
- private:
-  void Loop() {
-    for (;;) {
-      std::function<absl::Status()> job;
-      {
-        absl::MutexLock lock(&mu_);
-        mu_.Await(absl::Condition(this, &LaneThread::HasWork));
-        if (job_ == nullptr) return;  // stopping, nothing queued
-        job = std::move(job_);
-        job_ = nullptr;
-      }
-      absl::Status st = job();
-      absl::MutexLock lock(&mu_);
-      result_ = std::move(st);
-      done_ = true;
-    }
-  }
-  bool HasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || job_ != nullptr; }
-  absl::Mutex mu_;
-  std::function<absl::Status()> job_ ABSL_GUARDED_BY(mu_);
-  absl::Status result_ ABSL_GUARDED_BY(mu_);
-  bool done_ ABSL_GUARDED_BY(mu_) = true;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;
-};
-
 class CudaBackend : public ComputeBackend {
  public:
   CudaBackend(const Model& model, void* handle, cuda::Backend* backend, PinferCudaDestroyFn destroy,
@@ -229,28 +180,14 @@ class CudaBackend : public ComputeBackend {
   // this thread (the first backend) and the lanes' threads, each running its share one after
   // another, so that up to 1 + lanes sequences are in flight; decode steps never stream.
   absl::Status DecodeBatch(std::span<const DecodeItem> items) override {
-    const size_t groups = std::min(items.size(), 1 + lanes_.size());
-    auto run_group = [this, items, groups](size_t g, cuda::Backend* b) {
-      for (size_t i = g; i < items.size(); i += groups) {
-        const DecodeItem& it = items[i];
-        absl::Status st = Run(b, it.slot, std::span<const int32_t>(&it.token, 1), it.pos, it.logits,
-                              it.greedy, /*decode=*/true);
-        if (!st.ok()) return st;
-      }
-      return absl::OkStatus();
-    };
-    for (size_t g = 1; g < groups; ++g) {
-      threads_[g - 1]->Start([&run_group, g, lane = lanes_[g - 1]] { return run_group(g, lane); });
-    }
-    absl::Status st = run_group(0, backend_);
-    for (size_t g = 1; g < groups; ++g) {
-      absl::Status lane_st = threads_[g - 1]->Wait();
-      if (st.ok()) st = lane_st;
-    }
-    if (groups > 1) {
-      absl::MutexLock lock(&stats_mu_);
-      stats_.lane_steps += items.size() - (items.size() + groups - 1) / groups;
-    }
+    absl::Status st = RunDealt(items.size(), threads_, [&](size_t lane, size_t i) {
+      const DecodeItem& it = items[i];
+      return Run(lane == 0 ? backend_ : lanes_[lane - 1], it.slot,
+                 std::span<const int32_t>(&it.token, 1), it.pos, it.logits, it.greedy,
+                 /*decode=*/true);
+    });
+    absl::MutexLock lock(&stats_mu_);
+    stats_.lane_steps += ItemsOffTheFirstLane(items.size(), threads_.size());
     return st;
   }
   bool picks_greedy() const override { return true; }
