@@ -5,7 +5,8 @@
 
 namespace pinfer {
 
-ThreadPool::ThreadPool(int n_threads) : n_threads_(std::max(1, n_threads)) {
+ThreadPool::ThreadPool(int n_threads, std::chrono::microseconds spin)
+    : n_threads_(std::max(1, n_threads)), spin_(std::max(spin, std::chrono::microseconds(0))) {
   for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
 }
 
@@ -18,6 +19,20 @@ ThreadPool::~ThreadPool() {
   for (auto& t : workers_) t.join();
 }
 
+template <typename Ready>
+bool ThreadPool::SpinUntil(Ready&& ready) const {
+  if (spin_.count() == 0) return ready();
+  const auto deadline = std::chrono::steady_clock::now() + spin_;
+  for (int i = 0;; ++i) {
+    if (ready()) return true;
+    // Reading the clock costs about as much as a few dozen polls.
+    if ((i & 63) == 63 && std::chrono::steady_clock::now() >= deadline) return false;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+}
+
 void ThreadPool::RunChunks() {
   for (;;) {
     int64_t b = next_.fetch_add(chunk_);
@@ -27,18 +42,20 @@ void ThreadPool::RunChunks() {
 }
 
 void ThreadPool::WorkerLoop(int index) {
+  (void)index;
   uint64_t seen = 0;
   for (;;) {
-    {
+    if (!SpinUntil([&] { return generation_.load(std::memory_order_acquire) != seen; })) {
       std::unique_lock<std::mutex> lock(mu_);
-      work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      work_cv_.wait(lock,
+                    [&] { return stop_ || generation_.load(std::memory_order_acquire) != seen; });
       if (stop_) return;
-      seen = generation_;
     }
+    seen = generation_.load(std::memory_order_acquire);
     RunChunks();
-    {
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
       std::lock_guard<std::mutex> lock(mu_);
-      if (--pending_ == 0) done_cv_.notify_one();
+      done_cv_.notify_one();
     }
   }
 }
@@ -53,19 +70,20 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain,
   }
   // Several chunks per thread balance uneven rows (sparse work) without much overhead.
   int64_t chunk = std::max(grain, (n + 4 * n_threads_ - 1) / (4 * n_threads_));
+  fn_ = &fn;
+  n_ = n;
+  chunk_ = chunk;
+  next_.store(0, std::memory_order_relaxed);
+  pending_.store(n_threads_ - 1, std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    fn_ = &fn;
-    n_ = n;
-    chunk_ = chunk;
-    next_.store(0);
-    pending_ = n_threads_ - 1;
-    ++generation_;
+    generation_.fetch_add(1, std::memory_order_release);
   }
   work_cv_.notify_all();
   RunChunks();
+  if (SpinUntil([&] { return pending_.load(std::memory_order_acquire) == 0; })) return;
   std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait(lock, [&] { return pending_ == 0; });
+  done_cv_.wait(lock, [&] { return pending_.load(std::memory_order_acquire) == 0; });
 }
 
 }  // namespace pinfer
