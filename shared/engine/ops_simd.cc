@@ -128,13 +128,15 @@ class SimdOps : public CpuOps {
     }
     const Q8Vector v{qx.q.data(), qx.d.data(), qx.s8.data()};
     const bool gate_decides = act != Activation::kSilu;
-    // Neurons in chunks of 64, each summed into its own buffer and the buffers added in order: the
-    // result does not depend on how many threads share the chunks. (Smaller chunks for short
-    // lists, so that a cpu-worker's few hundred cold neurons reach more threads, measured +6-9% in
-    // one H200 run and -5..-18% in the next, docs/benchmarks.md: noise there, not kept.) Within a
-    // chunk, groups of kGroup neurons: their gate rows, then the up rows of the active ones, then
-    // their down rows, each set read interleaved.
-    constexpr int per_chunk = 64;
+    // Neurons in chunks, each summed into its own buffer and the buffers added in order: the
+    // result does not depend on how many threads share the chunks. The chunk size depends only on
+    // the list's length: about 48 chunks (at least kGroup, at most 64 neurons each), so that a
+    // cpu-worker's few hundred cold neurons of a layer are spread over all of its threads with a
+    // few chunks each (a thread slowed by a neighbour takes fewer), while the buffers to add
+    // stay under 50 rows of `hidden`. Within a chunk, groups of kGroup neurons: their gate rows,
+    // then the up rows of the active ones, then their down rows, each set read interleaved.
+    const int per_chunk =
+        std::clamp((n_rows / 48 + kGroup - 1) / kGroup * kGroup, int{kGroup}, 64);
     const int chunks = (n_rows + per_chunk - 1) / per_chunk;
     // Up rows per chunk, in the calling thread's buffer (reused: decode allocates nothing once
     // warm). The workers reach it through this pointer: a thread_local named inside the lambda
@@ -190,7 +192,7 @@ class SimdOps : public CpuOps {
         run_chunk(static_cast<int>(c), p + c * hidden);
       }
     });
-    For(hidden, 1024, [&](int64_t b, int64_t e) {
+    For(hidden, 128, [&](int64_t b, int64_t e) {
       for (int c = 0; c < chunks; ++c) {
         const float* pc = p + static_cast<int64_t>(c) * hidden;
         for (int64_t i = b; i < e; ++i) out[i] += pc[i];
