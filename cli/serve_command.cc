@@ -48,11 +48,13 @@ constexpr char kUsage[] =
     "         [--port-file FILE] [--metrics-port-file FILE] [--status-file FILE] [--sparse]\n"
     "         [--placement FILE.gpuidx | --vram-budget SIZE] [--cold-prefill auto|cpu|stream]\n"
     "         [--stream-chunk-rows N] [--stream-slots N] [--adaptive-cache-rows N]\n"
-    "         [--cold-gpu-share auto|off|F] [--decode-lanes N]\n"
+    "         [--cold-gpu-share auto|off|F] [--decode-lanes N] [--cpu-spin-us US]\n"
     "  --port: public gRPC port of the gateway (default 50051; 0 picks one, see --port-file)\n"
     "  --metrics-port: the gateway's /metrics (off unless given); the workers default to M+1\n"
     "                  and M+2 (or 0 = any free port, when M is 0)\n"
     "  --threads / --cpu-threads: compute threads of the gpu-worker / cpu-worker (default 1)\n"
+    "  --cpu-spin-us: how long the cpu-worker's threads poll for work before sleeping (default\n"
+    "            200; see pinfer-cpu-worker --help)\n"
     "  --vram-budget: GPU memory for the gpu-worker (bytes or 8MiB, 24GiB); the most frequently\n"
     "                 active neurons that fit are hot (see pinfer-gpu-worker --help)\n"
     "  --cold-prefill: who computes prompt batches' cold FFN rows with a GPU: the cpu-worker,\n"
@@ -179,7 +181,8 @@ int ServeCommand(const std::vector<std::string>& args) {
                               "stream-slots",
                               "adaptive-cache-rows",
                               "cold-gpu-share",
-                              "decode-lanes"},
+                              "decode-lanes",
+                              "cpu-spin-us"},
                              {"sparse"});
   if (!parsed.ok()) return UsageError(kUsage, parsed.status());
   const Flags& f = *parsed;
@@ -210,6 +213,9 @@ int ServeCommand(const std::vector<std::string>& args) {
   // (The gpu-worker's limit, kMaxDecodeLanes.)
   if (auto lanes = f.Int("decode-lanes", 2); !lanes.ok() || *lanes < 1 || *lanes > 8) {
     return UsageError(kUsage, absl::InvalidArgumentError("--decode-lanes must be in [1, 8]"));
+  }
+  if (auto spin = f.Int("cpu-spin-us", 200); !spin.ok() || *spin < 0 || *spin > 1'000'000) {
+    return UsageError(kUsage, absl::InvalidArgumentError("--cpu-spin-us must be in [0, 1000000]"));
   }
   if (auto v = f.Get("cold-gpu-share"); v && *v != "auto" && *v != "off") {
     double share = 0;
@@ -320,6 +326,7 @@ int ServeCommand(const std::vector<std::string>& args) {
               "--segment",
               segment};
   pass(&cpu.argv, "cpu-threads", "threads");
+  pass(&cpu.argv, "cpu-spin-us", "spin-us");
   if (!cpu_metrics.empty()) {
     cpu.argv.insert(cpu.argv.end(), {"--metrics-port", cpu_metrics, "--metrics-port-file",
                                      dir + "/cpu-worker.metrics-port"});

@@ -805,6 +805,48 @@ TEST(ServiceDecodeLanesTest, CpuBackendIgnoresTheFlagAndStaysExact) {
   EXPECT_EQ(MetricSum(*m, "pinfer_worker_decode_lane_steps_total"), 0);
 }
 
+// The cpu-worker's spin time: checked by the cpu-worker and, before any child starts, by serve.
+TEST(ServiceCpuSpinTest, FlagErrors) {
+  auto [rc1, err1] = RunCommand(std::string(PINFER_BINARY_DIR) + "/bin/pinfer-cpu-worker --model " +
+                                    kTiny + " --segment /pinfer-spin-flag --spin-us -5",
+                                "spin-1");
+  EXPECT_EQ(rc1, 2);
+  EXPECT_THAT(err1, HasSubstr("--spin-us must be in [0, 1000000]"));
+  auto [rc2, err2] = RunCommand(std::string(PINFER_BINARY_DIR) + "/cli/pinfer serve --model " +
+                                    kTiny + " --port 0 --cpu-spin-us 2000000",
+                                "spin-2");
+  EXPECT_EQ(rc2, 2);
+  EXPECT_THAT(err2, HasSubstr("--cpu-spin-us must be in [0, 1000000]"));
+}
+
+// Two compute threads in the cpu-worker, once sleeping between layers (--spin-us 0) and once
+// polling (--spin-us 2000, longer than any gap between a step's layers here): the cold rows split
+// over both threads give the reference's tokens either way, for two requests at once.
+TEST(ServiceCpuSpinTest, TwoThreadsGiveReferenceTokensSpinningOrNot) {
+  const auto ref = ReadJson(kTiny + "/reference.json");
+  for (const char* spin : {"0", "2000"}) {
+    SCOPED_TRACE(spin);
+    DeploymentOptions o;
+    o.model = kTiny;
+    o.hot_fraction = 0.25;
+    o.cpu_flags = {"--threads", "2", "--spin-us", spin};
+    Deployment d(o);
+    ASSERT_TRUE(d.Start().ok()) << d.Logs();
+    GenerateResult r0, r1;
+    std::thread other(
+        [&] { r1 = RunGenerate(d.stub(), GreedyRequest(ref["prompts"][3]["prompt"], 48)); });
+    r0 = RunGenerate(d.stub(), GreedyRequest(ref["prompts"][2]["prompt"], 48));
+    other.join();
+    ASSERT_TRUE(r0.status.ok()) << r0.status.error_message();
+    ASSERT_TRUE(r1.status.ok()) << r1.status.error_message();
+    EXPECT_EQ(r0.ids, U32(ref["prompts"][2]["greedy_ids"]));
+    EXPECT_EQ(r1.ids, U32(ref["prompts"][3]["greedy_ids"]));
+    auto cm = ScrapeMetrics(d.cpu_metrics_port());
+    ASSERT_TRUE(cm.ok()) << cm.status();
+    EXPECT_GT(MetricSum(*cm, "pinfer_worker_neurons_computed_total"), 0);
+  }
+}
+
 TEST(ServiceColdPrefillTest, CpuBackendIgnoresTheFlagAndStaysExact) {
   // Without a GPU the flag changes nothing: a log line says so, the tokens are the reference's
   // and no prompt layer is counted as streamed.
