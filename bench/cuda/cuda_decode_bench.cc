@@ -290,67 +290,36 @@ Masks DrawMasks(const SynthModel& m, double active, double skew, int steps, Thre
   return masks;
 }
 
-// A pool whose workers spin between tasks: the cold side runs twice per layer, 80 times per
-// token, so a futex wake-up per task (tens of microseconds) would be a visible share of a token.
-// Task part p of T runs on thread p (the caller is part 0).
-class SpinPool {
- public:
-  explicit SpinPool(int n) : n_(n) {
-    for (int i = 1; i < n; ++i) threads_.emplace_back([this, i] { Loop(i); });
-  }
-  ~SpinPool() {
-    stop_.store(true);
-    for (auto& t : threads_) t.join();
-  }
-  int size() const { return n_; }
-  void Run(const std::function<void(int)>& fn) {
-    fn_ = &fn;
-    pending_.store(n_ - 1, std::memory_order_relaxed);
-    generation_.fetch_add(1, std::memory_order_release);
-    fn(0);
-    while (pending_.load(std::memory_order_acquire) != 0) Pause();
-  }
+// The cold side's threads poll for work for this long before sleeping (the cpu-worker's
+// --spin-us default): the cold side runs once per layer, 40 times per token, and waking sleeping
+// threads (tens of microseconds) would be a visible share of a token.
+constexpr std::chrono::microseconds kColdSpin(200);
 
- private:
-  static void Pause() { __builtin_ia32_pause(); }
-  void Loop(int part) {
-    uint64_t seen = 0;
-    while (!stop_.load(std::memory_order_relaxed)) {
-      const uint64_t g = generation_.load(std::memory_order_acquire);
-      if (g == seen) {
-        Pause();
-        continue;
-      }
-      seen = g;
-      (*fn_)(part);
-      pending_.fetch_sub(1, std::memory_order_acq_rel);
-    }
-  }
-  const int n_;
-  std::vector<std::thread> threads_;
-  const std::function<void(int)>* fn_ = nullptr;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> pending_{0};
-  std::atomic<bool> stop_{false};
-};
-
-// The cold rows on the CPU, as the cpu-worker computes them (PartialFfn): each thread takes a
-// share of the active cold neurons and runs CpuOps::SparseFfnToken on it (gate, up and down rows
-// of four neurons at a time, Q4_0 against Q8_0-quantized x with integer dots) into its own
-// partial sum; the partials are then reduced. One pass over each active row, no shared writes.
-// Rows are read from the per-neuron bundles as the cpu-worker stores them, or (variant
-// COLD_BUNDLES=0, i.e. PINFER_CUDA_COLD_BUNDLES=0) from the three separate matrices.
+// The cold rows on the CPU, as the cpu-worker computes them (PartialFfn): CpuOps::SparseFfnToken
+// over the layer's active cold neurons on a pool of spinning threads (cpu-worker --threads N
+// --spin-us 200): chunks of a few neurons taken by the threads as they come free, each chunk's
+// gate, up and down rows read in groups of eight (Q4_0 against Q8_0-quantized x with integer
+// dots) into the chunk's own partial sum, and the partials added in order. Rows are read from the
+// per-neuron bundles as the cpu-worker stores them, or (variant COLD_BUNDLES=0, i.e.
+// PINFER_CUDA_COLD_BUNDLES=0) from the three separate matrices.
+//
+// Variant COLD_DEAL=static (PINFER_CUDA_COLD_DEAL=static) is the bench's own split of runs
+// 1-33, kept for the A/B: an equal share of the neurons per thread into per-thread partials.
 class CpuColdFfn : public cuda::ColdFfn {
  public:
-  CpuColdFfn(const SynthModel& m, SpinPool& pool)
+  CpuColdFfn(const SynthModel& m, ThreadPool& pool)
       : m_(m),
         pool_(pool),
+        pooled_ops_(NewSimdOps(&pool)),
         ops_(NewSimdOps(nullptr)),
         partial_(static_cast<size_t>(pool.size()) * m.config.hidden_size),
         coef_(static_cast<size_t>(m.config.ffn_size)) {
     const char* env = std::getenv("PINFER_CUDA_COLD_BUNDLES");
     bundles_ = env == nullptr || std::string(env) != "0";
+    const char* deal = std::getenv("PINFER_CUDA_COLD_DEAL");
+    static_deal_ = deal != nullptr && std::string(deal) == "static";
   }
+  void set_static_deal(bool s) { static_deal_ = s; }
 
   cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
     const int H = m_.config.hidden_size, F = m_.config.ffn_size;
@@ -370,24 +339,34 @@ class CpuColdFfn : public cuda::ColdFfn {
       down_t.data = L.bundles->p + 2 * rb;
       gate.row_stride = up.row_stride = down_t.row_stride = 3 * rb;
     }
-    const int T = pool_.size();
     for (int t = 0; t < r.n; ++t) {
       const float* x = r.x + static_cast<size_t>(t) * H;
-      pool_.Run([&](int part) {
-        float* y = partial_.data() + static_cast<size_t>(part) * H;
-        std::fill(y, y + H, 0.f);
-        const int i0 = static_cast<int>(static_cast<int64_t>(r.n_active) * part / T);
-        const int i1 = static_cast<int>(static_cast<int64_t>(r.n_active) * (part + 1) / T);
-        ops_->SparseFfnToken(gate, up, down_t, r.active + i0, i1 - i0, Activation::kSilu, x,
-                             nullptr, coef_.data() + i0, y);
-      });
       float* out = r.out + static_cast<size_t>(t) * H;
-      pool_.Run([&](int part) {
-        const int c0 = H * part / T, c1 = H * (part + 1) / T;
-        for (int c = c0; c < c1; ++c) {
-          float s = 0;
-          for (int p = 0; p < T; ++p) s += partial_[static_cast<size_t>(p) * H + c];
-          out[c] = s;
+      if (!static_deal_) {
+        std::fill(out, out + H, 0.f);
+        pooled_ops_->SparseFfnToken(gate, up, down_t, r.active, r.n_active, Activation::kSilu, x,
+                                    nullptr, coef_.data(), out);
+        continue;
+      }
+      const int T = pool_.size();
+      pool_.ParallelFor(T, 1, [&](int64_t p0, int64_t p1) {
+        for (int64_t part = p0; part < p1; ++part) {
+          float* y = partial_.data() + static_cast<size_t>(part) * H;
+          std::fill(y, y + H, 0.f);
+          const int i0 = static_cast<int>(static_cast<int64_t>(r.n_active) * part / T);
+          const int i1 = static_cast<int>(static_cast<int64_t>(r.n_active) * (part + 1) / T);
+          ops_->SparseFfnToken(gate, up, down_t, r.active + i0, i1 - i0, Activation::kSilu, x,
+                               nullptr, coef_.data() + i0, y);
+        }
+      });
+      pool_.ParallelFor(T, 1, [&](int64_t p0, int64_t p1) {
+        for (int64_t part = p0; part < p1; ++part) {
+          const int c0 = static_cast<int>(H * part / T), c1 = static_cast<int>(H * (part + 1) / T);
+          for (int c = c0; c < c1; ++c) {
+            float s = 0;
+            for (int p = 0; p < T; ++p) s += partial_[static_cast<size_t>(p) * H + c];
+            out[c] = s;
+          }
         }
       });
     }
@@ -396,10 +375,11 @@ class CpuColdFfn : public cuda::ColdFfn {
 
  private:
   const SynthModel& m_;
-  SpinPool& pool_;
-  std::unique_ptr<CpuOps> ops_;
+  ThreadPool& pool_;
+  std::unique_ptr<CpuOps> pooled_ops_, ops_;
   std::vector<float> partial_, coef_;
   bool bundles_ = true;
+  bool static_deal_ = false;
 };
 
 // Two lanes' cold sides on one pool: each request runs alone, in arrival order, as the
@@ -424,7 +404,7 @@ void MeasureColdRows(DType dtype, int hidden, int ffn, int threads, ThreadPool& 
   const size_t rb = RowBytes(dtype, hidden), di = static_cast<size_t>(dtype);
   std::vector<float> x(hidden, 0.01f), partial(static_cast<size_t>(threads) * hidden);
   std::mt19937 rng(3);
-  SpinPool spin(threads);
+  ThreadPool spin(threads, kColdSpin);
   std::printf("cold rows (%d threads, %d of %d rows):", threads, ffn / 10, ffn);
   for (bool huge : {false, true}) {
     Buffer gate(rb * ffn, huge), up(rb * ffn, huge), down(rb * ffn, huge);
@@ -440,16 +420,18 @@ void MeasureColdRows(DType dtype, int hidden, int ffn, int threads, ThreadPool& 
       std::sort(ids.begin(), ids.end());
       const int n_active = static_cast<int>(ids.size());
       const double t0 = Now();
-      spin.Run([&](int part) {
-        float* y = partial.data() + static_cast<size_t>(part) * hidden;
-        std::fill(y, y + hidden, 0.f);
-        const int i0 = static_cast<int>(static_cast<int64_t>(n_active) * part / threads);
-        const int i1 = static_cast<int>(static_cast<int64_t>(n_active) * (part + 1) / threads);
-        for (int i = i0; i < i1; ++i) {
-          const int64_t j = ids[i];
-          const float g = k->dot[di](gate.p + j * rb, x.data(), hidden);
-          const float u = k->dot[di](up.p + j * rb, x.data(), hidden);
-          k->axpy[di](g / (1.f + std::exp(-g)) * u, down.p + j * rb, y, hidden);
+      spin.ParallelFor(threads, 1, [&](int64_t p0, int64_t p1) {
+        for (int64_t part = p0; part < p1; ++part) {
+          float* y = partial.data() + static_cast<size_t>(part) * hidden;
+          std::fill(y, y + hidden, 0.f);
+          const int i0 = static_cast<int>(static_cast<int64_t>(n_active) * part / threads);
+          const int i1 = static_cast<int>(static_cast<int64_t>(n_active) * (part + 1) / threads);
+          for (int i = i0; i < i1; ++i) {
+            const int64_t j = ids[i];
+            const float g = k->dot[di](gate.p + j * rb, x.data(), hidden);
+            const float u = k->dot[di](up.p + j * rb, x.data(), hidden);
+            k->axpy[di](g / (1.f + std::exp(-g)) * u, down.p + j * rb, y, hidden);
+          }
         }
       });
       if (rep >= 4) t.push_back(Now() - t0);
@@ -966,7 +948,7 @@ int PrefillBench(const Options& o, const SynthModel& m, ThreadPool& pool, int th
       n_hot, F, 100.0 * n_hot / F, n_cold, o.stream_chunk, o.stream_slots, Now() - t0, plan / 1e9,
       be.b->DeviceBytes() / 1e9, 100.0 * (be.b->DeviceBytes() - plan) / plan);
 
-  SpinPool spin(threads);
+  ThreadPool spin(threads, kColdSpin);
   CpuColdFfn one(m, spin);
   BatchCpuCold cold(one, m);
   // Per-token masks for the largest batch; smaller batches use its first tokens.
@@ -1219,6 +1201,7 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_EARLY_PUBLISH", "1", 1);
   setenv("PINFER_CUDA_COLD_GPU_SHARE", "0", 1);
   setenv("PINFER_CUDA_COLD_BUNDLES", "1", 1);  // the bench's cold side (CpuColdFfn)
+  setenv("PINFER_CUDA_COLD_DEAL", "ops", 1);
   if (variant == "base") return;
   for (const std::string& kv : Split(variant, '+')) {
     const size_t eq = kv.find('=');
@@ -1283,7 +1266,7 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
     shifted_rank[l].resize(F);
     for (int r = 0; r < F; ++r) shifted_rank[l][perm[r]] = r;
   }
-  SpinPool spin(threads);
+  ThreadPool spin(threads, kColdSpin);
   CpuColdFfn cold(m, spin);
   std::printf(
       "adaptive: %d GPU FFN rows per layer in the budget; skew %.0f%%; %d warm-up + %d "
@@ -1462,6 +1445,108 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
   return 0;
 }
 
+// The cold side alone (--modes=coldrows; no GPU): a layer's cold rows as the pinfer mode
+// computes them (CpuColdFfn: the cpu-worker's op on spinning threads) against the bench's older
+// equal shares (COLD_DEAL=static), by list length and thread count. Each call takes a fresh random
+// set of n neurons of the next layer, so rows come from memory as in decode; medians over the
+// calls. The last line is one thread on 16 neurons kept in cache: the kernels' compute ceiling.
+int ColdRowsBench(const SynthModel& m, int threads) {
+  const ModelConfig& c = m.config;
+  const int H = c.hidden_size, F = c.ffn_size, L = c.n_layers;
+  const double neuron_bytes = 3.0 * m.Rb(H);
+  std::mt19937 rng(5);
+  std::vector<float> x(H), out(H);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (float& v : x) v = u(rng);
+  std::vector<int32_t> all(F);
+  std::iota(all.begin(), all.end(), 0);
+  // Median seconds per call over `calls` calls of n random neurons (n = 0: the same 16 neurons
+  // of layer 0 every time).
+  auto time_calls = [&](CpuColdFfn& cold, int n, int calls) {
+    std::vector<double> t;
+    std::vector<int32_t> ids;
+    for (int i = 0; i < calls; ++i) {
+      if (n > 0 || ids.empty()) {
+        std::shuffle(all.begin(), all.end(), rng);
+        ids.assign(all.begin(), all.begin() + (n > 0 ? n : 16));
+        std::sort(ids.begin(), ids.end());
+      }
+      cuda::ColdRequest r;
+      r.layer = n > 0 ? i % L : 0;
+      r.n = 1;
+      r.x = x.data();
+      r.out = out.data();
+      r.active = ids.data();
+      r.n_active = static_cast<int>(ids.size());
+      const double t0 = Now();
+      cold.Run(r);
+      if (i >= 4) t.push_back(Now() - t0);
+    }
+    return MedianOf(t);
+  };
+  auto row = [&](const char* what, int T, int n, double s) {
+    const int rows = n > 0 ? n : 16;
+    std::printf("| %s | %d | %d | %.1f | %.1f |\n", what, T, rows, s * 1e6,
+                rows * neuron_bytes / s / 1e9);
+  };
+  {
+    // Both deals compute the same sums in different orders: compare them on one request.
+    ThreadPool spin(threads, kColdSpin);
+    CpuColdFfn cold(m, spin);
+    std::shuffle(all.begin(), all.end(), rng);
+    std::vector<int32_t> ids(all.begin(), all.begin() + 295);
+    std::sort(ids.begin(), ids.end());
+    cuda::ColdRequest r;
+    r.layer = 1;
+    r.n = 1;
+    r.x = x.data();
+    r.active = ids.data();
+    r.n_active = static_cast<int>(ids.size());
+    std::vector<float> want(H);
+    r.out = want.data();
+    cold.set_static_deal(true);
+    cold.Run(r);
+    cold.set_static_deal(false);
+    r.out = out.data();
+    cold.Run(r);
+    double err = 0, scale = 0;
+    for (int i = 0; i < H; ++i) {
+      scale = std::max(scale, std::fabs(static_cast<double>(want[i])));
+      err = std::max(err, std::fabs(static_cast<double>(out[i]) - want[i]));
+    }
+    std::printf("the cpu-worker's op against equal shares: max difference %.3g of max |y| %.3g\n",
+                err, scale);
+  }
+  std::printf(
+      "\n| cold side (%s) | threads | neurons | us per call | GB/s |\n|---|---|---|---|---|\n",
+      DTypeName(m.dtype).data());
+  const int calls = 4 * L + 4;
+  for (int T : {threads, threads - 1}) {
+    if (T < 1) continue;
+    ThreadPool spin(T, kColdSpin);
+    CpuColdFfn cold(m, spin);
+    for (bool static_deal : {false, true}) {
+      cold.set_static_deal(static_deal);
+      for (int n : {64, 150, 295, 500, 838, 1382}) {
+        row(static_deal ? "equal shares (COLD_DEAL=static)" : "cpu-worker op", T, n,
+            time_calls(cold, n, calls));
+      }
+    }
+  }
+  for (int T : {1, 2, 4, 8, 12}) {
+    if (T >= threads) break;
+    ThreadPool spin(T, kColdSpin);
+    CpuColdFfn cold(m, spin);
+    row("cpu-worker op", T, 838, time_calls(cold, 838, calls));
+  }
+  {
+    ThreadPool spin(1);
+    CpuColdFfn cold(m, spin);
+    row("cpu-worker op, 16 neurons in cache", 1, 0, time_calls(cold, 0, 200));
+  }
+  return 0;
+}
+
 int Main(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
@@ -1549,12 +1634,17 @@ int Main(int argc, char** argv) {
   // (CUDA graphs: one per layer for single-token steps unless --graphs=0.)
   for (int i = 0; i < argc; ++i) std::printf(" %s", argv[i]);
   std::printf("\n");
+  const int threads =
+      o.threads > 0 ? o.threads : static_cast<int>(std::thread::hardware_concurrency());
+  if (o.modes == "coldrows") {
+    ThreadPool pool(threads);
+    std::unique_ptr<SynthModel> model = BuildModel(o, pool);
+    return ColdRowsBench(*model, threads);
+  }
   if (pinfer_cuda_device_count() == 0) {
     std::fprintf(stderr, "no CUDA device\n");
     return 1;
   }
-  const int threads =
-      o.threads > 0 ? o.threads : static_cast<int>(std::thread::hardware_concurrency());
   ThreadPool pool(threads);
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -1764,7 +1854,7 @@ int Main(int argc, char** argv) {
         std::printf("pinfer skew %.0f%%: %.1f hot + %.1f cold active rows per layer per token\n",
                     skew * 100, hot_rows / c.n_layers, cold_rows / c.n_layers);
         if (has_mode("pinfer")) {
-          SpinPool spin(threads);
+          ThreadPool spin(threads, kColdSpin);
           CpuColdFfn cold(m, spin);
           double start = 0;
           Sums sums;
@@ -1779,7 +1869,7 @@ int Main(int argc, char** argv) {
           // sides take turns on one pool (the CPU computes one layer's cold rows at a time, while
           // the GPU works on the other sequence). The pool has a thread fewer, for the other
           // lane's host thread, which waits on the GPU meanwhile.
-          SpinPool spin(std::max(1, threads - 1));
+          ThreadPool spin(std::max(1, threads - 1), kColdSpin);
           std::mutex turn;
           CpuColdFfn cold0(m, spin), cold1(m, spin);
           TakeTurns take0(&cold0, &turn), take1(&cold1, &turn);
