@@ -8,6 +8,8 @@
 #
 # GPU_FLAGS are appended to the gpu-worker's command line (e.g. "--vram-budget 24MiB"); when the
 # worker plans under a VRAM budget, the run fails unless its allocation is within 5% of the plan.
+# CPU_FLAGS are appended to the cpu-worker's (e.g. "--spin-us 0"); CPU_THREADS is its --threads
+# (default 4).
 set -uo pipefail
 b=$(realpath "${1:?service bundle}")
 cb=${2:+$(realpath "$2")}
@@ -39,7 +41,7 @@ if [[ -n $cb ]]; then
     > "$out/gpu-worker.log" 2>&1 &
   gp=$!
   "$b/bin/pinfer-cpu-worker" --model $model --segment $seg --threads "${CPU_THREADS:-4}" \
-    > "$out/cpu-worker.log" 2>&1 &
+    ${CPU_FLAGS:-} > "$out/cpu-worker.log" 2>&1 &
   cp=$!
   for i in $(seq 600); do [[ -s $dir/gpu.port ]] && break; sleep 0.1; done
   "$b/bin/pinfer-gateway" --workers "127.0.0.1:$(cat "$dir/gpu.port")" --listen 127.0.0.1:0 \

@@ -1,20 +1,16 @@
 #!/bin/bash
 # Session 20, third call: the cold side now runs the cpu-worker's own op (SparseFfnToken: chunks
 # of a few neurons taken by spinning threads as they come free, per-chunk partials) instead of
-# the bench's equal shares. First the cold side alone (--modes=coldrows), then the 13B shape, one
-# sequence and two lanes, base (the op) against COLD_DEAL=static (equal shares, runs 1-33), one
+# the bench's equal shares. The 13B shape, one sequence and two lanes (and dense offload and the
+# whole model on the GPU once), base (the op) against COLD_DEAL=static (equal shares, runs 1-33), one
 # process per dtype. Bundle: gpu-worker/cuda/make_bundle.sh build /tmp/cb/cudamod;
 # tar -cJf .device/cudamod.tar.xz -C /tmp/cb cudamod
 set -u
 out=$1
 mkdir -p /tmp/c && tar -xJf .device/cudamod.tar.xz -C /tmp/c
 export LD_LIBRARY_PATH=/tmp/c/cudamod/lib:${LD_LIBRARY_PATH:-}
-for dt in F16 Q4_0; do
-  timeout 100 /tmp/c/cudamod/bin/cuda_decode_bench --dtype=$dt --modes=coldrows > $out/coldrows_$dt.log 2>&1
-  echo "== coldrows $dt: rc $?"; grep -E "^\|.*\| (16|15) \| (150|295|500|838) \||difference|in cache" $out/coldrows_$dt.log
-done
-OPS_TIMEOUT=1 BACKEND_TIMEOUT=1 BENCH_TIMEOUT=200 \
-  BENCH_FLAGS="--modes=pinfer,lanes,offload --variant-modes=pinfer,lanes --steps=48 --warmup=16 --variants=base;COLD_DEAL=static" \
+OPS_TIMEOUT=1 BACKEND_TIMEOUT=1 BENCH_TIMEOUT=280 \
+  BENCH_FLAGS="--modes=pinfer,lanes,offload,gpu --variant-modes=pinfer,lanes --steps=48 --warmup=16 --variants=base;COLD_DEAL=static" \
   gpu-worker/cuda/device_run.sh /tmp/c/cudamod /tmp/dr > /tmp/dr-run.log 2>&1
 echo "device_run rc $?"
 cp /tmp/dr/bench_F16.log /tmp/dr/bench_Q4_0.log $out/
