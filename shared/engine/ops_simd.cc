@@ -128,16 +128,20 @@ class SimdOps : public CpuOps {
     }
     const Q8Vector v{qx.q.data(), qx.d.data(), qx.s8.data()};
     const bool gate_decides = act != Activation::kSilu;
-    // Neurons in chunks, each summed into its own buffer and the buffers added in order: the
-    // result does not depend on how many threads share the chunks. The chunk size depends only on
-    // the list's length: about 48 chunks (at least kGroup, at most 64 neurons each), so that a
-    // cpu-worker's few hundred cold neurons of a layer are spread over all of its threads with a
-    // few chunks each (a thread slowed by a neighbour takes fewer), while the buffers to add
-    // stay under 50 rows of `hidden`. Within a chunk, groups of kGroup neurons: their gate rows,
-    // then the up rows of the active ones, then their down rows, each set read interleaved.
-    const int per_chunk =
-        std::clamp((n_rows / 48 + kGroup - 1) / kGroup * kGroup, int{kGroup}, 64);
-    const int chunks = (n_rows + per_chunk - 1) / per_chunk;
+    // The list in equal parts, one per pool thread (and at least kGroup neurons each), each part
+    // summed into its own buffer and the buffers added in order: a cpu-worker's few hundred cold
+    // neurons of a layer reach every thread, and the result is the same bits run to run (it
+    // depends on the list and the thread count only). Measured on the H200 host (16 threads, 295
+    // and 838 neurons, docs/benchmarks.md run 34): ~48 fixed-size chunks, whose result did not
+    // depend on the thread count, were up to 1.6x slower (twice the buffers to zero and add);
+    // 64-neuron chunks left most threads idle. Within a part, groups of kGroup neurons: their
+    // gate rows, then the up rows of the active ones, then their down rows, each set read
+    // interleaved.
+    const int threads = pool_ == nullptr ? 1 : pool_->size();
+    const int chunks = std::clamp((n_rows + kGroup - 1) / kGroup, 1, threads);
+    auto part_begin = [&](int c) {
+      return static_cast<int>(static_cast<int64_t>(n_rows) * c / chunks);
+    };
     // Up rows per chunk, in the calling thread's buffer (reused: decode allocates nothing once
     // warm). The workers reach it through this pointer: a thread_local named inside the lambda
     // would be each worker's own.
@@ -145,8 +149,8 @@ class SimdOps : public CpuOps {
     ups_buffer.assign(std::max(chunks, 1), 0);
     int* ups = ups_buffer.data();
     auto run_chunk = [&](int c, float* acc) {
-      const int end = std::min(n_rows, (c + 1) * per_chunk);
-      for (int i0 = c * per_chunk; i0 < end; i0 += kGroup) {
+      const int end = part_begin(c + 1);
+      for (int i0 = part_begin(c); i0 < end; i0 += kGroup) {
         const int k = std::min(kGroup, end - i0);
         const uint8_t* rp[kGroup];
         float g[kGroup], u[kGroup];
