@@ -119,14 +119,20 @@ class SimdOps : public CpuOps {
                      const int32_t* rows, int n_rows, Activation act, const float* x,
                      const float* gate_values, float* a, float* out) const override {
     const int64_t cols = up.cols(), hidden = down_t.cols();
-    Q8Scratch& qx = ThreadQ8Scratch();
-    if (IsQuantized(gate.dtype) || IsQuantized(up.dtype)) {
-      qx.q.resize(cols);
-      qx.d.resize(cols / 32);
-      qx.s8.resize(cols / 4);
-      k_->quantize_q8x(x, cols, qx.q.data(), qx.d.data(), qx.s8.data());
-    }
-    const Q8Vector v{qx.q.data(), qx.d.data(), qx.s8.data()};
+    const bool quantized = IsQuantized(gate.dtype) || IsQuantized(up.dtype);
+    // x quantized for Q8_0 / Q4_0 rows by the thread that reads it, once per part: a copy in each
+    // thread's own cache instead of one that every thread reads from the caller's (H200 host:
+    // a Q4_0 layer of 295 neurons took 80 us with one copy, 58 with one per thread).
+    auto quantize_x = [&] {
+      Q8Scratch& qx = ThreadQ8Scratch();
+      if (quantized) {
+        qx.q.resize(cols);
+        qx.d.resize(cols / 32);
+        qx.s8.resize(cols / 4);
+        k_->quantize_q8x(x, cols, qx.q.data(), qx.d.data(), qx.s8.data());
+      }
+      return Q8Vector{qx.q.data(), qx.d.data(), qx.s8.data()};
+    };
     const bool gate_decides = act != Activation::kSilu;
     // The list in equal parts, one per pool thread (and at least kGroup neurons each), each part
     // summed into its own buffer and the buffers added in order: a cpu-worker's few hundred cold
@@ -149,6 +155,7 @@ class SimdOps : public CpuOps {
     ups_buffer.assign(std::max(chunks, 1), 0);
     int* ups = ups_buffer.data();
     auto run_chunk = [&](int c, float* acc) {
+      const Q8Vector v = quantize_x();
       const int end = part_begin(c + 1);
       for (int i0 = part_begin(c); i0 < end; i0 += kGroup) {
         const int k = std::min(kGroup, end - i0);
