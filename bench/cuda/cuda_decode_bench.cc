@@ -383,18 +383,34 @@ class CpuColdFfn : public cuda::ColdFfn {
 };
 
 // Two lanes' cold sides on one pool: each request runs alone, in arrival order, as the
-// cpu-worker serves one exchange at a time.
+// cpu-worker serves one exchange at a time. The waiting lane blocks on a mutex, or with variant
+// TURNS=spin (PINFER_CUDA_TURNS=spin) polls a flag: a blocked thread takes tens of microseconds
+// to wake, a layer's cold rows not many more.
 class TakeTurns : public cuda::ColdFfn {
  public:
-  TakeTurns(cuda::ColdFfn* inner, std::mutex* turn) : inner_(inner), turn_(turn) {}
+  TakeTurns(cuda::ColdFfn* inner, std::mutex* turn) : inner_(inner), turn_(turn) {
+    const char* env = std::getenv("PINFER_CUDA_TURNS");
+    spin_ = env != nullptr && std::string(env) == "spin";
+  }
+  void set_spin(bool spin) { spin_ = spin; }
   cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
-    std::lock_guard<std::mutex> lock(*turn_);
+    if (!spin_) {
+      std::lock_guard<std::mutex> lock(*turn_);
+      return inner_->Run(r);
+    }
+    while (!turn_->try_lock()) {
+#if defined(__x86_64__)
+      __builtin_ia32_pause();
+#endif
+    }
+    std::lock_guard<std::mutex> lock(*turn_, std::adopt_lock);
     return inner_->Run(r);
   }
 
  private:
   cuda::ColdFfn* inner_;
   std::mutex* turn_;
+  bool spin_ = false;
 };
 
 // The cold side's row bandwidth on one layer-sized set of gate, up and down_t rows: 10% of the
@@ -1448,41 +1464,38 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
 // The cold side alone (--modes=coldrows; no GPU): a layer's cold rows as the pinfer mode
 // computes them (CpuColdFfn: the cpu-worker's op on spinning threads) against the bench's older
 // equal shares (COLD_DEAL=static), by list length and thread count. Each call takes a fresh random
-// set of n neurons of the next layer, so rows come from memory as in decode; medians over the
-// calls. The last line is one thread on 16 neurons kept in cache: the kernels' compute ceiling.
+// set of n neurons of the next layer, so rows come from memory as in decode; the two deals take
+// turns call by call (the host's speed drifts within a run by more than they differ), medians
+// over each deal's calls. Then throughput for two lanes: one pool of all the threads serving the
+// two lanes' calls one at a time (the cpu-worker's single exchange) against two pools of half the
+// threads each serving one lane's calls at the same time. The last line is one thread on 16
+// neurons kept in cache: the kernels' compute ceiling.
 int ColdRowsBench(const SynthModel& m, int threads) {
   const ModelConfig& c = m.config;
   const int H = c.hidden_size, F = c.ffn_size, L = c.n_layers;
   const double neuron_bytes = 3.0 * m.Rb(H);
   std::mt19937 rng(5);
-  std::vector<float> x(H), out(H);
+  std::vector<float> x(H);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   for (float& v : x) v = u(rng);
-  std::vector<int32_t> all(F);
-  std::iota(all.begin(), all.end(), 0);
-  // Median seconds per call over `calls` calls of n random neurons (n = 0: the same 16 neurons
-  // of layer 0 every time).
-  auto time_calls = [&](CpuColdFfn& cold, int n, int calls) {
-    std::vector<double> t;
-    std::vector<int32_t> ids;
-    for (int i = 0; i < calls; ++i) {
-      if (n > 0 || ids.empty()) {
-        std::shuffle(all.begin(), all.end(), rng);
-        ids.assign(all.begin(), all.begin() + (n > 0 ? n : 16));
-        std::sort(ids.begin(), ids.end());
-      }
-      cuda::ColdRequest r;
-      r.layer = n > 0 ? i % L : 0;
-      r.n = 1;
-      r.x = x.data();
-      r.out = out.data();
-      r.active = ids.data();
-      r.n_active = static_cast<int>(ids.size());
-      const double t0 = Now();
-      cold.Run(r);
-      if (i >= 4) t.push_back(Now() - t0);
-    }
-    return MedianOf(t);
+  // n random neurons of a layer, sorted as the cpu-worker's lists are (n = 0: the first 16).
+  auto draw = [&](std::mt19937& g, int n) {
+    std::vector<int32_t> all(F);
+    std::iota(all.begin(), all.end(), 0);
+    if (n > 0) std::shuffle(all.begin(), all.end(), g);
+    std::vector<int32_t> ids(all.begin(), all.begin() + (n > 0 ? n : 16));
+    std::sort(ids.begin(), ids.end());
+    return ids;
+  };
+  auto request = [&](int layer, const std::vector<int32_t>& ids, float* out) {
+    cuda::ColdRequest r;
+    r.layer = layer;
+    r.n = 1;
+    r.x = x.data();
+    r.out = out;
+    r.active = ids.data();
+    r.n_active = static_cast<int>(ids.size());
+    return r;
   };
   auto row = [&](const char* what, int T, int n, double s) {
     const int rows = n > 0 ? n : 16;
@@ -1493,26 +1506,16 @@ int ColdRowsBench(const SynthModel& m, int threads) {
     // Both deals compute the same sums in different orders: compare them on one request.
     ThreadPool spin(threads, kColdSpin);
     CpuColdFfn cold(m, spin);
-    std::shuffle(all.begin(), all.end(), rng);
-    std::vector<int32_t> ids(all.begin(), all.begin() + 295);
-    std::sort(ids.begin(), ids.end());
-    cuda::ColdRequest r;
-    r.layer = 1;
-    r.n = 1;
-    r.x = x.data();
-    r.active = ids.data();
-    r.n_active = static_cast<int>(ids.size());
-    std::vector<float> want(H);
-    r.out = want.data();
+    const std::vector<int32_t> ids = draw(rng, 295);
+    std::vector<float> want(H), got(H);
     cold.set_static_deal(true);
-    cold.Run(r);
+    cold.Run(request(1, ids, want.data()));
     cold.set_static_deal(false);
-    r.out = out.data();
-    cold.Run(r);
+    cold.Run(request(1, ids, got.data()));
     double err = 0, scale = 0;
     for (int i = 0; i < H; ++i) {
       scale = std::max(scale, std::fabs(static_cast<double>(want[i])));
-      err = std::max(err, std::fabs(static_cast<double>(out[i]) - want[i]));
+      err = std::max(err, std::fabs(static_cast<double>(got[i]) - want[i]));
     }
     std::printf("the cpu-worker's op against equal shares: max difference %.3g of max |y| %.3g\n",
                 err, scale);
@@ -1521,28 +1524,96 @@ int ColdRowsBench(const SynthModel& m, int threads) {
       "\n| cold side (%s) | threads | neurons | us per call | GB/s |\n|---|---|---|---|---|\n",
       DTypeName(m.dtype).data());
   const int calls = 4 * L + 4;
+  std::vector<float> out(H);
   for (int T : {threads, threads - 1}) {
     if (T < 1) continue;
     ThreadPool spin(T, kColdSpin);
     CpuColdFfn cold(m, spin);
-    for (bool static_deal : {false, true}) {
-      cold.set_static_deal(static_deal);
-      for (int n : {64, 150, 295, 500, 838, 1382}) {
-        row(static_deal ? "equal shares (COLD_DEAL=static)" : "cpu-worker op", T, n,
-            time_calls(cold, n, calls));
+    for (int n : {64, 150, 295, 500, 838, 1382}) {
+      std::vector<double> t[2];
+      for (int i = 0; i < 2 * calls; ++i) {
+        const std::vector<int32_t> ids = draw(rng, n);
+        cold.set_static_deal(i % 2 == 1);
+        const double t0 = Now();
+        cold.Run(request((i / 2) % L, ids, out.data()));
+        if (i >= 8) t[i % 2].push_back(Now() - t0);
       }
+      row("cpu-worker op", T, n, MedianOf(t[0]));
+      row("equal shares (COLD_DEAL=static)", T, n, MedianOf(t[1]));
     }
   }
   for (int T : {1, 2, 4, 8, 12}) {
     if (T >= threads) break;
     ThreadPool spin(T, kColdSpin);
     CpuColdFfn cold(m, spin);
-    row("cpu-worker op", T, 838, time_calls(cold, 838, calls));
+    std::vector<double> t;
+    for (int i = 0; i < calls; ++i) {
+      const std::vector<int32_t> ids = draw(rng, 838);
+      const double t0 = Now();
+      cold.Run(request(i % L, ids, out.data()));
+      if (i >= 4) t.push_back(Now() - t0);
+    }
+    row("cpu-worker op", T, 838, MedianOf(t));
   }
   {
     ThreadPool spin(1);
     CpuColdFfn cold(m, spin);
-    row("cpu-worker op, 16 neurons in cache", 1, 0, time_calls(cold, 0, 200));
+    const std::vector<int32_t> ids = draw(rng, 0);
+    std::vector<double> t;
+    for (int i = 0; i < 200; ++i) {
+      const double t0 = Now();
+      cold.Run(request(0, ids, out.data()));
+      if (i >= 4) t.push_back(Now() - t0);
+    }
+    row("cpu-worker op, 16 neurons in cache", 1, 0, MedianOf(t));
+  }
+  // Two lanes' cold calls, each lane on its own thread with its own lists: wall time over all
+  // the calls of both lanes, per call (throughput, not latency). "shared": one pool of threads - 1
+  // (the bench's lanes mode: the other lane's host thread waits on the GPU) taken in turns, the
+  // waiting lane blocked on a mutex or polling (TURNS=spin); "split": a pool of threads / 2 per
+  // lane (its caller one of them), both computing at once.
+  if (threads >= 4) {
+    std::printf(
+        "\n| two lanes' cold calls (%s) | pools | neurons | us per call (both lanes, wall) | GB/s "
+        "|\n|---|---|---|---|---|\n",
+        DTypeName(m.dtype).data());
+    for (int n : {150, 295, 500, 838}) {
+      for (int way = 0; way < 3; ++way) {  // shared and blocking, shared and polling, split
+        const bool split = way == 2;
+        ThreadPool shared_pool(threads - 1, kColdSpin), pool_a(threads / 2, kColdSpin),
+            pool_b(threads / 2, kColdSpin);
+        CpuColdFfn shared_a(m, shared_pool), shared_b(m, shared_pool);
+        CpuColdFfn split_a(m, pool_a), split_b(m, pool_b);
+        std::mutex turn;
+        TakeTurns take_a(&shared_a, &turn), take_b(&shared_b, &turn);
+        take_a.set_spin(way == 1);
+        take_b.set_spin(way == 1);
+        cuda::ColdFfn* lane_cold[2] = {split ? static_cast<cuda::ColdFfn*>(&split_a) : &take_a,
+                                       split ? static_cast<cuda::ColdFfn*>(&split_b) : &take_b};
+        std::barrier start(2);
+        double t0 = 0;
+        auto lane_loop = [&](int lane) {
+          std::mt19937 g(100 + lane);
+          std::vector<float> y(H);
+          std::vector<std::vector<int32_t>> lists;
+          for (int i = 0; i < calls; ++i) lists.push_back(draw(g, n));
+          for (int i = 0; i < 8; ++i) lane_cold[lane]->Run(request(i % L, lists[i], y.data()));
+          start.arrive_and_wait();
+          if (lane == 0) t0 = Now();
+          for (int i = 8; i < calls; ++i) lane_cold[lane]->Run(request(i % L, lists[i], y.data()));
+        };
+        std::thread other(lane_loop, 1);
+        lane_loop(0);
+        other.join();
+        const double per_call = (Now() - t0) / (2.0 * (calls - 8));
+        const std::string what =
+            split ? "split: " + std::to_string(threads / 2) + " + " + std::to_string(threads / 2)
+                  : "shared: " + std::to_string(threads - 1) +
+                        (way == 1 ? ", in turns, waiter polls" : ", in turns, waiter blocks");
+        std::printf("| two lanes | %s | %d | %.1f | %.1f |\n", what.c_str(), n, per_call * 1e6,
+                    n * neuron_bytes / per_call / 1e9);
+      }
+    }
   }
   return 0;
 }
@@ -1868,11 +1939,17 @@ int Main(int argc, char** argv) {
           // Two sequences, each on its own lane and thread with its own cold side; the cold
           // sides take turns on one pool (the CPU computes one layer's cold rows at a time, while
           // the GPU works on the other sequence). The pool has a thread fewer, for the other
-          // lane's host thread, which waits on the GPU meanwhile.
-          ThreadPool spin(std::max(1, threads - 1), kColdSpin);
-          std::mutex turn;
-          CpuColdFfn cold0(m, spin), cold1(m, spin);
-          TakeTurns take0(&cold0, &turn), take1(&cold1, &turn);
+          // lane's host thread, which waits on the GPU meanwhile. Variant COLD_POOLS=split
+          // (PINFER_CUDA_COLD_POOLS=split): a pool of half the threads per lane, its host thread
+          // one of them, both lanes' cold rows computed at once.
+          const char* pools_env = std::getenv("PINFER_CUDA_COLD_POOLS");
+          const bool split_pools = pools_env != nullptr && std::string(pools_env) == "split";
+          ThreadPool spin(split_pools ? std::max(1, threads / 2) : std::max(1, threads - 1),
+                          kColdSpin);
+          ThreadPool spin1(split_pools ? std::max(1, threads / 2) : 1, kColdSpin);
+          std::mutex turn, turn1;
+          CpuColdFfn cold0(m, spin), cold1(m, split_pools ? spin1 : spin);
+          TakeTurns take0(&cold0, &turn), take1(&cold1, split_pools ? &turn1 : &turn);
           std::barrier warm_done(2);
           std::atomic<double> start{0};
           Sums sums0, sums1;

@@ -157,6 +157,7 @@ class SimdOps : public CpuOps {
     auto run_chunk = [&](int c, float* acc) {
       const Q8Vector v = quantize_x();
       const int end = part_begin(c + 1);
+      int up_rows = 0;  // counted here and stored once: ups[] shares a cache line between parts
       for (int i0 = part_begin(c); i0 < end; i0 += kGroup) {
         const int k = std::min(kGroup, end - i0);
         const uint8_t* rp[kGroup];
@@ -175,7 +176,7 @@ class SimdOps : public CpuOps {
         if (m == 0) continue;
         for (int j = 0; j < m; ++j) rp[j] = up.row(rows[i0 + live[j]]);
         DotRows(up.dtype, rp, m, x, v, cols, u);
-        ups[c] += m;
+        up_rows += m;
         float coef[kGroup];
         int nz = 0;
         for (int j = 0; j < m; ++j) {
@@ -189,6 +190,7 @@ class SimdOps : public CpuOps {
         }
         if (nz > 0) AxpyRows(down_t.dtype, rp, coef, nz, acc, 0, hidden);
       }
+      ups[c] = up_rows;
     };
     if (chunks <= 1) {
       if (n_rows > 0) run_chunk(0, out);
@@ -203,10 +205,27 @@ class SimdOps : public CpuOps {
         run_chunk(static_cast<int>(c), p + c * hidden);
       }
     });
-    For(hidden, 128, [&](int64_t b, int64_t e) {
+    // One column range per thread, and within it 16 columns at a time summed over every part
+    // in order (the same additions as part after part): the parts' lines are read together,
+    // from the caches of the threads that wrote them. On the H200 host ~40 ranges of 128
+    // columns, each part's range read after the other's, cost ~15 us more per call than equal
+    // shares' 16 ranges (docs/benchmarks.md, run 35).
+    constexpr int64_t kLine = 16;
+    const int64_t range = (hidden + threads * kLine - 1) / (threads * kLine) * kLine;
+    For(hidden, range, [&](int64_t b, int64_t e) {
+      int64_t i0 = b;
+      for (; i0 + kLine <= e; i0 += kLine) {  // a constant width: s stays in registers
+        float s[kLine];
+        for (int64_t i = 0; i < kLine; ++i) s[i] = out[i0 + i];
+        for (int c = 0; c < chunks; ++c) {
+          const float* pc = p + static_cast<int64_t>(c) * hidden + i0;
+          for (int64_t i = 0; i < kLine; ++i) s[i] += pc[i];
+        }
+        for (int64_t i = 0; i < kLine; ++i) out[i0 + i] = s[i];
+      }
       for (int c = 0; c < chunks; ++c) {
         const float* pc = p + static_cast<int64_t>(c) * hidden;
-        for (int64_t i = b; i < e; ++i) out[i] += pc[i];
+        for (int64_t i = i0; i < e; ++i) out[i] += pc[i];
       }
     });
     int total = 0;

@@ -345,11 +345,14 @@ TEST_P(OpsTest, StridedRowsGiveTheSameBitsAsPackedRows) {
 
 // The fused FFN splits the list into one part per pool thread: the same bits run to run for a
 // given thread count, and within fp32 rounding of the one-thread result for two and five
-// threads, for lists of one part and of many.
+// threads, for lists of one part and of many. The parts are added to what out held (F16 rows of
+// 100 columns: a column range that is not whole 16-column lines).
 TEST(SparseFfnTokenTest, SameBitsRunToRunAndCloseAcrossThreadCounts) {
   std::mt19937 rng(7);
-  const int ffn = 2500, hidden = 96;
+  const int ffn = 2500;
   for (DType dt : {DType::kF16, DType::kQ4_0}) {
+    const int hidden = dt == DType::kF16 ? 100 : 96;
+    const std::vector<float> before = Random(hidden, rng);
     Weight gate = MakeWeight(dt, ffn, hidden, rng), up = MakeWeight(dt, ffn, hidden, rng);
     Weight down_t = MakeWeight(dt, ffn, hidden, rng);
     auto x = Random(hidden, rng);
@@ -362,7 +365,7 @@ TEST(SparseFfnTokenTest, SameBitsRunToRunAndCloseAcrossThreadCounts) {
         auto ops = NewSimdOps(&pool);
         std::vector<std::vector<float>> runs;
         for (int run = 0; run < 2; ++run) {
-          std::vector<float> a(n_rows), out(hidden, 0.f);
+          std::vector<float> a(n_rows), out = before;
           ops->SparseFfnToken(gate.view, up.view, down_t.view, idx.data(), n_rows,
                               Activation::kRelu, x.data(), nullptr, a.data(), out.data());
           runs.push_back(out);
