@@ -383,34 +383,20 @@ class CpuColdFfn : public cuda::ColdFfn {
 };
 
 // Two lanes' cold sides on one pool: each request runs alone, in arrival order, as the
-// cpu-worker serves one exchange at a time. The waiting lane blocks on a mutex, or with variant
-// TURNS=spin (PINFER_CUDA_TURNS=spin) polls a flag: a blocked thread takes tens of microseconds
-// to wake, a layer's cold rows not many more.
+// cpu-worker serves one exchange at a time. (A waiting lane that polled instead of blocking on
+// the mutex, variant TURNS=spin of 7c9e593, was no faster in two H200 calls: docs/benchmarks.md,
+// run 35.)
 class TakeTurns : public cuda::ColdFfn {
  public:
-  TakeTurns(cuda::ColdFfn* inner, std::mutex* turn) : inner_(inner), turn_(turn) {
-    const char* env = std::getenv("PINFER_CUDA_TURNS");
-    spin_ = env != nullptr && std::string(env) == "spin";
-  }
-  void set_spin(bool spin) { spin_ = spin; }
+  TakeTurns(cuda::ColdFfn* inner, std::mutex* turn) : inner_(inner), turn_(turn) {}
   cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
-    if (!spin_) {
-      std::lock_guard<std::mutex> lock(*turn_);
-      return inner_->Run(r);
-    }
-    while (!turn_->try_lock()) {
-#if defined(__x86_64__)
-      __builtin_ia32_pause();
-#endif
-    }
-    std::lock_guard<std::mutex> lock(*turn_, std::adopt_lock);
+    std::lock_guard<std::mutex> lock(*turn_);
     return inner_->Run(r);
   }
 
  private:
   cuda::ColdFfn* inner_;
   std::mutex* turn_;
-  bool spin_ = false;
 };
 
 // The cold side's row bandwidth on one layer-sized set of gate, up and down_t rows: 10% of the
@@ -1466,10 +1452,8 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
 // equal shares (COLD_DEAL=static), by list length and thread count. Each call takes a fresh random
 // set of n neurons of the next layer, so rows come from memory as in decode; the two deals take
 // turns call by call (the host's speed drifts within a run by more than they differ), medians
-// over each deal's calls. Then throughput for two lanes: one pool of all the threads serving the
-// two lanes' calls one at a time (the cpu-worker's single exchange) against two pools of half the
-// threads each serving one lane's calls at the same time. The last line is one thread on 16
-// neurons kept in cache: the kernels' compute ceiling.
+// over each deal's calls. The last line is one thread on 16 neurons kept in cache: the kernels'
+// compute ceiling.
 int ColdRowsBench(const SynthModel& m, int threads) {
   const ModelConfig& c = m.config;
   const int H = c.hidden_size, F = c.ffn_size, L = c.n_layers;
@@ -1566,54 +1550,6 @@ int ColdRowsBench(const SynthModel& m, int threads) {
       if (i >= 4) t.push_back(Now() - t0);
     }
     row("cpu-worker op, 16 neurons in cache", 1, 0, MedianOf(t));
-  }
-  // Two lanes' cold calls, each lane on its own thread with its own lists: wall time over all
-  // the calls of both lanes, per call (throughput, not latency). "shared": one pool of threads - 1
-  // (the bench's lanes mode: the other lane's host thread waits on the GPU) taken in turns, the
-  // waiting lane blocked on a mutex or polling (TURNS=spin); "split": a pool of threads / 2 per
-  // lane (its caller one of them), both computing at once.
-  if (threads >= 4) {
-    std::printf(
-        "\n| two lanes' cold calls (%s) | pools | neurons | us per call (both lanes, wall) | GB/s "
-        "|\n|---|---|---|---|---|\n",
-        DTypeName(m.dtype).data());
-    for (int n : {150, 295, 500, 838}) {
-      for (int way = 0; way < 3; ++way) {  // shared and blocking, shared and polling, split
-        const bool split = way == 2;
-        ThreadPool shared_pool(threads - 1, kColdSpin), pool_a(threads / 2, kColdSpin),
-            pool_b(threads / 2, kColdSpin);
-        CpuColdFfn shared_a(m, shared_pool), shared_b(m, shared_pool);
-        CpuColdFfn split_a(m, pool_a), split_b(m, pool_b);
-        std::mutex turn;
-        TakeTurns take_a(&shared_a, &turn), take_b(&shared_b, &turn);
-        take_a.set_spin(way == 1);
-        take_b.set_spin(way == 1);
-        cuda::ColdFfn* lane_cold[2] = {split ? static_cast<cuda::ColdFfn*>(&split_a) : &take_a,
-                                       split ? static_cast<cuda::ColdFfn*>(&split_b) : &take_b};
-        std::barrier start(2);
-        double t0 = 0;
-        auto lane_loop = [&](int lane) {
-          std::mt19937 g(100 + lane);
-          std::vector<float> y(H);
-          std::vector<std::vector<int32_t>> lists;
-          for (int i = 0; i < calls; ++i) lists.push_back(draw(g, n));
-          for (int i = 0; i < 8; ++i) lane_cold[lane]->Run(request(i % L, lists[i], y.data()));
-          start.arrive_and_wait();
-          if (lane == 0) t0 = Now();
-          for (int i = 8; i < calls; ++i) lane_cold[lane]->Run(request(i % L, lists[i], y.data()));
-        };
-        std::thread other(lane_loop, 1);
-        lane_loop(0);
-        other.join();
-        const double per_call = (Now() - t0) / (2.0 * (calls - 8));
-        const std::string what =
-            split ? "split: " + std::to_string(threads / 2) + " + " + std::to_string(threads / 2)
-                  : "shared: " + std::to_string(threads - 1) +
-                        (way == 1 ? ", in turns, waiter polls" : ", in turns, waiter blocks");
-        std::printf("| two lanes | %s | %d | %.1f | %.1f |\n", what.c_str(), n, per_call * 1e6,
-                    n * neuron_bytes / per_call / 1e9);
-      }
-    }
   }
   return 0;
 }
@@ -1939,17 +1875,14 @@ int Main(int argc, char** argv) {
           // Two sequences, each on its own lane and thread with its own cold side; the cold
           // sides take turns on one pool (the CPU computes one layer's cold rows at a time, while
           // the GPU works on the other sequence). The pool has a thread fewer, for the other
-          // lane's host thread, which waits on the GPU meanwhile. Variant COLD_POOLS=split
-          // (PINFER_CUDA_COLD_POOLS=split): a pool of half the threads per lane, its host thread
-          // one of them, both lanes' cold rows computed at once.
-          const char* pools_env = std::getenv("PINFER_CUDA_COLD_POOLS");
-          const bool split_pools = pools_env != nullptr && std::string(pools_env) == "split";
-          ThreadPool spin(split_pools ? std::max(1, threads / 2) : std::max(1, threads - 1),
-                          kColdSpin);
-          ThreadPool spin1(split_pools ? std::max(1, threads / 2) : 1, kColdSpin);
-          std::mutex turn, turn1;
-          CpuColdFfn cold0(m, spin), cold1(m, split_pools ? spin1 : spin);
-          TakeTurns take0(&cold0, &turn), take1(&cold1, split_pools ? &turn1 : &turn);
+          // lane's host thread, which waits on the GPU meanwhile. (A pool of half the threads per
+          // lane, both lanes' cold rows at once, variant COLD_POOLS=split of 7c9e593, was slower
+          // at skew 20% in two H200 calls: each layer's cold rows take longer, and a lane waits
+          // for them; docs/benchmarks.md, run 35.)
+          ThreadPool spin(std::max(1, threads - 1), kColdSpin);
+          std::mutex turn;
+          CpuColdFfn cold0(m, spin), cold1(m, spin);
+          TakeTurns take0(&cold0, &turn), take1(&cold1, &turn);
           std::barrier warm_done(2);
           std::atomic<double> start{0};
           Sums sums0, sums1;
