@@ -297,29 +297,21 @@ constexpr std::chrono::microseconds kColdSpin(200);
 
 // The cold rows on the CPU, as the cpu-worker computes them (PartialFfn): CpuOps::SparseFfnToken
 // over the layer's active cold neurons on a pool of spinning threads (cpu-worker --threads N
-// --spin-us 200): chunks of a few neurons taken by the threads as they come free, each chunk's
-// gate, up and down rows read in groups of eight (Q4_0 against Q8_0-quantized x with integer
-// dots) into the chunk's own partial sum, and the partials added in order. Rows are read from the
+// --spin-us 200): the list in one part per thread, each part's gate, up and down rows read in
+// groups of eight (Q4_0 against Q8_0-quantized x with integer dots) into the part's own partial
+// sum, and the partials added in order. Rows are read from the
 // per-neuron bundles as the cpu-worker stores them, or (variant COLD_BUNDLES=0, i.e.
 // PINFER_CUDA_COLD_BUNDLES=0) from the three separate matrices.
 //
-// Variant COLD_DEAL=static (PINFER_CUDA_COLD_DEAL=static) is the bench's own split of runs
-// 1-33, kept for the A/B: an equal share of the neurons per thread into per-thread partials.
+// (Runs 1-33 split the list into equal shares in the bench itself, variant COLD_DEAL=static until
+// 181910d; run 35 measured the op and the shares within noise of each other.)
 class CpuColdFfn : public cuda::ColdFfn {
  public:
   CpuColdFfn(const SynthModel& m, ThreadPool& pool)
-      : m_(m),
-        pool_(pool),
-        pooled_ops_(NewSimdOps(&pool)),
-        ops_(NewSimdOps(nullptr)),
-        partial_(static_cast<size_t>(pool.size()) * m.config.hidden_size),
-        coef_(static_cast<size_t>(m.config.ffn_size)) {
+      : m_(m), ops_(NewSimdOps(&pool)), coef_(static_cast<size_t>(m.config.ffn_size)) {
     const char* env = std::getenv("PINFER_CUDA_COLD_BUNDLES");
     bundles_ = env == nullptr || std::string(env) != "0";
-    const char* deal = std::getenv("PINFER_CUDA_COLD_DEAL");
-    static_deal_ = deal != nullptr && std::string(deal) == "static";
   }
-  void set_static_deal(bool s) { static_deal_ = s; }
 
   cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
     const int H = m_.config.hidden_size, F = m_.config.ffn_size;
@@ -342,50 +334,20 @@ class CpuColdFfn : public cuda::ColdFfn {
     for (int t = 0; t < r.n; ++t) {
       const float* x = r.x + static_cast<size_t>(t) * H;
       float* out = r.out + static_cast<size_t>(t) * H;
-      if (!static_deal_) {
-        std::fill(out, out + H, 0.f);
-        pooled_ops_->SparseFfnToken(gate, up, down_t, r.active, r.n_active, Activation::kSilu, x,
-                                    nullptr, coef_.data(), out);
-        continue;
-      }
-      const int T = pool_.size();
-      pool_.ParallelFor(T, 1, [&](int64_t p0, int64_t p1) {
-        for (int64_t part = p0; part < p1; ++part) {
-          float* y = partial_.data() + static_cast<size_t>(part) * H;
-          std::fill(y, y + H, 0.f);
-          const int i0 = static_cast<int>(static_cast<int64_t>(r.n_active) * part / T);
-          const int i1 = static_cast<int>(static_cast<int64_t>(r.n_active) * (part + 1) / T);
-          ops_->SparseFfnToken(gate, up, down_t, r.active + i0, i1 - i0, Activation::kSilu, x,
-                               nullptr, coef_.data() + i0, y);
-        }
-      });
-      pool_.ParallelFor(T, 1, [&](int64_t p0, int64_t p1) {
-        for (int64_t part = p0; part < p1; ++part) {
-          const int c0 = static_cast<int>(H * part / T), c1 = static_cast<int>(H * (part + 1) / T);
-          for (int c = c0; c < c1; ++c) {
-            float s = 0;
-            for (int p = 0; p < T; ++p) s += partial_[static_cast<size_t>(p) * H + c];
-            out[c] = s;
-          }
-        }
-      });
+      std::fill(out, out + H, 0.f);
+      ops_->SparseFfnToken(gate, up, down_t, r.active, r.n_active, Activation::kSilu, x, nullptr,
+                           coef_.data(), out);
     }
     return {};
   }
 
  private:
   const SynthModel& m_;
-  ThreadPool& pool_;
-  std::unique_ptr<CpuOps> pooled_ops_, ops_;
-  std::vector<float> partial_, coef_;
+  std::unique_ptr<CpuOps> ops_;
+  std::vector<float> coef_;
   bool bundles_ = true;
-  bool static_deal_ = false;
 };
 
-// Two lanes' cold sides on one pool: each request runs alone, in arrival order, as the
-// cpu-worker serves one exchange at a time. (A waiting lane that polled instead of blocking on
-// the mutex, variant TURNS=spin of 7c9e593, was no faster in two H200 calls: docs/benchmarks.md,
-// run 35.)
 class TakeTurns : public cuda::ColdFfn {
  public:
   TakeTurns(cuda::ColdFfn* inner, std::mutex* turn) : inner_(inner), turn_(turn) {}
@@ -1203,7 +1165,6 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_EARLY_PUBLISH", "1", 1);
   setenv("PINFER_CUDA_COLD_GPU_SHARE", "0", 1);
   setenv("PINFER_CUDA_COLD_BUNDLES", "1", 1);  // the bench's cold side (CpuColdFfn)
-  setenv("PINFER_CUDA_COLD_DEAL", "ops", 1);
   if (variant == "base") return;
   for (const std::string& kv : Split(variant, '+')) {
     const size_t eq = kv.find('=');
@@ -1448,12 +1409,10 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
 }
 
 // The cold side alone (--modes=coldrows; no GPU): a layer's cold rows as the pinfer mode
-// computes them (CpuColdFfn: the cpu-worker's op on spinning threads) against the bench's older
-// equal shares (COLD_DEAL=static), by list length and thread count. Each call takes a fresh random
-// set of n neurons of the next layer, so rows come from memory as in decode; the two deals take
-// turns call by call (the host's speed drifts within a run by more than they differ), medians
-// over each deal's calls. The last line is one thread on 16 neurons kept in cache: the kernels'
-// compute ceiling.
+// computes them (CpuColdFfn: the cpu-worker's op on spinning threads), by list length and thread
+// count. Each call takes a fresh random set of n neurons of the next layer, so rows come from
+// memory as in decode; medians over the calls. The last line is one thread on 16 neurons kept in
+// cache: the kernels' compute ceiling.
 int ColdRowsBench(const SynthModel& m, int threads) {
   const ModelConfig& c = m.config;
   const int H = c.hidden_size, F = c.ffn_size, L = c.n_layers;
@@ -1486,24 +1445,6 @@ int ColdRowsBench(const SynthModel& m, int threads) {
     std::printf("| %s | %d | %d | %.1f | %.1f |\n", what, T, rows, s * 1e6,
                 rows * neuron_bytes / s / 1e9);
   };
-  {
-    // Both deals compute the same sums in different orders: compare them on one request.
-    ThreadPool spin(threads, kColdSpin);
-    CpuColdFfn cold(m, spin);
-    const std::vector<int32_t> ids = draw(rng, 295);
-    std::vector<float> want(H), got(H);
-    cold.set_static_deal(true);
-    cold.Run(request(1, ids, want.data()));
-    cold.set_static_deal(false);
-    cold.Run(request(1, ids, got.data()));
-    double err = 0, scale = 0;
-    for (int i = 0; i < H; ++i) {
-      scale = std::max(scale, std::fabs(static_cast<double>(want[i])));
-      err = std::max(err, std::fabs(static_cast<double>(got[i]) - want[i]));
-    }
-    std::printf("the cpu-worker's op against equal shares: max difference %.3g of max |y| %.3g\n",
-                err, scale);
-  }
   std::printf(
       "\n| cold side (%s) | threads | neurons | us per call | GB/s |\n|---|---|---|---|---|\n",
       DTypeName(m.dtype).data());
@@ -1514,16 +1455,14 @@ int ColdRowsBench(const SynthModel& m, int threads) {
     ThreadPool spin(T, kColdSpin);
     CpuColdFfn cold(m, spin);
     for (int n : {64, 150, 295, 500, 838, 1382}) {
-      std::vector<double> t[2];
-      for (int i = 0; i < 2 * calls; ++i) {
+      std::vector<double> t;
+      for (int i = 0; i < calls; ++i) {
         const std::vector<int32_t> ids = draw(rng, n);
-        cold.set_static_deal(i % 2 == 1);
         const double t0 = Now();
-        cold.Run(request((i / 2) % L, ids, out.data()));
-        if (i >= 8) t[i % 2].push_back(Now() - t0);
+        cold.Run(request(i % L, ids, out.data()));
+        if (i >= 4) t.push_back(Now() - t0);
       }
-      row("cpu-worker op", T, n, MedianOf(t[0]));
-      row("equal shares (COLD_DEAL=static)", T, n, MedianOf(t[1]));
+      row("cpu-worker op", T, n, MedianOf(t));
     }
   }
   for (int T : {1, 2, 4, 8, 12}) {
