@@ -134,28 +134,27 @@ class SimdOps : public CpuOps {
       return Q8Vector{qx.q.data(), qx.d.data(), qx.s8.data()};
     };
     const bool gate_decides = act != Activation::kSilu;
-    // Alone (no pool, or a list too short to share): groups of kGroup neurons, their gate rows,
-    // then the up rows of the active ones, then their down rows, each set read interleaved.
-    // Shared: first the list in equal parts, one per pool thread (at least kGroup neurons each),
-    // for the gate and up rows; then the columns in equal ranges, one per thread, each adding
-    // every active neuron's down row over its columns in list order. AxpyRows adds each
-    // element's terms in row order, so the result is the same bits as alone, whatever the thread
-    // count. Measured on the H200 host (docs/benchmarks.md, run 35): the parts' own partial sums
-    // of the whole width, added in a second pass, cost 17-20 us a call in their traffic alone
-    // (16 threads, hidden 5120).
+    // The list in equal parts, one per pool thread (and at least kGroup neurons each), each part
+    // summed into its own buffer and the buffers added in order: a cpu-worker's few hundred cold
+    // neurons of a layer reach every thread, and the result is the same bits run to run (it
+    // depends on the list and the thread count only). Measured on the H200 host (16 threads, 295
+    // and 838 neurons, docs/benchmarks.md run 34): ~48 fixed-size chunks, whose result did not
+    // depend on the thread count, were up to 1.6x slower (twice the buffers to zero and add);
+    // 64-neuron chunks left most threads idle. Within a part, groups of kGroup neurons: their
+    // gate rows, then the up rows of the active ones, then their down rows, each set read
+    // interleaved.
     const int threads = pool_ == nullptr ? 1 : pool_->size();
-    const int parts = std::clamp((n_rows + kGroup - 1) / kGroup, 1, threads);
+    const int chunks = std::clamp((n_rows + kGroup - 1) / kGroup, 1, threads);
     auto part_begin = [&](int c) {
-      return static_cast<int>(static_cast<int64_t>(n_rows) * c / parts);
+      return static_cast<int>(static_cast<int64_t>(n_rows) * c / chunks);
     };
-    // Up rows per part, in the calling thread's buffer (reused: decode allocates nothing once
+    // Up rows per chunk, in the calling thread's buffer (reused: decode allocates nothing once
     // warm). The workers reach it through this pointer: a thread_local named inside the lambda
     // would be each worker's own.
     thread_local std::vector<int> ups_buffer;
-    ups_buffer.assign(parts, 0);
+    ups_buffer.assign(std::max(chunks, 1), 0);
     int* ups = ups_buffer.data();
-    // The part's a[i] (and, with acc, its down rows added into acc).
-    auto run_part = [&](int c, float* acc) {
+    auto run_chunk = [&](int c, float* acc) {
       const Q8Vector v = quantize_x();
       const int end = part_begin(c + 1);
       int up_rows = 0;  // counted here and stored once: ups[] shares a cache line between parts
@@ -189,36 +188,48 @@ class SimdOps : public CpuOps {
             coef[nz++] = gj;
           }
         }
-        if (acc != nullptr && nz > 0) AxpyRows(down_t.dtype, rp, coef, nz, acc, 0, hidden);
+        if (nz > 0) AxpyRows(down_t.dtype, rp, coef, nz, acc, 0, hidden);
       }
       ups[c] = up_rows;
     };
-    if (parts <= 1) {
-      if (n_rows > 0) run_part(0, out);
+    if (chunks <= 1) {
+      if (n_rows > 0) run_chunk(0, out);
       return ups[0];
     }
-    For(parts, 1, [&](int64_t b, int64_t e) {
-      for (int64_t c = b; c < e; ++c) run_part(static_cast<int>(c), nullptr);
-    });
-    // Ranges of whole 32-column blocks (AxpyRows starts quantized rows at a block).
-    const int64_t range = (hidden + threads * 32 - 1) / (threads * 32) * 32;
-    For(hidden, range, [&](int64_t c0, int64_t c1) {
-      const uint8_t* rp[kGroup];
-      float coef[kGroup];
-      int nz = 0;
-      for (int i = 0; i < n_rows; ++i) {
-        if (a[i] == 0) continue;
-        rp[nz] = down_t.row(rows[i]);
-        coef[nz++] = a[i];
-        if (nz == kGroup) {
-          AxpyRows(down_t.dtype, rp, coef, nz, out, c0, c1);
-          nz = 0;
-        }
+    thread_local std::vector<float> partial;
+    partial.resize(static_cast<size_t>(chunks) * hidden);
+    float* p = partial.data();
+    For(chunks, 1, [&](int64_t b, int64_t e) {
+      for (int64_t c = b; c < e; ++c) {
+        std::fill(p + c * hidden, p + (c + 1) * hidden, 0.f);  // by the worker: zeroed in parallel
+        run_chunk(static_cast<int>(c), p + c * hidden);
       }
-      if (nz > 0) AxpyRows(down_t.dtype, rp, coef, nz, out, c0, c1);
+    });
+    // One column range per thread, and within it 16 columns at a time summed over every part
+    // in order (the same additions as part after part): the parts' lines are read together,
+    // from the caches of the threads that wrote them. On the H200 host ~40 ranges of 128
+    // columns, each part's range read after the other's, cost ~15 us more per call than equal
+    // shares' 16 ranges (docs/benchmarks.md, run 35).
+    constexpr int64_t kLine = 16;
+    const int64_t range = (hidden + threads * kLine - 1) / (threads * kLine) * kLine;
+    For(hidden, range, [&](int64_t b, int64_t e) {
+      int64_t i0 = b;
+      for (; i0 + kLine <= e; i0 += kLine) {  // a constant width: s stays in registers
+        float s[kLine];
+        for (int64_t i = 0; i < kLine; ++i) s[i] = out[i0 + i];
+        for (int c = 0; c < chunks; ++c) {
+          const float* pc = p + static_cast<int64_t>(c) * hidden + i0;
+          for (int64_t i = 0; i < kLine; ++i) s[i] += pc[i];
+        }
+        for (int64_t i = 0; i < kLine; ++i) out[i0 + i] = s[i];
+      }
+      for (int c = 0; c < chunks; ++c) {
+        const float* pc = p + static_cast<int64_t>(c) * hidden;
+        for (int64_t i = i0; i < e; ++i) out[i] += pc[i];
+      }
     });
     int total = 0;
-    for (int c = 0; c < parts; ++c) total += ups[c];
+    for (int c = 0; c < chunks; ++c) total += ups[c];
     return total;
   }
 
