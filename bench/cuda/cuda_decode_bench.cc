@@ -348,6 +348,10 @@ class CpuColdFfn : public cuda::ColdFfn {
   bool bundles_ = true;
 };
 
+// Two lanes' cold sides on one pool: each request runs alone, in arrival order, as the
+// cpu-worker serves one exchange at a time. (A waiting lane that polled instead of blocking on
+// the mutex, variant TURNS=spin of 7c9e593, was no faster in two H200 calls: docs/benchmarks.md,
+// run 35.)
 class TakeTurns : public cuda::ColdFfn {
  public:
   TakeTurns(cuda::ColdFfn* inner, std::mutex* turn) : inner_(inner), turn_(turn) {}
@@ -1421,24 +1425,36 @@ int ColdRowsBench(const SynthModel& m, int threads) {
   std::vector<float> x(H);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   for (float& v : x) v = u(rng);
-  // n random neurons of a layer, sorted as the cpu-worker's lists are (n = 0: the first 16).
-  auto draw = [&](std::mt19937& g, int n) {
+  // n random neurons of a layer, sorted as the cpu-worker's lists are.
+  auto draw = [&](int n) {
     std::vector<int32_t> all(F);
     std::iota(all.begin(), all.end(), 0);
-    if (n > 0) std::shuffle(all.begin(), all.end(), g);
-    std::vector<int32_t> ids(all.begin(), all.begin() + (n > 0 ? n : 16));
+    std::shuffle(all.begin(), all.end(), rng);
+    std::vector<int32_t> ids(all.begin(), all.begin() + n);
     std::sort(ids.begin(), ids.end());
     return ids;
   };
-  auto request = [&](int layer, const std::vector<int32_t>& ids, float* out) {
-    cuda::ColdRequest r;
-    r.layer = layer;
-    r.n = 1;
-    r.x = x.data();
-    r.out = out;
-    r.active = ids.data();
-    r.n_active = static_cast<int>(ids.size());
-    return r;
+  std::vector<float> out(H);
+  // Median seconds per call over `calls` calls after 4 unmeasured ones: n > 0 draws n neurons of
+  // the next layer per call; n = 0 takes layer 0's first 16 neurons every time (kept in cache).
+  auto time_calls = [&](CpuColdFfn& cold, int n, int calls) {
+    std::vector<int32_t> ids(16);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::vector<double> t;
+    for (int i = 0; i < calls; ++i) {
+      if (n > 0) ids = draw(n);
+      cuda::ColdRequest r;
+      r.layer = n > 0 ? i % L : 0;
+      r.n = 1;
+      r.x = x.data();
+      r.out = out.data();
+      r.active = ids.data();
+      r.n_active = static_cast<int>(ids.size());
+      const double t0 = Now();
+      cold.Run(r);
+      if (i >= 4) t.push_back(Now() - t0);
+    }
+    return MedianOf(t);
   };
   auto row = [&](const char* what, int T, int n, double s) {
     const int rows = n > 0 ? n : 16;
@@ -1449,46 +1465,24 @@ int ColdRowsBench(const SynthModel& m, int threads) {
       "\n| cold side (%s) | threads | neurons | us per call | GB/s |\n|---|---|---|---|---|\n",
       DTypeName(m.dtype).data());
   const int calls = 4 * L + 4;
-  std::vector<float> out(H);
   for (int T : {threads, threads - 1}) {
     if (T < 1) continue;
     ThreadPool spin(T, kColdSpin);
     CpuColdFfn cold(m, spin);
     for (int n : {64, 150, 295, 500, 838, 1382}) {
-      std::vector<double> t;
-      for (int i = 0; i < calls; ++i) {
-        const std::vector<int32_t> ids = draw(rng, n);
-        const double t0 = Now();
-        cold.Run(request(i % L, ids, out.data()));
-        if (i >= 4) t.push_back(Now() - t0);
-      }
-      row("cpu-worker op", T, n, MedianOf(t));
+      row("cpu-worker op", T, n, time_calls(cold, n, calls));
     }
   }
   for (int T : {1, 2, 4, 8, 12}) {
     if (T >= threads) break;
     ThreadPool spin(T, kColdSpin);
     CpuColdFfn cold(m, spin);
-    std::vector<double> t;
-    for (int i = 0; i < calls; ++i) {
-      const std::vector<int32_t> ids = draw(rng, 838);
-      const double t0 = Now();
-      cold.Run(request(i % L, ids, out.data()));
-      if (i >= 4) t.push_back(Now() - t0);
-    }
-    row("cpu-worker op", T, 838, MedianOf(t));
+    row("cpu-worker op", T, 838, time_calls(cold, 838, calls));
   }
   {
     ThreadPool spin(1);
     CpuColdFfn cold(m, spin);
-    const std::vector<int32_t> ids = draw(rng, 0);
-    std::vector<double> t;
-    for (int i = 0; i < 200; ++i) {
-      const double t0 = Now();
-      cold.Run(request(0, ids, out.data()));
-      if (i >= 4) t.push_back(Now() - t0);
-    }
-    row("cpu-worker op, 16 neurons in cache", 1, 0, MedianOf(t));
+    row("cpu-worker op, 16 neurons in cache", 1, 0, time_calls(cold, 0, 200));
   }
   // The op's fixed costs, each alone on the pool of all threads (medians of 400): the empty loop
   // over one part per thread (a wake-up of the polling threads and the wait for the last),
@@ -1527,9 +1521,8 @@ int ColdRowsBench(const SynthModel& m, int threads) {
       });
     });
     std::printf(
-        "\nfixed costs per call (%d threads, us): empty loop %.1f, quantize x %.1f, partials "
-        "written "
-        "and summed (two loops) %.1f\n",
+        "\nfixed costs per call (%d threads, us): empty loop %.1f, quantize x %.1f, "
+        "partials written and summed (two loops) %.1f\n",
         threads, loop, quantize, sums);
   }
   return 0;
