@@ -1484,12 +1484,10 @@ int ColdRowsBench(const SynthModel& m, int threads) {
     CpuColdFfn cold(m, spin);
     row("cpu-worker op, 16 neurons in cache", 1, 0, time_calls(cold, 0, 200));
   }
-  // The op's fixed costs, each alone on the pool of all threads (medians of 400, the two ways of
-  // summing the partials taking turns call by call): the empty loop over one part per thread (a
-  // wake-up of the polling threads and the wait for the last), quantizing x for Q8_0 / Q4_0 rows
-  // (one thread), and the partial sums' traffic: each thread writes a hidden-sized partial, then
-  // every thread adds its column range over all of them, either in a second loop (the op until
-  // session 22) or after a barrier in the same loop (the op since).
+  // The op's fixed costs, each alone on the pool of all threads (medians of 400): the empty loop
+  // over one part per thread (a wake-up of the polling threads and the wait for the last),
+  // quantizing x for Q8_0 / Q4_0 rows (one thread), and the partial sums' traffic: each thread
+  // writes a hidden-sized partial, then every thread adds its column range over all of them.
   {
     ThreadPool spin(threads, kColdSpin);
     const RowKernels* k = BestRowKernels();
@@ -1497,45 +1495,35 @@ int ColdRowsBench(const SynthModel& m, int threads) {
     std::vector<int8_t> q(H);
     std::vector<float> d(H / 32);
     std::vector<int32_t> s8(H / 4);
-    const int64_t range = (H + threads - 1) / threads;
-    auto write_partial = [&](int64_t c) { std::fill_n(partial.data() + c * H, H, 1.f + c); };
-    auto sum_range = [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        float acc = out[i];
-        for (int c = 0; c < threads; ++c) acc += partial[static_cast<size_t>(c) * H + i];
-        out[i] = acc;
-      }
-    };
-    const std::vector<std::function<void()>> fns = {
-        [&] { spin.ParallelFor(threads, 1, [](int64_t, int64_t) {}); },
-        [&] { k->quantize_q8x(x.data(), H, q.data(), d.data(), s8.data()); },
-        [&] {
-          spin.ParallelFor(threads, 1, [&](int64_t b, int64_t e) {
-            for (int64_t c = b; c < e; ++c) write_partial(c);
-          });
-          spin.ParallelFor(H, range, sum_range);
-        },
-        [&] {
-          LoopBarrier written(threads);
-          spin.RunOnEach([&](int t) {
-            write_partial(t);
-            written.ArriveAndWait();
-            sum_range(std::min<int64_t>(H, t * range), std::min<int64_t>(H, (t + 1) * range));
-          });
-        }};
-    std::vector<std::vector<double>> t(fns.size());
-    for (int i = 0; i < 404; ++i) {
-      for (size_t f = 0; f < fns.size(); ++f) {
+    auto median_us = [&](const std::function<void()>& fn) {
+      std::vector<double> t;
+      for (int i = 0; i < 404; ++i) {
         const double t0 = Now();
-        fns[f]();
-        if (i >= 4) t[f].push_back(Now() - t0);
+        fn();
+        if (i >= 4) t.push_back(Now() - t0);
       }
-    }
+      return MedianOf(t) * 1e6;
+    };
+    const double loop = median_us([&] { spin.ParallelFor(threads, 1, [](int64_t, int64_t) {}); });
+    const double quantize =
+        median_us([&] { k->quantize_q8x(x.data(), H, q.data(), d.data(), s8.data()); });
+    const double sums = median_us([&] {
+      spin.ParallelFor(threads, 1, [&](int64_t b, int64_t e) {
+        for (int64_t c = b; c < e; ++c) std::fill_n(partial.data() + c * H, H, 1.f + c);
+      });
+      const int64_t range = (H + threads - 1) / threads;
+      spin.ParallelFor(H, range, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) {
+          float acc = out[i];
+          for (int c = 0; c < threads; ++c) acc += partial[static_cast<size_t>(c) * H + i];
+          out[i] = acc;
+        }
+      });
+    });
     std::printf(
         "\nfixed costs per call (%d threads, us): empty loop %.1f, quantize x %.1f, "
-        "partials written and summed: in two loops %.1f, in one loop with a barrier %.1f\n",
-        threads, MedianOf(t[0]) * 1e6, MedianOf(t[1]) * 1e6, MedianOf(t[2]) * 1e6,
-        MedianOf(t[3]) * 1e6);
+        "partials written and summed (two loops) %.1f\n",
+        threads, loop, quantize, sums);
   }
   return 0;
 }

@@ -199,24 +199,20 @@ class SimdOps : public CpuOps {
     thread_local std::vector<float> partial;
     partial.resize(static_cast<size_t>(chunks) * hidden);
     float* p = partial.data();
-    // One loop in two phases that meet at a barrier: every thread first sums its part into its
-    // own buffer, then adds one column range over every part, 16 columns at a time in part order
-    // (the same additions as part after part), reading the parts' lines together from the
-    // caches of the threads that wrote them. One loop, not two: each loop costs a wake-up and a
-    // wait for the last thread, ~4-6 us on the H200 host (docs/benchmarks.md, run 35). There,
-    // ~40 ranges of 128 columns, each part's range read after the other's, cost ~15 us more per
-    // call than one range per thread.
+    For(chunks, 1, [&](int64_t b, int64_t e) {
+      for (int64_t c = b; c < e; ++c) {
+        std::fill(p + c * hidden, p + (c + 1) * hidden, 0.f);  // by the worker: zeroed in parallel
+        run_chunk(static_cast<int>(c), p + c * hidden);
+      }
+    });
+    // One column range per thread, and within it 16 columns at a time summed over every part
+    // in order (the same additions as part after part): the parts' lines are read together,
+    // from the caches of the threads that wrote them. On the H200 host ~40 ranges of 128
+    // columns, each part's range read after the other's, cost ~15 us more per call than equal
+    // shares' 16 ranges (docs/benchmarks.md, run 35).
     constexpr int64_t kLine = 16;
     const int64_t range = (hidden + threads * kLine - 1) / (threads * kLine) * kLine;
-    LoopBarrier parts_done(threads);
-    pool_->RunOnEach([&](int t) {
-      if (t < chunks) {
-        float* acc = p + static_cast<int64_t>(t) * hidden;
-        std::fill(acc, acc + hidden, 0.f);  // by the worker: zeroed in parallel
-        run_chunk(t, acc);
-      }
-      parts_done.ArriveAndWait();
-      const int64_t b = t * range, e = std::min(hidden, b + range);
+    For(hidden, range, [&](int64_t b, int64_t e) {
       int64_t i0 = b;
       for (; i0 + kLine <= e; i0 += kLine) {  // a constant width: s stays in registers
         float s[kLine];

@@ -42,6 +42,7 @@ void ThreadPool::RunChunks() {
 }
 
 void ThreadPool::WorkerLoop(int index) {
+  (void)index;
   uint64_t seen = 0;
   for (;;) {
     if (!SpinUntil([&] { return generation_.load(std::memory_order_acquire) != seen; })) {
@@ -51,11 +52,7 @@ void ThreadPool::WorkerLoop(int index) {
       if (stop_) return;
     }
     seen = generation_.load(std::memory_order_acquire);
-    if (each_ != nullptr) {
-      (*each_)(index);
-    } else {
-      RunChunks();
-    }
+    RunChunks();
     if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
       std::lock_guard<std::mutex> lock(mu_);
       done_cv_.notify_one();
@@ -74,47 +71,19 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain,
   // Several chunks per thread balance uneven rows (sparse work) without much overhead.
   int64_t chunk = std::max(grain, (n + 4 * n_threads_ - 1) / (4 * n_threads_));
   fn_ = &fn;
-  each_ = nullptr;
   n_ = n;
   chunk_ = chunk;
   next_.store(0, std::memory_order_relaxed);
-  RunLoop([this] { RunChunks(); });
-}
-
-void ThreadPool::RunOnEach(const std::function<void(int)>& fn) {
-  if (n_threads_ == 1) {
-    fn(0);
-    return;
-  }
-  each_ = &fn;
-  RunLoop([&] { fn(0); });
-}
-
-template <typename RunOwn>
-void ThreadPool::RunLoop(RunOwn&& run_own) {
   pending_.store(n_threads_ - 1, std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lock(mu_);
     generation_.fetch_add(1, std::memory_order_release);
   }
   work_cv_.notify_all();
-  run_own();
+  RunChunks();
   if (SpinUntil([&] { return pending_.load(std::memory_order_acquire) == 0; })) return;
   std::unique_lock<std::mutex> lock(mu_);
   done_cv_.wait(lock, [&] { return pending_.load(std::memory_order_acquire) == 0; });
-}
-
-void LoopBarrier::ArriveAndWait() {
-  arrived_.fetch_add(1, std::memory_order_acq_rel);
-  for (int polls = 0; arrived_.load(std::memory_order_acquire) < threads_; ++polls) {
-    if (polls < 4096) {
-#if defined(__x86_64__) || defined(__i386__)
-      __builtin_ia32_pause();
-#endif
-    } else {
-      std::this_thread::yield();
-    }
-  }
 }
 
 }  // namespace pinfer

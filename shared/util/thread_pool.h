@@ -33,20 +33,10 @@ class ThreadPool {
   // Calls fn(begin, end) over disjoint chunks covering [0, n), chunks of at least `grain`.
   // Returns when all chunks are done. Not reentrant.
   void ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
-  // Calls fn(i) once for every i in [0, size()), each on a thread of its own (the caller runs 0),
-  // so fn may wait for the other calls (a barrier inside the loop), which ParallelFor's chunks
-  // may not: there one thread may take every chunk. Saves a second loop where two phases meet at
-  // a barrier: waking the workers and waiting for the last one costs microseconds each time.
-  // Returns when all calls are done. Not reentrant.
-  void RunOnEach(const std::function<void(int)>& fn);
 
  private:
   void WorkerLoop(int index);
   void RunChunks();
-  // Starts the loop whose fields are set, on every worker, and waits for them after the caller's
-  // own share (run_own).
-  template <typename RunOwn>
-  void RunLoop(RunOwn&& run_own);
   // Polls `ready` for up to spin_; whether it became true.
   template <typename Ready>
   bool SpinUntil(Ready&& ready) const;
@@ -65,26 +55,8 @@ class ThreadPool {
   // Workers still in the current loop; the last one to finish notifies under mu_.
   std::atomic<int> pending_{0};
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
-  const std::function<void(int)>* each_ = nullptr;  // RunOnEach's fn; null in a ParallelFor
   int64_t n_ = 0, chunk_ = 0;
   std::atomic<int64_t> next_{0};
-};
-
-// A one-shot barrier for the calls of one RunOnEach loop (all of them run at once, so waiting
-// cannot deadlock): they poll rather than sleep, since the phases it separates are microseconds
-// long, and yield after a while so that a machine with fewer cores than threads still runs the
-// ones not yet arrived.
-class LoopBarrier {
- public:
-  explicit LoopBarrier(int threads) : threads_(threads) {}
-  LoopBarrier(const LoopBarrier&) = delete;
-  LoopBarrier& operator=(const LoopBarrier&) = delete;
-  // Returns once `threads` calls have arrived; what each wrote before arriving is visible after.
-  void ArriveAndWait();
-
- private:
-  const int threads_;
-  std::atomic<int> arrived_{0};
 };
 
 }  // namespace pinfer

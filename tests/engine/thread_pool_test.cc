@@ -1,12 +1,9 @@
 // The thread pool covers every index exactly once, for any size and grain, and can be reused
-// many times in a row, with and without a spin time; RunOnEach runs every index at once on its
-// own thread, so a LoopBarrier inside it holds (run under ThreadSanitizer in CI).
+// many times in a row, with and without a spin time (run under ThreadSanitizer in CI).
 #include "shared/util/thread_pool.h"
 
 #include <atomic>
 #include <chrono>
-#include <cstdlib>
-#include <set>
 #include <thread>
 #include <vector>
 
@@ -73,42 +70,6 @@ TEST(ThreadPoolTest, CallerSleepsThroughALoopLongerThanItsSpin) {
       done.fetch_add(static_cast<int>(e - b));
     });
     EXPECT_EQ(done.load(), 3 * (rep + 1));
-  }
-}
-
-// Each call of a RunOnEach loop writes its slot, meets the others at a barrier and then reads
-// every slot: a call that ran before another had written (or two indices on one thread, which
-// would never pass the barrier) fails or hangs. More threads than this machine's cores too: the
-// barrier's waiters yield to the calls still working.
-TEST(ThreadPoolTest, RunOnEachRunsEveryIndexAtOnceOnItsOwnThread) {
-  for (int threads : {1, 2, 4, 8}) {
-    for (int spin_us : {0, 200}) {
-      ThreadPool pool(threads, std::chrono::microseconds(spin_us));
-      for (int rep = 0; rep < 200; ++rep) {
-        std::vector<int> slot(threads, -1);
-        std::vector<std::thread::id> who(threads);
-        std::vector<int> seen_sum(threads, 0);
-        LoopBarrier written(threads);
-        pool.RunOnEach([&](int i) {
-          if (i < 0 || i >= threads) std::abort();  // returning would leave the others waiting
-          slot[i] = rep + i;
-          who[i] = std::this_thread::get_id();
-          written.ArriveAndWait();
-          for (int j = 0; j < threads; ++j) seen_sum[i] += slot[j];
-        });
-        const int want = threads * rep + threads * (threads - 1) / 2;
-        for (int i = 0; i < threads; ++i) ASSERT_EQ(seen_sum[i], want) << "rep " << rep;
-        EXPECT_EQ(std::set<std::thread::id>(who.begin(), who.end()).size(),
-                  static_cast<size_t>(threads));
-        EXPECT_EQ(who[0], std::this_thread::get_id());  // the caller runs index 0
-      }
-      // The pool still runs ordinary loops after RunOnEach, and the other way round.
-      std::atomic<int64_t> sum{0};
-      pool.ParallelFor(100, 1, [&](int64_t b, int64_t e) {
-        for (int64_t i = b; i < e; ++i) sum.fetch_add(i);
-      });
-      EXPECT_EQ(sum.load(), 99 * 100 / 2);
-    }
   }
 }
 
