@@ -7,7 +7,7 @@ namespace pinfer {
 
 ThreadPool::ThreadPool(int n_threads, std::chrono::microseconds spin)
     : n_threads_(std::max(1, n_threads)), spin_(std::max(spin, std::chrono::microseconds(0))) {
-  for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
+  for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this] { WorkerLoop(); });
 }
 
 ThreadPool::~ThreadPool() {
@@ -41,8 +41,7 @@ void ThreadPool::RunChunks() {
   }
 }
 
-void ThreadPool::WorkerLoop(int index) {
-  (void)index;
+void ThreadPool::WorkerLoop() {
   uint64_t seen = 0;
   for (;;) {
     if (!SpinUntil([&] { return generation_.load(std::memory_order_acquire) != seen; })) {

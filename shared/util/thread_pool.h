@@ -35,7 +35,7 @@ class ThreadPool {
   void ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
  private:
-  void WorkerLoop(int index);
+  void WorkerLoop();
   void RunChunks();
   // Polls `ready` for up to spin_; whether it became true.
   template <typename Ready>
