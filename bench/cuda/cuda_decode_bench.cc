@@ -331,6 +331,11 @@ class CpuColdFfn : public cuda::ColdFfn {
       down_t.data = L.bundles->p + 2 * rb;
       gate.row_stride = up.row_stride = down_t.row_stride = 3 * rb;
     }
+    if (r.n == 1 && r.max_parts > 0) {  // the GPU adds the threads' partial sums
+      ops_->SparseFfnTokenParts(gate, up, down_t, r.active, r.n_active, Activation::kSilu, r.x,
+                                nullptr, coef_.data(), r.out, r.max_parts, r.parts);
+      return {};
+    }
     for (int t = 0; t < r.n; ++t) {
       const float* x = r.x + static_cast<size_t>(t) * H;
       float* out = r.out + static_cast<size_t>(t) * H;
@@ -1169,6 +1174,7 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_EARLY_PUBLISH", "1", 1);
   setenv("PINFER_CUDA_COLD_GPU_SHARE", "0", 1);
   setenv("PINFER_CUDA_COLD_BUNDLES", "1", 1);  // the bench's cold side (CpuColdFfn)
+  setenv("PINFER_CUDA_COLD_PARTS", "1", 1);
   if (variant == "base") return;
   for (const std::string& kv : Split(variant, '+')) {
     const size_t eq = kv.find('=');
@@ -1434,26 +1440,37 @@ int ColdRowsBench(const SynthModel& m, int threads) {
     std::sort(ids.begin(), ids.end());
     return ids;
   };
-  std::vector<float> out(H);
+  constexpr int kParts = 64;  // the module's kMaxColdParts
+  std::vector<float> out(static_cast<size_t>(kParts) * H);
   // Median seconds per call over `calls` calls after 4 unmeasured ones: n > 0 draws n neurons of
   // the next layer per call; n = 0 takes layer 0's first 16 neurons every time (kept in cache).
-  auto time_calls = [&](CpuColdFfn& cold, int n, int calls) {
+  // With parts, the calls alternate between the op that sums its threads' partials and the op
+  // that leaves them to the GPU (ColdRequest::max_parts), whose median goes to *parts_s.
+  auto time_calls = [&](CpuColdFfn& cold, int n, int calls, double* parts_s = nullptr) {
     std::vector<int32_t> ids(16);
     std::iota(ids.begin(), ids.end(), 0);
-    std::vector<double> t;
+    std::vector<double> t, tp;
     for (int i = 0; i < calls; ++i) {
-      if (n > 0) ids = draw(n);
-      cuda::ColdRequest r;
-      r.layer = n > 0 ? i % L : 0;
-      r.n = 1;
-      r.x = x.data();
-      r.out = out.data();
-      r.active = ids.data();
-      r.n_active = static_cast<int>(ids.size());
-      const double t0 = Now();
-      cold.Run(r);
-      if (i >= 4) t.push_back(Now() - t0);
+      for (int way = 0; way < (parts_s != nullptr ? 2 : 1); ++way) {
+        if (n > 0) ids = draw(n);
+        int n_parts = 0;
+        cuda::ColdRequest r;
+        r.layer = n > 0 ? i % L : 0;
+        r.n = 1;
+        r.x = x.data();
+        r.out = out.data();
+        r.active = ids.data();
+        r.n_active = static_cast<int>(ids.size());
+        if (way == 1) {
+          r.max_parts = kParts;
+          r.parts = &n_parts;
+        }
+        const double t0 = Now();
+        cold.Run(r);
+        if (i >= 4) (way == 0 ? t : tp).push_back(Now() - t0);
+      }
     }
+    if (parts_s != nullptr) *parts_s = MedianOf(tp);
     return MedianOf(t);
   };
   auto row = [&](const char* what, int T, int n, double s) {
@@ -1470,6 +1487,12 @@ int ColdRowsBench(const SynthModel& m, int threads) {
     ThreadPool spin(T, kColdSpin);
     CpuColdFfn cold(m, spin);
     for (int n : {64, 150, 295, 500, 838, 1382}) {
+      if (T == threads) {  // the two ways taking turns call by call
+        double parts_s = 0;
+        row("cpu-worker op", T, n, time_calls(cold, n, calls, &parts_s));
+        row("op, partials left to the GPU", T, n, parts_s);
+        continue;
+      }
       row("cpu-worker op", T, n, time_calls(cold, n, calls));
     }
   }

@@ -34,6 +34,9 @@ namespace {
 // Batches up to this many tokens use the matrix-vector kernels (one pass over the weights);
 // larger ones go through cuBLAS.
 constexpr int kSmallBatch = 8;
+// Partial sums a single token's cold callback may hand over (ColdRequest::max_parts): more than a
+// cpu-worker's threads on any host we have measured.
+constexpr int kMaxColdParts = 64;
 
 BackendStatus Error(Code code, std::string message) {
   return BackendStatus{code, std::move(message)};
@@ -218,13 +221,21 @@ class CudaBackend : public Backend {
   // A decode step with each layer queued before the previous one's cold callback (prelaunch_).
   BackendStatus RunLayersQueued(const ForwardArgs& a, int layer_end, float* exchange_x,
                                 float* exchange_out, int32_t* exchange_active);
+  // Whether a single token's cold callback may leave its partial sums to the GPU
+  // (ColdRequest::max_parts): with cold_parts_ on, into the internal exchange buffer, which has
+  // room for kMaxColdParts of them and which kernels can read.
+  bool ColdParts(const float* exchange_out, int n) {
+    return cold_parts_ && n == 1 && exchange_out == out_host_ && DeviceReadable(exchange_out);
+  }
   // Where the next kernel reads a cold contribution written to exchange_out: in place (zero-copy)
-  // or from cold_in_ after a copy.
+  // or from cold_in_ after a copy, or after SumParts added up the callback's parts.
   const float* ColdInput(const float* exchange_out, int n) {
-    return n == 1 && zero_copy_cold_ && DeviceReadable(exchange_out) ? exchange_out : cold_in_;
+    return n == 1 && zero_copy_cold_ && !ColdParts(exchange_out, n) && DeviceReadable(exchange_out)
+               ? exchange_out
+               : cold_in_;
   }
   // Queues the wait for layer l's cold contribution and, unless read in place (ColdInput), its
-  // copy up.
+  // copy up or the sum of its parts.
   BackendStatus EnqueueColdWait(int l, const float* exchange_out, int n);
   // Streamed cold rows (prompt batches, ColdPath::kStream).
   bool StreamsLayer(int l, const ForwardArgs& a) const;
@@ -339,6 +350,12 @@ class CudaBackend : public Backend {
   // exchange buffer in place instead of copying it up first. Off by default: within noise on the
   // H200, and 30% slower with the GPU's cold share at skew 20% (docs/benchmarks.md, session 5).
   bool zero_copy_cold_ = false;
+  // Single-token cold callbacks may hand over their threads' partial sums (ColdRequest::
+  // max_parts), which SumParts adds up on the GPU: the CPU's threads skip exchanging them
+  // (~15 us of a ~80 us call on the H200 host, docs/benchmarks.md run 35).
+  // PINFER_CUDA_COLD_PARTS=0: off, the callback sums them.
+  bool cold_parts_ = true;
+  int32_t* parts_count_dev_ = nullptr;  // device [1]: the part count the host's signal carried
   // Queued decode steps (PINFER_CUDA_PRELAUNCH, on by default; 0 for comparison): in a
   // single-token step with a cold side, the next layer is queued before a layer's callback runs,
   // waiting on the GPU (WaitHostFlag) for the cold contribution, instead of being launched after
@@ -616,6 +633,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
     zero_copy_cold_ = std::string(g) == "1";
   }
   if (const char* g = std::getenv("PINFER_CUDA_PRELAUNCH")) prelaunch_ = std::string(g) != "0";
+  if (const char* g = std::getenv("PINFER_CUDA_COLD_PARTS")) cold_parts_ = std::string(g) != "0";
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   cudaDeviceProp prop;
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
@@ -786,6 +804,7 @@ BackendStatus CudaBackend::AllocateScratch() {
   BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B) * qdim, &att_));
   BACKEND_RETURN_IF_ERROR(Alloc(bh, &hot_out_));
   BACKEND_RETURN_IF_ERROR(Alloc(bh, &cold_in_));
+  BACKEND_RETURN_IF_ERROR(Alloc(1, &parts_count_dev_));
   BACKEND_RETURN_IF_ERROR(Alloc(2 * bf, &gate_));  // also [n, 2 ffn] stacked gate/up outputs
   BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(B) * (qdim + 2 * kvdim), &qkv_));
   BACKEND_RETURN_IF_ERROR(Alloc(bf, &up_));
@@ -848,7 +867,9 @@ BackendStatus CudaBackend::AllocateScratch() {
   BACKEND_RETURN_IF_ERROR(AllocHost(static_cast<size_t>(c.n_layers) * 2, &counts_host_));
   BACKEND_RETURN_IF_ERROR(AllocHost(F, &cold_idx_host_));
   BACKEND_RETURN_IF_ERROR(AllocHost(bh, &x_host_));
-  BACKEND_RETURN_IF_ERROR(AllocHost(bh, &out_host_));
+  // Room for a single token's kMaxColdParts partial sums (ColdParts) as well as a batch.
+  BACKEND_RETURN_IF_ERROR(
+      AllocHost(std::max(bh, static_cast<size_t>(kMaxColdParts) * H), &out_host_));
   BACKEND_RETURN_IF_ERROR(AllocHost(F, &active_host_));
   BACKEND_RETURN_IF_ERROR(AllocHost(static_cast<size_t>(c.n_layers), &cold_ready_));
   std::fill(cold_ready_, cold_ready_ + c.n_layers, 0);
@@ -919,6 +940,7 @@ BackendStatus CudaBackend::InitLane(const CudaBackend& base) {
   step_graph_ = base.step_graph_;
   early_publish_ = base.early_publish_;
   zero_copy_cold_ = base.zero_copy_cold_;
+  cold_parts_ = base.cold_parts_;
   prelaunch_ = base.prelaunch_;
   collect_gpu_times_ = base.collect_gpu_times_;
   share_on_ = base.share_on_;
@@ -1069,6 +1091,13 @@ BackendStatus CudaBackend::RunLayer(int l, const ForwardArgs& a, float* exchange
 }
 
 BackendStatus CudaBackend::EnqueueColdWait(int l, const float* exchange_out, int n) {
+  if (ColdParts(exchange_out, n)) {
+    // The signal's value is the callback's part count (FinishCold).
+    CUDA_RETURN_IF_ERROR(WaitHostFlag(cold_ready_ + l, stream_, parts_count_dev_));
+    CUDA_RETURN_IF_ERROR(
+        SumParts(exchange_out, dims_.hidden, parts_count_dev_, 0, cold_in_, stream_));
+    return Ok();
+  }
   CUDA_RETURN_IF_ERROR(WaitHostFlag(cold_ready_ + l, stream_));
   const float* in = ColdInput(exchange_out, n);
   if (in != exchange_out) {
@@ -1433,6 +1462,12 @@ BackendStatus CudaBackend::FinishCold(int l, const ForwardArgs& a, float* exchan
   req.n = n;
   req.x = exchange_x;
   req.out = exchange_out;
+  const bool parts_mode = ColdParts(exchange_out, n);
+  int parts = 0;
+  if (parts_mode) {
+    req.max_parts = kMaxColdParts;
+    req.parts = &parts;
+  }
   // With cold_gpu_share the GPU has taken the first GpuShare(count) neurons of the list.
   const bool shared = SharesCold(L, a);
   if (mode == FfnMode::kPredicted) {
@@ -1454,6 +1489,11 @@ BackendStatus CudaBackend::FinishCold(int l, const ForwardArgs& a, float* exchan
   BackendStatus st = a.cold->Run(req);
   stats_.cold_callback += Now() - t1;
   if (!st.ok()) return st;
+  if (parts < 0 || parts > kMaxColdParts) {
+    return Error(Code::kInternal, "cold side reported " + std::to_string(parts) +
+                                      " partial sums; at most " + std::to_string(kMaxColdParts));
+  }
+  const int count = std::max(parts, 1);  // 0: the callback wrote the sum (one part)
   if (shared) {
     const cudaError_t q = cudaEventQuery(ev_share_[l]);
     if (q == cudaSuccess) {
@@ -1466,8 +1506,13 @@ BackendStatus CudaBackend::FinishCold(int l, const ForwardArgs& a, float* exchan
   }
   if (signal) {
     // The callback's writes to exchange_out happen before the flag (release), and the GPU reads
-    // them only after it sees the flag.
-    __atomic_store_n(cold_ready_ + l, 1, __ATOMIC_RELEASE);
+    // them only after it sees the flag. The flag carries the part count.
+    __atomic_store_n(cold_ready_ + l, parts_mode ? count : 1, __ATOMIC_RELEASE);
+    return Ok();
+  }
+  if (parts_mode) {
+    CUDA_RETURN_IF_ERROR(SumParts(exchange_out, dims_.hidden, nullptr, count, cold_in_, stream_));
+    pending2_ = cold_in_;
     return Ok();
   }
   // A single token's cold contribution (one row) may be read by the next kernel straight from

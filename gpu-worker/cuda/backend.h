@@ -165,6 +165,11 @@ struct ColdRequest {
   const int32_t* active = nullptr;
   int n_active = 0;
   float* out = nullptr;  // [n, hidden] host memory the callback fills (overwrites)
+  // When max_parts > 0 (single tokens), the callback may instead write up to max_parts partial
+  // sums [parts, hidden] at out and report how many in *parts; the GPU adds them in order
+  // (SumParts), so the CPU's threads need not exchange them. *parts = 0 (as set): out is the sum.
+  int max_parts = 0;
+  int* parts = nullptr;
 };
 
 class ColdFfn {

@@ -2041,10 +2041,40 @@ __global__ void ShareOfCountKernel(const int32_t* count, const int32_t* num, int
 }
 
 // One thread polls the flag over PCIe; the sleep keeps the bus quiet while the host works.
-__global__ void WaitHostFlagKernel(volatile int32_t* flag) {
-  while (*flag == 0) __nanosleep(256);
+__global__ void WaitHostFlagKernel(volatile int32_t* flag, int32_t* value_out) {
+  int32_t v;
+  while ((v = *flag) == 0) __nanosleep(256);
   *flag = 0;
+  if (value_out != nullptr) *value_out = v;
   __threadfence_system();
+}
+
+// Every part's load is issued before the first add (up to kPartsAtOnce), so a thread waits for
+// one PCIe round trip per 16 parts, not one per part. __ldcv: the host rewrites these buffers
+// every layer, so nothing may come from a cache.
+constexpr int kPartsAtOnce = 16;
+
+__global__ void SumPartsKernel(const float* __restrict__ parts, int64_t len,
+                               const int32_t* __restrict__ count_dev, int count,
+                               float* __restrict__ out) {
+  PdlStart();
+  const int n = count_dev != nullptr ? *count_dev : count;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < len;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float s = 0.f;
+    for (int p0 = 0; p0 < n; p0 += kPartsAtOnce) {
+      float v[kPartsAtOnce];
+#pragma unroll
+      for (int j = 0; j < kPartsAtOnce; ++j) {
+        v[j] = p0 + j < n ? __ldcv(parts + (p0 + j) * len + i) : 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < kPartsAtOnce; ++j) {
+        if (p0 + j < n) s += v[j];
+      }
+    }
+    out[i] = s;
+  }
 }
 
 // The greedy pick's running state: the largest logit so far, the first index holding it, and
@@ -2909,9 +2939,19 @@ cudaError_t ShareOfCount(const int32_t* count, const int32_t* num, int den, int3
   return Launch(ShareOfCountKernel, 1, 32, 0, stream, count, num, den, out);
 }
 
-cudaError_t WaitHostFlag(int32_t* flag, cudaStream_t stream) {
+cudaError_t WaitHostFlag(int32_t* flag, cudaStream_t stream, int32_t* value_out) {
   if (flag == nullptr) return cudaErrorInvalidValue;
-  return Launch(WaitHostFlagKernel, 1, 1, 0, stream, flag);
+  return Launch(WaitHostFlagKernel, 1, 1, 0, stream, flag, value_out);
+}
+
+cudaError_t SumParts(const float* parts, int64_t len, const int32_t* count_dev, int count,
+                     float* out, cudaStream_t stream) {
+  if (parts == nullptr || out == nullptr || len < 0 || (count_dev == nullptr && count < 1)) {
+    return cudaErrorInvalidValue;
+  }
+  if (len == 0) return cudaSuccess;
+  return Launch(SumPartsKernel, GridFor(len, 256), 256, 0, stream, parts, len, count_dev, count,
+                out);
 }
 
 cudaError_t GreedyPick(const float* logits, int vocab, int32_t* token, float* logprob,

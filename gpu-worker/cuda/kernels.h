@@ -287,7 +287,14 @@ cudaError_t ShareOfCount(const int32_t* count, const int32_t* num, int den, int3
 // work queued behind it waits for a result the host has not written yet, so a decode step's next
 // layer can be queued before the current layer's cold contribution exists. Each set must be
 // consumed by exactly one wait; the host must not set the flag again before this wait has run.
-cudaError_t WaitHostFlag(int32_t* flag, cudaStream_t stream);
+// value_out (device memory, may be null) receives the flag's value: a signal can carry a count.
+cudaError_t WaitHostFlag(int32_t* flag, cudaStream_t stream, int32_t* value_out = nullptr);
+// out: [len] = sum over p < count of parts[p * len + i], added in part order from zero: the cold
+// side's per-thread partial sums, read from pinned host memory over PCIe, so that the CPU's
+// threads need not exchange them (CpuOps::SparseFfnTokenParts). The count is *count_dev (device
+// memory, e.g. WaitHostFlag's value) when count_dev is non-null, else `count`; at least 1.
+cudaError_t SumParts(const float* parts, int64_t len, const int32_t* count_dev, int count,
+                     float* out, cudaStream_t stream);
 // The greedy token of logits: [vocab] without copying them to the host: *token = the first index
 // of the largest logit (NaNs ignored, as GreedyToken in shared/engine/sampler.h) and *logprob =
 // its log-probability under softmax(logits), the value the sampler reports for greedy requests

@@ -10,6 +10,7 @@
 // llama.cpp computes, with integer SIMD. (AccumulateRows keeps fp32 coefficients.)
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string_view>
@@ -47,6 +48,21 @@ class CpuOps {
   virtual int SparseFfnToken(const TensorView& gate, const TensorView& up, const TensorView& down_t,
                              const int32_t* rows, int n_rows, Activation act, const float* x,
                              const float* gate_values, float* a, float* out) const = 0;
+  // SparseFfnToken with the last step left to the caller: writes *n_parts (1..max_parts) partial
+  // sums [*n_parts, down_t.cols()] to parts (overwritten) whose sum in part order, from zero, is
+  // SparseFfnToken's out from zero: bit for bit when max_parts is at least the op's thread count,
+  // up to fp32 summation order when fewer parts regroup the neurons. A GPU that takes the cold
+  // rows' contribution adds them up itself, so the CPU's threads skip exchanging their partials
+  // (docs/sparse.md). This default computes one part.
+  virtual int SparseFfnTokenParts(const TensorView& gate, const TensorView& up,
+                                  const TensorView& down_t, const int32_t* rows, int n_rows,
+                                  Activation act, const float* x, const float* gate_values,
+                                  float* a, float* parts, int max_parts, int* n_parts) const {
+    (void)max_parts;
+    std::fill(parts, parts + down_t.cols(), 0.f);
+    *n_parts = 1;
+    return SparseFfnToken(gate, up, down_t, rows, n_rows, act, x, gate_values, a, parts);
+  }
   // out: [n, dim] = x * rsqrt(mean(x^2) + eps) * weight
   virtual void RmsNorm(const float* x, const float* weight, int n, int dim, float eps,
                        float* out) const = 0;

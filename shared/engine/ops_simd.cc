@@ -118,6 +118,24 @@ class SimdOps : public CpuOps {
   int SparseFfnToken(const TensorView& gate, const TensorView& up, const TensorView& down_t,
                      const int32_t* rows, int n_rows, Activation act, const float* x,
                      const float* gate_values, float* a, float* out) const override {
+    return SparseFfnSplit(gate, up, down_t, rows, n_rows, act, x, gate_values, a, out, nullptr,
+                          INT32_MAX, nullptr);
+  }
+
+  int SparseFfnTokenParts(const TensorView& gate, const TensorView& up, const TensorView& down_t,
+                          const int32_t* rows, int n_rows, Activation act, const float* x,
+                          const float* gate_values, float* a, float* parts, int max_parts,
+                          int* n_parts) const override {
+    return SparseFfnSplit(gate, up, down_t, rows, n_rows, act, x, gate_values, a, nullptr, parts,
+                          std::max(max_parts, 1), n_parts);
+  }
+
+  // Both of the above: with out, the parts are summed into it here; with parts, they are left
+  // there, at most max_parts of them.
+  int SparseFfnSplit(const TensorView& gate, const TensorView& up, const TensorView& down_t,
+                     const int32_t* rows, int n_rows, Activation act, const float* x,
+                     const float* gate_values, float* a, float* out, float* parts, int max_parts,
+                     int* n_parts) const {
     const int64_t cols = up.cols(), hidden = down_t.cols();
     const bool quantized = IsQuantized(gate.dtype) || IsQuantized(up.dtype);
     // x quantized for Q8_0 / Q4_0 rows by the thread that reads it, once per part: a copy in each
@@ -144,7 +162,7 @@ class SimdOps : public CpuOps {
     // gate rows, then the up rows of the active ones, then their down rows, each set read
     // interleaved.
     const int threads = pool_ == nullptr ? 1 : pool_->size();
-    const int chunks = std::clamp((n_rows + kGroup - 1) / kGroup, 1, threads);
+    const int chunks = std::min(std::clamp((n_rows + kGroup - 1) / kGroup, 1, threads), max_parts);
     auto part_begin = [&](int c) {
       return static_cast<int>(static_cast<int64_t>(n_rows) * c / chunks);
     };
@@ -192,19 +210,24 @@ class SimdOps : public CpuOps {
       }
       ups[c] = up_rows;
     };
+    if (parts != nullptr) *n_parts = chunks;
     if (chunks <= 1) {
-      if (n_rows > 0) run_chunk(0, out);
+      if (parts != nullptr) std::fill(parts, parts + hidden, 0.f);
+      if (n_rows > 0) run_chunk(0, parts != nullptr ? parts : out);
       return ups[0];
     }
     thread_local std::vector<float> partial;
-    partial.resize(static_cast<size_t>(chunks) * hidden);
-    float* p = partial.data();
+    if (parts == nullptr) partial.resize(static_cast<size_t>(chunks) * hidden);
+    float* p = parts != nullptr ? parts : partial.data();
     For(chunks, 1, [&](int64_t b, int64_t e) {
       for (int64_t c = b; c < e; ++c) {
         std::fill(p + c * hidden, p + (c + 1) * hidden, 0.f);  // by the worker: zeroed in parallel
         run_chunk(static_cast<int>(c), p + c * hidden);
       }
     });
+    int total = 0;
+    for (int c = 0; c < chunks; ++c) total += ups[c];
+    if (parts != nullptr) return total;
     // One column range per thread, and within it 16 columns at a time summed over every part
     // in order (the same additions as part after part): the parts' lines are read together,
     // from the caches of the threads that wrote them. On the H200 host ~40 ranges of 128
@@ -228,8 +251,6 @@ class SimdOps : public CpuOps {
         for (int64_t i = i0; i < e; ++i) out[i] += pc[i];
       }
     });
-    int total = 0;
-    for (int c = 0; c < chunks; ++c) total += ups[c];
     return total;
   }
 

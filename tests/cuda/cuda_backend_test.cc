@@ -68,7 +68,9 @@ std::vector<uint16_t> Transpose16(const TensorView& down) {
 }
 
 // The cold side, computed on the CPU with the optimised operators. Exact mode: the cold gate
-// rows decide which cold neurons are active, as in the cpu-worker.
+// rows decide which cold neurons are active, as in the cpu-worker. With split > 1, a single
+// token's active neurons are dealt in turn to that many partial sums, handed to the GPU to add
+// up (ColdRequest::max_parts), as the cpu-worker's threads do.
 class CpuColdFfn : public cuda::ColdFfn {
  public:
   CpuColdFfn(const Model& model, const std::vector<TensorView>& down_t,
@@ -82,8 +84,10 @@ class CpuColdFfn : public cuda::ColdFfn {
     std::vector<int32_t> listed;
     if (r.active != nullptr) listed.assign(r.active, r.active + r.n_active);
     const std::vector<int32_t>& ids = r.active != nullptr ? listed : cold_ids_[r.layer];
-    std::fill(r.out, r.out + static_cast<size_t>(r.n) * H, 0.f);
+    const int parts = r.n == 1 ? std::min(split, r.max_parts) : 0;
+    std::fill(r.out, r.out + static_cast<size_t>(std::max({r.n, parts, 1})) * H, 0.f);
     ++calls;
+    if (r.max_parts > 0) ++offered_parts;
     for (int t = 0; t < r.n; ++t) {
       const float* x = r.x + static_cast<size_t>(t) * H;
       std::vector<float> g(ids.size());
@@ -100,12 +104,22 @@ class CpuColdFfn : public cuda::ColdFfn {
       ops_->MatMulRows(L.up, active.data(), static_cast<int>(active.size()), x, 1, u.data());
       ops_->GatedActivation(model_.config.activation, ga.data(), u.data(),
                             static_cast<int64_t>(ga.size()));
+      if (parts > 1) {
+        for (size_t i = 0; i < active.size(); ++i) {
+          ops_->AccumulateRows(down_t_[r.layer], &active[i], 1, &ga[i], 1,
+                               r.out + static_cast<size_t>(i % parts) * H);
+        }
+        *r.parts = parts;
+        continue;
+      }
       ops_->AccumulateRows(down_t_[r.layer], active.data(), static_cast<int>(active.size()),
                            ga.data(), 1, r.out + static_cast<size_t>(t) * H);
     }
     return {};
   }
+  int split = 1;
   int calls = 0;
+  int offered_parts = 0;  // calls that could hand over partial sums
 
  private:
   const Model& model_;
@@ -398,6 +412,34 @@ TEST_F(CudaBackendTest, StepLogitsMatchCpuReference) {
   ASSERT_NE(backend, nullptr);
   CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
   ExpectStepsMatchReference(backend.get(), &cold, /*prompt_no=*/10, /*seq=*/1);
+}
+
+// The cold side's partial sums added on the GPU (SumParts, the default for single tokens): each
+// step's logits still equal the CPU reference's and the greedy tokens reference.json's, whether
+// the callback hands over 5 parts, or 1, or (PINFER_CUDA_COLD_PARTS=0) is not offered parts.
+TEST_F(CudaBackendTest, ColdPartsSummedOnTheGpuMatchCpuReference) {
+  for (const char* knob : {"1", "0"}) {
+    setenv("PINFER_CUDA_COLD_PARTS", knob, 1);
+    auto backend = Create(Upload(/*hot=*/true));
+    unsetenv("PINFER_CUDA_COLD_PARTS");
+    ASSERT_NE(backend, nullptr);
+    for (int split : {5, 1}) {
+      SCOPED_TRACE(::testing::Message() << "COLD_PARTS=" << knob << " split " << split);
+      CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
+      cold.split = split;
+      ExpectStepsMatchReference(backend.get(), &cold, /*prompt_no=*/3, /*seq=*/0);
+      const auto& p = (*reference_)["prompts"][7];
+      std::vector<int32_t> expect = p["greedy_ids"].get<std::vector<int32_t>>();
+      EXPECT_EQ(Greedy(backend.get(), p["input_ids"].get<std::vector<int32_t>>(),
+                       static_cast<int>(expect.size()), cuda::FfnMode::kExact, &cold),
+                expect);
+      if (std::string(knob) == "1") {
+        EXPECT_GT(cold.offered_parts, 0);
+      } else {
+        EXPECT_EQ(cold.offered_parts, 0);
+      }
+    }
+  }
 }
 
 // A cold side that fails once, at a chosen layer of a chosen call, as a cpu-worker that dies

@@ -388,6 +388,64 @@ TEST(SparseFfnTokenTest, SameBitsRunToRunAndCloseAcrossThreadCounts) {
   }
 }
 
+// The op with its last step left to the caller (a GPU adds the cpu-worker's partial sums): the
+// parts, added in order from zero, are SparseFfnToken's result from zero, bit for bit when there
+// is room for a part per thread, and there are never more than asked for; the reference computes
+// one part.
+TEST(SparseFfnTokenTest, PartsAddUpToTheSameBits) {
+  std::mt19937 rng(11);
+  const int ffn = 2500, hidden = 96;
+  for (DType dt : {DType::kF16, DType::kQ4_0}) {
+    Weight gate = MakeWeight(dt, ffn, hidden, rng), up = MakeWeight(dt, ffn, hidden, rng);
+    Weight down_t = MakeWeight(dt, ffn, hidden, rng);
+    auto x = Random(hidden, rng);
+    for (int n_rows : {0, 7, 150, 700}) {
+      std::vector<int32_t> idx(n_rows);
+      for (int i = 0; i < n_rows; ++i) idx[i] = i * (ffn / std::max(n_rows, 1));
+      for (int threads : {1, 5}) {
+        ThreadPool pool(threads);
+        auto simd = NewSimdOps(&pool);
+        auto ref = NewReferenceOps();
+        for (const CpuOps* ops : {simd.get(), ref.get()}) {
+          for (int max_parts : {1, 3, 16}) {
+            SCOPED_TRACE(::testing::Message()
+                         << DTypeName(dt) << " " << ops->name() << " rows " << n_rows << " threads "
+                         << threads << " max_parts " << max_parts);
+            std::vector<float> a(std::max(n_rows, 1)), want(hidden, 0.f);
+            const int ups =
+                ops->SparseFfnToken(gate.view, up.view, down_t.view, idx.data(), n_rows,
+                                    Activation::kRelu, x.data(), nullptr, a.data(), want.data());
+            Guarded parts(static_cast<int64_t>(max_parts) * hidden);
+            std::fill(parts.data(), parts.data() + max_parts * hidden, NAN);
+            int n_parts = -1;
+            EXPECT_EQ(ops->SparseFfnTokenParts(gate.view, up.view, down_t.view, idx.data(), n_rows,
+                                               Activation::kRelu, x.data(), nullptr, a.data(),
+                                               parts.data(), max_parts, &n_parts),
+                      ups);
+            ASSERT_GE(n_parts, 1);
+            ASSERT_LE(n_parts, max_parts);
+            if (ops == ref.get() || threads == 1) {
+              EXPECT_EQ(n_parts, 1);
+            } else if (max_parts >= 3 && n_rows >= 150) {
+              EXPECT_GT(n_parts, 1);  // the threads' partials, not one sum
+            }
+            std::vector<float> sum(hidden, 0.f);
+            for (int p = 0; p < n_parts; ++p) {
+              for (int i = 0; i < hidden; ++i) sum[i] += parts.data()[p * hidden + i];
+            }
+            if (max_parts >= threads || ops == ref.get()) {
+              EXPECT_EQ(sum, want);
+            } else {  // fewer parts than threads: other groups of neurons
+              EXPECT_LE(Nmse(sum.data(), want.data(), hidden), 1e-10);
+            }
+            EXPECT_TRUE(parts.GuardsIntact());
+          }
+        }
+      }
+    }
+  }
+}
+
 // Rows wider than the row ops' column chunk, and sparse row lists that group rows: every dtype.
 TEST_P(OpsTest, WideRowsDenseAndSparse) {
   for (DType dt : kDTypes) {
