@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "gpu-worker/cuda/backend.h"
@@ -416,15 +417,20 @@ TEST_F(CudaBackendTest, StepLogitsMatchCpuReference) {
 
 // The cold side's partial sums added on the GPU (SumParts, the default for single tokens): each
 // step's logits still equal the CPU reference's and the greedy tokens reference.json's, whether
-// the callback hands over 5 parts, or 1, or (PINFER_CUDA_COLD_PARTS=0) is not offered parts.
+// the callback hands over 5 parts, or 1, or (PINFER_CUDA_COLD_PARTS=0) is not offered parts;
+// with the next layer queued behind the signal (which carries the count) and without.
 TEST_F(CudaBackendTest, ColdPartsSummedOnTheGpuMatchCpuReference) {
-  for (const char* knob : {"1", "0"}) {
-    setenv("PINFER_CUDA_COLD_PARTS", knob, 1);
+  for (const auto& [knob, prelaunch] :
+       std::vector<std::pair<std::string, std::string>>{{"1", "1"}, {"1", "0"}, {"0", "1"}}) {
+    setenv("PINFER_CUDA_COLD_PARTS", knob.c_str(), 1);
+    setenv("PINFER_CUDA_PRELAUNCH", prelaunch.c_str(), 1);
     auto backend = Create(Upload(/*hot=*/true));
     unsetenv("PINFER_CUDA_COLD_PARTS");
+    unsetenv("PINFER_CUDA_PRELAUNCH");
     ASSERT_NE(backend, nullptr);
     for (int split : {5, 1}) {
-      SCOPED_TRACE(::testing::Message() << "COLD_PARTS=" << knob << " split " << split);
+      SCOPED_TRACE(::testing::Message()
+                   << "COLD_PARTS=" << knob << " PRELAUNCH=" << prelaunch << " split " << split);
       CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
       cold.split = split;
       ExpectStepsMatchReference(backend.get(), &cold, /*prompt_no=*/3, /*seq=*/0);
@@ -433,7 +439,7 @@ TEST_F(CudaBackendTest, ColdPartsSummedOnTheGpuMatchCpuReference) {
       EXPECT_EQ(Greedy(backend.get(), p["input_ids"].get<std::vector<int32_t>>(),
                        static_cast<int>(expect.size()), cuda::FfnMode::kExact, &cold),
                 expect);
-      if (std::string(knob) == "1") {
+      if (knob == "1") {
         EXPECT_GT(cold.offered_parts, 0);
       } else {
         EXPECT_EQ(cold.offered_parts, 0);
@@ -452,9 +458,15 @@ class FailingColdFfn : public cuda::ColdFfn {
       fail_layer = -1;
       return {cuda::Code::kUnavailable, "cold side gone at layer " + std::to_string(r.layer)};
     }
-    return inner_->Run(r);
+    cuda::BackendStatus st = inner_->Run(r);
+    if (r.layer == overflow_layer && r.parts != nullptr) {
+      overflow_layer = -1;
+      *r.parts = r.max_parts + 1;  // claims more partial sums than the buffer holds
+    }
+    return st;
   }
   int fail_layer = -1;
+  int overflow_layer = -1;
 
  private:
   cuda::ColdFfn* inner_;
@@ -465,7 +477,8 @@ class FailingColdFfn : public cuda::ColdFfn {
 // layer must return its error without leaving the GPU waiting (the test would hang) or a signal
 // set for the next step (whose layer would then read a contribution not yet written): the step
 // retried at the same position gives the CPU reference's logits. Both orders, queued and layer
-// by layer.
+// by layer. A callback that claims more partial sums than it was offered fails the step the same
+// way, with its own error.
 TEST_F(CudaBackendTest, FailedColdCallbackLeavesNoQueuedWorkBehind) {
   const int n_layers = model_->config.n_layers;
   for (const char* prelaunch : {"1", "0"}) {
@@ -483,6 +496,14 @@ TEST_F(CudaBackendTest, FailedColdCallbackLeavesNoQueuedWorkBehind) {
                               : a.pos0 == 2 ? n_layers / 2
                               : a.pos0 == 4 ? n_layers - 1
                                             : -1;
+          if (a.pos0 == 3) {
+            cold.overflow_layer = n_layers / 3;
+            cuda::BackendStatus st = backend->Forward(a);
+            EXPECT_EQ(st.code, cuda::Code::kInternal);
+            EXPECT_EQ(st.message, "cold side reported 65 partial sums; at most 64");
+            EXPECT_EQ(cold.overflow_layer, -1);
+            ++failures;
+          }
           if (fail_at < 0) return;
           cold.fail_layer = fail_at;
           cuda::BackendStatus st = backend->Forward(a);
@@ -491,7 +512,7 @@ TEST_F(CudaBackendTest, FailedColdCallbackLeavesNoQueuedWorkBehind) {
           EXPECT_EQ(cold.fail_layer, -1);
           ++failures;
         });
-    EXPECT_EQ(failures, 3);
+    EXPECT_EQ(failures, 4);
   }
 }
 
