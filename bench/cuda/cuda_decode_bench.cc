@@ -299,9 +299,11 @@ constexpr std::chrono::microseconds kColdSpin(200);
 // over the layer's active cold neurons on a pool of spinning threads (cpu-worker --threads N
 // --spin-us 200): the list in one part per thread, each part's gate, up and down rows read in
 // groups of eight (Q4_0 against Q8_0-quantized x with integer dots) into the part's own partial
-// sum, and the partials added in order. Rows are read from the
-// per-neuron bundles as the cpu-worker stores them, or (variant COLD_BUNDLES=0, i.e.
-// PINFER_CUDA_COLD_BUNDLES=0) from the three separate matrices.
+// sum. A single token's partials are left for the GPU to add when the module offers it
+// (SparseFfnTokenParts, ColdRequest::max_parts; variant COLD_PARTS=0: added here, in order, as the
+// cpu-worker does; run 37). Rows are read from the per-neuron bundles as the cpu-worker stores
+// them, or (variant COLD_BUNDLES=0, i.e. PINFER_CUDA_COLD_BUNDLES=0) from the three separate
+// matrices.
 //
 // (Runs 1-33 split the list into equal shares in the bench itself, variant COLD_DEAL=static until
 // 181910d; run 35 measured the op and the shares within noise of each other.)
