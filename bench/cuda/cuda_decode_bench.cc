@@ -1442,8 +1442,7 @@ int ColdRowsBench(const SynthModel& m, int threads) {
     std::sort(ids.begin(), ids.end());
     return ids;
   };
-  constexpr int kParts = 64;  // the module's kMaxColdParts
-  std::vector<float> out(static_cast<size_t>(kParts) * H);
+  std::vector<float> out(static_cast<size_t>(cuda::kMaxColdParts) * H);
   // Median seconds per call over `calls` calls after 4 unmeasured ones: n > 0 draws n neurons of
   // the next layer per call; n = 0 takes layer 0's first 16 neurons every time (kept in cache).
   // With parts, the calls alternate between the op that sums its threads' partials and the op
@@ -1464,7 +1463,7 @@ int ColdRowsBench(const SynthModel& m, int threads) {
         r.active = ids.data();
         r.n_active = static_cast<int>(ids.size());
         if (way == 1) {
-          r.max_parts = kParts;
+          r.max_parts = cuda::kMaxColdParts;
           r.parts = &n_parts;
         }
         const double t0 = Now();

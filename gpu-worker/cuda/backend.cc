@@ -34,9 +34,6 @@ namespace {
 // Batches up to this many tokens use the matrix-vector kernels (one pass over the weights);
 // larger ones go through cuBLAS.
 constexpr int kSmallBatch = 8;
-// Partial sums a single token's cold callback may hand over (ColdRequest::max_parts): more than a
-// cpu-worker's threads on any host we have measured.
-constexpr int kMaxColdParts = 64;
 
 BackendStatus Error(Code code, std::string message) {
   return BackendStatus{code, std::move(message)};
@@ -1506,8 +1503,8 @@ BackendStatus CudaBackend::FinishCold(int l, const ForwardArgs& a, float* exchan
   }
   if (signal) {
     // The callback's writes to exchange_out happen before the flag (release), and the GPU reads
-    // them only after it sees the flag. The flag carries the part count.
-    __atomic_store_n(cold_ready_ + l, parts_mode ? count : 1, __ATOMIC_RELEASE);
+    // them only after it sees the flag. The flag carries the part count (1 without parts).
+    __atomic_store_n(cold_ready_ + l, count, __ATOMIC_RELEASE);
     return Ok();
   }
   if (parts_mode) {

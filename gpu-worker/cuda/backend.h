@@ -172,6 +172,9 @@ struct ColdRequest {
   int* parts = nullptr;
 };
 
+// The max_parts a backend offers: more than a cpu-worker's threads on any host we have measured.
+constexpr int kMaxColdParts = 64;
+
 class ColdFfn {
  public:
   virtual ~ColdFfn() = default;
