@@ -18,11 +18,11 @@
 //   offload  whole layers on the GPU up to the budget, the remaining layers computed dense on the
 //            CPU (attention included), output head on the GPU.
 //   gpu      every weight on the GPU, dense (no budget): the bandwidth check.
-//   lanes    pinfer's backend and a second lane over the same weights (Backend::NewLane) decode
-//            two sequences at once from two threads, the cold sides taking turns on the CPU:
-//            one sequence's cold rows overlap the other's GPU work, where a single sequence must
-//            wait for each layer's cold rows before the next layer's attention. Tokens/s counts
-//            both sequences; bytes per token are the same as one sequence's.
+//   lanes    pinfer's backend and --lanes - 1 more lanes over the same weights (Backend::NewLane)
+//            decode --lanes sequences at once (default 2), one thread each, the cold sides taking
+//            turns on the CPU: one sequence's cold rows overlap the others' GPU work, where a
+//            single sequence must wait for each layer's cold rows before the next layer's
+//            attention. Tokens/s counts every sequence; bytes per token are one sequence's.
 // Weights are random, so down_t (the transposed down matrix the sparse path reads) is simply
 // another random [ffn, hidden] matrix; the dense modes read the same bytes as [hidden, ffn].
 // The synthetic model gates with SiLU rather than ReLU: with random weights a drawn-active
@@ -77,6 +77,7 @@ struct Options {
   std::vector<double> skews = {0.2, 0.4};
   int warmup = 4, steps = 32;
   int threads = 0;  // 0: all cores
+  int lanes = 2;    // --modes=lanes: sequences in flight
   std::string modes = "pinfer,offload,gpu";
   bool graphs = true;
   // --bandwidths=0 skips measuring the bandwidths, the products by shape and the cold rows
@@ -693,6 +694,9 @@ void MeasureShapes(DType dtype, ThreadPool& pool) {
 
 struct Backend {
   cuda::Backend* b = nullptr;
+  Backend() = default;
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
   ~Backend() {
     if (b != nullptr) pinfer_cuda_destroy_backend(b);
   }
@@ -743,6 +747,7 @@ struct Result {
   double floor_s = 0;
   double plan_bytes = 0, actual_bytes = 0;
   double cold_s = 0, wait_s = 0, gpu_hot_s = 0, gpu_attn_s = 0;
+  double launch_s = 0, gpu_gap_s = 0, gpu_in_s = 0;  // ForwardStats' host_launch, gpu_cold_*
   double gpu_cold_share = 0;  // fraction of the active cold rows the GPU read over PCIe
   double pcie_floor_s = 0;    // the floor with PCIe as a third resource (see PrintResults)
 };
@@ -812,6 +817,15 @@ void PrintResults(const Options& o, const SynthModel& m, const Bandwidths& bw,
           r.mode.c_str(), r.variant.c_str(), r.skew * 100, r.cold_s * 1e3, r.wait_s * 1e3,
           r.gpu_attn_s * 1e3, r.gpu_hot_s * 1e3, 100 * r.gpu_cold_share, r.pcie_floor_s * 1e3,
           100.0 * r.pcie_floor_s * r.tok_s);
+      // Where a layer's turn between the two sides goes: the host queueing the next layer; on
+      // the GPU, from x published to the cold side's signal seen (the host's wake-up and the
+      // callback) and from the signal to the next layer's start (the cold sum brought in).
+      std::printf(
+          "%s [%s] skew %.0f%%: per token host queueing layers %.2f ms; GPU from x published to "
+          "the signal %.2f ms (the callback %.2f ms of it), from the signal to the next layer "
+          "%.2f ms\n",
+          r.mode.c_str(), r.variant.c_str(), r.skew * 100, r.launch_s * 1e3, r.gpu_gap_s * 1e3,
+          r.cold_s * 1e3, r.gpu_in_s * 1e3);
     }
   }
   (void)o;
@@ -1141,6 +1155,12 @@ std::vector<std::string> Split(const std::string& s, char sep) {
 // requests (LogitsMode::kGreedy: 8 bytes come back), or, in a variant with PICK=host, from the
 // logits copied to the host (the path before session 18, for comparison).
 bool g_host_pick = false;
+// Variant LANES=N: --lanes for that variant (0: --lanes), so that lane counts can take turns in
+// one process.
+int g_variant_lanes = 0;
+// Variant TIMES=0: pinfer's backends record no per-layer timing events (whose nodes sit between
+// the kernels of every layer), so the per-token lines' GPU times are zero.
+bool g_gpu_times = true;
 
 void AskForPick(cuda::ForwardArgs* a, std::vector<float>* logits, cuda::GreedyResult* pick) {
   if (g_host_pick) {
@@ -1156,9 +1176,12 @@ int32_t Picked(const std::vector<float>& logits, const cuda::GreedyResult& pick)
 }
 
 // Sets the module's knobs for one variant: every known knob back to its default, then the
-// variant's NAME=VALUE pairs as PINFER_CUDA_NAME (PICK=host is the bench's own, above).
+// variant's NAME=VALUE pairs as PINFER_CUDA_NAME (PICK=host, LANES=N and TIMES=0 are the
+// bench's own, above).
 void ApplyVariant(const std::string& variant) {
   g_host_pick = false;
+  g_variant_lanes = 0;
+  g_gpu_times = true;
   for (const char* k :
        {"PDL", "REPACK", "STEP_GRAPH", "GRAPHS", "PRODUCER_QX", "PRELAUNCH", "NORM_VEC8", "QX_REGS",
         "QX_EARLY", "ATTN_ONLINE", "ATTN_QX", "ATTN_EARLY", "QX_PIPE", "FUSED_NORM",
@@ -1183,6 +1206,14 @@ void ApplyVariant(const std::string& variant) {
     if (eq == std::string::npos) continue;
     if (kv == "PICK=host") {
       g_host_pick = true;
+      continue;
+    }
+    if (kv == "TIMES=0") {
+      g_gpu_times = false;
+      continue;
+    }
+    if (kv.starts_with("LANES=")) {  // the bench's own knob: --lanes for this variant
+      g_variant_lanes = std::clamp(std::atoi(kv.c_str() + eq + 1), 2, 8);
       continue;
     }
     setenv(("PINFER_CUDA_" + kv.substr(0, eq)).c_str(), kv.substr(eq + 1).c_str(), 1);
@@ -1578,6 +1609,8 @@ int Main(int argc, char** argv) {
       o.budget_fraction = std::atof(v);
     else if (const char* v = val("--active="))
       o.active = std::atof(v);
+    else if (const char* v = val("--lanes="))
+      o.lanes = std::atoi(v);
     else if (const char* v = val("--steps="))
       o.steps = std::atoi(v);
     else if (const char* v = val("--warmup="))
@@ -1634,6 +1667,10 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr, "unknown flag %s\n", argv[i]);
       return 2;
     }
+  }
+  if (o.lanes < 2 || o.lanes > 8) {  // Backend::NewLane: at most 8 backends share the weights
+    std::fprintf(stderr, "--lanes must be 2 to 8\n");
+    return 2;
   }
   std::printf("command:");
   // (CUDA graphs: one per layer for single-token steps unless --graphs=0.)
@@ -1712,18 +1749,19 @@ int Main(int argc, char** argv) {
     std::printf("variant %s: modes %s\n", variant.c_str(), modes->c_str());
     const size_t first_result = results.size();
     // --- pinfer: hot rows on the GPU, cold rows on the CPU, overlapped. lanes: the same backend
-    // and a second lane (Backend::NewLane) decode two sequences at once from two threads.
+    // and more lanes (Backend::NewLane) decode o.lanes sequences at once, one thread each.
     const bool lanes = has_mode("lanes");
+    const int seqs = !lanes ? 1 : g_variant_lanes > 0 ? g_variant_lanes : o.lanes;
     if (has_mode("pinfer") || lanes) {
-      // With lanes: a second KV slot and the lane's scratch (which holds no KV cache).
+      // With lanes: a KV slot per sequence and each extra lane's scratch (which holds no KV cache).
       const double fixed = m.HeadBytes() + c.n_layers * (m.AttnBytes() + m.PredBytes()) +
-                           ScratchBytes(m, max_ctx * (lanes ? 2 : 1), c.n_layers, 8) +
-                           (lanes ? ScratchBytes(m, 0, 0, 8) : 0);
+                           ScratchBytes(m, max_ctx * seqs, c.n_layers, 8) +
+                           (seqs - 1) * ScratchBytes(m, 0, 0, 8);
       const double per_neuron = 3.0 * rb + 4;  // gate, up, down_t rows and the id
       const int n_hot = std::max(
           0, std::min(c.ffn_size, static_cast<int>((budget - fixed) / (c.n_layers * per_neuron))));
       cuda::ModelUpload u = BaseUpload(m, max_ctx);
-      if (lanes) u.max_seqs = 2;
+      u.max_seqs = seqs;
       std::vector<std::vector<int32_t>> local_of(c.n_layers);  // global -> hot local or -1
       for (int l = 0; l < c.n_layers; ++l) {
         const SynthLayer& L = m.layers[l];
@@ -1754,21 +1792,21 @@ int Main(int argc, char** argv) {
       std::printf(
           "pinfer: %d of %d FFN neurons per layer on the GPU (%.1f%%), uploaded in %.1f s\n", n_hot,
           c.ffn_size, 100.0 * n_hot / c.ffn_size, Now() - t0);
-      be.b->set_collect_gpu_times(true);
+      be.b->set_collect_gpu_times(g_gpu_times);
       be.b->set_use_graphs(o.graphs);
-      Backend lane;
-      if (lanes) {
-        cuda::BackendStatus st = be.b->NewLane(&lane.b);
+      std::vector<Backend> lane(seqs - 1);
+      for (Backend& l : lane) {
+        cuda::BackendStatus st = be.b->NewLane(&l.b);
         if (!st.ok()) {
           std::fprintf(stderr, "lane: %s\n", st.message.c_str());
           return 1;
         }
-        lane.b->set_collect_gpu_times(true);
-        lane.b->set_use_graphs(o.graphs);
+        l.b->set_collect_gpu_times(g_gpu_times);
+        l.b->set_use_graphs(o.graphs);
       }
       for (double skew : o.skews) {
-        // Lanes: the second sequence's steps follow the first's in the masks.
-        const int drawn = lanes ? 2 * total_steps : total_steps;
+        // Lanes: sequence i's steps follow sequence i - 1's in the masks.
+        const int drawn = seqs * total_steps;
         Masks masks = DrawMasks(m, o.active, skew, drawn, pool);
         std::vector<std::vector<std::vector<int32_t>>> hot(drawn), cold_ids(drawn);
         double hot_rows = 0, cold_rows = 0;
@@ -1795,6 +1833,7 @@ int Main(int argc, char** argv) {
         // measured steps.
         struct Sums {
           double cold_s = 0, wait_s = 0, hot_s = 0, attn_s = 0, gpu_cold = 0, cpu_cold = 0;
+          double launch_s = 0, gap_s = 0, in_s = 0;
         };
         auto decode = [&](cuda::Backend* b, int seq, int first, cuda::ColdFfn* cold,
                           const std::function<void()>& warm, Sums* sums) -> bool {
@@ -1828,6 +1867,9 @@ int Main(int argc, char** argv) {
               sums->cpu_cold += static_cast<double>(fs.cold_rows_requested);
               sums->hot_s += fs.gpu_hot_ffn;
               sums->attn_s += fs.gpu_attention;
+              sums->launch_s += fs.host_launch;
+              sums->gap_s += fs.gpu_cold_gap;
+              sums->in_s += fs.gpu_cold_in;
             }
           }
           return true;
@@ -1854,6 +1896,9 @@ int Main(int argc, char** argv) {
           r.wait_s = x.wait_s / o.steps;
           r.gpu_hot_s = x.hot_s / o.steps;
           r.gpu_attn_s = x.attn_s / o.steps;
+          r.launch_s = x.launch_s / o.steps;
+          r.gpu_gap_s = x.gap_s / o.steps;
+          r.gpu_in_s = x.in_s / o.steps;
           results.push_back(r);
         };
         std::printf("pinfer skew %.0f%%: %.1f hot + %.1f cold active rows per layer per token\n",
@@ -1870,32 +1915,43 @@ int Main(int argc, char** argv) {
                  static_cast<double>(be.b->DeviceBytes()));
         }
         if (lanes) {
-          // Two sequences, each on its own lane and thread with its own cold side; the cold
+          // The sequences, each on its own lane and thread with its own cold side; the cold
           // sides take turns on one pool (the CPU computes one layer's cold rows at a time, while
-          // the GPU works on the other sequence). The pool has a thread fewer, for the other
-          // lane's host thread, which waits on the GPU meanwhile. (A pool of half the threads per
-          // lane, both lanes' cold rows at once, variant COLD_POOLS=split of 7c9e593, was slower
-          // at skew 20% in two H200 calls: each layer's cold rows take longer, and a lane waits
-          // for them; docs/benchmarks.md, run 35.)
-          ThreadPool spin(std::max(1, threads - 1), kColdSpin);
+          // the GPU works on the other sequences). The pool has a thread fewer per other lane,
+          // for their host threads, which poll the GPU meanwhile (a lane waiting for its turn
+          // sleeps). (A pool of half the threads per lane, two lanes' cold rows at once, variant
+          // COLD_POOLS=split of 7c9e593, was slower at skew 20% in two H200 calls: each layer's
+          // cold rows take longer, and a lane waits for them; docs/benchmarks.md, run 35.)
+          ThreadPool spin(std::max(1, threads - (seqs - 1)), kColdSpin);
           std::mutex turn;
-          CpuColdFfn cold0(m, spin), cold1(m, spin);
-          TakeTurns take0(&cold0, &turn), take1(&cold1, &turn);
-          std::barrier warm_done(2);
+          std::vector<std::unique_ptr<CpuColdFfn>> colds;
+          std::vector<std::unique_ptr<TakeTurns>> takes;
+          for (int i = 0; i < seqs; ++i) {
+            colds.push_back(std::make_unique<CpuColdFfn>(m, spin));
+            takes.push_back(std::make_unique<TakeTurns>(colds.back().get(), &turn));
+          }
+          std::barrier warm_done(seqs);
           std::atomic<double> start{0};
-          Sums sums0, sums1;
-          bool ok1 = true;
+          std::vector<Sums> sums(seqs);
+          std::vector<char> ok(seqs, 1);
           auto warm = [&] {
             warm_done.arrive_and_wait();
             double zero = 0;
             start.compare_exchange_strong(zero, Now());
           };
-          std::thread second([&] { ok1 = decode(lane.b, 1, total_steps, &take1, warm, &sums1); });
-          const bool ok0 = decode(be.b, 0, 0, &take0, warm, &sums0);
-          second.join();
-          if (!ok0 || !ok1) return 1;
-          result("pinfer, 2 lanes", 2.0 * o.steps / (Now() - start.load()), sums0,
-                 static_cast<double>(be.b->DeviceBytes() + lane.b->DeviceBytes()));
+          std::vector<std::thread> others;
+          for (int i = 1; i < seqs; ++i) {
+            others.emplace_back([&, i] {
+              ok[i] = decode(lane[i - 1].b, i, i * total_steps, takes[i].get(), warm, &sums[i]);
+            });
+          }
+          ok[0] = decode(be.b, 0, 0, takes[0].get(), warm, &sums[0]);
+          for (std::thread& t : others) t.join();
+          if (std::count(ok.begin(), ok.end(), 0) > 0) return 1;
+          double device_bytes = static_cast<double>(be.b->DeviceBytes());
+          for (const Backend& l : lane) device_bytes += static_cast<double>(l.b->DeviceBytes());
+          const std::string label = "pinfer, " + std::to_string(seqs) + " lanes";
+          result(label.c_str(), seqs * o.steps / (Now() - start.load()), sums[0], device_bytes);
         }
       }
     }

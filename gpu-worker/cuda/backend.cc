@@ -327,8 +327,9 @@ class CudaBackend : public Backend {
   int32_t* active_host_ = nullptr;    // [ffn]
   int32_t* observed_host_ = nullptr;  // [n_layers, ffn + 1]: hot lists (ForwardArgs::active_out)
 
-  // Per-layer events: x published, hot start, hot end, attention start; plus step start/end.
-  std::vector<cudaEvent_t> ev_x_, ev_hot0_, ev_hot1_, ev_attn0_;
+  // Per-layer events: x published, hot start, hot end, attention start, the cold side's signal
+  // seen (collect_gpu_times_ only); plus step start/end.
+  std::vector<cudaEvent_t> ev_x_, ev_hot0_, ev_hot1_, ev_attn0_, ev_signal_;
   cudaEvent_t ev_start_ = nullptr, ev_layers_end_ = nullptr;
   // Early publishing (PINFER_CUDA_EARLY_PUBLISH, on by default; 0 restores the old order for
   // comparison): the FFN input is copied to the host on publish_stream_ while the predictor runs
@@ -410,7 +411,7 @@ void CudaBackend::Release() {
   allocations_.clear();
   host_allocations_.clear();
   streamer_.reset();
-  for (auto* v : {&ev_x_, &ev_hot0_, &ev_hot1_, &ev_share_, &ev_attn0_}) {
+  for (auto* v : {&ev_x_, &ev_hot0_, &ev_hot1_, &ev_share_, &ev_attn0_, &ev_signal_}) {
     for (cudaEvent_t e : *v) cudaEventDestroy(e);
     v->clear();
   }
@@ -872,7 +873,7 @@ BackendStatus CudaBackend::AllocateScratch() {
   std::fill(cold_ready_, cold_ready_ + c.n_layers, 0);
   BACKEND_RETURN_IF_ERROR(AllocHost(static_cast<size_t>(c.n_layers) * (F + 1), &observed_host_));
 
-  for (auto* v : {&ev_x_, &ev_hot0_, &ev_hot1_, &ev_attn0_}) {
+  for (auto* v : {&ev_x_, &ev_hot0_, &ev_hot1_, &ev_attn0_, &ev_signal_}) {
     v->resize(c.n_layers);
     for (cudaEvent_t& e : *v) CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
   }
@@ -1091,11 +1092,13 @@ BackendStatus CudaBackend::EnqueueColdWait(int l, const float* exchange_out, int
   if (ColdParts(exchange_out, n)) {
     // The signal's value is the callback's part count (FinishCold).
     CUDA_RETURN_IF_ERROR(WaitHostFlag(cold_ready_ + l, stream_, parts_count_dev_));
+    if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_signal_[l]));
     CUDA_RETURN_IF_ERROR(
         SumParts(exchange_out, dims_.hidden, parts_count_dev_, 0, cold_in_, stream_));
     return Ok();
   }
   CUDA_RETURN_IF_ERROR(WaitHostFlag(cold_ready_ + l, stream_));
+  if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_signal_[l]));
   const float* in = ColdInput(exchange_out, n);
   if (in != exchange_out) {
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cold_in_, exchange_out,
@@ -1115,7 +1118,9 @@ BackendStatus CudaBackend::RunLayersQueued(const ForwardArgs& a, int layer_end, 
   for (int l = a.layer_begin; st.ok() && l < layer_end; ++l) {
     const bool cold = CallsColdSide(l, a);
     if (l + 1 < layer_end) {
+      const double t0 = Now();
       st = LaunchLayer(l + 1, a, exchange_x, exchange_out, cold);
+      stats_.host_launch += Now() - t0;
     } else if (cold) {
       // The last contribution joins the residual after the loop (Forward).
       st = EnqueueColdWait(l, exchange_out, a.n);
@@ -1699,6 +1704,16 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
       }
       if (CallsColdSide(l, a) && cudaEventElapsedTime(&ms, ev_attn0_[l], ev_x_[l]) == cudaSuccess) {
         stats_.gpu_attention += ms * 1e-3;
+      }
+      // Queued layers only (the signal's event is recorded where the next layer waits for it);
+      // a negative time is an event left from an earlier step.
+      if (queued && CallsColdSide(l, a) && l + 1 < layer_end) {
+        if (cudaEventElapsedTime(&ms, ev_x_[l], ev_signal_[l]) == cudaSuccess && ms >= 0) {
+          stats_.gpu_cold_gap += ms * 1e-3;
+        }
+        if (cudaEventElapsedTime(&ms, ev_signal_[l], ev_attn0_[l + 1]) == cudaSuccess && ms >= 0) {
+          stats_.gpu_cold_in += ms * 1e-3;
+        }
       }
     }
     float ms = 0;
