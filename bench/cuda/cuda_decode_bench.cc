@@ -1200,7 +1200,6 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_COLD_GPU_SHARE", "0", 1);
   setenv("PINFER_CUDA_COLD_BUNDLES", "1", 1);  // the bench's cold side (CpuColdFfn)
   setenv("PINFER_CUDA_COLD_PARTS", "1", 1);
-  setenv("PINFER_CUDA_SUM_PARTS", "1x256", 1);
   if (variant == "base") return;
   for (const std::string& kv : Split(variant, '+')) {
     const size_t eq = kv.find('=');

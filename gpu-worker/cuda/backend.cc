@@ -612,10 +612,6 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
     SetLateBlocksLoadXFirst(std::string(g) != "0");
   }
   if (const char* g = std::getenv("PINFER_CUDA_FUSED_NORM")) SetFusedNorm(std::string(g) != "0");
-  if (const char* g = std::getenv("PINFER_CUDA_SUM_PARTS")) {  // WxT, e.g. 4x64
-    int width = 1, threads = 256;
-    if (std::sscanf(g, "%dx%d", &width, &threads) == 2) SetSumPartsShape(width, threads);
-  }
   if (const char* g = std::getenv("PINFER_CUDA_ROPE_IN_PRODUCT")) {
     SetRopeInProduct(std::string(g) != "0");
   }

@@ -5,7 +5,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -2053,42 +2052,30 @@ __global__ void WaitHostFlagKernel(volatile int32_t* flag, int32_t* value_out) {
 // Every part's load is issued before the first add (up to kPartsAtOnce), so a thread waits for
 // one PCIe round trip per 16 parts, not one per part. __ldcv: the host rewrites these buffers
 // every layer, so nothing may come from a cache.
+// Loads of two or four floats, and blocks of 32 to 128 threads, were no faster on the H200 (the
+// sum's 13-14 us a layer is round trips, not bandwidth: docs/benchmarks.md, CUDA run 38).
 constexpr int kPartsAtOnce = 16;
-// SumParts' shape (SetSumPartsShape): floats per load and threads per block.
-int g_sum_parts_width = 1;
-int g_sum_parts_threads = 256;
 
-// V: floats a thread loads at once (float, float2 or float4), each column still summed over the
-// parts in order, so the bits do not depend on V. len is in units of V.
-template <typename V>
-__global__ void SumPartsKernel(const V* __restrict__ parts, int64_t len,
+__global__ void SumPartsKernel(const float* __restrict__ parts, int64_t len,
                                const int32_t* __restrict__ count_dev, int count,
-                               V* __restrict__ out) {
-  constexpr int kW = sizeof(V) / sizeof(float);
+                               float* __restrict__ out) {
   PdlStart();
   const int n = count_dev != nullptr ? *count_dev : count;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < len;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float s[kW] = {};
+    float s = 0.f;
     for (int p0 = 0; p0 < n; p0 += kPartsAtOnce) {
-      V v[kPartsAtOnce];
+      float v[kPartsAtOnce];
 #pragma unroll
       for (int j = 0; j < kPartsAtOnce; ++j) {
-        if (p0 + j < n) v[j] = __ldcv(parts + (p0 + j) * len + i);
+        v[j] = p0 + j < n ? __ldcv(parts + (p0 + j) * len + i) : 0.f;
       }
 #pragma unroll
       for (int j = 0; j < kPartsAtOnce; ++j) {
-        if (p0 + j >= n) continue;
-        const float* f = reinterpret_cast<const float*>(&v[j]);
-#pragma unroll
-        for (int k = 0; k < kW; ++k) s[k] += f[k];
+        if (p0 + j < n) s += v[j];
       }
     }
-    V r;
-    float* rf = reinterpret_cast<float*>(&r);
-#pragma unroll
-    for (int k = 0; k < kW; ++k) rf[k] = s[k];
-    out[i] = r;
+    out[i] = s;
   }
 }
 
@@ -2965,30 +2952,8 @@ cudaError_t SumParts(const float* parts, int64_t len, const int32_t* count_dev, 
     return cudaErrorInvalidValue;
   }
   if (len == 0) return cudaSuccess;
-  // Wider loads make fewer, larger PCIe reads; where the rows allow them (docs/benchmarks.md,
-  // CUDA run 38).
-  const int threads = g_sum_parts_threads;
-  auto aligned = [&](int w) {
-    return len % w == 0 && reinterpret_cast<uintptr_t>(parts) % (4 * w) == 0 &&
-           reinterpret_cast<uintptr_t>(out) % (4 * w) == 0;
-  };
-  if (g_sum_parts_width == 4 && aligned(4)) {
-    return Launch(SumPartsKernel<float4>, GridFor(len / 4, threads), threads, 0, stream,
-                  reinterpret_cast<const float4*>(parts), len / 4, count_dev, count,
-                  reinterpret_cast<float4*>(out));
-  }
-  if (g_sum_parts_width >= 2 && aligned(2)) {
-    return Launch(SumPartsKernel<float2>, GridFor(len / 2, threads), threads, 0, stream,
-                  reinterpret_cast<const float2*>(parts), len / 2, count_dev, count,
-                  reinterpret_cast<float2*>(out));
-  }
-  return Launch(SumPartsKernel<float>, GridFor(len, threads), threads, 0, stream, parts, len,
-                count_dev, count, out);
-}
-
-void SetSumPartsShape(int width, int threads) {
-  g_sum_parts_width = width == 4 || width == 2 ? width : 1;
-  g_sum_parts_threads = std::clamp(threads / 32 * 32, 32, 1024);
+  return Launch(SumPartsKernel, GridFor(len, 256), 256, 0, stream, parts, len, count_dev, count,
+                out);
 }
 
 cudaError_t GreedyPick(const float* logits, int vocab, int32_t* token, float* logprob,

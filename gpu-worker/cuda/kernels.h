@@ -295,10 +295,6 @@ cudaError_t WaitHostFlag(int32_t* flag, cudaStream_t stream, int32_t* value_out 
 // memory, e.g. WaitHostFlag's value) when count_dev is non-null, else `count`; at least 1.
 cudaError_t SumParts(const float* parts, int64_t len, const int32_t* count_dev, int count,
                      float* out, cudaStream_t stream);
-// SumParts' launch shape: floats each thread loads at once (1, 2 or 4; wider where len and the
-// pointers allow) and threads per block. Defaults 1 and 256; PINFER_CUDA_SUM_PARTS=WxT sets them
-// when a backend is created. The sums' bits do not depend on the shape.
-void SetSumPartsShape(int width, int threads);
 // The greedy token of logits: [vocab] without copying them to the host: *token = the first index
 // of the largest logit (NaNs ignored, as GreedyToken in shared/engine/sampler.h) and *logprob =
 // its log-probability under softmax(logits), the value the sampler reports for greedy requests

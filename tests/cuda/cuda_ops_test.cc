@@ -823,56 +823,46 @@ TEST_F(CudaOpsTest, WaitHostFlagHoldsTheStreamUntilTheHostSignals) {
 // additions in the same order as on the CPU, so the same bits, with the count given by the host
 // or carried by the wait's signal (device memory), for counts below, at and over the kernel's 16
 // loads at once; the host rewrites the parts between calls and every call sees the new values.
-// Every launch shape (SetSumPartsShape), on lengths that allow float4, only float2 or neither.
 TEST_F(CudaOpsTest, SumPartsAddsHostPartsInOrder) {
-  const int64_t max_len = 5120 + 33;
+  const int64_t len = 5120 + 33;
   const int max_parts = 40;
   float* parts = nullptr;
   int32_t* flag = nullptr;
-  CUDA_OK(cudaMallocHost(reinterpret_cast<void**>(&parts), sizeof(float) * max_len * max_parts));
+  CUDA_OK(cudaMallocHost(reinterpret_cast<void**>(&parts), sizeof(float) * len * max_parts));
   CUDA_OK(cudaMallocHost(reinterpret_cast<void**>(&flag), sizeof(int32_t)));
   *flag = 0;
   cudaStream_t stream = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DevBuf<float> out(len);
   DevBuf<int32_t> count_dev(1);
   std::mt19937 rng(5);
   std::normal_distribution<float> nd(0.f, 30.f);
-  const std::pair<int, int> shapes[] = {{1, 256}, {2, 128}, {4, 64}, {4, 32}};
-  for (auto [width, threads] : shapes) {
-    cuda::SetSumPartsShape(width, threads);
-    for (int64_t len : {max_len, int64_t{5120}, int64_t{5122}}) {
-      DevBuf<float> out(len);
-      for (int count : {1, 5, 16, 17, 40}) {
-        for (bool signalled : {false, true}) {
-          SCOPED_TRACE(::testing::Message()
-                       << "shape " << width << "x" << threads << " len " << len << " count "
-                       << count << (signalled ? " signalled" : ""));
-          for (int64_t i = 0; i < len * count; ++i) parts[i] = nd(rng);
-          std::vector<float> want(len, 0.f);
-          for (int p = 0; p < count; ++p) {
-            for (int64_t i = 0; i < len; ++i) want[i] += parts[p * len + i];
-          }
-          if (signalled) {
-            CUDA_OK(cuda::WaitHostFlag(flag, stream, count_dev.get()));
-            CUDA_OK(cuda::SumParts(parts, len, count_dev.get(), 0, out.get(), stream));
-            __atomic_store_n(flag, count, __ATOMIC_RELEASE);
-          } else {
-            CUDA_OK(cuda::SumParts(parts, len, nullptr, count, out.get(), stream));
-          }
-          CUDA_OK(cudaStreamSynchronize(stream));
-          const std::vector<float> got = out.Download();
-          EXPECT_EQ(std::memcmp(got.data(), want.data(), sizeof(float) * len), 0);
-          if (signalled) {
-            EXPECT_EQ(count_dev.Download()[0], count);
-          }
-        }
+  for (int count : {1, 5, 16, 17, 40}) {
+    for (bool signalled : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "count " << count << (signalled ? " signalled" : ""));
+      for (int64_t i = 0; i < len * count; ++i) parts[i] = nd(rng);
+      std::vector<float> want(len, 0.f);
+      for (int p = 0; p < count; ++p) {
+        for (int64_t i = 0; i < len; ++i) want[i] += parts[p * len + i];
       }
-      EXPECT_TRUE(out.GuardsIntact());
-      EXPECT_EQ(cuda::SumParts(parts, len, nullptr, 0, out.get(), stream), cudaErrorInvalidValue);
-      EXPECT_EQ(cuda::SumParts(nullptr, len, nullptr, 1, out.get(), stream), cudaErrorInvalidValue);
+      if (signalled) {
+        CUDA_OK(cuda::WaitHostFlag(flag, stream, count_dev.get()));
+        CUDA_OK(cuda::SumParts(parts, len, count_dev.get(), 0, out.get(), stream));
+        __atomic_store_n(flag, count, __ATOMIC_RELEASE);
+      } else {
+        CUDA_OK(cuda::SumParts(parts, len, nullptr, count, out.get(), stream));
+      }
+      CUDA_OK(cudaStreamSynchronize(stream));
+      const std::vector<float> got = out.Download();
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), sizeof(float) * len), 0);
+      if (signalled) {
+        EXPECT_EQ(count_dev.Download()[0], count);
+      }
     }
   }
-  cuda::SetSumPartsShape(1, 256);
+  EXPECT_TRUE(out.GuardsIntact());
+  EXPECT_EQ(cuda::SumParts(parts, len, nullptr, 0, out.get(), stream), cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::SumParts(nullptr, len, nullptr, 1, out.get(), stream), cudaErrorInvalidValue);
   CUDA_OK(cudaStreamDestroy(stream));
   CUDA_OK(cudaFreeHost(flag));
   CUDA_OK(cudaFreeHost(parts));
