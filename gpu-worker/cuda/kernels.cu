@@ -2052,8 +2052,9 @@ __global__ void WaitHostFlagKernel(volatile int32_t* flag, int32_t* value_out) {
 // Every part's load is issued before the first add (up to kPartsAtOnce), so a thread waits for
 // one PCIe round trip per 16 parts, not one per part. __ldcv: the host rewrites these buffers
 // every layer, so nothing may come from a cache.
-// Loads of two or four floats, and blocks of 32 to 128 threads, were no faster on the H200 (the
-// sum's 13-14 us a layer is round trips, not bandwidth: docs/benchmarks.md, CUDA run 38).
+// Loads of two or four floats, and blocks of 32 to 128 threads, were no faster on the H200: 16
+// parts are 320 KB, ~6 us over PCIe at 55 GB/s in any shape, on top of the latency that one
+// copied sum also pays (13-14 against 6.5-7.5 us a layer; docs/benchmarks.md, CUDA run 38).
 constexpr int kPartsAtOnce = 16;
 
 __global__ void SumPartsKernel(const float* __restrict__ parts, int64_t len,

@@ -48,10 +48,10 @@ class ThreadPool {
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  // The three fields that threads write during a loop sit on cache lines of their own. Sharing
-  // one line, every claim of a chunk (next_) and every finish (pending_) took that line away
-  // from the workers polling generation_ and from each other, costing the pool's shortest loops
-  // a few microseconds (docs/benchmarks.md, CUDA run 38).
+  // The three fields that threads write during a loop sit on cache lines of their own, so that
+  // claiming a chunk (next_) or finishing (pending_) does not take the line away from the
+  // workers polling generation_. (On the H200 host the empty loop took 2.4-3.0 us this way and
+  // 2.7-5.1 us with one shared line, within that host's noise: docs/benchmarks.md, CUDA run 38.)
   //
   // Advanced under mu_ (so that a worker about to sleep cannot miss it) but read without it by
   // spinning workers; the loop's fields beside it are written before it advances (release) and
