@@ -1,6 +1,6 @@
 #!/bin/bash
 # One run on a GPU machine: op tests, the module's end-to-end test, then the decode benchmark in
-# F16 and Q4_0. Run from the repository root with a bundle made by make_bundle.sh (the GPU machine
+# F16 and Q4_0 (one sequence, dense layer offload, the whole model; then two lanes). Run from the repository root with a bundle made by make_bundle.sh (the GPU machine
 # needs only the NVIDIA driver and CUDA 13's cuBLAS):
 #
 #   gpu-worker/cuda/device_run.sh BUNDLE_DIR [OUT_DIR]
@@ -28,6 +28,12 @@ PINFER_CUDA_MODULE="$bundle/bin/libpinfer_cuda.so" PINFER_MODELS_DIR="$PWD/model
   timeout "${BACKEND_TIMEOUT:-120}" "$bundle/bin/cuda_backend_test" --gtest_output="xml:$out/cuda_backend_test.xml" 2>&1 | tee "$out/cuda_backend_test.log" || rc=1
 for dtype in ${BENCH_DTYPES:-F16 Q4_0}; do
   timeout "${BENCH_TIMEOUT:-240}" "$bundle/bin/cuda_decode_bench" --dtype=$dtype ${BENCH_FLAGS:-} 2>&1 | tee "$out/bench_$dtype.log" || rc=1
+done
+# Two sequences in flight (lanes), each filling the other's gaps between the two sides, in a
+# process of their own: a lane's KV slot comes out of the hot rows, which the one-sequence rows
+# above keep (LANES_DTYPES="" skips it; the bench's flags apply, then --modes=lanes).
+for dtype in ${LANES_DTYPES-F16 Q4_0}; do
+  timeout "${BENCH_TIMEOUT:-240}" "$bundle/bin/cuda_decode_bench" --dtype=$dtype ${BENCH_FLAGS:-} --modes=lanes 2>&1 | tee "$out/lanes_$dtype.log" || rc=1
 done
 # Prompt processing, cold rows on the CPU vs streamed vs the cost model's choice (opt-in:
 # PREFILL_DTYPES="F16 Q4_0"; PREFILL_FLAGS are appended).
