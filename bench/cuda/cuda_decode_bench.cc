@@ -1213,7 +1213,7 @@ void ApplyVariant(const std::string& variant) {
       continue;
     }
     if (kv.starts_with("LANES=")) {  // the bench's own knob: --lanes for this variant
-      g_variant_lanes = std::clamp(std::atoi(kv.c_str() + eq + 1), 2, 8);
+      g_variant_lanes = std::clamp(std::atoi(kv.c_str() + eq + 1), 2, cuda::kMaxLanes);
       continue;
     }
     setenv(("PINFER_CUDA_" + kv.substr(0, eq)).c_str(), kv.substr(eq + 1).c_str(), 1);
@@ -1668,8 +1668,8 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
-  if (o.lanes < 2 || o.lanes > 8) {  // Backend::NewLane: at most 8 backends share the weights
-    std::fprintf(stderr, "--lanes must be 2 to 8\n");
+  if (o.lanes < 2 || o.lanes > cuda::kMaxLanes) {  // backends sharing the weights (NewLane)
+    std::fprintf(stderr, "--lanes must be 2 to %d\n", cuda::kMaxLanes);
     return 2;
   }
   std::printf("command:");

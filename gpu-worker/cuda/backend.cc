@@ -1705,13 +1705,12 @@ BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
       if (CallsColdSide(l, a) && cudaEventElapsedTime(&ms, ev_attn0_[l], ev_x_[l]) == cudaSuccess) {
         stats_.gpu_attention += ms * 1e-3;
       }
-      // Queued layers only (the signal's event is recorded where the next layer waits for it);
-      // a negative time is an event left from an earlier step.
+      // Queued layers only: the signal's event is recorded where the next layer waits for it.
       if (queued && CallsColdSide(l, a) && l + 1 < layer_end) {
-        if (cudaEventElapsedTime(&ms, ev_x_[l], ev_signal_[l]) == cudaSuccess && ms >= 0) {
+        if (cudaEventElapsedTime(&ms, ev_x_[l], ev_signal_[l]) == cudaSuccess) {
           stats_.gpu_cold_gap += ms * 1e-3;
         }
-        if (cudaEventElapsedTime(&ms, ev_signal_[l], ev_attn0_[l + 1]) == cudaSuccess && ms >= 0) {
+        if (cudaEventElapsedTime(&ms, ev_signal_[l], ev_attn0_[l + 1]) == cudaSuccess) {
           stats_.gpu_cold_in += ms * 1e-3;
         }
       }

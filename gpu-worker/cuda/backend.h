@@ -246,7 +246,7 @@ struct ForwardStats {
   // cold side, summed over the layers with one: what the host's wait_for_x would be without
   // launch and wake-up latency.
   double gpu_attention = 0;
-  // Decode steps with queued layers (set_collect_gpu_times, GPU times by events):
+  // Decode steps with queued layers; the two GPU times (events) only with set_collect_gpu_times:
   double host_launch = 0;   // host time queueing the next layer before each cold callback
   double gpu_cold_gap = 0;  // from a layer's FFN input published to the GPU seeing the cold
                             // side's signal: the host's wake-up, the callback, the signal's trip
