@@ -311,16 +311,9 @@ constexpr std::chrono::microseconds kColdSpin(200);
 class CpuColdFfn : public cuda::ColdFfn {
  public:
   CpuColdFfn(const SynthModel& m, ThreadPool& pool)
-      : m_(m), ops_(NewSimdOps(&pool, Options())), coef_(static_cast<size_t>(m.config.ffn_size)) {
+      : m_(m), ops_(NewSimdOps(&pool)), coef_(static_cast<size_t>(m.config.ffn_size)) {
     const char* env = std::getenv("PINFER_CUDA_COLD_BUNDLES");
     bundles_ = env == nullptr || std::string(env) != "0";
-  }
-  // Variants COLD_NEXT_LINES=N and COLD_ROW_PREFETCH=BYTES: SimdOptions.
-  static SimdOptions Options() {
-    SimdOptions o;
-    if (const char* v = std::getenv("PINFER_CUDA_COLD_NEXT_LINES")) o.next_group_lines = std::atoi(v);
-    if (const char* v = std::getenv("PINFER_CUDA_COLD_ROW_PREFETCH")) o.within_row_bytes = std::atoi(v);
-    return o;
   }
 
   cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
@@ -1207,8 +1200,6 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_COLD_GPU_SHARE", "0", 1);
   setenv("PINFER_CUDA_COLD_BUNDLES", "1", 1);  // the bench's cold side (CpuColdFfn)
   setenv("PINFER_CUDA_COLD_PARTS", "1", 1);
-  unsetenv("PINFER_CUDA_COLD_NEXT_LINES");  // SimdOptions' defaults
-  unsetenv("PINFER_CUDA_COLD_ROW_PREFETCH");
   if (variant == "base") return;
   for (const std::string& kv : Split(variant, '+')) {
     const size_t eq = kv.find('=');

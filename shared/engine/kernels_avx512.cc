@@ -174,13 +174,8 @@ void DotRowsQ4x512K(const uint8_t* const* rows, const Q8Vector& x, int64_t n, fl
   const __m512i m4 = _mm512_set1_epi8(0x0f);
   const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const int64_t nb = n / 32;
-  const int pf = g_q4_rows_prefetch;
   int64_t b = 0;
   for (; b + 1 < nb; b += 2) {
-    if (pf > 0) {  // 36 bytes a step: no cache line skipped
-      for (int j = 0; j < K; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(r[j] + b) + pf, _MM_HINT_NTA);
-    }
     const __m512i xq = _mm512_loadu_si512(x.q + b * 32), xs = _mm512_loadu_si512(x.s8 + b * 8);
     const __m128 xd = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x.d + b)));
     for (int j = 0; j < K; ++j) {

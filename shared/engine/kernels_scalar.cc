@@ -8,9 +8,6 @@
 #include "shared/util/half.h"
 
 namespace pinfer {
-
-int g_q4_rows_prefetch = 0;
-
 namespace {
 using V = float;
 constexpr int W = 1;

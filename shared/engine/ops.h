@@ -79,22 +79,8 @@ class CpuOps {
 };
 
 std::unique_ptr<CpuOps> NewReferenceOps();
-
-// Software prefetching in NewSimdOps' sparse FFN (SparseFfnToken and SparseFfnTokenParts), where
-// a few hundred scattered 3-9 KB rows per layer leave the hardware prefetchers restarting at every
-// row start and 4 KB page boundary. Results do not depend on these (prefetches are hints).
-struct SimdOptions {
-  // Before each group of neurons, the next group's rows are prefetched into L2 at each point
-  // where the hardware prefetcher restarts (each row's start and each page boundary within it),
-  // this many cache lines there (0: none).
-  int next_group_lines = 0;
-  // The Q4_0 row kernels prefetch (non-temporal) this many bytes ahead within each row they read
-  // together (0: none).
-  int within_row_bytes = 0;
-};
-
 // Picks the widest SIMD the processor supports; `pool` may be null (single thread).
-std::unique_ptr<CpuOps> NewSimdOps(ThreadPool* pool, const SimdOptions& options = {});
+std::unique_ptr<CpuOps> NewSimdOps(ThreadPool* pool);
 // Name of the SIMD level NewSimdOps would use: "avx512", "avx2" or "scalar".
 absl::string_view SimdLevel();
 

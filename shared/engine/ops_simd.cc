@@ -13,10 +13,7 @@ namespace {
 
 class SimdOps : public CpuOps {
  public:
-  SimdOps(ThreadPool* pool, const RowKernels* k, const SimdOptions& options = {})
-      : pool_(pool), k_(k), options_(options) {
-    g_q4_rows_prefetch = options.within_row_bytes;
-  }
+  SimdOps(ThreadPool* pool, const RowKernels* k) : pool_(pool), k_(k) {}
   absl::string_view name() const override { return k_->name; }
 
   void MatMul(const TensorView& w, const float* x, int n, float* y) const override {
@@ -181,13 +178,6 @@ class SimdOps : public CpuOps {
       int up_rows = 0;  // counted here and stored once: ups[] shares a cache line between parts
       for (int i0 = part_begin(c); i0 < end; i0 += kGroup) {
         const int k = std::min(kGroup, end - i0);
-        if (options_.next_group_lines > 0) {
-          for (int i = i0 + kGroup; i < std::min(i0 + 2 * kGroup, end); ++i) {
-            if (gate_values == nullptr) PrefetchStreamStarts(gate.row(rows[i]), gate.row_bytes());
-            PrefetchStreamStarts(up.row(rows[i]), up.row_bytes());
-            PrefetchStreamStarts(down_t.row(rows[i]), down_t.row_bytes());
-          }
-        }
         const uint8_t* rp[kGroup];
         float g[kGroup], u[kGroup];
         if (gate_values != nullptr) {
@@ -430,17 +420,6 @@ class SimdOps : public CpuOps {
   // one row after the other would; a row's dot does not depend on the rows it is grouped with.
   static constexpr int kGroup = 8;
 
-  // Prefetches (into L2) options_.next_group_lines cache lines at the start of [p, p + bytes) and
-  // at each 4 KB boundary within it: where the hardware prefetchers start over.
-  void PrefetchStreamStarts(const uint8_t* p, size_t bytes) const {
-    const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
-    for (uintptr_t site = reinterpret_cast<uintptr_t>(p); site < end;
-         site = (site & ~uintptr_t{4095}) + 4096) {
-      for (int l = 0; l < options_.next_group_lines && site + 64 * l < end; ++l)
-        __builtin_prefetch(reinterpret_cast<const void*>(site + 64 * l), 0, 2);
-    }
-  }
-
   // out[j] = rows[j] . x for j < k (Q8_0 / Q4_0 rows against the quantized v), the rows read
   // together by one kernel.
   void DotRows(DType dt, const uint8_t* const* rows, int k, const float* x, const Q8Vector& v,
@@ -487,13 +466,12 @@ class SimdOps : public CpuOps {
 
   ThreadPool* pool_;
   const RowKernels* k_;
-  SimdOptions options_;
 };
 
 }  // namespace
 
-std::unique_ptr<CpuOps> NewSimdOps(ThreadPool* pool, const SimdOptions& options) {
-  return std::make_unique<SimdOps>(pool, BestRowKernels(), options);
+std::unique_ptr<CpuOps> NewSimdOps(ThreadPool* pool) {
+  return std::make_unique<SimdOps>(pool, BestRowKernels());
 }
 
 std::unique_ptr<CpuOps> NewSimdOpsWithKernels(ThreadPool* pool, const RowKernels* k) {

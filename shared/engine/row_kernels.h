@@ -61,10 +61,6 @@ const RowKernels* RowKernelsAvx512(bool vbmi);
 // The best kernels this processor supports.
 const RowKernels* BestRowKernels();
 
-// Bytes ahead that the Q4_0 multi-row kernels (dot_rows_q8x, axpy_rows) prefetch within each row
-// (0: none); set by SimdOps from SimdOptions::within_row_bytes.
-extern int g_q4_rows_prefetch;
-
 }  // namespace pinfer
 
 namespace pinfer {
