@@ -23,6 +23,8 @@
 //            turns on the CPU: one sequence's cold rows overlap the others' GPU work, where a
 //            single sequence must wait for each layer's cold rows before the next layer's
 //            attention. Tokens/s counts every sequence; bytes per token are one sequence's.
+// Variants (--variants, sets of the module's knobs) take turns in one process; with --rounds=N
+// the list runs N times over and a last table gives each mode's medians over the rounds.
 // Weights are random, so down_t (the transposed down matrix the sparse path reads) is simply
 // another random [ffn, hidden] matrix; the dense modes read the same bytes as [hidden, ffn].
 // The synthetic model gates with SiLU rather than ReLU: with random weights a drawn-active
@@ -87,6 +89,9 @@ struct Options {
   // of the CUDA module's PINFER_CUDA_* knobs (read when a backend is created); "base" is none.
   std::vector<std::string> variants = {"base"};
   std::string variant_modes;  // --variant-modes=gpu: the modes of the variants other than base
+  // --rounds=N: the variant list runs N times over, the variants taking turns in each round, and
+  // PrintRounds sums up each mode and variant over its rounds.
+  int rounds = 1;
   // --modes=prefill
   std::vector<int> prefill_batches = {1, 16, 64, 256, 512};
   int stream_chunk = 1024, stream_slots = 2;
@@ -829,6 +834,73 @@ void PrintResults(const Options& o, const SynthModel& m, const Bandwidths& bw,
     }
   }
   (void)o;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n == 0 ? 0 : n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+// Where a mode ran more than once at a skew (variants taking turns, --rounds): per mode, skew and
+// variant the median over its runs and their range, and against base the ratio of the medians and
+// the median of the round-by-round ratios (the k-th run of the variant against base's k-th, which
+// ran next to it), which a drift of the host's speed during the process disturbs less. Single
+// runs on these hosts move by 10-15% and now and then by 2x (docs/benchmarks.md).
+void PrintRounds(const SynthModel& m, const std::vector<Result>& rs) {
+  struct Group {
+    std::string mode, variant;
+    double skew;
+    std::vector<double> tok_s, pct;
+  };
+  std::vector<Group> groups;
+  bool repeated = false;
+  for (const Result& r : rs) {
+    const std::string variant = r.variant.empty() ? "base" : r.variant;
+    auto g = std::find_if(groups.begin(), groups.end(), [&](const Group& x) {
+      return x.mode == r.mode && x.variant == variant && x.skew == r.skew;
+    });
+    if (g == groups.end()) {
+      groups.push_back({r.mode, variant, r.skew, {}, {}});
+      g = groups.end() - 1;
+    }
+    g->tok_s.push_back(r.tok_s);
+    g->pct.push_back(100.0 * r.floor_s * r.tok_s);
+    repeated = repeated || g->tok_s.size() > 1;
+  }
+  if (!repeated) return;
+  std::printf(
+      "\nOver the rounds (medians; the ratios against base are the ratio of the medians and the "
+      "median of the round-by-round ratios):\n\n| dtype | mode | skew | variant | runs | tokens/s "
+      "| range | vs offload | %% of roofline | vs base (medians) | vs base (by round) |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|\n");
+  auto offload = std::find_if(groups.begin(), groups.end(),
+                              [](const Group& x) { return x.mode == "offload"; });
+  for (const Group& g : groups) {
+    char skew[16] = "-";
+    if (g.skew > 0) std::snprintf(skew, sizeof(skew), "%.0f%%", g.skew * 100);
+    char vs_median[32] = "-", vs_round[32] = "-";
+    auto base = std::find_if(groups.begin(), groups.end(), [&](const Group& x) {
+      return x.mode == g.mode && x.variant == "base" && x.skew == g.skew;
+    });
+    if (g.variant != "base" && base != groups.end()) {
+      std::vector<double> ratios;
+      for (size_t k = 0; k < std::min(g.tok_s.size(), base->tok_s.size()); ++k)
+        ratios.push_back(g.tok_s[k] / base->tok_s[k]);
+      std::snprintf(vs_median, sizeof(vs_median), "%.3f", Median(g.tok_s) / Median(base->tok_s));
+      std::snprintf(vs_round, sizeof(vs_round), "%.3f", Median(ratios));
+    }
+    char vs_offload[16] = "-";
+    if (offload != groups.end()) {
+      std::snprintf(vs_offload, sizeof(vs_offload), "%.1fx",
+                    Median(g.tok_s) / Median(offload->tok_s));
+    }
+    std::printf("| %s | %s | %s | %s | %zu | %.2f | %.2f-%.2f | %s | %.0f%% | %s | %s |\n",
+                DTypeName(m.dtype).data(), g.mode.c_str(), skew, g.variant.c_str(), g.tok_s.size(),
+                Median(g.tok_s), *std::min_element(g.tok_s.begin(), g.tok_s.end()),
+                *std::max_element(g.tok_s.begin(), g.tok_s.end()), vs_offload, Median(g.pct),
+                vs_median, vs_round);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1625,6 +1697,8 @@ int Main(int argc, char** argv) {
       o.variants = Split(v, ';');
     else if (const char* v = val("--variant-modes="))
       o.variant_modes = v;
+    else if (const char* v = val("--rounds="))
+      o.rounds = std::atoi(v);
     else if (const char* v = val("--graphs="))
       o.graphs = std::atoi(v) != 0;
     else if (const char* v = val("--stream-chunk="))
@@ -1672,6 +1746,13 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "--lanes must be 2 to %d\n", cuda::kMaxLanes);
     return 2;
   }
+  if (o.rounds < 1 || o.rounds > 100) {
+    std::fprintf(stderr, "--rounds must be 1 to 100\n");
+    return 2;
+  }
+  const std::vector<std::string> one_round = o.variants;
+  for (int r = 1; r < o.rounds; ++r)
+    o.variants.insert(o.variants.end(), one_round.begin(), one_round.end());
   std::printf("command:");
   // (CUDA graphs: one per layer for single-token steps unless --graphs=0.)
   for (int i = 0; i < argc; ++i) std::printf(" %s", argv[i]);
@@ -2083,6 +2164,7 @@ int Main(int argc, char** argv) {
   }
   for (Result& r : results) SetFloors(bw, &r);
   PrintResults(o, m, bw, results);
+  PrintRounds(m, results);
   return 0;
 }
 

@@ -6,7 +6,9 @@
 #   gpu-worker/cuda/device_run.sh BUNDLE_DIR [OUT_DIR]
 #
 # Logs and gtest XML go to OUT_DIR (default ./cuda-results). The bench flags are the documented
-# configuration of docs/benchmarks.md; extra BENCH_FLAGS are appended.
+# configuration of docs/benchmarks.md; extra BENCH_FLAGS are appended. Each bench process runs its
+# modes ROUNDS times over (default 3) and ends with their medians, since single runs on a shared
+# host move by 10-15% and now and then by 2x.
 set -uo pipefail
 bundle=$(realpath "${1:?bundle dir}")
 out=${2:-${OUT:-./cuda-results}}
@@ -27,13 +29,13 @@ timeout "${OPS_TIMEOUT:-120}" "$bundle/bin/cuda_ops_test" --gtest_output="xml:$o
 PINFER_CUDA_MODULE="$bundle/bin/libpinfer_cuda.so" PINFER_MODELS_DIR="$PWD/models" \
   timeout "${BACKEND_TIMEOUT:-120}" "$bundle/bin/cuda_backend_test" --gtest_output="xml:$out/cuda_backend_test.xml" 2>&1 | tee "$out/cuda_backend_test.log" || rc=1
 for dtype in ${BENCH_DTYPES:-F16 Q4_0}; do
-  timeout "${BENCH_TIMEOUT:-240}" "$bundle/bin/cuda_decode_bench" --dtype=$dtype ${BENCH_FLAGS:-} 2>&1 | tee "$out/bench_$dtype.log" || rc=1
+  timeout "${BENCH_TIMEOUT:-240}" "$bundle/bin/cuda_decode_bench" --dtype=$dtype --rounds=${ROUNDS:-3} ${BENCH_FLAGS:-} 2>&1 | tee "$out/bench_$dtype.log" || rc=1
 done
 # Two sequences in flight (lanes), each filling the other's gaps between the two sides, in a
 # process of their own: a lane's KV slot comes out of the hot rows, which the one-sequence rows
 # above keep (LANES_DTYPES="" skips it; the bench's flags apply, then --modes=lanes).
 for dtype in ${LANES_DTYPES-F16 Q4_0}; do
-  timeout "${BENCH_TIMEOUT:-240}" "$bundle/bin/cuda_decode_bench" --dtype=$dtype ${BENCH_FLAGS:-} --modes=lanes 2>&1 | tee "$out/lanes_$dtype.log" || rc=1
+  timeout "${BENCH_TIMEOUT:-240}" "$bundle/bin/cuda_decode_bench" --dtype=$dtype --rounds=${ROUNDS:-3} ${BENCH_FLAGS:-} --modes=lanes 2>&1 | tee "$out/lanes_$dtype.log" || rc=1
 done
 # Prompt processing, cold rows on the CPU vs streamed vs the cost model's choice (opt-in:
 # PREFILL_DTYPES="F16 Q4_0"; PREFILL_FLAGS are appended).
