@@ -9,7 +9,7 @@ out=$1
 start=$SECONDS
 mkdir -p /tmp/s && tar -xJf .device/svc.tar.xz -C /tmp/s
 mkdir -p $out/run
-BENCH_TIMEOUT=150 BENCH_FLAGS="--steps=48 --warmup=16" gpu-worker/cuda/device_run.sh /tmp/s/cudamod $out/run > $out/device_run.log 2>&1
+BENCH_TIMEOUT=170 BENCH_FLAGS="--steps=48 --warmup=16" timeout 540 gpu-worker/cuda/device_run.sh /tmp/s/cudamod $out/run > $out/device_run.log 2>&1
 echo "== device_run: rc $? at $((SECONDS - start)) s"
 grep -E "^\[  (PASSED|FAILED) |bandwidth after|^Over the rounds" $out/device_run.log | cut -c1-170
 sed -n '/^Over the rounds/,$p' $out/run/bench_*.log $out/run/lanes_*.log | grep -E "^\| (F16|Q4_0)"
