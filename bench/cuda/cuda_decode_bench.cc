@@ -316,9 +316,17 @@ constexpr std::chrono::microseconds kColdSpin(200);
 class CpuColdFfn : public cuda::ColdFfn {
  public:
   CpuColdFfn(const SynthModel& m, ThreadPool& pool)
-      : m_(m), ops_(NewSimdOps(&pool)), coef_(static_cast<size_t>(m.config.ffn_size)) {
+      : m_(m), ops_(NewSimdOps(&pool, Options())), coef_(static_cast<size_t>(m.config.ffn_size)) {
     const char* env = std::getenv("PINFER_CUDA_COLD_BUNDLES");
     bundles_ = env == nullptr || std::string(env) != "0";
+  }
+
+  // Variant COLD_FIRST_LINES=N: SimdOptions::first_group_lines.
+  static SimdOptions Options() {
+    SimdOptions o;
+    if (const char* v = std::getenv("PINFER_CUDA_COLD_FIRST_LINES"))
+      o.first_group_lines = std::atoi(v);
+    return o;
   }
 
   cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
@@ -1230,6 +1238,9 @@ bool g_host_pick = false;
 // Variant LANES=N: --lanes for that variant (0: --lanes), so that lane counts can take turns in
 // one process.
 int g_variant_lanes = 0;
+// Variant LANES_POOL=N: the lanes' shared cold pool has N threads (default: all cores but one per
+// other lane).
+int g_variant_lanes_pool = 0;
 // Variant TIMES=0: pinfer's backends record no per-layer timing events (whose nodes sit between
 // the kernels of every layer), so the per-token lines' GPU times are zero.
 bool g_gpu_times = true;
@@ -1272,6 +1283,8 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_COLD_GPU_SHARE", "0", 1);
   setenv("PINFER_CUDA_COLD_BUNDLES", "1", 1);  // the bench's cold side (CpuColdFfn)
   setenv("PINFER_CUDA_COLD_PARTS", "1", 1);
+  unsetenv("PINFER_CUDA_COLD_FIRST_LINES");  // SimdOptions' default
+  g_variant_lanes_pool = 0;
   if (variant == "base") return;
   for (const std::string& kv : Split(variant, '+')) {
     const size_t eq = kv.find('=');
@@ -1286,6 +1299,10 @@ void ApplyVariant(const std::string& variant) {
     }
     if (kv.starts_with("LANES=")) {  // the bench's own knob: --lanes for this variant
       g_variant_lanes = std::clamp(std::atoi(kv.c_str() + eq + 1), 2, cuda::kMaxLanes);
+      continue;
+    }
+    if (kv.starts_with("LANES_POOL=")) {
+      g_variant_lanes_pool = std::max(1, std::atoi(kv.c_str() + eq + 1));
       continue;
     }
     setenv(("PINFER_CUDA_" + kv.substr(0, eq)).c_str(), kv.substr(eq + 1).c_str(), 1);
@@ -2003,7 +2020,9 @@ int Main(int argc, char** argv) {
           // sleeps). (A pool of half the threads per lane, two lanes' cold rows at once, variant
           // COLD_POOLS=split of 7c9e593, was slower at skew 20% in two H200 calls: each layer's
           // cold rows take longer, and a lane waits for them; docs/benchmarks.md, run 35.)
-          ThreadPool spin(std::max(1, threads - (seqs - 1)), kColdSpin);
+          ThreadPool spin(
+              g_variant_lanes_pool > 0 ? g_variant_lanes_pool : std::max(1, threads - (seqs - 1)),
+              kColdSpin);
           std::mutex turn;
           std::vector<std::unique_ptr<CpuColdFfn>> colds;
           std::vector<std::unique_ptr<TakeTurns>> takes;
