@@ -3,7 +3,7 @@
 # skew 20%, one sequence and two lanes: base; COLD_FIRST_LINES=16 / 45 (each part of the sparse
 # FFN prefetches that many lines of its first group's first rows before it zeroes its partial sum
 # and quantizes x: SimdOptions::first_group_lines); LANES_POOL=16 (the lanes' shared pool with all
-# 16 threads instead of 15). Bundle: cudamod only (the commit after 1c0ffee's parent: see git log).
+# 16 threads instead of 15). Bundle: cudamod only, built at fc0bca8.
 set -u
 out=$1
 start=$SECONDS
