@@ -316,17 +316,9 @@ constexpr std::chrono::microseconds kColdSpin(200);
 class CpuColdFfn : public cuda::ColdFfn {
  public:
   CpuColdFfn(const SynthModel& m, ThreadPool& pool)
-      : m_(m), ops_(NewSimdOps(&pool, Options())), coef_(static_cast<size_t>(m.config.ffn_size)) {
+      : m_(m), ops_(NewSimdOps(&pool)), coef_(static_cast<size_t>(m.config.ffn_size)) {
     const char* env = std::getenv("PINFER_CUDA_COLD_BUNDLES");
     bundles_ = env == nullptr || std::string(env) != "0";
-  }
-
-  // Variant COLD_FIRST_LINES=N: SimdOptions::first_group_lines.
-  static SimdOptions Options() {
-    SimdOptions o;
-    if (const char* v = std::getenv("PINFER_CUDA_COLD_FIRST_LINES"))
-      o.first_group_lines = std::atoi(v);
-    return o;
   }
 
   cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
@@ -1283,7 +1275,6 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_COLD_GPU_SHARE", "0", 1);
   setenv("PINFER_CUDA_COLD_BUNDLES", "1", 1);  // the bench's cold side (CpuColdFfn)
   setenv("PINFER_CUDA_COLD_PARTS", "1", 1);
-  unsetenv("PINFER_CUDA_COLD_FIRST_LINES");  // SimdOptions' default
   g_variant_lanes_pool = 0;
   if (variant == "base") return;
   for (const std::string& kv : Split(variant, '+')) {
@@ -2019,7 +2010,10 @@ int Main(int argc, char** argv) {
           // for their host threads, which poll the GPU meanwhile (a lane waiting for its turn
           // sleeps). (A pool of half the threads per lane, two lanes' cold rows at once, variant
           // COLD_POOLS=split of 7c9e593, was slower at skew 20% in two H200 calls: each layer's
-          // cold rows take longer, and a lane waits for them; docs/benchmarks.md, run 35.)
+          // cold rows take longer, and a lane waits for them; docs/benchmarks.md, run 35. A pool
+          // of all 16 threads, variant LANES_POOL=16, gave 0.36x (Q4_0) and 0.49x (F16) of the
+          // default's two-lane tokens/s in run 41: a pool thread then shares its core with a
+          // polling host thread, and every layer waits for that thread's part.)
           ThreadPool spin(
               g_variant_lanes_pool > 0 ? g_variant_lanes_pool : std::max(1, threads - (seqs - 1)),
               kColdSpin);

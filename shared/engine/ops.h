@@ -79,17 +79,8 @@ class CpuOps {
 };
 
 std::unique_ptr<CpuOps> NewReferenceOps();
-
-// Tuning of NewSimdOps' sparse FFN; results do not depend on it.
-struct SimdOptions {
-  // Each part of SparseFfnToken(Parts) first prefetches this many cache lines of each of its
-  // first group's first rows, so that they load while the thread zeroes its partial sum and
-  // quantizes x (0: none).
-  int first_group_lines = 0;
-};
-
 // Picks the widest SIMD the processor supports; `pool` may be null (single thread).
-std::unique_ptr<CpuOps> NewSimdOps(ThreadPool* pool, const SimdOptions& options = {});
+std::unique_ptr<CpuOps> NewSimdOps(ThreadPool* pool);
 // Name of the SIMD level NewSimdOps would use: "avx512", "avx2" or "scalar".
 absl::string_view SimdLevel();
 

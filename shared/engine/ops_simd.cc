@@ -13,8 +13,7 @@ namespace {
 
 class SimdOps : public CpuOps {
  public:
-  SimdOps(ThreadPool* pool, const RowKernels* k, const SimdOptions& options = {})
-      : pool_(pool), k_(k), options_(options) {}
+  SimdOps(ThreadPool* pool, const RowKernels* k) : pool_(pool), k_(k) {}
   absl::string_view name() const override { return k_->name; }
 
   void MatMul(const TensorView& w, const float* x, int n, float* y) const override {
@@ -173,17 +172,6 @@ class SimdOps : public CpuOps {
     thread_local std::vector<int> ups_buffer;
     ups_buffer.assign(std::max(chunks, 1), 0);
     int* ups = ups_buffer.data();
-    // The rows that part c reads first, on their way while its thread zeroes and quantizes.
-    auto prefetch_first = [&](int c) {
-      const TensorView& first = gate_values == nullptr ? gate : up;
-      const int b = part_begin(c), e = std::min(part_begin(c + 1), b + kGroup);
-      const int lines = static_cast<int>(
-          std::min<int64_t>(options_.first_group_lines, (first.row_bytes() + 63) / 64));
-      for (int i = b; i < e; ++i) {
-        const uint8_t* row = first.row(rows[i]);
-        for (int l = 0; l < lines; ++l) __builtin_prefetch(row + 64 * l, 0, 3);
-      }
-    };
     auto run_chunk = [&](int c, float* acc) {
       const Q8Vector v = quantize_x();
       const int end = part_begin(c + 1);
@@ -224,7 +212,6 @@ class SimdOps : public CpuOps {
     };
     if (parts != nullptr) *n_parts = chunks;
     if (chunks <= 1) {
-      if (n_rows > 0) prefetch_first(0);
       if (parts != nullptr) std::fill(parts, parts + hidden, 0.f);
       if (n_rows > 0) run_chunk(0, parts != nullptr ? parts : out);
       return ups[0];
@@ -234,7 +221,6 @@ class SimdOps : public CpuOps {
     float* p = parts != nullptr ? parts : partial.data();
     For(chunks, 1, [&](int64_t b, int64_t e) {
       for (int64_t c = b; c < e; ++c) {
-        prefetch_first(static_cast<int>(c));
         std::fill(p + c * hidden, p + (c + 1) * hidden, 0.f);  // by the worker: zeroed in parallel
         run_chunk(static_cast<int>(c), p + c * hidden);
       }
@@ -480,13 +466,12 @@ class SimdOps : public CpuOps {
 
   ThreadPool* pool_;
   const RowKernels* k_;
-  SimdOptions options_;
 };
 
 }  // namespace
 
-std::unique_ptr<CpuOps> NewSimdOps(ThreadPool* pool, const SimdOptions& options) {
-  return std::make_unique<SimdOps>(pool, BestRowKernels(), options);
+std::unique_ptr<CpuOps> NewSimdOps(ThreadPool* pool) {
+  return std::make_unique<SimdOps>(pool, BestRowKernels());
 }
 
 std::unique_ptr<CpuOps> NewSimdOpsWithKernels(ThreadPool* pool, const RowKernels* k) {
