@@ -90,7 +90,7 @@ struct Options {
   std::vector<std::string> variants = {"base"};
   std::string variant_modes;  // --variant-modes=gpu: the modes of the variants other than base
   // --rounds=N: the variant list runs N times over, the variants taking turns in each round, and
-  // PrintRounds sums up each mode and variant over its rounds.
+  // PrintRounds summarizes each mode and variant over its rounds.
   int rounds = 1;
   // --modes=prefill
   std::vector<int> prefill_batches = {1, 16, 64, 256, 512};
@@ -496,8 +496,10 @@ struct Bandwidths {
   } while (0)
 
 double MedianOf(std::vector<double> v) {
+  if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
 // A bandwidth is the best of its timed repeats, as STREAM reports it: a roofline's denominator
@@ -836,12 +838,6 @@ void PrintResults(const Options& o, const SynthModel& m, const Bandwidths& bw,
   (void)o;
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n == 0 ? 0 : n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
 // Where a mode ran more than once at a skew (variants taking turns, --rounds): per mode, skew and
 // variant the median over its runs and their range, and against base the ratio of the medians and
 // the median of the round-by-round ratios (the k-th run of the variant against base's k-th, which
@@ -887,18 +883,19 @@ void PrintRounds(const SynthModel& m, const std::vector<Result>& rs) {
       std::vector<double> ratios;
       for (size_t k = 0; k < std::min(g.tok_s.size(), base->tok_s.size()); ++k)
         ratios.push_back(g.tok_s[k] / base->tok_s[k]);
-      std::snprintf(vs_median, sizeof(vs_median), "%.3f", Median(g.tok_s) / Median(base->tok_s));
-      std::snprintf(vs_round, sizeof(vs_round), "%.3f", Median(ratios));
+      std::snprintf(vs_median, sizeof(vs_median), "%.3f",
+                    MedianOf(g.tok_s) / MedianOf(base->tok_s));
+      std::snprintf(vs_round, sizeof(vs_round), "%.3f", MedianOf(ratios));
     }
     char vs_offload[16] = "-";
     if (offload != groups.end()) {
       std::snprintf(vs_offload, sizeof(vs_offload), "%.1fx",
-                    Median(g.tok_s) / Median(offload->tok_s));
+                    MedianOf(g.tok_s) / MedianOf(offload->tok_s));
     }
     std::printf("| %s | %s | %s | %s | %zu | %.2f | %.2f-%.2f | %s | %.0f%% | %s | %s |\n",
                 DTypeName(m.dtype).data(), g.mode.c_str(), skew, g.variant.c_str(), g.tok_s.size(),
-                Median(g.tok_s), *std::min_element(g.tok_s.begin(), g.tok_s.end()),
-                *std::max_element(g.tok_s.begin(), g.tok_s.end()), vs_offload, Median(g.pct),
+                MedianOf(g.tok_s), *std::min_element(g.tok_s.begin(), g.tok_s.end()),
+                *std::max_element(g.tok_s.begin(), g.tok_s.end()), vs_offload, MedianOf(g.pct),
                 vs_median, vs_round);
   }
 }
