@@ -316,9 +316,64 @@ constexpr std::chrono::microseconds kColdSpin(200);
 class CpuColdFfn : public cuda::ColdFfn {
  public:
   CpuColdFfn(const SynthModel& m, ThreadPool& pool)
-      : m_(m), ops_(NewSimdOps(&pool)), coef_(static_cast<size_t>(m.config.ffn_size)) {
+      : m_(m), pool_(pool), ops_(NewSimdOps(&pool)), coef_(static_cast<size_t>(m.config.ffn_size)) {
     const char* env = std::getenv("PINFER_CUDA_COLD_BUNDLES");
     bundles_ = env == nullptr || std::string(env) != "0";
+    const char* hint = std::getenv("PINFER_CUDA_COLD_AHEAD_HINT");
+    hint_ = hint == nullptr ? 2 : std::atoi(hint);
+  }
+
+  // Variant COLD_AHEAD: guess[layer], this step's guess at each layer's active cold neurons, whose
+  // rows Ahead brings into the CPU's caches while the GPU computes the layer's attention.
+  void SetGuess(const std::vector<std::vector<int32_t>>* guess) { guess_ = guess; }
+
+  // Each pool thread prefetches its share of the guessed neurons' rows, line by line
+  // (PINFER_CUDA_COLD_AHEAD_HINT: 3 = prefetcht0, 2 = prefetcht1 (L2, the default),
+  // 1 = prefetcht2, 0 = loads).
+  void Ahead(int layer) override {
+    if (guess_ == nullptr) return;
+    const std::vector<int32_t>& g = (*guess_)[layer];
+    if (g.empty()) return;
+    const SynthLayer& L = m_.layers[layer];
+    const size_t rb = RowBytes(m_.dtype, m_.config.hidden_size);
+    const int parts = pool_.size();
+    const int n = static_cast<int>(g.size());
+    std::atomic<uint64_t> sink{0};
+    pool_.ParallelFor(parts, 1, [&](int64_t p0, int64_t p1) {
+      uint64_t acc = 0;
+      auto touch = [&](const uint8_t* p, size_t bytes) {
+        for (size_t o = 0; o < bytes; o += 64) {
+          switch (hint_) {
+            case 3:
+              __builtin_prefetch(p + o, 0, 3);
+              break;
+            case 2:
+              __builtin_prefetch(p + o, 0, 2);
+              break;
+            case 1:
+              __builtin_prefetch(p + o, 0, 1);
+              break;
+            default:
+              acc += *reinterpret_cast<const volatile uint8_t*>(p + o);
+          }
+        }
+      };
+      for (int64_t part = p0; part < p1; ++part) {
+        const int i0 = static_cast<int>(static_cast<int64_t>(n) * part / parts);
+        const int i1 = static_cast<int>(static_cast<int64_t>(n) * (part + 1) / parts);
+        for (int i = i0; i < i1; ++i) {
+          const size_t j = static_cast<size_t>(g[i]);
+          if (bundles_) {
+            touch(L.bundles->p + j * 3 * rb, 3 * rb);
+          } else {
+            touch(L.gate->p + j * rb, rb);
+            touch(L.up->p + j * rb, rb);
+            touch(L.down_t->p + j * rb, rb);
+          }
+        }
+      }
+      if (acc != 0) sink.fetch_add(acc, std::memory_order_relaxed);
+    });
   }
 
   cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
@@ -356,10 +411,55 @@ class CpuColdFfn : public cuda::ColdFfn {
 
  private:
   const SynthModel& m_;
+  ThreadPool& pool_;
   std::unique_ptr<CpuOps> ops_;
   std::vector<float> coef_;
   bool bundles_ = true;
+  int hint_ = 2;
+  const std::vector<std::vector<int32_t>>* guess_ = nullptr;
 };
+
+// Variant COLD_AHEAD (PINFER_CUDA_COLD_AHEAD): per step and layer a guess at the active cold
+// neurons, as a lookahead predictor on the layer's input would make before the attention
+// ("Lookahead prediction on relu-llama-tiny" in docs/benchmarks.md). "1": the active cold
+// neurons themselves; "R:X": each kept with probability R, plus inactive cold neurons drawn at
+// random up to X times as many neurons as are active. Empty when off.
+std::vector<std::vector<std::vector<int32_t>>> GuessCold(
+    const std::vector<std::vector<std::vector<int32_t>>>& cold_ids,
+    const std::vector<std::vector<int32_t>>& local_of, int ffn) {
+  const char* env = std::getenv("PINFER_CUDA_COLD_AHEAD");
+  if (env == nullptr || std::string(env) == "0") return {};
+  double recall = 1, size = 1;
+  if (std::string(env) != "1" && std::sscanf(env, "%lf:%lf", &recall, &size) != 2) {
+    std::fprintf(stderr, "PINFER_CUDA_COLD_AHEAD=%s: expected 0, 1 or R:X\n", env);
+    std::exit(2);
+  }
+  std::vector<std::vector<std::vector<int32_t>>> guess(cold_ids.size());
+  std::mt19937 rng(17);
+  std::uniform_real_distribution<double> u(0, 1);
+  std::uniform_int_distribution<int32_t> pick(0, ffn - 1);
+  for (size_t s = 0; s < cold_ids.size(); ++s) {
+    guess[s].resize(cold_ids[s].size());
+    for (size_t l = 0; l < cold_ids[s].size(); ++l) {
+      const std::vector<int32_t>& act = cold_ids[s][l];
+      std::vector<int32_t>& g = guess[s][l];
+      for (int32_t j : act)
+        if (u(rng) < recall) g.push_back(j);
+      const size_t want = static_cast<size_t>(std::lround(size * act.size()));
+      std::vector<char> taken(static_cast<size_t>(ffn), 0);
+      for (int32_t j : act) taken[j] = 1;
+      for (int tries = 0; g.size() < want && tries < 100 * ffn; ++tries) {
+        const int32_t j = pick(rng);
+        if (local_of[l][j] < 0 && !taken[j]) {
+          taken[j] = 1;
+          g.push_back(j);
+        }
+      }
+      std::sort(g.begin(), g.end());
+    }
+  }
+  return guess;
+}
 
 // Two lanes' cold sides on one pool: each request runs alone, in arrival order, as the
 // cpu-worker serves one exchange at a time. (A waiting lane that polled instead of blocking on
@@ -755,6 +855,7 @@ struct Result {
   double plan_bytes = 0, actual_bytes = 0;
   double cold_s = 0, wait_s = 0, gpu_hot_s = 0, gpu_attn_s = 0;
   double launch_s = 0, gpu_gap_s = 0, gpu_in_s = 0;  // ForwardStats' host_launch, gpu_cold_*
+  double ahead_s = 0;                                // ForwardStats' cold_ahead
   double gpu_cold_share = 0;  // fraction of the active cold rows the GPU read over PCIe
   double pcie_floor_s = 0;    // the floor with PCIe as a third resource (see PrintResults)
 };
@@ -830,9 +931,9 @@ void PrintResults(const Options& o, const SynthModel& m, const Bandwidths& bw,
       std::printf(
           "%s [%s] skew %.0f%%: per token host queueing layers %.2f ms; GPU from x published to "
           "the signal %.2f ms (the callback %.2f ms of it), from the signal to the next layer "
-          "%.2f ms\n",
+          "%.2f ms; cold rows loaded ahead %.2f ms\n",
           r.mode.c_str(), r.variant.c_str(), r.skew * 100, r.launch_s * 1e3, r.gpu_gap_s * 1e3,
-          r.cold_s * 1e3, r.gpu_in_s * 1e3);
+          r.cold_s * 1e3, r.gpu_in_s * 1e3, r.ahead_s * 1e3);
     }
   }
   (void)o;
@@ -1272,6 +1373,9 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_COLD_GPU_SHARE", "0", 1);
   setenv("PINFER_CUDA_COLD_BUNDLES", "1", 1);  // the bench's cold side (CpuColdFfn)
   setenv("PINFER_CUDA_COLD_PARTS", "1", 1);
+  setenv("PINFER_CUDA_COLD_AHEAD", "0", 1);  // the bench's cold side: no guess, no loads ahead
+  setenv("PINFER_CUDA_COLD_AHEAD_HINT", "2", 1);
+  setenv("PINFER_CUDA_COLD_AHEAD_PIN", "0", 1);  // the pool's chunks taken by any thread
   g_variant_lanes_pool = 0;
   if (variant == "base") return;
   for (const std::string& kv : Split(variant, '+')) {
@@ -1919,15 +2023,17 @@ int Main(int argc, char** argv) {
         // measured steps.
         struct Sums {
           double cold_s = 0, wait_s = 0, hot_s = 0, attn_s = 0, gpu_cold = 0, cpu_cold = 0;
-          double launch_s = 0, gap_s = 0, in_s = 0;
+          double launch_s = 0, gap_s = 0, in_s = 0, ahead_s = 0;
         };
         auto decode = [&](cuda::Backend* b, int seq, int first, cuda::ColdFfn* cold,
-                          const std::function<void()>& warm, Sums* sums) -> bool {
+                          const std::function<void()>& warm, Sums* sums,
+                          const std::function<void(int)>& on_step = nullptr) -> bool {
           std::vector<float> step_logits(c.vocab_size);
           cuda::GreedyResult step_pick;
           int32_t token = 1;
           for (int s = 0; s < total_steps; ++s) {
             if (s == o.warmup) warm();
+            if (on_step) on_step(first + s);
             cuda::ForwardArgs a;
             a.seq = seq;
             a.tokens = &token;
@@ -1954,6 +2060,7 @@ int Main(int argc, char** argv) {
               sums->hot_s += fs.gpu_hot_ffn;
               sums->attn_s += fs.gpu_attention;
               sums->launch_s += fs.host_launch;
+              sums->ahead_s += fs.cold_ahead;
               sums->gap_s += fs.gpu_cold_gap;
               sums->in_s += fs.gpu_cold_in;
             }
@@ -1983,6 +2090,7 @@ int Main(int argc, char** argv) {
           r.gpu_hot_s = x.hot_s / o.steps;
           r.gpu_attn_s = x.attn_s / o.steps;
           r.launch_s = x.launch_s / o.steps;
+          r.ahead_s = x.ahead_s / o.steps;
           r.gpu_gap_s = x.gap_s / o.steps;
           r.gpu_in_s = x.in_s / o.steps;
           results.push_back(r);
@@ -1991,11 +2099,17 @@ int Main(int argc, char** argv) {
                     skew * 100, hot_rows / c.n_layers, cold_rows / c.n_layers);
         if (has_mode("pinfer")) {
           ThreadPool spin(threads, kColdSpin);
+          const char* pin = std::getenv("PINFER_CUDA_COLD_AHEAD_PIN");
+          spin.set_pinned_chunks(pin != nullptr && std::string(pin) == "1");
           CpuColdFfn cold(m, spin);
+          const std::vector<std::vector<std::vector<int32_t>>> guess =
+              GuessCold(cold_ids, local_of, c.ffn_size);
+          std::function<void(int)> on_step;
+          if (!guess.empty()) on_step = [&](int s) { cold.SetGuess(&guess[s]); };
           double start = 0;
           Sums sums;
           if (!decode(
-                  be.b, 0, 0, &cold, [&] { start = Now(); }, &sums))
+                  be.b, 0, 0, &cold, [&] { start = Now(); }, &sums, on_step))
             return 1;
           result("pinfer", o.steps / (Now() - start), sums,
                  static_cast<double>(be.b->DeviceBytes()));

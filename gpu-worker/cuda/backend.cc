@@ -1127,6 +1127,9 @@ BackendStatus CudaBackend::RunLayersQueued(const ForwardArgs& a, int layer_end, 
       pending2_ = ColdInput(exchange_out, a.n);
     }
     if (st.ok() && cold) {
+      const double t0 = Now();
+      a.cold->Ahead(l);  // layer l's attention runs meanwhile (layer l + 1 is queued)
+      stats_.cold_ahead += Now() - t0;
       st = FinishCold(l, a, exchange_x, exchange_out, exchange_active, /*signal=*/true);
     }
   }

@@ -179,6 +179,10 @@ class ColdFfn {
  public:
   virtual ~ColdFfn() = default;
   virtual BackendStatus Run(const ColdRequest& request) = 0;
+  // Decode steps with queued layers call Ahead(l) while the GPU computes layer l's attention,
+  // before Run for layer l: a cold side that can guess the layer's active rows may load them
+  // into its caches meanwhile, since the host's memory is idle then. Must not fail.
+  virtual void Ahead(int layer) { (void)layer; }
 };
 
 // kGreedy: the last token's greedy pick, made on the GPU (ForwardArgs::greedy), so that a greedy
@@ -248,6 +252,7 @@ struct ForwardStats {
   double gpu_attention = 0;
   // Decode steps with queued layers; the two GPU times (events) only with set_collect_gpu_times:
   double host_launch = 0;   // host time queueing the next layer before each cold callback
+  double cold_ahead = 0;    // inside ColdFfn::Ahead (overlapped with the attention)
   double gpu_cold_gap = 0;  // from a layer's FFN input published to the GPU seeing the cold
                             // side's signal: the host's wake-up, the callback, the signal's trip
   double gpu_cold_in = 0;   // from that signal to the next layer's first kernel: the cold

@@ -7,7 +7,7 @@ namespace pinfer {
 
 ThreadPool::ThreadPool(int n_threads, std::chrono::microseconds spin)
     : n_threads_(std::max(1, n_threads)), spin_(std::max(spin, std::chrono::microseconds(0))) {
-  for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
 }
 
 ThreadPool::~ThreadPool() {
@@ -33,7 +33,11 @@ bool ThreadPool::SpinUntil(Ready&& ready) const {
   }
 }
 
-void ThreadPool::RunChunks() {
+void ThreadPool::RunChunks(int index) {
+  if (pinned_loop_) {
+    (*fn_)(index, index + 1);
+    return;
+  }
   for (;;) {
     int64_t b = next_.fetch_add(chunk_);
     if (b >= n_) return;
@@ -41,7 +45,7 @@ void ThreadPool::RunChunks() {
   }
 }
 
-void ThreadPool::WorkerLoop() {
+void ThreadPool::WorkerLoop(int index) {
   uint64_t seen = 0;
   for (;;) {
     if (!SpinUntil([&] { return generation_.load(std::memory_order_acquire) != seen; })) {
@@ -51,7 +55,7 @@ void ThreadPool::WorkerLoop() {
       if (stop_) return;
     }
     seen = generation_.load(std::memory_order_acquire);
-    RunChunks();
+    RunChunks(index);
     if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
       std::lock_guard<std::mutex> lock(mu_);
       done_cv_.notify_one();
@@ -72,6 +76,7 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain,
   fn_ = &fn;
   n_ = n;
   chunk_ = chunk;
+  pinned_loop_ = pinned_ && n == n_threads_ && chunk == 1;
   next_.store(0, std::memory_order_relaxed);
   pending_.store(n_threads_ - 1, std::memory_order_relaxed);
   {
@@ -79,7 +84,7 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain,
     generation_.fetch_add(1, std::memory_order_release);
   }
   work_cv_.notify_all();
-  RunChunks();
+  RunChunks(0);
   if (SpinUntil([&] { return pending_.load(std::memory_order_acquire) == 0; })) return;
   std::unique_lock<std::mutex> lock(mu_);
   done_cv_.wait(lock, [&] { return pending_.load(std::memory_order_acquire) == 0; });

@@ -33,10 +33,14 @@ class ThreadPool {
   // Calls fn(begin, end) over disjoint chunks covering [0, n), chunks of at least `grain`.
   // Returns when all chunks are done. Not reentrant.
   void ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+  // With pinned chunks, a loop of exactly size() chunks of one index each gives index i to the
+  // same thread every time (0: the caller), so that data one loop leaves in a core's caches is
+  // there for the next loop's same index. Other loops are unaffected.
+  void set_pinned_chunks(bool on) { pinned_ = on; }
 
  private:
-  void WorkerLoop();
-  void RunChunks();
+  void WorkerLoop(int index);
+  void RunChunks(int index);
   // Polls `ready` for up to spin_; whether it became true.
   template <typename Ready>
   bool SpinUntil(Ready&& ready) const;
@@ -59,6 +63,7 @@ class ThreadPool {
   alignas(64) std::atomic<uint64_t> generation_{0};
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
   int64_t n_ = 0, chunk_ = 0;
+  bool pinned_ = false, pinned_loop_ = false;
   // The next unclaimed index.
   alignas(64) std::atomic<int64_t> next_{0};
   // Workers still in the current loop; the last one to finish notifies under mu_.
