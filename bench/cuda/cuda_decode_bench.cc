@@ -327,10 +327,11 @@ class CpuColdFfn : public cuda::ColdFfn {
   // rows Ahead brings into the CPU's caches while the GPU computes the layer's attention.
   void SetGuess(const std::vector<std::vector<int32_t>>* guess) { guess_ = guess; }
 
-  // Each pool thread prefetches its share of the guessed neurons' rows, line by line
-  // (PINFER_CUDA_COLD_AHEAD_HINT: 3 = prefetcht0, 2 = prefetcht1 (L2, the default),
-  // 1 = prefetcht2, 0 = loads).
-  void Ahead(int layer) override {
+  // Each pool thread prefetches its share of the guessed neurons' rows, line by line, in the
+  // order the op reads them (PINFER_CUDA_COLD_AHEAD_HINT: 3 = prefetcht0, 2 = prefetcht1,
+  // 1 = prefetcht2, 0 = loads), until x is published: part 0 polls x_ready between neurons and
+  // tells the others to stop.
+  void Ahead(int layer, const std::function<bool()>& x_ready) override {
     if (guess_ == nullptr) return;
     const std::vector<int32_t>& g = (*guess_)[layer];
     if (g.empty()) return;
@@ -339,6 +340,7 @@ class CpuColdFfn : public cuda::ColdFfn {
     const int parts = pool_.size();
     const int n = static_cast<int>(g.size());
     std::atomic<uint64_t> sink{0};
+    std::atomic<bool> stop{false};
     pool_.ParallelFor(parts, 1, [&](int64_t p0, int64_t p1) {
       uint64_t acc = 0;
       auto touch = [&](const uint8_t* p, size_t bytes) {
@@ -362,6 +364,8 @@ class CpuColdFfn : public cuda::ColdFfn {
         const int i0 = static_cast<int>(static_cast<int64_t>(n) * part / parts);
         const int i1 = static_cast<int>(static_cast<int64_t>(n) * (part + 1) / parts);
         for (int i = i0; i < i1; ++i) {
+          if (part == 0 && x_ready()) stop.store(true, std::memory_order_relaxed);
+          if (stop.load(std::memory_order_relaxed)) break;
           const size_t j = static_cast<size_t>(g[i]);
           if (bundles_) {
             touch(L.bundles->p + j * 3 * rb, 3 * rb);
@@ -370,6 +374,12 @@ class CpuColdFfn : public cuda::ColdFfn {
             touch(L.up->p + j * rb, rb);
             touch(L.down_t->p + j * rb, rb);
           }
+        }
+        // Part 0 done early: keep watching for x, so that the other parts stop in time.
+        if (part == 0) {
+          while (!stop.load(std::memory_order_relaxed) && !x_ready()) {
+          }
+          stop.store(true, std::memory_order_relaxed);
         }
       }
       if (acc != 0) sink.fetch_add(acc, std::memory_order_relaxed);

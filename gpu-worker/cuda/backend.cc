@@ -1128,7 +1128,8 @@ BackendStatus CudaBackend::RunLayersQueued(const ForwardArgs& a, int layer_end, 
     }
     if (st.ok() && cold) {
       const double t0 = Now();
-      a.cold->Ahead(l);  // layer l's attention runs meanwhile (layer l + 1 is queued)
+      // Layer l's attention runs meanwhile (layer l + 1 is queued).
+      a.cold->Ahead(l, [&] { return cudaEventQuery(ev_x_[l]) != cudaErrorNotReady; });
       stats_.cold_ahead += Now() - t0;
       st = FinishCold(l, a, exchange_x, exchange_out, exchange_active, /*signal=*/true);
     }

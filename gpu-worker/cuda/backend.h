@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -181,8 +182,13 @@ class ColdFfn {
   virtual BackendStatus Run(const ColdRequest& request) = 0;
   // Decode steps with queued layers call Ahead(l) while the GPU computes layer l's attention,
   // before Run for layer l: a cold side that can guess the layer's active rows may load them
-  // into its caches meanwhile, since the host's memory is idle then. Must not fail.
-  virtual void Ahead(int layer) { (void)layer; }
+  // into its caches meanwhile, since the host's memory is idle then. It should stop once
+  // x_ready() (the FFN input is published, so Run could start): loads past that point delay the
+  // layer. x_ready may be called from one thread at a time only. Must not fail.
+  virtual void Ahead(int layer, const std::function<bool()>& x_ready) {
+    (void)layer;
+    (void)x_ready;
+  }
 };
 
 // kGreedy: the last token's greedy pick, made on the GPU (ForwardArgs::greedy), so that a greedy
