@@ -6,6 +6,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -446,6 +447,61 @@ TEST_F(CudaBackendTest, ColdPartsSummedOnTheGpuMatchCpuReference) {
       }
     }
   }
+}
+
+// Records the order of Ahead and Run calls; in Ahead, waits for x_ready as a cold side that
+// loads rows until the FFN input is published would.
+class AheadRecorder : public cuda::ColdFfn {
+ public:
+  explicit AheadRecorder(cuda::ColdFfn* inner) : inner_(inner) {}
+  void Ahead(int layer, const std::function<bool()>& x_ready) override {
+    events.push_back(-1 - layer);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!x_ready()) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        ++never_ready;
+        return;
+      }
+    }
+  }
+  cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
+    events.push_back(r.layer);
+    return inner_->Run(r);
+  }
+  std::vector<int> events;  // Run(l): l; Ahead(l): -1 - l
+  int never_ready = 0;
+
+ private:
+  cuda::ColdFfn* inner_;
+};
+
+// Queued decode steps tell the cold side each layer ahead of its callback, while the layer's
+// attention runs: every Run of a decode step directly follows Ahead for the same layer, x_ready
+// turns true (the FFN input published), and a cold side that spends the attention in Ahead
+// leaves the logits equal to the CPU reference's.
+TEST_F(CudaBackendTest, AheadPrecedesEachDecodeLayersColdCallback) {
+  auto backend = Create(Upload(/*hot=*/true));
+  ASSERT_NE(backend, nullptr);
+  CpuColdFfn cpu(*model_, *down_t_, *cold_ids_);
+  AheadRecorder cold(&cpu);
+  ExpectStepsMatchReference(backend.get(), &cold, /*prompt_no=*/3, /*seq=*/0);
+  EXPECT_EQ(cold.never_ready, 0);
+  int aheads = 0, runs = 0;
+  for (size_t i = 0; i < cold.events.size(); ++i) {
+    const int e = cold.events[i];
+    if (e >= 0) {
+      ++runs;
+      continue;
+    }
+    ++aheads;
+    ASSERT_LT(i + 1, cold.events.size());
+    EXPECT_EQ(cold.events[i + 1], -1 - e) << "event " << i;
+  }
+  const int layers = model_->config.n_layers;
+  const int steps =
+      static_cast<int>((*reference_)["prompts"][3]["input_ids"].get<std::vector<int32_t>>().size());
+  EXPECT_EQ(runs, steps * layers);
+  EXPECT_EQ(aheads, runs);
 }
 
 // A cold side that fails once, at a chosen layer of a chosen call, as a cpu-worker that dies

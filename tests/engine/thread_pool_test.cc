@@ -29,6 +29,38 @@ TEST(ThreadPoolTest, EveryIndexExactlyOnce) {
   }
 }
 
+// With pinned chunks, a loop of size() single-index chunks runs index i on the same thread every
+// time, index 0 on the caller; loops of another size still cover every index once.
+TEST(ThreadPoolTest, PinnedChunksKeepEachIndexOnOneThread) {
+  for (auto spin : {std::chrono::microseconds(0), std::chrono::microseconds(200)}) {
+    ThreadPool pool(4, spin);
+    pool.set_pinned_chunks(true);
+    std::vector<std::thread::id> first(4);
+    for (int rep = 0; rep < 200; ++rep) {
+      std::vector<std::thread::id> who(4);
+      std::vector<std::atomic<int>> hits(4);
+      pool.ParallelFor(4, 1, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) {
+          who[i] = std::this_thread::get_id();
+          hits[i].fetch_add(1);
+        }
+      });
+      for (int i = 0; i < 4; ++i) ASSERT_EQ(hits[i].load(), 1) << i;
+      if (rep == 0) first = who;
+      ASSERT_EQ(who, first) << "rep " << rep;
+      ASSERT_EQ(who[0], std::this_thread::get_id());
+      std::vector<std::atomic<int>> more(9);
+      pool.ParallelFor(9, 1, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) more[i].fetch_add(1);
+      });
+      for (int i = 0; i < 9; ++i) ASSERT_EQ(more[i].load(), 1) << i;
+    }
+    // Four different threads.
+    for (int i = 0; i < 4; ++i)
+      for (int j = i + 1; j < 4; ++j) EXPECT_NE(first[i], first[j]);
+  }
+}
+
 TEST(ThreadPoolTest, ManyConsecutiveLoops) {
   ThreadPool pool(3);
   std::atomic<int64_t> sum{0};
