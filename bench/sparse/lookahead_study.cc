@@ -7,6 +7,8 @@
 // layer, for predictors of the same shape (fc1 -> ReLU -> fc2, one rank) trained the same way:
 //   (a) standard: features = the FFN input (RmsNorm(residual after attention) * ffn_norm);
 //   (b) lookahead: features = the layer input (RmsNorm(residual before attention) * attn_norm);
+//   (c) reuse: (a)'s own predictor on the layer input re-weighted from attn_norm to ffn_norm
+//       (what a GPU can compute with the weights it already holds, no second predictor);
 //   and, as the simplest baseline, the previous token's active set in the same layer.
 // Targets are always the true activations: relu(gate . ffn_input) > 0, weighted by the
 // contribution relu(g) * |up| * |down column| exactly as predictor_training.cc weighs them.
@@ -384,6 +386,7 @@ std::vector<float> ToF32(const std::vector<uint16_t>& h) {
 
 struct LayerResult {
   Metrics std_pred, lib_pred, look_matched, look_same, prev;
+  Metrics reuse_same, reuse_matched;  // (c): (a)'s predictor on the layer input
   double look_lambda_shift = 0, seconds = 0;
   double cosine = 0;  // mean cos(residual before attention, residual after), evaluation tokens
   bool has_lib = false;
@@ -505,6 +508,27 @@ int main(int argc, char** argv) {
       res.look_matched = Measure(d, sb, n_cal, n_all, F, NeuronThresholds(d, lo));
       res.look_lambda_shift = lo - b.lambda;
     }
+    // (c) reuse: (a)'s own predictor on the layer input, re-weighted from attn_norm to
+    // ffn_norm, so no second predictor is needed: at (a)'s thresholds, and matched as (b).
+    {
+      const std::vector<float> wa = ToFloat(m.layers[l].attn_norm);
+      const std::vector<float> wf = ToFloat(m.layers[l].ffn_norm);
+      std::vector<float> reuse_x(static_cast<size_t>(n_all - n_cal) * H);
+      for (int64_t t = n_cal; t < n_all; ++t) {
+        for (int h = 0; h < H; ++h) {
+          reuse_x[(t - n_cal) * H + h] = wa[h] == 0 ? 0 : lay_x[t * H + h] / wa[h] * wf[h];
+        }
+      }
+      const std::vector<float> sc = Scores(*ops, a.mlp, H, F, reuse_x.data(), 0, n_all - n_cal);
+      res.reuse_same = Measure(d, sc, n_cal, n_all, F, thr_a);
+      double lo = -200, hi = 50;
+      for (int it = 0; it < 60; ++it) {
+        const double mid = 0.5 * (lo + hi);
+        const Metrics mm = Measure(d, sc, n_cal, n_all, F, NeuronThresholds(d, mid));
+        (mm.magnitude_recall >= res.std_pred.magnitude_recall ? lo : hi) = mid;
+      }
+      res.reuse_matched = Measure(d, sc, n_cal, n_all, F, NeuronThresholds(d, lo));
+    }
     res.prev = PreviousToken(d, n_cal, n_all, F);
     {
       // How far attention turns the residual: undo the two norms' weights (both vectors then
@@ -561,6 +585,8 @@ int main(int argc, char** argv) {
     if (res.has_lib) line("(a) library check", res.lib_pred);
     line("(b) lookahead matched", res.look_matched);
     line("(b) lookahead same rule", res.look_same);
+    line("(c) reuse (a)'s thresh.", res.reuse_same);
+    line("(c) reuse matched", res.reuse_matched);
     line("previous token", res.prev);
     std::fprintf(stderr, "layer %d: cos(residual before, after attention) %.3f; done in %.1f s\n",
                  l, res.cosine, res.seconds);
@@ -617,6 +643,19 @@ int main(int argc, char** argv) {
     const double na = results[i].std_pred.predicted * F, nb = results[i].look_matched.predicted * F;
     std::printf("| %zu | %.3f | %.0f | %.0f | %+.0f (%+.0f%%) |\n", i, results[i].cosine, na, nb,
                 nb - na, 100 * (nb / na - 1));
+  }
+  std::printf(
+      "\n(c) (a)'s own predictor on the layer input (features re-weighted from attn_norm to "
+      "ffn_norm):\n\n| layer | at (a)'s thresholds: recall / mag. recall / precision / predicted "
+      "| same mag. recall as (a): recall / mag. recall / precision / predicted | (c) / (a) "
+      "predicted | (b) / (a) predicted |\n|---|---|---|---|---|\n");
+  for (size_t i = 0; i < results.size(); ++i) {
+    const LayerResult& r = results[i];
+    const Metrics &s = r.reuse_same, &m = r.reuse_matched;
+    std::printf("| %zu | %.3f / %.3f / %.3f / %.3f | %.3f / %.3f / %.3f / %.3f | %.2fx | %.2fx |\n",
+                i, s.recall, s.magnitude_recall, s.precision, s.predicted, m.recall,
+                m.magnitude_recall, m.precision, m.predicted, m.predicted / r.std_pred.predicted,
+                r.look_matched.predicted / r.std_pred.predicted);
   }
   if (library_check) {
     std::printf(
