@@ -331,7 +331,10 @@ class CpuColdFfn : public cuda::ColdFfn {
   // order the op reads them (PINFER_CUDA_COLD_AHEAD_HINT: 3 = prefetcht0, 2 = prefetcht1,
   // 1 = prefetcht2, 0 = loads), until x is published: part 0 polls x_ready between neurons and
   // tells the others to stop.
-  void Ahead(int layer, const std::function<bool()>& x_ready) override {
+  void Ahead(int layer, const int32_t* module_guess, int n_module_guess,
+             const std::function<bool()>& x_ready) override {
+    (void)module_guess;  // a guess from random predictors, about masks drawn independently
+    (void)n_module_guess;
     if (guess_ == nullptr) return;
     const std::vector<int32_t>& g = (*guess_)[layer];
     if (g.empty()) return;
@@ -863,6 +866,7 @@ struct Result {
   double cold_s = 0, wait_s = 0, gpu_hot_s = 0, gpu_attn_s = 0;
   double launch_s = 0, gpu_gap_s = 0, gpu_in_s = 0;  // ForwardStats' host_launch, gpu_cold_*
   double ahead_s = 0;                                // ForwardStats' cold_ahead
+  double guess_wait_s = 0, guess_rows = 0;           // ForwardStats' guess_wait, guess_rows
   double gpu_cold_share = 0;  // fraction of the active cold rows the GPU read over PCIe
   double pcie_floor_s = 0;    // the floor with PCIe as a third resource (see PrintResults)
 };
@@ -938,9 +942,11 @@ void PrintResults(const Options& o, const SynthModel& m, const Bandwidths& bw,
       std::printf(
           "%s [%s] skew %.0f%%: per token host queueing layers %.2f ms; GPU from x published to "
           "the signal %.2f ms (the callback %.2f ms of it), from the signal to the next layer "
-          "%.2f ms; cold rows loaded ahead %.2f ms\n",
+          "%.2f ms; cold rows loaded ahead %.2f ms; the module's guess waited for %.2f ms, "
+          "%.1f neurons a layer\n",
           r.mode.c_str(), r.variant.c_str(), r.skew * 100, r.launch_s * 1e3, r.gpu_gap_s * 1e3,
-          r.cold_s * 1e3, r.gpu_in_s * 1e3, r.ahead_s * 1e3);
+          r.cold_s * 1e3, r.gpu_in_s * 1e3, r.ahead_s * 1e3, r.guess_wait_s * 1e3,
+          r.guess_rows / m.config.n_layers);
     }
   }
   (void)o;
@@ -1383,6 +1389,11 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_COLD_AHEAD", "0", 1);  // the bench's cold side: no guess, no loads ahead
   setenv("PINFER_CUDA_COLD_AHEAD_HINT", "2", 1);
   setenv("PINFER_CUDA_COLD_AHEAD_PIN", "0", 1);  // the pool's chunks taken by any thread
+  // COLD_GUESS=1: the module's own guess (ModelUpload::cold_guess) runs beside each attention,
+  // so its cost counts; with masks drawn independently of the random predictors its content means
+  // nothing, and the bench's cold side keeps its drawn guess (COLD_AHEAD) instead.
+  setenv("PINFER_CUDA_COLD_GUESS", "0", 1);
+  unsetenv("PINFER_CUDA_COLD_GUESS_SHIFT");  // COLD_GUESS_SHIFT=S: the cut lowered by S
   g_variant_lanes_pool = 0;
   if (variant == "base") return;
   for (const std::string& kv : Split(variant, '+')) {
@@ -2030,7 +2041,7 @@ int Main(int argc, char** argv) {
         // measured steps.
         struct Sums {
           double cold_s = 0, wait_s = 0, hot_s = 0, attn_s = 0, gpu_cold = 0, cpu_cold = 0;
-          double launch_s = 0, gap_s = 0, in_s = 0, ahead_s = 0;
+          double launch_s = 0, gap_s = 0, in_s = 0, ahead_s = 0, guess_wait_s = 0, guess_rows = 0;
         };
         auto decode = [&](cuda::Backend* b, int seq, int first, cuda::ColdFfn* cold,
                           const std::function<void()>& warm, Sums* sums,
@@ -2068,6 +2079,8 @@ int Main(int argc, char** argv) {
               sums->attn_s += fs.gpu_attention;
               sums->launch_s += fs.host_launch;
               sums->ahead_s += fs.cold_ahead;
+              sums->guess_wait_s += fs.guess_wait;
+              sums->guess_rows += static_cast<double>(fs.guess_rows);
               sums->gap_s += fs.gpu_cold_gap;
               sums->in_s += fs.gpu_cold_in;
             }
@@ -2098,6 +2111,8 @@ int Main(int argc, char** argv) {
           r.gpu_attn_s = x.attn_s / o.steps;
           r.launch_s = x.launch_s / o.steps;
           r.ahead_s = x.ahead_s / o.steps;
+          r.guess_wait_s = x.guess_wait_s / o.steps;
+          r.guess_rows = x.guess_rows / o.steps;
           r.gpu_gap_s = x.gap_s / o.steps;
           r.gpu_in_s = x.in_s / o.steps;
           results.push_back(r);

@@ -132,6 +132,15 @@ class CudaBackend : public Backend {
   std::string DeviceName() const override { return device_name_; }
   const ForwardStats& last_stats() const override { return stats_; }
   void set_collect_gpu_times(bool on) override { collect_gpu_times_ = on; }
+  void set_cold_guess_shift(double shift) override {
+    if (guess_shift_ != nullptr) {
+      std::fill(guess_shift_, guess_shift_ + dims_.n_layers, static_cast<float>(shift));
+    }
+  }
+  double cold_guess_shift(int layer) const override {
+    return guess_shift_ != nullptr && layer >= 0 && layer < dims_.n_layers ? guess_shift_[layer]
+                                                                           : 0;
+  }
   void set_use_graphs(bool on) override { use_graphs_ = on; }
   BackendStatus NewLane(Backend** out) override;
   BackendStatus CalibrateStreaming(int layer, int n, StreamCalibration* out) override;
@@ -191,7 +200,7 @@ class CudaBackend : public Backend {
   static FfnMode EffectiveMode(const ForwardArgs& a) {
     return a.mode == FfnMode::kDense ? FfnMode::kExact : a.mode;
   }
-  cudaError_t RecordEvent(cudaEvent_t e);
+  cudaError_t RecordEvent(cudaEvent_t e, cudaStream_t s = nullptr);  // null: stream_
   // Host-side checks and staging of one layer (never captured in a graph).
   BackendStatus PrepareLayer(int l, const ForwardArgs& a);
   // The layer's GPU work up to the hot FFN output (capturable: no host waits, fixed sizes).
@@ -398,6 +407,59 @@ class CudaBackend : public Backend {
   int GpuShare(int count) const {
     return static_cast<int>(static_cast<int64_t>(count) * share_num_ / kShareDen);
   }
+
+  // ModelUpload::cold_guess. Layer l's guess is made while the cold side computes layer l - 1's
+  // cold part and the GPU would otherwise wait for it. After layer l - 1's hot rows the main
+  // stream writes the guess's input (EnqueueGuessInput: the residual plus the hot part through
+  // layer l's FFN norm); layer l's work then starts by forking the rest onto guess_stream_
+  // (ForkGuess: the predictor, the compaction with the cut lowered by guess_shift_[l], the copy
+  // to guess_host_, after which ev_guess_[l] tells the host) ahead of its wait for the cold
+  // side, so the guess runs beside that wait and is on the host when layer l's attention starts,
+  // and the main stream joins it (ev_gjoin_) at the end of layer l, so each captured graph holds
+  // its whole branch. The stream has the device's highest priority (layer graphs keep their
+  // nodes' priorities).
+  bool guess_on_ = false;
+  double guess_recall_ = 0.95;
+  float guess_initial_shift_ = 1.f;
+  float* guess_shift_ = nullptr;      // pinned [n_layers]
+  float* guess_x_ = nullptr;          // device [hidden]
+  float* guess_h_ = nullptr;          // device [max_rank]
+  float* guess_scores_ = nullptr;     // device [ffn]
+  int32_t* guess_list_ = nullptr;     // device [1 + ffn]: count, then positions in the cold list
+  int32_t* guess_host_ = nullptr;     // pinned [n_layers, 1 + ffn]
+  std::vector<int32_t> guess_ids_;    // the layer's guess in global ids, as Ahead gets it
+  std::vector<uint32_t> guess_mark_;  // [ffn]: == guess_epoch_ for the neurons of guess_ids_
+  uint32_t guess_epoch_ = 0;
+  int guess_layer_ = -1;  // the layer guess_ids_ belongs to (FinishCold scores it), or -1
+  cudaStream_t guess_stream_ = nullptr;
+  cudaEvent_t ev_gfork_ = nullptr, ev_gjoin_ = nullptr;
+  std::vector<cudaEvent_t> ev_guess_;
+  // Hands layer l's guess from guess_host_ to guess_ids_ (global ids) and marks its neurons;
+  // returns its size.
+  int TakeGuess(int l);
+  // On the main stream at the end of layer l - 1: the guess's input for layer l (guess_x_).
+  BackendStatus EnqueueGuessInput(int l);
+  // First in layer l's work, before it waits for the cold side: the rest of layer l's guess on
+  // guess_stream_, joined (ev_gjoin_) at the end of layer l.
+  BackendStatus ForkGuess(int l, const ForwardArgs& a);
+  float* guess_res_ = nullptr;  // device [hidden]: the residual the guess sees
+  // Whether layer l's guess is made (at the end of layer l - 1, which must be on the GPU's
+  // sparse path in the same step).
+  bool GuessMade(int l, const ForwardArgs& a) const {
+    const int end = a.layer_end < 0 ? dims_.n_layers : a.layer_end;
+    return l > a.layer_begin && l < end && layers_[l - 1].ffn == FfnPlacement::kHot &&
+           Guesses(l, a);
+  }
+  bool Guesses(int l, const ForwardArgs& a) const {
+    const DeviceLayer& L = layers_[l];
+    const FfnMode mode = EffectiveMode(a);
+    return guess_on_ && prelaunch_ && a.n == 1 && L.fc1.data != nullptr && !L.pred_rms &&
+           CallsColdSide(l, a) &&
+           (mode == FfnMode::kPredicted || (mode == FfnMode::kGiven && a.run_predictors));
+  }
+  // After the layer's actual cold list (global ids) is known: scores the guess handed to Ahead
+  // and moves the layer's shift (cold_guess_recall).
+  void ScoreGuess(int l, const int32_t* actual, int count, bool adapt);
 };
 
 void CudaBackend::Release() {
@@ -417,6 +479,14 @@ void CudaBackend::Release() {
   }
   if (ev_start_ != nullptr) cudaEventDestroy(ev_start_);
   if (ev_layers_end_ != nullptr) cudaEventDestroy(ev_layers_end_);
+  for (cudaEvent_t e : ev_guess_) cudaEventDestroy(e);
+  ev_guess_.clear();
+  for (cudaEvent_t* e : {&ev_gfork_, &ev_gjoin_}) {
+    if (*e != nullptr) cudaEventDestroy(*e);
+    *e = nullptr;
+  }
+  if (guess_stream_ != nullptr) cudaStreamDestroy(guess_stream_);
+  guess_stream_ = nullptr;
   if (ev_fork_ != nullptr) cudaEventDestroy(ev_fork_);
   if (ev_join_ != nullptr) cudaEventDestroy(ev_join_);
   if (publish_stream_ != nullptr) cudaStreamDestroy(publish_stream_);
@@ -590,6 +660,18 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
     }
     share_num_ = static_cast<int>(share * kShareDen + 0.5);
     share_on_ = share_num_ > 0 || share_adaptive_;
+  }
+  guess_on_ = m.cold_guess;
+  if (const char* g = std::getenv("PINFER_CUDA_COLD_GUESS")) guess_on_ = std::string(g) != "0";
+  if (!(m.cold_guess_recall >= 0 && m.cold_guess_recall < 1) ||
+      !std::isfinite(m.cold_guess_shift)) {
+    return Error(Code::kInvalidArgument,
+                 "cold_guess_recall must be in [0, 1) and cold_guess_shift finite");
+  }
+  guess_recall_ = m.cold_guess_recall;
+  guess_initial_shift_ = static_cast<float>(m.cold_guess_shift);
+  if (const char* g = std::getenv("PINFER_CUDA_COLD_GUESS_SHIFT")) {
+    guess_initial_shift_ = static_cast<float>(std::atof(g));
   }
   if (const char* g = std::getenv("PINFER_CUDA_Q8X"))
     SetQuantizedActivations(std::string(g) != "0");
@@ -882,6 +964,31 @@ BackendStatus CudaBackend::AllocateScratch() {
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&ev_fork_, cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&ev_join_, cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&publish_stream_, cudaStreamNonBlocking));
+  if (guess_on_ && max_rank_ > 0) {
+    BACKEND_RETURN_IF_ERROR(AllocHost(static_cast<size_t>(c.n_layers), &guess_shift_));
+    std::fill(guess_shift_, guess_shift_ + c.n_layers, guess_initial_shift_);
+    BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(H), &guess_x_));
+    BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(H), &guess_res_));
+    BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(max_rank_), &guess_h_));
+    BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(F), &guess_scores_));
+    BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(F) + 1, &guess_list_));
+    BACKEND_RETURN_IF_ERROR(AllocHost(static_cast<size_t>(c.n_layers) * (F + 1), &guess_host_));
+    guess_ids_.reserve(F);
+    guess_mark_.assign(F, 0);
+    ev_guess_.resize(c.n_layers);
+    for (cudaEvent_t& e : ev_guess_) {
+      CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
+    for (cudaEvent_t* e : {&ev_gfork_, &ev_gjoin_}) {
+      CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+    }
+    int least = 0, greatest = 0;
+    CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    CUDA_RETURN_IF_ERROR(
+        cudaStreamCreateWithPriority(&guess_stream_, cudaStreamNonBlocking, greatest));
+  } else {
+    guess_on_ = false;  // no predictors to guess with
+  }
   CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   return Ok();
 }
@@ -944,6 +1051,9 @@ BackendStatus CudaBackend::InitLane(const CudaBackend& base) {
   share_on_ = base.share_on_;
   share_adaptive_ = base.share_adaptive_;
   share_num_ = base.share_num_;
+  guess_on_ = base.guess_on_;
+  guess_recall_ = base.guess_recall_;
+  guess_initial_shift_ = base.guess_initial_shift_;
   return AllocateScratch();
 }
 
@@ -961,14 +1071,15 @@ BackendStatus CudaBackend::Proj(const DeviceMatrix& w, const float* x, int n, fl
 
 // Inside a stream capture a plain cudaEventRecord only orders streams; the External flag makes it
 // a node that records the event on every replay, so the host can wait on it.
-cudaError_t CudaBackend::RecordEvent(cudaEvent_t e) {
+cudaError_t CudaBackend::RecordEvent(cudaEvent_t e, cudaStream_t s) {
+  if (s == nullptr) s = stream_;
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  cudaError_t err = cudaStreamIsCapturing(stream_, &capturing);
+  cudaError_t err = cudaStreamIsCapturing(s, &capturing);
   if (err != cudaSuccess) return err;
   if (capturing == cudaStreamCaptureStatusActive) {
-    return cudaEventRecordWithFlags(e, stream_, cudaEventRecordExternal);
+    return cudaEventRecordWithFlags(e, s, cudaEventRecordExternal);
   }
-  return cudaEventRecord(e, stream_);
+  return cudaEventRecord(e, s);
 }
 
 BackendStatus CudaBackend::PrepareLayer(int l, const ForwardArgs& a) {
@@ -1037,6 +1148,7 @@ BackendStatus CudaBackend::LaunchLayer(int l, const ForwardArgs& a, float* excha
   const float* pend1 = pending1_;
   const float* pend2 = wait_cold ? ColdInput(exchange_out, a.n) : pending2_;
   auto enqueue = [&]() -> BackendStatus {
+    if (GuessMade(l, a)) BACKEND_RETURN_IF_ERROR(ForkGuess(l, a));
     if (wait_cold) BACKEND_RETURN_IF_ERROR(EnqueueColdWait(l - 1, exchange_out, a.n));
     return EnqueueLayer(l, a, pend1, pend2, cold, exchange_x);
   };
@@ -1054,7 +1166,9 @@ BackendStatus CudaBackend::LaunchLayer(int l, const ForwardArgs& a, float* excha
         collect_gpu_times_ ? 1 : 0,
         ObservesActive(a) ? 1 : 0,
         SharesCold(L, a) ? 1 : 0,
-        static_cast<int64_t>(reinterpret_cast<uintptr_t>(wait_cold ? exchange_out : nullptr))};
+        static_cast<int64_t>(reinterpret_cast<uintptr_t>(wait_cold ? exchange_out : nullptr)),
+        GuessMade(l, a) ? 1 : 0,
+        GuessMade(l + 1, a) ? 1 : 0};
     auto it = graphs_.find(key);
     if (it == graphs_.end()) {
       cudaGraph_t graph = nullptr;
@@ -1067,7 +1181,9 @@ BackendStatus CudaBackend::LaunchLayer(int l, const ForwardArgs& a, float* excha
       }
       CUDA_RETURN_IF_ERROR(end);
       cudaGraphExec_t exec = nullptr;
-      cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+      // Node priorities: the cold guess's branch keeps its stream's (ModelUpload::cold_guess).
+      cudaError_t inst =
+          cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority);
       cudaGraphDestroy(graph);
       CUDA_RETURN_IF_ERROR(inst);
       it = graphs_.emplace(key, exec).first;
@@ -1114,6 +1230,7 @@ BackendStatus CudaBackend::RunLayersQueued(const ForwardArgs& a, int layer_end, 
   // callback runs. Not more: a launch blocks once the device's queue is full, and with every
   // layer of a 40-layer step queued at once the host sat in a launch while the GPU waited for a
   // signal the host had not sent.
+  guess_layer_ = -1;
   BackendStatus st = LaunchLayer(a.layer_begin, a, exchange_x, exchange_out, false);
   for (int l = a.layer_begin; st.ok() && l < layer_end; ++l) {
     const bool cold = CallsColdSide(l, a);
@@ -1126,10 +1243,23 @@ BackendStatus CudaBackend::RunLayersQueued(const ForwardArgs& a, int layer_end, 
       st = EnqueueColdWait(l, exchange_out, a.n);
       pending2_ = ColdInput(exchange_out, a.n);
     }
+    int n_guess = 0;
+    if (st.ok() && cold && GuessMade(l, a)) {
+      // Made while the previous layer's cold part was computed: normally there already.
+      const double tg = Now();
+      const cudaError_t e = cudaEventSynchronize(ev_guess_[l]);
+      stats_.guess_wait += Now() - tg;
+      if (e == cudaSuccess) {
+        n_guess = TakeGuess(l);
+      } else {
+        st = CudaError(e, "cudaEventSynchronize(ev_guess_[l])", __LINE__);
+      }
+    }
     if (st.ok() && cold) {
       const double t0 = Now();
       // Layer l's attention runs meanwhile (layer l + 1 is queued).
-      a.cold->Ahead(l, [&] { return cudaEventQuery(ev_x_[l]) != cudaErrorNotReady; });
+      a.cold->Ahead(l, n_guess > 0 ? guess_ids_.data() : nullptr, n_guess,
+                    [&] { return cudaEventQuery(ev_x_[l]) != cudaErrorNotReady; });
       stats_.cold_ahead += Now() - t0;
       st = FinishCold(l, a, exchange_x, exchange_out, exchange_active, /*signal=*/true);
     }
@@ -1335,6 +1465,43 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
     CUDA_RETURN_IF_ERROR(RecordEvent(ev_share_[l]));
   }
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot1_[l]));
+  if (GuessMade(l, a)) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, ev_gjoin_, 0));
+  if (GuessMade(l + 1, a)) BACKEND_RETURN_IF_ERROR(EnqueueGuessInput(l + 1));
+  return Ok();
+}
+
+BackendStatus CudaBackend::EnqueueGuessInput(int l) {
+  // x_: the residual after layer l - 1's attention; hot_out_: that layer's hot FFN part. Its cold
+  // part is still being computed and layer l's attention has not run: the guess's input.
+  const ModelDims& c = dims_;
+  const int H = c.hidden;
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(guess_res_, x_, static_cast<size_t>(H) * 4,
+                                       cudaMemcpyDeviceToDevice, stream_));
+  CUDA_RETURN_IF_ERROR(ResidualRmsNorm(guess_res_, hot_out_, nullptr, layers_[l].ffn_norm, 1, H,
+                                       c.norm_eps, guess_x_, stream_));  // [hidden]
+  return Ok();
+}
+
+BackendStatus CudaBackend::ForkGuess(int l, const ForwardArgs& a) {
+  const DeviceLayer& L = layers_[l];
+  const int F = dims_.ffn;
+  const int n_cold = static_cast<int>(L.cold_ids_host.size());
+  const int rank = static_cast<int>(L.fc1.rows);
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_gfork_, stream_));
+  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(guess_stream_, ev_gfork_, 0));
+  CUDA_RETURN_IF_ERROR(
+      MatVecRows(L.fc1, nullptr, rank, nullptr, guess_x_, 1, guess_h_, rank, guess_stream_));
+  CUDA_RETURN_IF_ERROR(Relu(guess_h_, rank, guess_stream_));
+  CUDA_RETURN_IF_ERROR(MatVecRows(L.fc2, nullptr, F, nullptr, guess_h_, 1, guess_scores_, F,
+                                  guess_stream_));  // [ffn]
+  CUDA_RETURN_IF_ERROR(CompactActive(
+      guess_scores_, 1, F, UsesCache(L, a) ? L.cold_map_c : L.cold_ids, n_cold, L.pred_cut,
+      guess_list_ + 1, guess_list_, guess_stream_, nullptr, guess_shift_ + l));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(guess_host_ + static_cast<size_t>(l) * (F + 1), guess_list_,
+                                       (static_cast<size_t>(n_cold) + 1) * 4,
+                                       cudaMemcpyDeviceToHost, guess_stream_));
+  CUDA_RETURN_IF_ERROR(RecordEvent(ev_guess_[l], guess_stream_));
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_gjoin_, guess_stream_));
   return Ok();
 }
 
@@ -1452,6 +1619,40 @@ BackendStatus CudaBackend::EnqueueStep(const ForwardArgs& a, int layer_end, bool
   return Ok();
 }
 
+int CudaBackend::TakeGuess(int l) {
+  const DeviceLayer& L = layers_[l];
+  const int32_t* slot = guess_host_ + static_cast<size_t>(l) * (dims_.ffn + 1);
+  const int count = std::clamp(slot[0], 0, static_cast<int>(L.cold_ids_host.size()));
+  if (++guess_epoch_ == 0) {  // wrapped: old marks could read as current
+    std::fill(guess_mark_.begin(), guess_mark_.end(), 0);
+    guess_epoch_ = 1;
+  }
+  guess_ids_.resize(count);
+  for (int i = 0; i < count; ++i) {
+    const int32_t id = L.cold_ids_host[slot[1 + i]];
+    guess_ids_[i] = id;
+    guess_mark_[id] = guess_epoch_;
+  }
+  guess_layer_ = l;
+  stats_.guess_rows += count;
+  return count;
+}
+
+void CudaBackend::ScoreGuess(int l, const int32_t* actual, int count, bool adapt) {
+  guess_layer_ = -1;
+  int hits = 0;
+  for (int i = 0; i < count; ++i) hits += guess_mark_[actual[i]] == guess_epoch_;
+  stats_.guess_hits += hits;
+  stats_.guess_actual += count;
+  if (!adapt || count == 0) return;
+  // Stochastic quantile tracking: a missed neuron raises the cut's shift by kEta * recall, a held
+  // one lowers it by kEta * (1 - recall), so it rests where the guess holds `recall` of the list.
+  constexpr double kEta = 0.1, kMaxShift = 30;
+  const double r = guess_recall_, miss = static_cast<double>(count - hits) / count;
+  const double step = kEta * (miss * r - (1 - miss) * (1 - r));
+  guess_shift_[l] = static_cast<float>(std::clamp(guess_shift_[l] + step, -kMaxShift, kMaxShift));
+}
+
 BackendStatus CudaBackend::FinishCold(int l, const ForwardArgs& a, float* exchange_x,
                                       float* exchange_out, int32_t* exchange_active, bool signal) {
   // The cold side runs while the GPU works on the hot rows.
@@ -1480,12 +1681,15 @@ BackendStatus CudaBackend::FinishCold(int l, const ForwardArgs& a, float* exchan
     const int count = counts_host_[2 * l + 1];
     for (int i = 0; i < count; ++i) exchange_active[i] = L.cold_ids_host[cold_idx_host_[i]];
     if (ObservesActive(a)) (*a.active_out)[l].assign(exchange_active, exchange_active + count);
+    if (guess_layer_ == l) ScoreGuess(l, exchange_active, count, guess_recall_ > 0);
     const int n_gpu = shared ? GpuShare(count) : 0;
     req.active = exchange_active + n_gpu;
     req.n_active = count - n_gpu;
     stats_.cold_rows_gpu += n_gpu;
   } else if (mode == FfnMode::kGiven) {
     const std::vector<int32_t>& g = (*a.given_cold)[l];
+    // Given lists are not the predictors' choice: the guess is scored, its shift kept.
+    if (guess_layer_ == l) ScoreGuess(l, g.data(), static_cast<int>(g.size()), false);
     const int n_gpu = shared ? GpuShare(static_cast<int>(g.size())) : 0;
     req.active = g.data() + n_gpu;
     req.n_active = static_cast<int>(g.size()) - n_gpu;

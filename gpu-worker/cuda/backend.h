@@ -125,6 +125,23 @@ struct ModelUpload {
   // (host memory, no device bytes).
   double cold_gpu_share = 0;
   bool cold_gpu_share_adaptive = false;
+  // Queued single-token steps whose layers have predictors (kPredicted, or kGiven with
+  // run_predictors): while the cold side computes layer l - 1's cold part, the GPU, otherwise
+  // waiting for it, runs layer l's own predictor on a guess at layer l's FFN input: the residual
+  // after layer l - 1's attention plus its hot FFN part, through layer l's FFN norm (what the FFN
+  // input would be if layer l - 1's cold part and layer l's attention added nothing). The cold
+  // neurons it selects with its cut lowered by `cold_guess_shift` (score units) reach
+  // ColdFfn::Ahead(l) as the guess, with the whole of layer l's attention still ahead. (On
+  // relu-llama-tiny the predictor on the layer input reaches its magnitude recall with 1.16-1.37x
+  // its neurons in five of six layers: bench/sparse/lookahead_study, "(c)".) The first layer of a
+  // step gets no guess. cold_guess_recall > 0: after each kPredicted step each layer's shift
+  // moves towards the point where the guess holds that fraction of the layer's actual cold list
+  // (stochastic quantile tracking); 0: the shift stays. PINFER_CUDA_COLD_GUESS=0/1 and
+  // PINFER_CUDA_COLD_GUESS_SHIFT override cold_guess and cold_guess_shift. Layers with pre-norm
+  // predictors (pred_scores_times_rms) get no guess.
+  bool cold_guess = false;
+  double cold_guess_shift = 1.0;
+  double cold_guess_recall = 0.95;
 };
 
 // Who computes the cold rows of a layer in a Forward.
@@ -185,8 +202,13 @@ class ColdFfn {
   // into its caches meanwhile, since the host's memory is idle then. It should stop once
   // x_ready() (the FFN input is published, so Run could start): loads past that point delay the
   // layer. x_ready may be called from one thread at a time only. Must not fail.
-  virtual void Ahead(int layer, const std::function<bool()>& x_ready) {
+  // guess: with ModelUpload::cold_guess, the module's guess at the layer's active cold neurons
+  // (global ids, ascending; n_guess of them), valid during the call; otherwise null and 0.
+  virtual void Ahead(int layer, const int32_t* guess, int n_guess,
+                     const std::function<bool()>& x_ready) {
     (void)layer;
+    (void)guess;
+    (void)n_guess;
     (void)x_ready;
   }
 };
@@ -263,6 +285,12 @@ struct ForwardStats {
                             // side's signal: the host's wake-up, the callback, the signal's trip
   double gpu_cold_in = 0;   // from that signal to the next layer's first kernel: the cold
                             // contribution brought in (SumParts or a copy)
+  // ModelUpload::cold_guess: the guesses handed to Ahead (neurons, summed over layers), and in
+  // kPredicted steps how many of the actual cold lists' neurons they held.
+  int64_t guess_rows = 0;
+  int64_t guess_hits = 0;
+  int64_t guess_actual = 0;  // neurons of the actual cold lists of the layers with a guess
+  double guess_wait = 0;     // host waiting for the guess before Ahead
 };
 
 // Backends sharing one model's weights: the first and its lanes (Backend::NewLane).
@@ -282,6 +310,10 @@ class Backend {
   virtual const ForwardStats& last_stats() const = 0;
   // Records GPU event timings per Forward (costs a little; off by default).
   virtual void set_collect_gpu_times(bool on) = 0;
+  // ModelUpload::cold_guess: sets every layer's shift (read by the GPU when the guess runs, so
+  // captured graphs need not change); the adaptation, if on, moves it from there.
+  virtual void set_cold_guess_shift(double shift) = 0;
+  virtual double cold_guess_shift(int layer) const = 0;
   // Times layer `layer`'s streamed cold rows for a batch of n tokens (copies alone, products
   // alone, both overlapped), for the cost model that picks ColdPath. Needs stream_cold.
   virtual BackendStatus CalibrateStreaming(int layer, int n, StreamCalibration* out) = 0;

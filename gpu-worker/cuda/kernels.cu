@@ -2229,9 +2229,10 @@ constexpr int kCompactThreads = 1024;
 __global__ void __launch_bounds__(kCompactThreads)
     CompactActiveKernel(const float* __restrict__ v, int n, int ldv,
                         const int32_t* __restrict__ map, int len, float threshold,
-                        const float* __restrict__ scale, int32_t* __restrict__ idx,
-                        int32_t* __restrict__ count) {
+                        const float* __restrict__ scale, const float* __restrict__ shift,
+                        int32_t* __restrict__ idx, int32_t* __restrict__ count) {
   PdlStart();
+  if (shift != nullptr) threshold -= *shift;
   __shared__ int warp_totals[32];
   __shared__ int base;
   if (threadIdx.x == 0) base = 0;
@@ -2988,9 +2989,9 @@ cudaError_t Embed(const DeviceMatrix& table, const int32_t* tokens, int n, float
 
 cudaError_t CompactActive(const float* v, int n, int ldv, const int32_t* map, int len,
                           float threshold, int32_t* idx, int32_t* count, cudaStream_t stream,
-                          const float* scale) {
+                          const float* scale, const float* threshold_shift) {
   return Launch(CompactActiveKernel, 1, kCompactThreads, 0, stream, v, n, ldv, map, len, threshold,
-                scale, idx, count);
+                scale, threshold_shift, idx, count);
 }
 
 cudaError_t DequantizeToHalf(const DeviceMatrix& w, void* out, cudaStream_t stream) {

@@ -315,9 +315,11 @@ cudaError_t Embed(const DeviceMatrix& table, const int32_t* tokens, int n, float
 // neurons' global ids it lists active hot rows by local index; with the cold ids, the cold ones.
 // A negative map entry is never active (an empty cache slot, a cold neuron held by a slot).
 // With scale ([n], device), token t's values are multiplied by scale[t] before the comparison.
+// With threshold_shift (one float the device can read, e.g. pinned host memory, read when the
+// kernel runs) the threshold is threshold - *threshold_shift.
 cudaError_t CompactActive(const float* v, int n, int ldv, const int32_t* map, int len,
                           float threshold, int32_t* idx, int32_t* count, cudaStream_t stream,
-                          const float* scale = nullptr);
+                          const float* scale = nullptr, const float* threshold_shift = nullptr);
 
 // Converts a weight matrix to fp16 (for cuBLAS): out: [rows, cols] halves.
 cudaError_t DequantizeToHalf(const DeviceMatrix& w, void* out, cudaStream_t stream);

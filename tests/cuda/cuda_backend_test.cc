@@ -454,8 +454,10 @@ TEST_F(CudaBackendTest, ColdPartsSummedOnTheGpuMatchCpuReference) {
 class AheadRecorder : public cuda::ColdFfn {
  public:
   explicit AheadRecorder(cuda::ColdFfn* inner) : inner_(inner) {}
-  void Ahead(int layer, const std::function<bool()>& x_ready) override {
+  void Ahead(int layer, const int32_t* guess, int n_guess,
+             const std::function<bool()>& x_ready) override {
     events.push_back(-1 - layer);
+    guesses.emplace_back(guess, guess + n_guess);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (!x_ready()) {
       if (std::chrono::steady_clock::now() > deadline) {
@@ -468,7 +470,8 @@ class AheadRecorder : public cuda::ColdFfn {
     events.push_back(r.layer);
     return inner_->Run(r);
   }
-  std::vector<int> events;  // Run(l): l; Ahead(l): -1 - l
+  std::vector<int> events;                    // Run(l): l; Ahead(l): -1 - l
+  std::vector<std::vector<int32_t>> guesses;  // per Ahead call
   int never_ready = 0;
 
  private:
@@ -1224,6 +1227,139 @@ TEST_F(CudaBackendTest, ColdGpuShareMatchesCpuReference) {
   EXPECT_EQ(module_->create(&u, &b, err, sizeof(err)),
             static_cast<int>(cuda::Code::kInvalidArgument));
   EXPECT_NE(std::string(err).find("cold_gpu_share"), std::string::npos) << err;
+}
+
+// The cold guess (ModelUpload::cold_guess): with the attention's output projection zeroed and a
+// cold side whose contribution is zero, the residual plus the previous layer's hot part, from
+// which the guess is made, is the layer's residual after its attention, so layer l's predictor
+// sees exactly its FFN input, and with its cut lowered by a little (1e-3) the guess handed to
+// Ahead must hold every neuron of the actual cold list that the same step's callback gets, and
+// little else. Each guess is ascending and within the layer's cold neurons; the first layer
+// gets none.
+TEST_F(CudaBackendTest, ColdGuessWithoutAttentionHoldsTheActualColdList) {
+  const ModelConfig& c = model_->config;
+  std::vector<int32_t> tokens =
+      (*reference_)["prompts"][3]["input_ids"].get<std::vector<int32_t>>();
+  std::unique_ptr<PredictedCase> pc = MakePredictedCase(*model_, *down_t_, tokens);
+  cuda::ModelUpload u = WithPredictors(Upload(/*hot=*/true), *pc);
+  std::vector<std::vector<uint8_t>> zero_wo(c.n_layers);
+  for (int l = 0; l < c.n_layers; ++l) {
+    zero_wo[l].assign(model_->layers[l].wo.nbytes(), 0);  // zero in every weight format
+    u.layers[l].wo.data = zero_wo[l].data();
+  }
+  u.cold_guess = true;
+  u.cold_guess_shift = 1e-3;
+  u.cold_guess_recall = 0;  // the shift stays
+  auto backend = Create(u);
+  ASSERT_NE(backend, nullptr);
+  std::vector<TensorView> zero_down_t = *down_t_;
+  std::vector<std::vector<uint8_t>> zeros(c.n_layers);
+  for (int l = 0; l < c.n_layers; ++l) {
+    zeros[l].assign(zero_down_t[l].nbytes(), 0);
+    zero_down_t[l].data = zeros[l].data();
+  }
+  CpuColdFfn cpu(*model_, zero_down_t, *cold_ids_);
+  class Recorder : public AheadRecorder {
+   public:
+    using AheadRecorder::AheadRecorder;
+    cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
+      actual.emplace_back(r.active, r.active + r.n_active);
+      return AheadRecorder::Run(r);
+    }
+    std::vector<std::vector<int32_t>> actual;
+  } cold(&cpu);
+  std::vector<float> got(c.vocab_size);
+  int64_t guessed = 0, listed = 0;
+  for (size_t pos = 0; pos < tokens.size(); ++pos) {
+    cuda::BackendStatus st = backend->Forward(PredictedStep(tokens, pos, &cold, got.data()));
+    ASSERT_TRUE(st.ok()) << st.message;
+    const cuda::ForwardStats& fs = backend->last_stats();
+    EXPECT_EQ(fs.guess_hits, fs.guess_actual) << "position " << pos;
+    const std::vector<int32_t>& first = cold.actual[cold.actual.size() - c.n_layers];
+    EXPECT_EQ(fs.guess_actual, fs.cold_rows_requested - static_cast<int64_t>(first.size()))
+        << "position " << pos;
+  }
+  ASSERT_EQ(cold.guesses.size(), cold.actual.size());
+  ASSERT_EQ(cold.actual.size(), tokens.size() * c.n_layers);
+  for (size_t i = 0; i < cold.actual.size(); ++i) {
+    const int l = static_cast<int>(i % c.n_layers);
+    const std::vector<int32_t>& g = cold.guesses[i];
+    if (l == 0) {
+      EXPECT_TRUE(g.empty()) << "call " << i;
+      continue;
+    }
+    const std::vector<int32_t>& cold_l = (*cold_ids_)[l];
+    EXPECT_TRUE(std::is_sorted(g.begin(), g.end()) &&
+                std::adjacent_find(g.begin(), g.end()) == g.end())
+        << "call " << i;
+    for (int32_t j : g) {
+      EXPECT_TRUE(std::binary_search(cold_l.begin(), cold_l.end(), j)) << j << ", call " << i;
+    }
+    for (int32_t j : cold.actual[i]) {
+      EXPECT_TRUE(std::binary_search(g.begin(), g.end(), j)) << j << " missed, call " << i;
+    }
+    guessed += static_cast<int64_t>(g.size());
+    listed += static_cast<int64_t>(cold.actual[i].size());
+  }
+  EXPECT_GT(listed, 0);
+  EXPECT_LE(guessed, listed + listed / 20) << "the cut lowered by 1e-3 adds few neurons";
+}
+
+// With the attention in place, the guess changes nothing the step computes: each step's logits
+// equal the CPU reference's. The adaptation moves each guessing layer's shift towards the asked
+// recall,
+// and a shift set between steps reaches the captured graphs' next replay: a very large one
+// guesses every cold neuron, a very negative one none.
+TEST_F(CudaBackendTest, ColdGuessLeavesPredictedLogitsAndFollowsItsShift) {
+  const ModelConfig& c = model_->config;
+  std::vector<int32_t> tokens =
+      (*reference_)["prompts"][3]["input_ids"].get<std::vector<int32_t>>();
+  std::unique_ptr<PredictedCase> pc = MakePredictedCase(*model_, *down_t_, tokens);
+  ASSERT_GT(pc->min_margin, 1e-4) << "no safe threshold gap; change the seed";
+  const int V = c.vocab_size;
+  cuda::ModelUpload u = WithPredictors(Upload(/*hot=*/true), *pc);
+  u.cold_guess = true;
+  u.cold_guess_shift = 0.5;
+  u.cold_guess_recall = 0.95;
+  auto backend = Create(u);
+  ASSERT_NE(backend, nullptr);
+  CpuColdFfn cpu(*model_, *down_t_, *cold_ids_);
+  AheadRecorder cold(&cpu);
+  std::vector<float> got(V);
+  int64_t guess_rows = 0, hits = 0, actual = 0;
+  for (size_t pos = 0; pos < tokens.size(); ++pos) {
+    cuda::BackendStatus st = backend->Forward(PredictedStep(tokens, pos, &cold, got.data()));
+    ASSERT_TRUE(st.ok()) << st.message;
+    EXPECT_LE(Nmse(got.data(), pc->want.data() + pos * V, V), 1e-6) << "position " << pos;
+    guess_rows += backend->last_stats().guess_rows;
+    hits += backend->last_stats().guess_hits;
+    actual += backend->last_stats().guess_actual;
+  }
+  EXPECT_GT(guess_rows, 0);
+  EXPECT_GT(actual, 0);
+  int moved = 0;
+  for (int l = 0; l < c.n_layers; ++l) moved += backend->cold_guess_shift(l) != 0.5;
+  EXPECT_EQ(moved, c.n_layers - 1);  // the first layer makes no guess
+  std::printf("guess: %lld neurons for %lld actual, %.3f of them held; shifts now",
+              static_cast<long long>(guess_rows), static_cast<long long>(actual),
+              static_cast<double>(hits) / actual);
+  for (int l = 0; l < c.n_layers; ++l) std::printf(" %.3f", backend->cold_guess_shift(l));
+  std::printf("\n");
+
+  for (double shift : {1e30, -1e30}) {
+    SCOPED_TRACE(shift);
+    backend->set_cold_guess_shift(shift);
+    cold.guesses.clear();
+    const size_t pos = tokens.size() - 1;
+    cuda::BackendStatus st = backend->Forward(PredictedStep(tokens, pos, &cold, got.data()));
+    ASSERT_TRUE(st.ok()) << st.message;
+    EXPECT_LE(Nmse(got.data(), pc->want.data() + pos * V, V), 1e-6);
+    ASSERT_EQ(cold.guesses.size(), static_cast<size_t>(c.n_layers));
+    for (int l = 0; l < c.n_layers; ++l) {
+      EXPECT_EQ(cold.guesses[l], shift > 0 && l > 0 ? (*cold_ids_)[l] : std::vector<int32_t>{})
+          << "layer " << l;
+    }
+  }
 }
 
 // Two lanes (Backend::NewLane: shared weights and KV cache, own scratch and streams) run two

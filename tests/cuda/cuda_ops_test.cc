@@ -890,17 +890,25 @@ TEST_F(CudaOpsTest, EmbedMatchesDequantizedRows) {
 
 // Compaction against a plain loop: ordered ids of the neurons active for any token, all neurons
 // or through a map of global ids (hot or cold subsets), many passes of the 1024-thread block;
-// with per-token scales (PowerInfer's pre-norm scores times rms(residual)) against a threshold.
+// with per-token scales (PowerInfer's pre-norm scores times rms(residual)) against a threshold;
+// with the threshold lowered by a shift the kernel reads from pinned host memory (the module's
+// cold guess), changed between launches.
 TEST_F(CudaOpsTest, CompactActiveListsExactlyTheActiveNeurons) {
+  void* pinned = nullptr;
+  ASSERT_EQ(cudaMallocHost(&pinned, sizeof(float)), cudaSuccess);
+  float* shift = static_cast<float*>(pinned);
   for (int n : {1, 3}) {
     for (int len : {37, 13824}) {
-      for (int variant = 0; variant < 3; ++variant) {
-        const bool mapped = variant == 1, scaled = variant == 2;
+      for (int variant = 0; variant < 5; ++variant) {
+        const bool mapped = variant == 1 || variant == 4, scaled = variant == 2;
+        const bool shifted = variant >= 3;
+        *shift = variant == 3 ? 0.5f : -0.25f;
         const int full = 13824;
         std::vector<float> v = Random(static_cast<size_t>(n) * full);
         for (float& s : v) s -= 1.3f;  // about 10% above zero
         std::vector<float> scale(n, 1.f);
         const float threshold = scaled ? 0.25f : 0.f;
+        const float effective = shifted ? threshold - *shift : threshold;
         if (scaled) {
           for (float& s : scale) s = 0.5f + std::abs(Random(1)[0]);
         }
@@ -917,7 +925,7 @@ TEST_F(CudaOpsTest, CompactActiveListsExactlyTheActiveNeurons) {
           if (g < 0) continue;
           bool any = false;
           for (int t = 0; t < n; ++t) {
-            any = any || v[static_cast<size_t>(t) * full + g] * scale[t] > threshold;
+            any = any || v[static_cast<size_t>(t) * full + g] * scale[t] > effective;
           }
           if (any) expect.push_back(j);
         }
@@ -925,7 +933,7 @@ TEST_F(CudaOpsTest, CompactActiveListsExactlyTheActiveNeurons) {
         DevBuf<int32_t> dmap(mapped ? map : std::vector<int32_t>{0}), didx(len), dcount(1);
         CUDA_OK(cuda::CompactActive(dv.get(), n, full, mapped ? dmap.get() : nullptr, len,
                                     threshold, didx.get(), dcount.get(), nullptr,
-                                    scaled ? dscale.get() : nullptr));
+                                    scaled ? dscale.get() : nullptr, shifted ? shift : nullptr));
         std::vector<int32_t> count = dcount.Download(), idx = didx.Download();
         ASSERT_EQ(count[0], static_cast<int32_t>(expect.size()));
         idx.resize(expect.size());
@@ -934,6 +942,7 @@ TEST_F(CudaOpsTest, CompactActiveListsExactlyTheActiveNeurons) {
       }
     }
   }
+  cudaFreeHost(shift);
 }
 
 // The predictor: scores = fc2(relu(fc1(x))), then the neurons with a positive score.
