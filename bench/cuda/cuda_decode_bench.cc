@@ -1394,6 +1394,7 @@ void ApplyVariant(const std::string& variant) {
   // nothing, and the bench's cold side keeps its drawn guess (COLD_AHEAD) instead.
   setenv("PINFER_CUDA_COLD_GUESS", "0", 1);
   unsetenv("PINFER_CUDA_COLD_GUESS_SHIFT");  // COLD_GUESS_SHIFT=S: the cut lowered by S
+  setenv("PINFER_CUDA_COLD_GUESS_EARLY", "1", 1);
   g_variant_lanes_pool = 0;
   if (variant == "base") return;
   for (const std::string& kv : Split(variant, '+')) {

@@ -387,6 +387,7 @@ std::vector<float> ToF32(const std::vector<uint16_t>& h) {
 struct LayerResult {
   Metrics std_pred, lib_pred, look_matched, look_same, prev;
   Metrics reuse_same, reuse_matched;  // (c): (a)'s predictor on the layer input
+  Metrics early_same, early_matched;  // (d): on the previous layer's FFN input (layers > 0)
   double look_lambda_shift = 0, seconds = 0;
   double cosine = 0;  // mean cos(residual before attention, residual after), evaluation tokens
   bool has_lib = false;
@@ -472,6 +473,7 @@ int main(int argc, char** argv) {
   const int64_t n_hold = std::max<int64_t>(1, static_cast<int64_t>(n_cal * o.holdout_fraction));
   const int64_t n_train = n_cal - n_hold, n_all = n_cal + ev->n;
   std::vector<LayerResult> results;
+  std::vector<float> prev_eval, prev_wf;  // the previous layer's evaluation FFN inputs, ffn_norm
   for (int l = 0; l < c.n_layers; ++l) {
     const auto tl = std::chrono::steady_clock::now();
     LayerResult res;
@@ -529,6 +531,28 @@ int main(int argc, char** argv) {
       }
       res.reuse_matched = Measure(d, sc, n_cal, n_all, F, NeuronThresholds(d, lo));
     }
+    // (d) earlier still: (a)'s predictor on the previous layer's FFN input (its residual after
+    // its attention, before its FFN), re-weighted to this layer's ffn_norm: what a GPU can
+    // compute beside the previous layer's FFN.
+    if (l > 0) {
+      const std::vector<float> wf = ToFloat(m.layers[l].ffn_norm);
+      std::vector<float> early_x(prev_eval.size());
+      for (size_t i = 0; i < early_x.size(); ++i) {
+        const size_t h = i % H;
+        early_x[i] = prev_wf[h] == 0 ? 0 : prev_eval[i] / prev_wf[h] * wf[h];
+      }
+      const std::vector<float> sc = Scores(*ops, a.mlp, H, F, early_x.data(), 0, n_all - n_cal);
+      res.early_same = Measure(d, sc, n_cal, n_all, F, thr_a);
+      double lo = -200, hi = 50;
+      for (int it = 0; it < 60; ++it) {
+        const double mid = 0.5 * (lo + hi);
+        const Metrics mm = Measure(d, sc, n_cal, n_all, F, NeuronThresholds(d, mid));
+        (mm.magnitude_recall >= res.std_pred.magnitude_recall ? lo : hi) = mid;
+      }
+      res.early_matched = Measure(d, sc, n_cal, n_all, F, NeuronThresholds(d, lo));
+    }
+    prev_eval = ToF32(ev->ffn_in[l]);
+    prev_wf = ToFloat(m.layers[l].ffn_norm);
     res.prev = PreviousToken(d, n_cal, n_all, F);
     {
       // How far attention turns the residual: undo the two norms' weights (both vectors then
@@ -587,6 +611,8 @@ int main(int argc, char** argv) {
     line("(b) lookahead same rule", res.look_same);
     line("(c) reuse (a)'s thresh.", res.reuse_same);
     line("(c) reuse matched", res.reuse_matched);
+    line("(d) prev. FFN input, thresh.", res.early_same);
+    line("(d) prev. FFN input matched", res.early_matched);
     line("previous token", res.prev);
     std::fprintf(stderr, "layer %d: cos(residual before, after attention) %.3f; done in %.1f s\n",
                  l, res.cosine, res.seconds);
@@ -648,14 +674,23 @@ int main(int argc, char** argv) {
       "\n(c) (a)'s own predictor on the layer input (features re-weighted from attn_norm to "
       "ffn_norm):\n\n| layer | at (a)'s thresholds: recall / mag. recall / precision / predicted "
       "| same mag. recall as (a): recall / mag. recall / precision / predicted | (c) / (a) "
-      "predicted | (b) / (a) predicted |\n|---|---|---|---|---|\n");
+      "predicted | (b) / (a) predicted | (d) on the previous layer's FFN input, same mag. recall: "
+      "recall / mag. recall / precision / predicted | (d) / (a) predicted |\n"
+      "|---|---|---|---|---|---|---|\n");
   for (size_t i = 0; i < results.size(); ++i) {
     const LayerResult& r = results[i];
     const Metrics &s = r.reuse_same, &m = r.reuse_matched;
-    std::printf("| %zu | %.3f / %.3f / %.3f / %.3f | %.3f / %.3f / %.3f / %.3f | %.2fx | %.2fx |\n",
-                i, s.recall, s.magnitude_recall, s.precision, s.predicted, m.recall,
-                m.magnitude_recall, m.precision, m.predicted, m.predicted / r.std_pred.predicted,
-                r.look_matched.predicted / r.std_pred.predicted);
+    const Metrics& e = r.early_matched;
+    char d[128] = "- | -";  // layer 0 has no previous layer
+    if (i > 0) {
+      std::snprintf(d, sizeof(d), "%.3f / %.3f / %.3f / %.3f | %.2fx", e.recall, e.magnitude_recall,
+                    e.precision, e.predicted, e.predicted / r.std_pred.predicted);
+    }
+    std::printf(
+        "| %zu | %.3f / %.3f / %.3f / %.3f | %.3f / %.3f / %.3f / %.3f | %.2fx | %.2fx | %s |\n", i,
+        s.recall, s.magnitude_recall, s.precision, s.predicted, m.recall, m.magnitude_recall,
+        m.precision, m.predicted, m.predicted / r.std_pred.predicted,
+        r.look_matched.predicted / r.std_pred.predicted, d);
   }
   if (library_check) {
     std::printf(

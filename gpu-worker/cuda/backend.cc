@@ -408,16 +408,13 @@ class CudaBackend : public Backend {
     return static_cast<int>(static_cast<int64_t>(count) * share_num_ / kShareDen);
   }
 
-  // ModelUpload::cold_guess. Layer l's guess is made while the cold side computes layer l - 1's
-  // cold part and the GPU would otherwise wait for it. After layer l - 1's hot rows the main
-  // stream writes the guess's input (EnqueueGuessInput: the residual plus the hot part through
-  // layer l's FFN norm); layer l's work then starts by forking the rest onto guess_stream_
-  // (ForkGuess: the predictor, the compaction with the cut lowered by guess_shift_[l], the copy
-  // to guess_host_, after which ev_guess_[l] tells the host) ahead of its wait for the cold
-  // side, so the guess runs beside that wait and is on the host when layer l's attention starts,
-  // and the main stream joins it (ev_gjoin_) at the end of layer l, so each captured graph holds
-  // its whole branch. The stream has the device's highest priority (layer graphs keep their
-  // nodes' priorities).
+  // ModelUpload::cold_guess. Layer l's guess is made during layer l - 1, so that it is on the
+  // host when layer l's attention starts: EnqueueGuessChain runs layer l's predictor on
+  // guess_x_, compacts the cold neurons above its cut lowered by guess_shift_[l], copies the list
+  // to guess_host_ and records ev_guess_[l], all on guess_stream_, which the main stream joins
+  // (ev_gjoin_) at the end of the layer that forked it, so each captured graph holds its whole
+  // branch. guess_x_ is written, and the chain forked, per guess_early_ (below). The stream has
+  // the device's highest priority (layer graphs keep their nodes' priorities).
   bool guess_on_ = false;
   double guess_recall_ = 0.95;
   float guess_initial_shift_ = 1.f;
@@ -439,9 +436,15 @@ class CudaBackend : public Backend {
   int TakeGuess(int l);
   // On the main stream at the end of layer l - 1: the guess's input for layer l (guess_x_).
   BackendStatus EnqueueGuessInput(int l);
-  // First in layer l's work, before it waits for the cold side: the rest of layer l's guess on
-  // guess_stream_, joined (ev_gjoin_) at the end of layer l.
-  BackendStatus ForkGuess(int l, const ForwardArgs& a);
+  // On guess_stream_, from guess_x_: layer l's predictor, the compaction, the copy to the host,
+  // ev_guess_[l], ev_gjoin_.
+  BackendStatus EnqueueGuessChain(int l, const ForwardArgs& a);
+  // Where layer l's guess is made. Early (the default): from the residual after layer l - 1's
+  // attention alone, forked beside layer l - 1's hot rows and joined at its end, so that it
+  // takes nothing from layer l's attention. PINFER_CUDA_COLD_GUESS_EARLY=0: from that residual
+  // plus layer l - 1's hot part, a closer guess, its predictor forked first in layer l's work;
+  // on the H200 that took 0.27 ms a token from the attention (docs/benchmarks.md, run 44).
+  bool guess_early_ = true;
   float* guess_res_ = nullptr;  // device [hidden]: the residual the guess sees
   // Whether layer l's guess is made (at the end of layer l - 1, which must be on the GPU's
   // sparse path in the same step).
@@ -670,6 +673,9 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   }
   guess_recall_ = m.cold_guess_recall;
   guess_initial_shift_ = static_cast<float>(m.cold_guess_shift);
+  if (const char* g = std::getenv("PINFER_CUDA_COLD_GUESS_EARLY")) {
+    guess_early_ = std::string(g) != "0";
+  }
   if (const char* g = std::getenv("PINFER_CUDA_COLD_GUESS_SHIFT")) {
     guess_initial_shift_ = static_cast<float>(std::atof(g));
   }
@@ -1054,6 +1060,7 @@ BackendStatus CudaBackend::InitLane(const CudaBackend& base) {
   guess_on_ = base.guess_on_;
   guess_recall_ = base.guess_recall_;
   guess_initial_shift_ = base.guess_initial_shift_;
+  guess_early_ = base.guess_early_;
   return AllocateScratch();
 }
 
@@ -1148,7 +1155,11 @@ BackendStatus CudaBackend::LaunchLayer(int l, const ForwardArgs& a, float* excha
   const float* pend1 = pending1_;
   const float* pend2 = wait_cold ? ColdInput(exchange_out, a.n) : pending2_;
   auto enqueue = [&]() -> BackendStatus {
-    if (GuessMade(l, a)) BACKEND_RETURN_IF_ERROR(ForkGuess(l, a));
+    if (!guess_early_ && GuessMade(l, a)) {
+      CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_gfork_, stream_));
+      CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(guess_stream_, ev_gfork_, 0));
+      BACKEND_RETURN_IF_ERROR(EnqueueGuessChain(l, a));
+    }
     if (wait_cold) BACKEND_RETURN_IF_ERROR(EnqueueColdWait(l - 1, exchange_out, a.n));
     return EnqueueLayer(l, a, pend1, pend2, cold, exchange_x);
   };
@@ -1392,6 +1403,14 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
     CUDA_RETURN_IF_ERROR(RecordEvent(ev_x_[l]));
   }
   if (mode == FfnMode::kPredicted && n_hot > 0 && early) BACKEND_RETURN_IF_ERROR(compact_hot());
+  if (guess_early_ && GuessMade(l + 1, a)) {
+    // The next layer's guess beside this layer's hot rows: x_ is final until the next layer.
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_gfork_, stream_));
+    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(guess_stream_, ev_gfork_, 0));
+    CUDA_RETURN_IF_ERROR(
+        RmsNorm(x_, layers_[l + 1].ffn_norm, 1, H, c.norm_eps, guess_x_, guess_stream_));
+    BACKEND_RETURN_IF_ERROR(EnqueueGuessChain(l + 1, a));
+  }
 
   // Hot rows.
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot0_[l]));
@@ -1465,8 +1484,10 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
     CUDA_RETURN_IF_ERROR(RecordEvent(ev_share_[l]));
   }
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot1_[l]));
-  if (GuessMade(l, a)) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, ev_gjoin_, 0));
-  if (GuessMade(l + 1, a)) BACKEND_RETURN_IF_ERROR(EnqueueGuessInput(l + 1));
+  if (GuessMade(guess_early_ ? l + 1 : l, a)) {
+    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, ev_gjoin_, 0));  // the branch forked here
+  }
+  if (!guess_early_ && GuessMade(l + 1, a)) BACKEND_RETURN_IF_ERROR(EnqueueGuessInput(l + 1));
   return Ok();
 }
 
@@ -1482,13 +1503,11 @@ BackendStatus CudaBackend::EnqueueGuessInput(int l) {
   return Ok();
 }
 
-BackendStatus CudaBackend::ForkGuess(int l, const ForwardArgs& a) {
+BackendStatus CudaBackend::EnqueueGuessChain(int l, const ForwardArgs& a) {
   const DeviceLayer& L = layers_[l];
   const int F = dims_.ffn;
   const int n_cold = static_cast<int>(L.cold_ids_host.size());
   const int rank = static_cast<int>(L.fc1.rows);
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_gfork_, stream_));
-  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(guess_stream_, ev_gfork_, 0));
   CUDA_RETURN_IF_ERROR(
       MatVecRows(L.fc1, nullptr, rank, nullptr, guess_x_, 1, guess_h_, rank, guess_stream_));
   CUDA_RETURN_IF_ERROR(Relu(guess_h_, rank, guess_stream_));

@@ -126,19 +126,19 @@ struct ModelUpload {
   double cold_gpu_share = 0;
   bool cold_gpu_share_adaptive = false;
   // Queued single-token steps whose layers have predictors (kPredicted, or kGiven with
-  // run_predictors): while the cold side computes layer l - 1's cold part, the GPU, otherwise
-  // waiting for it, runs layer l's own predictor on a guess at layer l's FFN input: the residual
-  // after layer l - 1's attention plus its hot FFN part, through layer l's FFN norm (what the FFN
-  // input would be if layer l - 1's cold part and layer l's attention added nothing). The cold
-  // neurons it selects with its cut lowered by `cold_guess_shift` (score units) reach
-  // ColdFfn::Ahead(l) as the guess, with the whole of layer l's attention still ahead. (On
-  // relu-llama-tiny the predictor on the layer input reaches its magnitude recall with 1.16-1.37x
-  // its neurons in five of six layers: bench/sparse/lookahead_study, "(c)".) The first layer of a
-  // step gets no guess. cold_guess_recall > 0: after each kPredicted step each layer's shift
-  // moves towards the point where the guess holds that fraction of the layer's actual cold list
-  // (stochastic quantile tracking); 0: the shift stays. PINFER_CUDA_COLD_GUESS=0/1 and
-  // PINFER_CUDA_COLD_GUESS_SHIFT override cold_guess and cold_guess_shift. Layers with pre-norm
-  // predictors (pred_scores_times_rms) get no guess.
+  // run_predictors): beside layer l - 1's hot rows, the GPU runs layer l's own predictor on a
+  // guess at layer l's FFN input, the residual after layer l - 1's attention through layer l's
+  // FFN norm (what the FFN input would be if layer l - 1's FFN and layer l's attention added
+  // nothing; PINFER_CUDA_COLD_GUESS_EARLY=0: plus layer l - 1's hot part, a closer guess that
+  // costs the attention time). The cold neurons it selects with its cut lowered by
+  // `cold_guess_shift` (score units) reach ColdFfn::Ahead(l) as the guess, with the whole of
+  // layer l's attention still ahead. (On relu-llama-tiny this guess reaches the predictor's
+  // magnitude recall with 1.29-1.50x its neurons in four of five layers: bench/sparse/
+  // lookahead_study, "(d)".) The first layer of a step gets no guess. cold_guess_recall > 0:
+  // after each kPredicted step each layer's shift moves towards the point where the guess holds
+  // that fraction of the layer's actual cold list (stochastic quantile tracking); 0: the shift
+  // stays. PINFER_CUDA_COLD_GUESS=0/1 and PINFER_CUDA_COLD_GUESS_SHIFT override cold_guess and
+  // cold_guess_shift. Layers with pre-norm predictors (pred_scores_times_rms) get no guess.
   bool cold_guess = false;
   double cold_guess_shift = 1.0;
   double cold_guess_recall = 0.95;

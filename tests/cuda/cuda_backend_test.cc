@@ -1229,87 +1229,90 @@ TEST_F(CudaBackendTest, ColdGpuShareMatchesCpuReference) {
   EXPECT_NE(std::string(err).find("cold_gpu_share"), std::string::npos) << err;
 }
 
-// The cold guess (ModelUpload::cold_guess): with the attention's output projection zeroed and a
-// cold side whose contribution is zero, the residual plus the previous layer's hot part, from
-// which the guess is made, is the layer's residual after its attention, so layer l's predictor
-// sees exactly its FFN input, and with its cut lowered by a little (1e-3) the guess handed to
-// Ahead must hold every neuron of the actual cold list that the same step's callback gets, and
-// little else. Each guess is ascending and within the layer's cold neurons; the first layer
-// gets none.
+// The cold guess (ModelUpload::cold_guess): with the attention's output projection and every
+// FFN down row zeroed (on the GPU and on the cold side), each layer's FFN input is the layer's
+// residual, which is what the guess is made from in either mode (from the residual plus the
+// previous layer's hot part, or, PINFER_CUDA_COLD_GUESS_EARLY=1, from the residual after the
+// previous layer's attention). So layer l's predictor sees exactly its FFN input, and with its
+// cut lowered by a little (1e-3) the guess handed to Ahead must hold every neuron of the actual
+// cold list that the same step's callback gets, and little else. Each guess is ascending and
+// within the layer's cold neurons; the first layer gets none.
 TEST_F(CudaBackendTest, ColdGuessWithoutAttentionHoldsTheActualColdList) {
   const ModelConfig& c = model_->config;
   std::vector<int32_t> tokens =
       (*reference_)["prompts"][3]["input_ids"].get<std::vector<int32_t>>();
   std::unique_ptr<PredictedCase> pc = MakePredictedCase(*model_, *down_t_, tokens);
   cuda::ModelUpload u = WithPredictors(Upload(/*hot=*/true), *pc);
-  std::vector<std::vector<uint8_t>> zero_wo(c.n_layers);
+  std::vector<TensorView> zero_down_t = *down_t_;
+  std::vector<std::vector<uint8_t>> zero_wo(c.n_layers), zeros(c.n_layers);
   for (int l = 0; l < c.n_layers; ++l) {
     zero_wo[l].assign(model_->layers[l].wo.nbytes(), 0);  // zero in every weight format
     u.layers[l].wo.data = zero_wo[l].data();
+    zeros[l].assign(zero_down_t[l].nbytes(), 0);
+    zero_down_t[l].data = zeros[l].data();
+    u.layers[l].down_t.data = zeros[l].data();
   }
   u.cold_guess = true;
   u.cold_guess_shift = 1e-3;
   u.cold_guess_recall = 0;  // the shift stays
-  auto backend = Create(u);
-  ASSERT_NE(backend, nullptr);
-  std::vector<TensorView> zero_down_t = *down_t_;
-  std::vector<std::vector<uint8_t>> zeros(c.n_layers);
-  for (int l = 0; l < c.n_layers; ++l) {
-    zeros[l].assign(zero_down_t[l].nbytes(), 0);
-    zero_down_t[l].data = zeros[l].data();
+  for (const char* early : {"0", "1"}) {
+    SCOPED_TRACE(std::string("PINFER_CUDA_COLD_GUESS_EARLY=") + early);
+    setenv("PINFER_CUDA_COLD_GUESS_EARLY", early, 1);
+    auto backend = Create(u);
+    unsetenv("PINFER_CUDA_COLD_GUESS_EARLY");
+    ASSERT_NE(backend, nullptr);
+    CpuColdFfn cpu(*model_, zero_down_t, *cold_ids_);
+    class Recorder : public AheadRecorder {
+     public:
+      using AheadRecorder::AheadRecorder;
+      cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
+        actual.emplace_back(r.active, r.active + r.n_active);
+        return AheadRecorder::Run(r);
+      }
+      std::vector<std::vector<int32_t>> actual;
+    } cold(&cpu);
+    std::vector<float> got(c.vocab_size);
+    int64_t guessed = 0, listed = 0;
+    for (size_t pos = 0; pos < tokens.size(); ++pos) {
+      cuda::BackendStatus st = backend->Forward(PredictedStep(tokens, pos, &cold, got.data()));
+      ASSERT_TRUE(st.ok()) << st.message;
+      const cuda::ForwardStats& fs = backend->last_stats();
+      EXPECT_EQ(fs.guess_hits, fs.guess_actual) << "position " << pos;
+      const std::vector<int32_t>& first = cold.actual[cold.actual.size() - c.n_layers];
+      EXPECT_EQ(fs.guess_actual, fs.cold_rows_requested - static_cast<int64_t>(first.size()))
+          << "position " << pos;
+    }
+    ASSERT_EQ(cold.guesses.size(), cold.actual.size());
+    ASSERT_EQ(cold.actual.size(), tokens.size() * c.n_layers);
+    for (size_t i = 0; i < cold.actual.size(); ++i) {
+      const int l = static_cast<int>(i % c.n_layers);
+      const std::vector<int32_t>& g = cold.guesses[i];
+      if (l == 0) {
+        EXPECT_TRUE(g.empty()) << "call " << i;
+        continue;
+      }
+      const std::vector<int32_t>& cold_l = (*cold_ids_)[l];
+      EXPECT_TRUE(std::is_sorted(g.begin(), g.end()) &&
+                  std::adjacent_find(g.begin(), g.end()) == g.end())
+          << "call " << i;
+      for (int32_t j : g) {
+        EXPECT_TRUE(std::binary_search(cold_l.begin(), cold_l.end(), j)) << j << ", call " << i;
+      }
+      for (int32_t j : cold.actual[i]) {
+        EXPECT_TRUE(std::binary_search(g.begin(), g.end(), j)) << j << " missed, call " << i;
+      }
+      guessed += static_cast<int64_t>(g.size());
+      listed += static_cast<int64_t>(cold.actual[i].size());
+    }
+    EXPECT_GT(listed, 0);
+    EXPECT_LE(guessed, listed + listed / 20) << "the cut lowered by 1e-3 adds few neurons";
   }
-  CpuColdFfn cpu(*model_, zero_down_t, *cold_ids_);
-  class Recorder : public AheadRecorder {
-   public:
-    using AheadRecorder::AheadRecorder;
-    cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
-      actual.emplace_back(r.active, r.active + r.n_active);
-      return AheadRecorder::Run(r);
-    }
-    std::vector<std::vector<int32_t>> actual;
-  } cold(&cpu);
-  std::vector<float> got(c.vocab_size);
-  int64_t guessed = 0, listed = 0;
-  for (size_t pos = 0; pos < tokens.size(); ++pos) {
-    cuda::BackendStatus st = backend->Forward(PredictedStep(tokens, pos, &cold, got.data()));
-    ASSERT_TRUE(st.ok()) << st.message;
-    const cuda::ForwardStats& fs = backend->last_stats();
-    EXPECT_EQ(fs.guess_hits, fs.guess_actual) << "position " << pos;
-    const std::vector<int32_t>& first = cold.actual[cold.actual.size() - c.n_layers];
-    EXPECT_EQ(fs.guess_actual, fs.cold_rows_requested - static_cast<int64_t>(first.size()))
-        << "position " << pos;
-  }
-  ASSERT_EQ(cold.guesses.size(), cold.actual.size());
-  ASSERT_EQ(cold.actual.size(), tokens.size() * c.n_layers);
-  for (size_t i = 0; i < cold.actual.size(); ++i) {
-    const int l = static_cast<int>(i % c.n_layers);
-    const std::vector<int32_t>& g = cold.guesses[i];
-    if (l == 0) {
-      EXPECT_TRUE(g.empty()) << "call " << i;
-      continue;
-    }
-    const std::vector<int32_t>& cold_l = (*cold_ids_)[l];
-    EXPECT_TRUE(std::is_sorted(g.begin(), g.end()) &&
-                std::adjacent_find(g.begin(), g.end()) == g.end())
-        << "call " << i;
-    for (int32_t j : g) {
-      EXPECT_TRUE(std::binary_search(cold_l.begin(), cold_l.end(), j)) << j << ", call " << i;
-    }
-    for (int32_t j : cold.actual[i]) {
-      EXPECT_TRUE(std::binary_search(g.begin(), g.end(), j)) << j << " missed, call " << i;
-    }
-    guessed += static_cast<int64_t>(g.size());
-    listed += static_cast<int64_t>(cold.actual[i].size());
-  }
-  EXPECT_GT(listed, 0);
-  EXPECT_LE(guessed, listed + listed / 20) << "the cut lowered by 1e-3 adds few neurons";
 }
 
 // With the attention in place, the guess changes nothing the step computes: each step's logits
 // equal the CPU reference's. The adaptation moves each guessing layer's shift towards the asked
-// recall,
-// and a shift set between steps reaches the captured graphs' next replay: a very large one
-// guesses every cold neuron, a very negative one none.
+// recall, and a shift set between steps reaches the captured graphs' next replay: a very large
+// one guesses every cold neuron, a very negative one none.
 TEST_F(CudaBackendTest, ColdGuessLeavesPredictedLogitsAndFollowsItsShift) {
   const ModelConfig& c = model_->config;
   std::vector<int32_t> tokens =
