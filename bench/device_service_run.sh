@@ -9,13 +9,15 @@
 # GPU_FLAGS are appended to the gpu-worker's command line (e.g. "--vram-budget 24MiB"); when the
 # worker plans under a VRAM budget, the run fails unless its allocation is within 5% of the plan.
 # CPU_FLAGS are appended to the cpu-worker's (e.g. "--spin-us 0"); CPU_THREADS is its --threads
-# (default 4).
+# (default 4). MODEL: the file or folder the workers serve (default models/relu-llama-tiny, e.g. a
+# prepared relu-llama-tiny for --sparse); the reference is relu-llama-tiny's either way.
 set -uo pipefail
 b=$(realpath "${1:?service bundle}")
 cb=${2:+$(realpath "$2")}
 out=${OUT:-./service-results}
 mkdir -p "$out"
 model=models/relu-llama-tiny
+served=${MODEL:-$model}
 nproc; grep -m1 'model name' /proc/cpuinfo
 rc=0
 for t in ${THREADS:-1 4}; do
@@ -35,12 +37,12 @@ if [[ -n $cb ]]; then
   export LD_LIBRARY_PATH="$b/lib:$cb/lib:$cublas"
   dir=$(mktemp -d)
   seg=/pinfer-device-$$
-  PINFER_CUDA_MODULE="$cb/bin/libpinfer_cuda.so" "$b/bin/pinfer-gpu-worker" --model $model \
+  PINFER_CUDA_MODULE="$cb/bin/libpinfer_cuda.so" "$b/bin/pinfer-gpu-worker" --model $served \
     --segment $seg --listen 127.0.0.1:0 --port-file "$dir/gpu.port" --backend cuda \
     --metrics-port 127.0.0.1:0 --metrics-port-file "$dir/gpu.mport" ${GPU_FLAGS:-} \
     > "$out/gpu-worker.log" 2>&1 &
   gp=$!
-  "$b/bin/pinfer-cpu-worker" --model $model --segment $seg --threads "${CPU_THREADS:-4}" \
+  "$b/bin/pinfer-cpu-worker" --model $served --segment $seg --threads "${CPU_THREADS:-4}" \
     ${CPU_FLAGS:-} > "$out/cpu-worker.log" 2>&1 &
   cp=$!
   for i in $(seq 600); do [[ -s $dir/gpu.port ]] && break; sleep 0.1; done

@@ -45,6 +45,11 @@ struct BackendStats {
   uint64_t cache_swaps = 0;
   // Decode steps run on a second (or later) lane, beside another sequence's (CUDA backend).
   uint64_t lane_steps = 0;
+  // --cold-guess (CUDA backend): neurons in the module's cold guesses, and of the actual cold
+  // lists of the layers with a guess, how many neurons there were and how many the guess held.
+  uint64_t guess_neurons = 0;
+  uint64_t guess_actual = 0;
+  uint64_t guess_hits = 0;
 };
 
 class ComputeBackend {
@@ -135,6 +140,10 @@ struct CudaBackendOptions {
   // shares the weights and KV cache and adds its own scratch), so that one sequence's cold rows
   // on the cpu-worker overlap another's GPU work. 1: one at a time. Not with the adaptive hot set.
   int decode_lanes = 2;
+  // With predictors: the module guesses each decode layer's active cold neurons ahead of its
+  // attention (cuda::ModelUpload::cold_guess) and scores each guess against the layer's actual
+  // list (BackendStats::guess_*). The cpu-worker does not receive the guess yet.
+  bool cold_guess = false;
 };
 // The most decode lanes (the CUDA module's cuda::kMaxLanes).
 constexpr int kMaxDecodeLanes = 8;

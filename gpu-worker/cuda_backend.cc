@@ -249,6 +249,9 @@ class CudaBackend : public ComputeBackend {
     if (greedy != nullptr && st.ok()) *greedy = {pick.token, pick.logprob};
     const cuda::ForwardStats& fs = b->last_stats();
     absl::MutexLock lock(&stats_mu_);
+    stats_.guess_neurons += static_cast<uint64_t>(fs.guess_rows);
+    stats_.guess_actual += static_cast<uint64_t>(fs.guess_actual);
+    stats_.guess_hits += static_cast<uint64_t>(fs.guess_hits);
     if (adapt && st.ok()) {
       const uint64_t before = adaptive_->swaps_committed();
       absl::Status ast = adaptive_->AfterStep(active_);
@@ -575,6 +578,7 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
   } else if (share) {
     Log("the GPU takes no share of the cold neurons: %s", ColdStreamingProblem(model).c_str());
   }
+  u.cold_guess = o.cold_guess && o.predictors != nullptr;
   cuda::Backend* b = nullptr;
   char err[1024] = {0};
   const int rc = m.create(&u, &b, err, sizeof(err));

@@ -61,7 +61,7 @@ constexpr char kUsage[] =
     "         [--placement FILE.gpuidx | --vram-budget SIZE] [--sparse] [--gpu-timing]\n"
     "         [--drain-timeout-ms MS] [--cold-prefill auto|cpu|stream]\n"
     "         [--stream-chunk-rows N] [--stream-slots N] [--adaptive-cache-rows N]\n"
-    "         [--cold-gpu-share auto|off|F] [--decode-lanes N]\n"
+    "         [--cold-gpu-share auto|off|F] [--decode-lanes N] [--cold-guess]\n"
     "  --listen: host:port (port 0 picks one; see --port-file) or unix:/path\n"
     "  --segment: POSIX shared-memory name for the activation exchange (default: a fresh\n"
     "             unique name, printed in the log); give the cpu-worker the same name\n"
@@ -90,7 +90,12 @@ constexpr char kUsage[] =
     "               (default 2, at most 8; 1: one at a time), so that one sequence's cold rows on "
     "the\n"
     "               cpu-worker overlap another's GPU work; each lane adds its own scratch on the\n"
-    "               GPU (counted in --vram-budget); not with --adaptive-cache-rows\n";
+    "               GPU (counted in --vram-budget); not with --adaptive-cache-rows\n"
+    "  --cold-guess: with --sparse on the CUDA backend, the GPU guesses each decode layer's\n"
+    "               active cold neurons ahead of the layer's attention (the layer's predictor on\n"
+    "               the previous layer's residual) and counts how much of the actual list each\n"
+    "               guess held (pinfer_worker_cold_guess_neurons_total); the cpu-worker does not\n"
+    "               receive the guess yet\n";
 
 struct Options {
   std::string model, listen = "127.0.0.1:0", port_file, segment, metrics_port, metrics_port_file;
@@ -114,6 +119,7 @@ struct Options {
   bool cold_gpu_share_auto = true;
   int decode_lanes = 2;
   bool decode_lanes_given = false;
+  bool cold_guess = false;
 };
 
 absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
@@ -145,7 +151,7 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
                                                     "adaptive-cache-rows",
                                                     "cold-gpu-share",
                                                     "decode-lanes"},
-                                                   {"sparse", "gpu-timing"}));
+                                                   {"sparse", "gpu-timing", "cold-guess"}));
   Options o;
   ASSIGN_OR_RETURN(o.model, f.Required("model"));
   if (auto v = f.Get("listen")) o.listen = *v;
@@ -205,6 +211,11 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   o.max_sequences = static_cast<int>(ms);
   o.max_new_tokens_limit = static_cast<int>(mnt);
   o.sparse = f.Has("sparse");
+  o.cold_guess = f.Has("cold-guess");
+  if (o.cold_guess && !o.sparse) {
+    return absl::InvalidArgumentError(
+        "--cold-guess needs --sparse: the guess is made with the predictors");
+  }
   o.gpu_timing = f.Has("gpu-timing");
   if (auto v = f.Get("cold-prefill")) {
     ASSIGN_OR_RETURN(o.cold_prefill, ParseColdPrefill(*v));
@@ -536,6 +547,7 @@ CudaBackendOptions CudaOptions(const State& s) {
   cbo.cold_gpu_share = s.options.cold_gpu_share;
   cbo.cold_gpu_share_auto = s.options.cold_gpu_share_auto;
   cbo.decode_lanes = s.options.decode_lanes;
+  cbo.cold_guess = s.options.cold_guess;
   return cbo;
 }
 
@@ -821,6 +833,16 @@ int Main(const std::vector<std::string>& args) {
                               "(--adaptive-cache-rows; CUDA backend)")
                           .Register(*registry)
                           .Add({});
+  auto& guess = prometheus::BuildCounter()
+                    .Name("pinfer_worker_cold_guess_neurons_total")
+                    .Help(
+                        "Decode layers' cold neurons: in the GPU's guesses made ahead of each "
+                        "attention (guessed), in the actual lists of those layers (actual), and "
+                        "of those, in the guess (held) (--cold-guess; CUDA backend)")
+                    .Register(*registry);
+  auto& guess_neurons = guess.Add({{"kind", "guessed"}});
+  auto& guess_actual = guess.Add({{"kind", "actual"}});
+  auto& guess_hits = guess.Add({{"kind", "held"}});
   auto& lane_steps = prometheus::BuildCounter()
                          .Name("pinfer_worker_decode_lane_steps_total")
                          .Help(
@@ -902,6 +924,9 @@ int Main(const std::vector<std::string>& args) {
     streamed_bytes.Increment(st.streamed_bytes);
     cache_swaps.Increment(static_cast<double>(st.cache_swaps));
     lane_steps.Increment(static_cast<double>(st.lane_steps));
+    guess_neurons.Increment(static_cast<double>(st.guess_neurons));
+    guess_actual.Increment(static_cast<double>(st.guess_actual));
+    guess_hits.Increment(static_cast<double>(st.guess_hits));
   };
   hooks.on_running = [&](int n) { running.Set(n); };
   hooks.on_tokens = [&](int n) { tokens.Increment(n); };

@@ -733,8 +733,9 @@ TEST(ServiceColdPrefillTest, GpuWorkerFlagErrors) {
   EXPECT_THAT(err4, HasSubstr("--cold-prefill must be auto, cpu or stream (got \"fast\")"));
 }
 
-// The adaptive hot set follows the predictors' choices, so it needs --sparse; the rest of its
-// behaviour needs a GPU (CudaBackendTest.AdaptiveCacheInPredictedModeMatchesCpuReference).
+// The adaptive hot set and the cold guess follow the predictors' choices, so they need --sparse;
+// the rest of their behaviour needs a GPU (CudaBackendTest.AdaptiveCacheInPredictedModeMatches-
+// CpuReference, CudaBackendTest.ColdGuess*).
 TEST(ServiceAdaptiveCacheTest, FlagErrors) {
   const std::string worker = std::string(PINFER_BINARY_DIR) + "/bin/pinfer-gpu-worker --model " +
                              kTiny + " --backend cpu ";
@@ -749,6 +750,10 @@ TEST(ServiceAdaptiveCacheTest, FlagErrors) {
                                 "adaptive-3");
   EXPECT_EQ(rc3, 2);
   EXPECT_THAT(err3, HasSubstr("--adaptive-cache-rows needs --sparse"));
+  auto [rc6, err6] = RunCommand(worker + "--cold-guess", "adaptive-6");
+  EXPECT_EQ(rc6, 2);
+  EXPECT_THAT(err6,
+              HasSubstr("--cold-guess needs --sparse: the guess is made with the predictors"));
   auto [rc4, err4] = RunCommand(worker + "--cold-gpu-share 1.5", "adaptive-4");
   EXPECT_EQ(rc4, 2);
   EXPECT_THAT(err4, HasSubstr("--cold-gpu-share must be auto, off or a fraction in (0, 1] (got "
