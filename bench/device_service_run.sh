@@ -43,6 +43,7 @@ if [[ -n $cb ]]; then
     > "$out/gpu-worker.log" 2>&1 &
   gp=$!
   "$b/bin/pinfer-cpu-worker" --model $served --segment $seg --threads "${CPU_THREADS:-4}" \
+    --metrics-port 127.0.0.1:0 --metrics-port-file "$dir/cpu.mport" \
     ${CPU_FLAGS:-} > "$out/cpu-worker.log" 2>&1 &
   cp=$!
   for i in $(seq 600); do [[ -s $dir/gpu.port ]] && break; sleep 0.1; done
@@ -66,6 +67,7 @@ if [[ -n $cb ]]; then
     echo "concurrent reference check FAILED: $(grep -E 'reference, all' "$out/bench_cuda_service.md")"; rc=1
   fi
   curl -s "http://127.0.0.1:$(cat "$dir/gpu.mport")/metrics" > "$out/gpu-worker.metrics" 2>/dev/null || true
+  curl -s "http://127.0.0.1:$(cat "$dir/cpu.mport")/metrics" > "$out/cpu-worker.metrics" 2>/dev/null || true
   kill $gw $gp $cp 2>/dev/null
   # A worker that does not stop (a hang) must not hold the run: 40 s (past the drain timeout),
   # then SIGKILL, and the run fails.

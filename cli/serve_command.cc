@@ -48,7 +48,7 @@ constexpr char kUsage[] =
     "         [--port-file FILE] [--metrics-port-file FILE] [--status-file FILE] [--sparse]\n"
     "         [--placement FILE.gpuidx | --vram-budget SIZE] [--cold-prefill auto|cpu|stream]\n"
     "         [--stream-chunk-rows N] [--stream-slots N] [--adaptive-cache-rows N]\n"
-    "         [--cold-gpu-share auto|off|F] [--decode-lanes N] [--cpu-spin-us US]\n"
+    "         [--cold-gpu-share auto|off|F] [--decode-lanes N] [--cpu-spin-us US] [--cold-guess]\n"
     "  --port: public gRPC port of the gateway (default 50051; 0 picks one, see --port-file)\n"
     "  --metrics-port: the gateway's /metrics (off unless given); the workers default to M+1\n"
     "                  and M+2 (or 0 = any free port, when M is 0)\n"
@@ -68,7 +68,10 @@ constexpr char kUsage[] =
     "  --cold-gpu-share: with --sparse and a GPU, how much of the cold work the GPU takes over\n"
     "            PCIe (auto, the default; see pinfer-gpu-worker --help)\n"
     "  --decode-lanes: with a GPU, decode steps of up to N sequences in flight at once (default\n"
-    "            2; see pinfer-gpu-worker --help)\n";
+    "            2; see pinfer-gpu-worker --help)\n"
+    "  --cold-guess: with --sparse and a GPU, the GPU guesses each layer's cold neurons before\n"
+    "            its attention and the cpu-worker loads their rows meanwhile (gpu-worker\n"
+    "            --cold-guess, cpu-worker --prefetch-guess)\n";
 
 struct Child {
   std::string role;
@@ -183,7 +186,7 @@ int ServeCommand(const std::vector<std::string>& args) {
                               "cold-gpu-share",
                               "decode-lanes",
                               "cpu-spin-us"},
-                             {"sparse"});
+                             {"sparse", "cold-guess"});
   if (!parsed.ok()) return UsageError(kUsage, parsed.status());
   const Flags& f = *parsed;
   auto model = f.Required("model");
@@ -225,6 +228,9 @@ int ServeCommand(const std::vector<std::string>& args) {
                                     "(got \"",
                                     *v, "\")")));
     }
+  }
+  if (f.Has("cold-guess") && !f.Has("sparse")) {
+    return UsageError(kUsage, absl::InvalidArgumentError("--cold-guess needs --sparse"));
   }
   if (f.Has("adaptive-cache-rows") && !f.Has("sparse")) {
     return UsageError(kUsage, absl::InvalidArgumentError("--adaptive-cache-rows needs --sparse"));
@@ -313,6 +319,7 @@ int ServeCommand(const std::vector<std::string>& args) {
   pass(&gpu.argv, "cold-gpu-share");
   pass(&gpu.argv, "decode-lanes");
   if (f.Has("sparse")) gpu.argv.push_back("--sparse");
+  if (f.Has("cold-guess")) gpu.argv.push_back("--cold-guess");
   if (!gpu_metrics.empty()) {
     gpu.argv.insert(gpu.argv.end(), {"--metrics-port", gpu_metrics, "--metrics-port-file",
                                      dir + "/gpu-worker.metrics-port"});
@@ -327,6 +334,7 @@ int ServeCommand(const std::vector<std::string>& args) {
               segment};
   pass(&cpu.argv, "cpu-threads", "threads");
   pass(&cpu.argv, "cpu-spin-us", "spin-us");
+  if (f.Has("cold-guess")) cpu.argv.push_back("--prefetch-guess");
   if (!cpu_metrics.empty()) {
     cpu.argv.insert(cpu.argv.end(), {"--metrics-port", cpu_metrics, "--metrics-port-file",
                                      dir + "/cpu-worker.metrics-port"});

@@ -47,17 +47,22 @@ namespace wv1 = ::pinfer::worker::v1;
 constexpr char kUsage[] =
     "usage: pinfer-cpu-worker --model PATH --segment NAME [--listen ADDR] [--port-file FILE]\n"
     "         [--metrics-port P] [--metrics-port-file FILE] [--threads N] [--liveness-ms MS]\n"
-    "         [--spin-us US]\n"
+    "         [--spin-us US] [--prefetch-guess]\n"
     "  --segment: the gpu-worker's shared-memory segment (waited for until it exists)\n"
     "  --spin-us: how long the compute threads keep polling for the next layer's work before\n"
     "             they sleep (default 200; 0 sleeps at once): a decode step's layers follow each\n"
-    "             other within tens of microseconds, less than waking a sleeping thread takes\n";
+    "             other within tens of microseconds, less than waking a sleeping thread takes\n"
+    "  --prefetch-guess: while the GPU computes a layer's attention, load the rows of the neurons\n"
+    "             the gpu-worker guesses the layer will list (gpu-worker --cold-guess) into the\n"
+    "             caches of the threads that will compute them; each thread then keeps the same\n"
+    "             part of every layer's list\n";
 
 struct Options {
   std::string model, segment, listen = "127.0.0.1:0", port_file, metrics_port, metrics_port_file;
   int threads = 1;
   int64_t liveness_ms = 2000;
   int64_t spin_us = 200;
+  bool prefetch_guess = false;
 };
 
 absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
@@ -65,7 +70,7 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
                    cli::Flags::Parse(args,
                                      {"model", "segment", "listen", "port-file", "metrics-port",
                                       "metrics-port-file", "threads", "liveness-ms", "spin-us"},
-                                     {}));
+                                     {"prefetch-guess"}));
   Options o;
   ASSIGN_OR_RETURN(o.model, f.Required("model"));
   ASSIGN_OR_RETURN(o.segment, f.Required("segment"));
@@ -83,6 +88,7 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
     return absl::InvalidArgumentError("--spin-us must be in [0, 1000000]");
   }
   o.threads = static_cast<int>(threads);
+  o.prefetch_guess = f.Has("prefetch-guess");
   return o;
 }
 
@@ -202,6 +208,14 @@ int Main(const std::vector<std::string>& args) {
                       .Help("(token, neuron) pairs computed, by side of the split")
                       .Register(*registry)
                       .Add({{"side", "cpu"}});
+  auto& guessed_loaded = prometheus::BuildCounter()
+                             .Name("pinfer_worker_guessed_neurons_loaded_total")
+                             .Help(
+                                 "Cold neurons whose rows were loaded into the compute threads' "
+                                 "caches ahead of their layer's request, from the gpu-worker's "
+                                 "guesses (--prefetch-guess)")
+                             .Register(*registry)
+                             .Add({});
   auto& candidates = prometheus::BuildCounter()
                          .Name("pinfer_worker_neuron_candidates_total")
                          .Help("(token, neuron) pairs that could have been computed, by side")
@@ -277,6 +291,9 @@ int Main(const std::vector<std::string>& args) {
   if (!o.port_file.empty()) (void)WriteFileAtomically(o.port_file, absl::StrCat(port, "\n"));
 
   ThreadPool pool(o.threads, std::chrono::microseconds(o.spin_us));
+  // --prefetch-guess: the loads and the compute meet in one core's caches only if each part of a
+  // layer's list stays on one thread.
+  pool.set_pinned_chunks(o.prefetch_guess);
   std::unique_ptr<CpuOps> ops = NewSimdOps(&pool);
   std::atomic<bool> stop{false};
   int exit_code = 0;
@@ -361,7 +378,13 @@ int Main(const std::vector<std::string>& args) {
             candidates.Increment(static_cast<double>(rows->layer(layer).neurons.size()) * n);
             return count;
           },
-          stop);
+          stop,
+          o.prefetch_guess ? shm::GuessHandler([&](int layer, const uint64_t* mask,
+                                                   const std::function<bool()>& stop_guess) {
+            guessed_loaded.Increment(
+                static_cast<double>(ffn.Prefetch(layer, mask, &pool, stop_guess)));
+          })
+                           : shm::GuessHandler());
       {
         std::lock_guard<std::mutex> lock(status.mu);
         status.gpu_alive = false;

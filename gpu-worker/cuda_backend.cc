@@ -61,6 +61,16 @@ class ExchangeColdFfn : public cuda::ColdFfn {
     planner_ = planner;
   }
 
+  // The module's guess at the layer's cold neurons (--cold-guess), for the cpu-worker to load
+  // their rows while the GPU computes the attention. A hint: failures are not errors.
+  void Ahead(int layer, const int32_t* guess, int n_guess,
+             const std::function<bool()>& x_ready) override {
+    (void)x_ready;
+    if (n_guess <= 0) return;
+    absl::MutexLock turn(&turn_);
+    exchange_->PostGuess(layer, guess, n_guess).IgnoreError();
+  }
+
   cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
     absl::MutexLock turn(&turn_);
     const uint64_t start = shm::MonotonicNanos();

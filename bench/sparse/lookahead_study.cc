@@ -352,6 +352,44 @@ Metrics PreviousToken(const Targets& d, int64_t begin, int64_t end, int F) {
       [&](int64_t t) { return (t - begin) % kWindow == 0; });  // no previous token in the window
 }
 
+// The module's rule (gpu-worker/cuda ModelUpload::cold_guess): a guess scored sg holds neuron j
+// when sg >= thr[j] - shift, one shift for the layer. Returns the guess's size over the size of
+// (a)'s selection (scores sa, thresholds thr) at the smallest shift whose guess holds `share` of
+// the neurons (a) selects, counted over the rows (each neuron's rows are the same bytes, so this
+// is the share of (a)'s cold rows a cold side could have loaded ahead).
+double GuessSizeForShare(const std::vector<float>& sa, const std::vector<float>& sg,
+                         const std::vector<float>& thr, int64_t rows, int F, double share) {
+  auto count = [&](double shift, int64_t* held, int64_t* guessed) {
+    int64_t h = 0, g = 0;
+    for (int64_t t = 0; t < rows; ++t) {
+      const float* a = sa.data() + t * F;
+      const float* b = sg.data() + t * F;
+      for (int j = 0; j < F; ++j) {
+        const bool in_guess = b[j] >= thr[j] - shift;
+        g += in_guess;
+        h += in_guess && a[j] >= thr[j];
+      }
+    }
+    *held = h;
+    *guessed = g;
+  };
+  int64_t actual = 0;
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int j = 0; j < F; ++j) actual += sa[t * F + j] >= thr[j];
+  }
+  if (actual == 0) return 0;
+  double lo = -50, hi = 50;  // held grows with the shift
+  for (int it = 0; it < 40; ++it) {
+    const double mid = 0.5 * (lo + hi);
+    int64_t held = 0, guessed = 0;
+    count(mid, &held, &guessed);
+    (static_cast<double>(held) >= share * actual ? hi : lo) = mid;
+  }
+  int64_t held = 0, guessed = 0;
+  count(hi, &held, &guessed);
+  return static_cast<double>(guessed) / actual;
+}
+
 struct Trained {
   Mlp mlp;
   double lambda = 0;  // calibrated on the held-back calibration rows
@@ -388,6 +426,8 @@ struct LayerResult {
   Metrics std_pred, lib_pred, look_matched, look_same, prev;
   Metrics reuse_same, reuse_matched;  // (c): (a)'s predictor on the layer input
   Metrics early_same, early_matched;  // (d): on the previous layer's FFN input (layers > 0)
+  // Guess sizes over (a)'s selection at which (c) and (d) hold 90% and 95% of its neurons.
+  double reuse_size90 = 0, reuse_size95 = 0, early_size90 = 0, early_size95 = 0;
   double look_lambda_shift = 0, seconds = 0;
   double cosine = 0;  // mean cos(residual before attention, residual after), evaluation tokens
   bool has_lib = false;
@@ -530,6 +570,8 @@ int main(int argc, char** argv) {
         (mm.magnitude_recall >= res.std_pred.magnitude_recall ? lo : hi) = mid;
       }
       res.reuse_matched = Measure(d, sc, n_cal, n_all, F, NeuronThresholds(d, lo));
+      res.reuse_size90 = GuessSizeForShare(sa, sc, thr_a, n_all - n_cal, F, 0.90);
+      res.reuse_size95 = GuessSizeForShare(sa, sc, thr_a, n_all - n_cal, F, 0.95);
     }
     // (d) earlier still: (a)'s predictor on the previous layer's FFN input (its residual after
     // its attention, before its FFN), re-weighted to this layer's ffn_norm: what a GPU can
@@ -550,6 +592,8 @@ int main(int argc, char** argv) {
         (mm.magnitude_recall >= res.std_pred.magnitude_recall ? lo : hi) = mid;
       }
       res.early_matched = Measure(d, sc, n_cal, n_all, F, NeuronThresholds(d, lo));
+      res.early_size90 = GuessSizeForShare(sa, sc, thr_a, n_all - n_cal, F, 0.90);
+      res.early_size95 = GuessSizeForShare(sa, sc, thr_a, n_all - n_cal, F, 0.95);
     }
     prev_eval = ToF32(ev->ffn_in[l]);
     prev_wf = ToFloat(m.layers[l].ffn_norm);
@@ -691,6 +735,16 @@ int main(int argc, char** argv) {
         s.recall, s.magnitude_recall, s.precision, s.predicted, m.recall, m.magnitude_recall,
         m.precision, m.predicted, m.predicted / r.std_pred.predicted,
         r.look_matched.predicted / r.std_pred.predicted, d);
+  }
+  std::printf(
+      "\nGuesses by the module's rule (one shift on (a)'s thresholds): their size over (a)'s "
+      "selection when they hold 90%% / 95%% of the neurons (a) selects:\n\n| layer | (c) on the "
+      "layer input | (d) on the previous layer's FFN input |\n|---|---|---|\n");
+  for (size_t i = 0; i < results.size(); ++i) {
+    const LayerResult& r = results[i];
+    char d[64] = "-";
+    if (i > 0) std::snprintf(d, sizeof(d), "%.2fx / %.2fx", r.early_size90, r.early_size95);
+    std::printf("| %zu | %.2fx / %.2fx | %s |\n", i, r.reuse_size90, r.reuse_size95, d);
   }
   if (library_check) {
     std::printf(

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -187,6 +188,58 @@ void ReleaseMappedPages(const Model& model) {
     const uintptr_t aligned = addr / page * page;
     ::madvise(reinterpret_cast<void*>(aligned), f->size() + (addr - aligned), MADV_DONTNEED);
   }
+}
+
+uint64_t PartialFfn::Prefetch(int layer, const uint64_t* mask, ThreadPool* pool,
+                              const std::function<bool()>& stop) {
+  const FfnRowStore::Layer& L = rows_.layer(layer);
+  guess_.clear();
+  for (int i = 0; i < static_cast<int>(L.neurons.size()); ++i) {
+    const int32_t j = L.neurons[i];
+    if ((mask[j >> 6] >> (j & 63)) & 1) guess_.push_back(i);
+  }
+  const int n = static_cast<int>(guess_.size());
+  if (n == 0) return 0;
+  // As CpuOps::SparseFfnToken splits a list: equal parts, one per pool thread, at least 8
+  // neurons each (ops_simd.cc, kGroup).
+  const int threads = pool == nullptr ? 1 : pool->size();
+  const int parts = std::clamp((n + 7) / 8, 1, threads);
+  const size_t row_bytes[3] = {L.gate.row_bytes(), L.up.row_bytes(), L.down_t.row_bytes()};
+  std::atomic<bool> done{false};
+  std::atomic<int> finished{0};
+  std::atomic<uint64_t> loaded{0};
+  auto run_part = [&](int p) {
+    const int i1 = static_cast<int>(static_cast<int64_t>(n) * (p + 1) / parts);
+    uint64_t count = 0;
+    for (int i = static_cast<int>(static_cast<int64_t>(n) * p / parts); i < i1; ++i) {
+      if (p == 0 && stop()) done.store(true, std::memory_order_relaxed);
+      if (done.load(std::memory_order_relaxed)) break;
+      const uint8_t* rows[3] = {L.gate.row(guess_[i]), L.up.row(guess_[i]),
+                                L.down_t.row(guess_[i])};
+      for (int r = 0; r < 3; ++r) {
+        for (size_t o = 0; o < row_bytes[r]; o += 64) __builtin_prefetch(rows[r] + o, 0, 3);
+      }
+      ++count;
+    }
+    loaded.fetch_add(count, std::memory_order_relaxed);
+    if (p != 0) {
+      finished.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    // Part 0 keeps watching, so that the other parts stop in time.
+    while (!done.load(std::memory_order_relaxed) &&
+           finished.load(std::memory_order_acquire) < parts - 1) {
+      if (stop()) done.store(true, std::memory_order_relaxed);
+    }
+  };
+  if (parts == 1) {
+    run_part(0);
+  } else {
+    pool->ParallelFor(parts, 1, [&](int64_t b, int64_t e) {
+      for (int64_t p = b; p < e; ++p) run_part(static_cast<int>(p));
+    });
+  }
+  return loaded.load();
 }
 
 uint64_t PartialFfn::Accumulate(int layer, const float* x, int n, const uint64_t* masks,

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -19,6 +20,7 @@
 #include "shared/engine/ops.h"
 #include "shared/model/model.h"
 #include "shared/util/aligned_buffer.h"
+#include "shared/util/thread_pool.h"
 
 namespace pinfer {
 
@@ -101,13 +103,21 @@ class PartialFfn {
   // (token, neuron) pairs with a non-zero activation that were computed.
   uint64_t Accumulate(int layer, const float* x, int n, const uint64_t* masks, int words_per_mask,
                       float* out);
+  // Loads the rows of this side's neurons set in `mask` (a guess at the next request's list for
+  // `layer`) into the caches of the pool threads that will compute them: the list in the parts
+  // a single token's Accumulate splits its list into, part i on pool thread i, which the pool's
+  // pinned chunks (ThreadPool::set_pinned_chunks) keep so for both loops. Stops soon after
+  // stop() (called from one thread at a time) turns true. Returns the neurons whose rows it
+  // loaded.
+  uint64_t Prefetch(int layer, const uint64_t* mask, ThreadPool* pool,
+                    const std::function<bool()>& stop);
 
  private:
   const FfnRowStore& rows_;
   Activation act_;
   const CpuOps& ops_;
   std::vector<float> gate_, sel_gate_, up_, coef_;
-  std::vector<int32_t> sel_, iota_;
+  std::vector<int32_t> sel_, iota_, guess_;
 };
 
 }  // namespace pinfer

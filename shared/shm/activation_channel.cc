@@ -73,8 +73,40 @@ absl::StatusOr<uint32_t> ExchangeClient::Post(int layer, const float* x, int n,
   h->req_flags = masks != nullptr ? kRequestSparse : 0;
   const uint32_t seq = h->req_seq.load(std::memory_order_relaxed) + 1;
   h->req_seq.store(seq, std::memory_order_release);
-  FutexWakeAll(&h->req_seq);
+  h->doorbell.fetch_add(1, std::memory_order_release);
+  FutexWakeAll(&h->doorbell);
   return seq;
+}
+
+absl::Status ExchangeClient::PostGuess(int layer, const int32_t* ids, int n) {
+  Header* h = segment_->header();
+  const Geometry& g = h->geometry;
+  if (layer < 0 || layer >= g.n_layers || n < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("guess for layer ", layer, " of ", g.n_layers));
+  }
+  if (std::string problem = PeerProblem(); !problem.empty()) {
+    return absl::UnavailableError(problem);
+  }
+  guess_.assign(g.words_per_mask(), 0);
+  for (int i = 0; i < n; ++i) {
+    if (ids[i] < 0 || ids[i] >= g.ffn) {
+      return absl::InvalidArgumentError(absl::StrCat("guessed neuron ", ids[i], " of ", g.ffn));
+    }
+    guess_[ids[i] >> 6] |= 1ull << (ids[i] & 63);
+  }
+  // Sequence lock (segment.h): odd while writing.
+  const uint32_t s = h->guess_seq.load(std::memory_order_relaxed);
+  h->guess_seq.store(s + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  uint64_t* mask = segment_->guess_mask();
+  for (size_t w = 0; w < guess_.size(); ++w) {
+    std::atomic_ref<uint64_t>(mask[w]).store(guess_[w], std::memory_order_relaxed);
+  }
+  h->guess_layer.store(layer, std::memory_order_relaxed);
+  h->guess_seq.store(s + 2, std::memory_order_release);
+  h->doorbell.fetch_add(1, std::memory_order_release);
+  FutexWakeAll(&h->doorbell);
+  return absl::OkStatus();
 }
 
 absl::Status ExchangeClient::AwaitAndAdd(uint32_t seq, int n, float* out, ExchangeStats* stats) {
@@ -178,7 +210,8 @@ bool ExchangeServer::GpuAlive() const {
          !(now > hb && now - hb > static_cast<uint64_t>(options_.liveness_ns));
 }
 
-absl::Status ExchangeServer::Serve(const ColdHandler& handler, const std::atomic<bool>& stop) {
+absl::Status ExchangeServer::Serve(const ColdHandler& handler, const std::atomic<bool>& stop,
+                                   const GuessHandler& guess_handler) {
   Header* h = segment_->header();
   const Geometry& g = h->geometry;
   // Everything past the last answer is pending, including a request posted between MarkReady
@@ -205,10 +238,39 @@ absl::Status ExchangeServer::Serve(const ColdHandler& handler, const std::atomic
     }
     return absl::OkStatus();
   };
+  uint32_t seen_guess = h->guess_seq.load(std::memory_order_acquire);
+  std::vector<uint64_t> guess(g.words_per_mask());
   for (;;) {
-    absl::Status st = WaitForChange(&h->req_seq, seen, wo, check);
-    if (absl::IsCancelled(st)) return absl::OkStatus();
-    if (!st.ok()) return st;
+    // The doorbell first: a request or guess posted after this load changes it, so the wait
+    // below cannot miss one.
+    const uint32_t bell = h->doorbell.load(std::memory_order_acquire);
+    if (h->req_seq.load(std::memory_order_acquire) == seen) {
+      const uint32_t gs = h->guess_seq.load(std::memory_order_acquire);
+      if (gs != seen_guess) {
+        seen_guess = gs;
+        if (guess_handler && gs % 2 == 0) {  // odd: being written, its doorbell still to come
+          const int layer = h->guess_layer.load(std::memory_order_relaxed);
+          uint64_t* mask = segment_->guess_mask();
+          for (size_t w = 0; w < guess.size(); ++w) {
+            guess[w] = std::atomic_ref<uint64_t>(mask[w]).load(std::memory_order_relaxed);
+          }
+          // A guess overwritten while it was copied is dropped (the next one is pending).
+          std::atomic_thread_fence(std::memory_order_acquire);
+          if (h->guess_seq.load(std::memory_order_relaxed) == gs && layer >= 0 &&
+              layer < g.n_layers) {
+            guess_handler(layer, guess.data(), [&] {
+              return h->req_seq.load(std::memory_order_acquire) != seen || stop.load() ||
+                     !GpuAlive();
+            });
+          }
+        }
+        continue;
+      }
+      absl::Status st = WaitForChange(&h->doorbell, bell, wo, check);
+      if (absl::IsCancelled(st)) return absl::OkStatus();
+      if (!st.ok()) return st;
+      continue;
+    }
     const uint32_t seq = h->req_seq.load(std::memory_order_acquire);
     seen = seq;
     const int n = h->req_tokens;

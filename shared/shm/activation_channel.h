@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -66,6 +67,11 @@ class ExchangeClient {
   // (exact mode: the cpu-worker's gate decides). Fails fast with UNAVAILABLE if the peer is not
   // ready. Returns the request's sequence number.
   absl::StatusOr<uint32_t> Post(int layer, const float* x, int n, const uint64_t* masks);
+  // Publishes a guess at the neurons (global ids, n of them) that the next request for `layer`
+  // will list, so that the cpu-worker can load their rows while this side computes the layer's
+  // attention. A hint only: the request is answered the same with or without it. Fails fast
+  // with UNAVAILABLE if the peer is not ready, and with INVALID_ARGUMENT for a bad layer or id.
+  absl::Status PostGuess(int layer, const int32_t* ids, int n);
   // Waits for the answer to `seq` and adds the cold contribution into out: [n, hidden].
   absl::Status AwaitAndAdd(uint32_t seq, int n, float* out, ExchangeStats* stats);
 
@@ -73,12 +79,18 @@ class ExchangeClient {
   std::unique_ptr<Segment> segment_;
   ChannelOptions options_;
   Heartbeat heartbeat_;
+  std::vector<uint64_t> guess_;  // PostGuess's mask, built here before it is published
 };
 
 // What the cpu-worker computes per request: out: [n, hidden] = the contribution of its cold
 // neurons for x: [n, hidden]; masks as in Post. Returns the neurons computed (summed over tokens).
 using ColdHandler = std::function<absl::StatusOr<uint64_t>(int layer, const float* x, int n,
                                                            const uint64_t* masks, float* out)>;
+// What the cpu-worker does with a guess (ExchangeClient::PostGuess) while no request is pending:
+// mask: [words_per_mask], the guessed neurons of `layer` (a copy, valid during the call). It
+// should return soon after stop() turns true (a request arrived, or the server is stopping).
+using GuessHandler =
+    std::function<void(int layer, const uint64_t* mask, const std::function<bool()>& stop)>;
 
 // The cpu-worker's side, attached to an existing segment.
 class ExchangeServer {
@@ -94,7 +106,9 @@ class ExchangeServer {
 
   // Serves requests until `stop` becomes true, the segment is closed or replaced (returns
   // UNAVAILABLE: re-attach), or another cpu-worker takes over (FAILED_PRECONDITION).
-  absl::Status Serve(const ColdHandler& handler, const std::atomic<bool>& stop);
+  // Guesses go to guess_handler when one is given, else they are dropped.
+  absl::Status Serve(const ColdHandler& handler, const std::atomic<bool>& stop,
+                     const GuessHandler& guess_handler = nullptr);
   void set_resident_bytes(uint64_t b) { segment_->header()->cpu_resident_bytes.store(b); }
 
  private:

@@ -26,7 +26,7 @@ size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 constexpr uint64_t kStaleCreatorNs = 3'000'000'000ull;
 
 struct Offsets {
-  size_t hot_bitmap, request_x, request_mask, response, total;
+  size_t hot_bitmap, request_x, request_mask, response, guess_mask, total;
 };
 
 Offsets ComputeOffsets(const Geometry& g) {
@@ -37,7 +37,8 @@ Offsets ComputeOffsets(const Geometry& g) {
   o.request_x = AlignUp(o.hot_bitmap + static_cast<size_t>(g.n_layers) * mask_bytes);
   o.request_mask = AlignUp(o.request_x + act_bytes);
   o.response = AlignUp(o.request_mask + static_cast<size_t>(g.max_tokens) * mask_bytes);
-  o.total = AlignUp(o.response + act_bytes);
+  o.guess_mask = AlignUp(o.response + act_bytes);
+  o.total = AlignUp(o.guess_mask + mask_bytes);
   return o;
 }
 
@@ -110,6 +111,7 @@ absl::StatusOr<std::unique_ptr<Segment>> Segment::Create(const std::string& name
               // Attached cpu-workers see this and let go of the old segment.
               h->state.store(static_cast<uint32_t>(SegmentState::kClosed));
               FutexWakeAll(&h->req_seq);
+              FutexWakeAll(&h->doorbell);
             }
           }
           ::munmap(p, sizeof(Header));
@@ -153,6 +155,7 @@ absl::StatusOr<std::unique_ptr<Segment>> Segment::Create(const std::string& name
   h->request_x_offset = o.request_x;
   h->request_mask_offset = o.request_mask;
   h->response_offset = o.response;
+  h->guess_mask_offset = o.guess_mask;
   h->creator_pid = static_cast<int32_t>(::getpid());
   h->gpu_heartbeat_ns.store(MonotonicNanos());
   h->state.store(static_cast<uint32_t>(SegmentState::kOpen));
@@ -218,7 +221,7 @@ absl::StatusOr<std::unique_ptr<Segment>> Segment::Attach(const std::string& name
   const Offsets o = ComputeOffsets(g);
   if (h->total_bytes != o.total || size < o.total || h->response_offset != o.response ||
       h->request_x_offset != o.request_x || h->request_mask_offset != o.request_mask ||
-      h->hot_bitmap_offset != o.hot_bitmap) {
+      h->hot_bitmap_offset != o.hot_bitmap || h->guess_mask_offset != o.guess_mask) {
     return fail(absl::FailedPreconditionError(
         absl::StrCat("segment ", name, " has an inconsistent layout (size ", size, ")")));
   }
@@ -232,6 +235,7 @@ Segment::~Segment() {
   if (creator_) {
     header_->state.store(static_cast<uint32_t>(SegmentState::kClosed));
     FutexWakeAll(&header_->req_seq);
+    FutexWakeAll(&header_->doorbell);
     FutexWakeAll(&header_->resp_seq);
     // Only unlink the name if it still refers to our segment.
     if (!Replaced()) ::shm_unlink(name_.c_str());
@@ -261,6 +265,10 @@ float* Segment::request_x() const {
 uint64_t* Segment::request_mask(int token) const {
   return reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(base_) + header_->request_mask_offset) +
          static_cast<size_t>(token) * header_->geometry.words_per_mask();
+}
+
+uint64_t* Segment::guess_mask() const {
+  return reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(base_) + header_->guess_mask_offset);
 }
 
 float* Segment::response() const {

@@ -13,6 +13,8 @@
 //   request x       [max_tokens, hidden] f32: FFN input of the current exchange
 //   request masks   [max_tokens][words_per_mask] u64: sparse mode, predicted-active neurons
 //   response        [max_tokens, hidden] f32: the cold neurons' contribution
+//   guess mask      [words_per_mask] u64: a hint, the neurons the gpu-worker guesses the next
+//                   request of layer guess_layer will list (ExchangeClient::PostGuess)
 #pragma once
 
 #include <atomic>
@@ -27,7 +29,7 @@
 namespace pinfer::shm {
 
 inline constexpr uint64_t kMagic = 0x31764d4853464e50ull;  // "PNFSHMv1" little-endian
-inline constexpr uint32_t kLayoutVersion = 1;
+inline constexpr uint32_t kLayoutVersion = 2;              // 2: the guess mask and the doorbell
 
 // What both sides must agree on; the cpu-worker derives it from its own copy of the model and
 // compares it with the header.
@@ -56,6 +58,7 @@ struct alignas(64) Header {
   Geometry geometry;
   uint64_t instance_id;  // random per creation: tells a re-created segment from the old one
   uint64_t hot_bitmap_offset, request_x_offset, request_mask_offset, response_offset;
+  uint64_t guess_mask_offset;
   int32_t creator_pid;
   std::atomic<uint32_t> state;  // SegmentState
 
@@ -65,6 +68,14 @@ struct alignas(64) Header {
   int32_t req_layer;
   int32_t req_tokens;
   uint32_t req_flags;
+  // A guess (a hint, never needed for a correct answer), under a sequence lock: guess_seq is odd
+  // while the gpu-worker writes the guess mask and guess_layer and even once they are complete
+  // (release); the reader drops a guess whose guess_seq was odd or changed while it read it. The
+  // mask's words are accessed as relaxed atomics, since the two sides may touch them at once.
+  std::atomic<uint32_t> guess_seq;
+  std::atomic<int32_t> guess_layer;
+  // The futex word the cpu-worker sleeps on: incremented after every request and every guess.
+  std::atomic<uint32_t> doorbell;
 
   // cpu-worker -> gpu-worker. resp_seq equals the req_seq it answers; resp_status 0 is success,
   // otherwise an absl::StatusCode with resp_error holding the message.
@@ -118,6 +129,7 @@ class Segment {
   uint64_t* hot_bitmap(int layer) const;
   float* request_x() const;
   uint64_t* request_mask(int token) const;
+  uint64_t* guess_mask() const;
   float* response() const;
   const std::string& name() const { return name_; }
   size_t size() const { return size_; }

@@ -1,8 +1,9 @@
 // The FFN split between the workers must add up to the dense FFN: for every layer, the hot side's
 // contribution plus the cold side's equals DenseFfn's output (to fp32 rounding), for ReLU models
 // (the gate decides which rows are computed) and SiLU models (every row), for any placement. Also
-// checks that sparse masks restrict the work, and that the row store's resident footprint is the
-// selected rows only.
+// checks that sparse masks restrict the work, that loading guessed rows ahead (Prefetch) stops
+// when told and changes nothing, and that the row store's resident footprint is the selected
+// rows only.
 #include "shared/service/ffn_split.h"
 
 #include <cstring>
@@ -127,6 +128,43 @@ TEST(FfnSplitTest, MasksRestrictTheComputedNeurons) {
   EXPECT_LT(RelErr(masked, manual), 1e-6);
   EXPECT_EQ(count, a != 0 ? 1u : 0u);
   for (int h = 0; h < H; ++h) EXPECT_EQ(masked[H + h], 0.f);
+}
+
+// Prefetch (the cpu-worker's --prefetch-guess) loads the rows of the guessed neurons that this
+// side holds, every one of them when nothing stops it, and none on part 0 when stop() is true
+// from the start. It changes nothing Accumulate computes: with the pool's pinned chunks the
+// result is the same bits as without.
+TEST(FfnSplitTest, PrefetchLoadsThisSidesGuessedNeuronsUntilStopped) {
+  auto m = Load("relu-llama-tiny");
+  ASSERT_NE(m, nullptr);
+  const ModelConfig& c = m->config;
+  Placement p = Placement::FixedFraction(c, 0.5);
+  std::vector<std::vector<int32_t>> cold(c.n_layers);
+  for (int l = 0; l < c.n_layers; ++l) cold[l] = p.Cold(l, c.ffn_size);
+  auto rows = FfnRowStore::Build(*m, cold);
+  ASSERT_TRUE(rows.ok());
+  ThreadPool pinned_pool(4), plain_pool(4);
+  pinned_pool.set_pinned_chunks(true);
+  auto pinned_ops = NewSimdOps(&pinned_pool), plain_ops = NewSimdOps(&plain_pool);
+  PartialFfn ffn(**rows, c.activation, *pinned_ops), plain(**rows, c.activation, *plain_ops);
+  const int W = (c.ffn_size + 63) / 64;
+  std::vector<uint64_t> mask(W, 0);
+  uint64_t want = 0;
+  for (int j = 0; j < c.ffn_size; j += 3) mask[j >> 6] |= 1ull << (j & 63);
+  for (int32_t j : cold[1]) want += j % 3 == 0;
+  ASSERT_GT(want, 64u);  // several parts
+  EXPECT_EQ(ffn.Prefetch(1, mask.data(), &pinned_pool, [] { return false; }), want);
+  EXPECT_LT(ffn.Prefetch(1, mask.data(), &pinned_pool, [] { return true; }), want);
+  EXPECT_EQ(ffn.Prefetch(1, std::vector<uint64_t>(W, 0).data(), &pinned_pool, [] { return false; }),
+            0u);
+
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> x(c.hidden_size), a(c.hidden_size, 0.f), b(c.hidden_size, 0.f);
+  for (float& v : x) v = nd(rng);
+  ffn.Accumulate(1, x.data(), 1, mask.data(), W, a.data());
+  plain.Accumulate(1, x.data(), 1, mask.data(), W, b.data());
+  EXPECT_EQ(a, b);
 }
 
 TEST(FfnSplitTest, StoreHoldsOnlyItsRowsAndRejectsBadPlacements) {

@@ -754,6 +754,11 @@ TEST(ServiceAdaptiveCacheTest, FlagErrors) {
   EXPECT_EQ(rc6, 2);
   EXPECT_THAT(err6,
               HasSubstr("--cold-guess needs --sparse: the guess is made with the predictors"));
+  auto [rc7, err7] = RunCommand(std::string(PINFER_BINARY_DIR) + "/cli/pinfer serve --model " +
+                                    kTiny + " --port 0 --cold-guess",
+                                "adaptive-7");
+  EXPECT_EQ(rc7, 2);
+  EXPECT_THAT(err7, HasSubstr("--cold-guess needs --sparse"));
   auto [rc4, err4] = RunCommand(worker + "--cold-gpu-share 1.5", "adaptive-4");
   EXPECT_EQ(rc4, 2);
   EXPECT_THAT(err4, HasSubstr("--cold-gpu-share must be auto, off or a fraction in (0, 1] (got "

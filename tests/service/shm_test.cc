@@ -201,6 +201,9 @@ TEST(ExchangeTest, RoundTripsAndPairsAnswersWithRequests) {
     for (int i = 0; i < 16; ++i) EXPECT_EQ(out[i], 1.f + x[i] * (layer + 1));
     EXPECT_EQ(stats.cold_neurons, 6u);
   }
+  // A guess to a server without a guess handler is dropped; the request is answered as before.
+  const int32_t guessed[] = {0, 1, 3};
+  ASSERT_TRUE(client.PostGuess(1, guessed, 3).ok());
   uint64_t masks[4 * 2] = {0b1011, 0, 0, 1ull << 63};
   auto seq = client.Post(1, x, 2, masks);
   ASSERT_TRUE(seq.ok());
@@ -209,6 +212,67 @@ TEST(ExchangeTest, RoundTripsAndPairsAnswersWithRequests) {
   ASSERT_TRUE(client.AwaitAndAdd(*seq, 2, out, &stats).ok());
   EXPECT_EQ(stats.cold_neurons, 4u);
   EXPECT_EQ(client.Post(0, x, 5, nullptr).status().code(), absl::StatusCode::kInvalidArgument);
+  stop = true;
+  server.join();
+}
+
+// A guess (ExchangeClient::PostGuess) reaches the cpu-worker's guess handler as a mask of the
+// guessed neurons for its layer while no request is pending, and the handler's stop() turns true
+// once the request arrives, which is then answered as usual. Bad guesses are refused.
+TEST(ExchangeTest, GuessesReachTheGuessHandlerUntilTheRequestComes) {
+  const std::string name = UniqueSegmentName();
+  auto seg = Segment::Create(name, TestGeometry());
+  ASSERT_TRUE(seg.ok());
+  ExchangeClient client(std::move(*seg), FastOptions());
+  const int32_t guessed[] = {1, 5, 64, 99};
+  EXPECT_EQ(client.PostGuess(2, guessed, 4).code(), absl::StatusCode::kUnavailable);
+
+  std::atomic<bool> stop{false}, in_handler{false};
+  std::atomic<int> guesses{0};
+  int guess_layer = -1;
+  std::vector<uint64_t> guess_mask;
+  bool stopped_by_request = false;
+  std::thread server([&] {
+    auto att = Segment::Attach(name, TestGeometry());
+    ASSERT_TRUE(att.ok());
+    ExchangeServer s(std::move(*att), FastOptions());
+    s.MarkReady(1);
+    absl::Status st =
+        s.Serve([](int layer, const float* x, int n, const uint64_t* masks,
+                   float* out) { return TestHandler(layer, x, n, masks, out, 8); },
+                stop,
+                [&](int layer, const uint64_t* mask, const std::function<bool()>& stop_guess) {
+                  guess_layer = layer;
+                  guess_mask.assign(mask, mask + 2);
+                  in_handler = true;
+                  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+                  while (!stop_guess() && std::chrono::steady_clock::now() < deadline) {
+                  }
+                  stopped_by_request = stop_guess() && !stop.load();
+                  ++guesses;
+                });
+    EXPECT_TRUE(st.ok()) << st;
+  });
+  while (!client.PeerReady()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_TRUE(client.PostGuess(2, guessed, 4).ok());
+  while (!in_handler) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  float x[8], out[8] = {0};
+  for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(i);
+  uint64_t masks[2] = {0b10, 0};
+  auto seq = client.Post(2, x, 1, masks);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  ExchangeStats stats;
+  ASSERT_TRUE(client.AwaitAndAdd(*seq, 1, out, &stats).ok());
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(out[i], x[i] * 3);
+  EXPECT_EQ(stats.cold_neurons, 1u);
+  EXPECT_EQ(guesses.load(), 1);
+  EXPECT_EQ(guess_layer, 2);
+  EXPECT_EQ(guess_mask, (std::vector<uint64_t>{(1ull << 1) | (1ull << 5), 1ull | (1ull << 35)}));
+  EXPECT_TRUE(stopped_by_request);
+
+  const int32_t bad_id[] = {100};  // ffn 100
+  EXPECT_EQ(client.PostGuess(2, bad_id, 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client.PostGuess(9, guessed, 4).code(), absl::StatusCode::kInvalidArgument);
   stop = true;
   server.join();
 }
