@@ -141,8 +141,9 @@ struct CudaBackendOptions {
   // on the cpu-worker overlap another's GPU work. 1: one at a time. Not with the adaptive hot set.
   int decode_lanes = 2;
   // With predictors: the module guesses each decode layer's active cold neurons ahead of its
-  // attention (cuda::ModelUpload::cold_guess) and scores each guess against the layer's actual
-  // list (BackendStats::guess_*). The cpu-worker does not receive the guess yet.
+  // attention (cuda::ModelUpload::cold_guess), which goes to the cpu-worker through the segment
+  // (ExchangeClient::PostGuess), and scores each guess against the layer's actual list
+  // (BackendStats::guess_*).
   bool cold_guess = false;
 };
 // The most decode lanes (the CUDA module's cuda::kMaxLanes).

@@ -93,9 +93,10 @@ constexpr char kUsage[] =
     "               GPU (counted in --vram-budget); not with --adaptive-cache-rows\n"
     "  --cold-guess: with --sparse on the CUDA backend, the GPU guesses each decode layer's\n"
     "               active cold neurons ahead of the layer's attention (the layer's predictor on\n"
-    "               the previous layer's residual) and counts how much of the actual list each\n"
-    "               guess held (pinfer_worker_cold_guess_neurons_total); the cpu-worker does not\n"
-    "               receive the guess yet\n";
+    "               the previous layer's residual) and posts the guess through the segment, for a\n"
+    "               cpu-worker with --prefetch-guess to load their rows meanwhile; it counts how\n"
+    "               much of the actual list each guess held "
+    "(pinfer_worker_cold_guess_neurons_total)\n";
 
 struct Options {
   std::string model, listen = "127.0.0.1:0", port_file, segment, metrics_port, metrics_port_file;
