@@ -390,6 +390,28 @@ double GuessSizeForShare(const std::vector<float>& sa, const std::vector<float>&
   return static_cast<double>(guessed) / actual;
 }
 
+// The largest cut lambda at which scores s reach magnitude recall `target` over the evaluation
+// rows [begin, end), by bisection. Magnitude recall falls as the cut rises: about 1 at the low
+// end; at the high end every threshold is at its clamp (-0.004), the least this threshold family
+// selects.
+double CutForMagnitudeRecall(const Targets& d, const std::vector<float>& s, int64_t begin,
+                             int64_t end, int F, double target) {
+  double lo = -200, hi = 50;
+  for (int it = 0; it < 60; ++it) {
+    const double mid = 0.5 * (lo + hi);
+    const Metrics mm = Measure(d, s, begin, end, F, NeuronThresholds(d, mid));
+    (mm.magnitude_recall >= target ? lo : hi) = mid;
+  }
+  return lo;
+}
+
+// (a)'s predictor on other features: at (a)'s thresholds, at (a)'s magnitude recall, and the
+// guess sizes by the module's rule.
+struct Reused {
+  Metrics same, matched;
+  double size90 = 0, size95 = 0;
+};
+
 struct Trained {
   Mlp mlp;
   double lambda = 0;  // calibrated on the held-back calibration rows
@@ -424,10 +446,8 @@ std::vector<float> ToF32(const std::vector<uint16_t>& h) {
 
 struct LayerResult {
   Metrics std_pred, lib_pred, look_matched, look_same, prev;
-  Metrics reuse_same, reuse_matched;  // (c): (a)'s predictor on the layer input
-  Metrics early_same, early_matched;  // (d): on the previous layer's FFN input (layers > 0)
-  // Guess sizes over (a)'s selection at which (c) and (d) hold 90% and 95% of its neurons.
-  double reuse_size90 = 0, reuse_size95 = 0, early_size90 = 0, early_size95 = 0;
+  Reused reuse;  // (c): (a)'s predictor on the layer input
+  Reused early;  // (d): on the previous layer's FFN input (layers > 0)
   double look_lambda_shift = 0, seconds = 0;
   double cosine = 0;  // mean cos(residual before attention, residual after), evaluation tokens
   bool has_lib = false;
@@ -537,19 +557,25 @@ int main(int argc, char** argv) {
     const Trained b = Train(*ops, d, lay_x.data(), {}, {}, H, F, l, o, rank);
     const std::vector<float> sb = Scores(*ops, b.mlp, H, F, lay_x.data(), n_cal, n_all);
     res.look_same = Measure(d, sb, n_cal, n_all, F, NeuronThresholds(d, b.lambda));
-    // Matched: the largest cut at which (b)'s magnitude recall reaches (a)'s, by bisection.
+    // Matched: the largest cut at which (b)'s magnitude recall reaches (a)'s.
     {
-      // Magnitude recall falls as the cut rises: about 1 at lo; at hi every threshold is at its
-      // clamp (-0.004), the least this threshold family selects.
-      double lo = -200, hi = 50;
-      for (int it = 0; it < 60; ++it) {
-        const double mid = 0.5 * (lo + hi);
-        const Metrics mm = Measure(d, sb, n_cal, n_all, F, NeuronThresholds(d, mid));
-        (mm.magnitude_recall >= res.std_pred.magnitude_recall ? lo : hi) = mid;
-      }
-      res.look_matched = Measure(d, sb, n_cal, n_all, F, NeuronThresholds(d, lo));
-      res.look_lambda_shift = lo - b.lambda;
+      const double cut =
+          CutForMagnitudeRecall(d, sb, n_cal, n_all, F, res.std_pred.magnitude_recall);
+      res.look_matched = Measure(d, sb, n_cal, n_all, F, NeuronThresholds(d, cut));
+      res.look_lambda_shift = cut - b.lambda;
     }
+    // (a)'s predictor on the evaluation rows of other features x: [n_all - n_cal, H].
+    auto reuse = [&](const std::vector<float>& x) {
+      Reused r;
+      const std::vector<float> sc = Scores(*ops, a.mlp, H, F, x.data(), 0, n_all - n_cal);
+      r.same = Measure(d, sc, n_cal, n_all, F, thr_a);
+      const double cut =
+          CutForMagnitudeRecall(d, sc, n_cal, n_all, F, res.std_pred.magnitude_recall);
+      r.matched = Measure(d, sc, n_cal, n_all, F, NeuronThresholds(d, cut));
+      r.size90 = GuessSizeForShare(sa, sc, thr_a, n_all - n_cal, F, 0.90);
+      r.size95 = GuessSizeForShare(sa, sc, thr_a, n_all - n_cal, F, 0.95);
+      return r;
+    };
     // (c) reuse: (a)'s own predictor on the layer input, re-weighted from attn_norm to
     // ffn_norm, so no second predictor is needed: at (a)'s thresholds, and matched as (b).
     {
@@ -561,17 +587,7 @@ int main(int argc, char** argv) {
           reuse_x[(t - n_cal) * H + h] = wa[h] == 0 ? 0 : lay_x[t * H + h] / wa[h] * wf[h];
         }
       }
-      const std::vector<float> sc = Scores(*ops, a.mlp, H, F, reuse_x.data(), 0, n_all - n_cal);
-      res.reuse_same = Measure(d, sc, n_cal, n_all, F, thr_a);
-      double lo = -200, hi = 50;
-      for (int it = 0; it < 60; ++it) {
-        const double mid = 0.5 * (lo + hi);
-        const Metrics mm = Measure(d, sc, n_cal, n_all, F, NeuronThresholds(d, mid));
-        (mm.magnitude_recall >= res.std_pred.magnitude_recall ? lo : hi) = mid;
-      }
-      res.reuse_matched = Measure(d, sc, n_cal, n_all, F, NeuronThresholds(d, lo));
-      res.reuse_size90 = GuessSizeForShare(sa, sc, thr_a, n_all - n_cal, F, 0.90);
-      res.reuse_size95 = GuessSizeForShare(sa, sc, thr_a, n_all - n_cal, F, 0.95);
+      res.reuse = reuse(reuse_x);
     }
     // (d) earlier still: (a)'s predictor on the previous layer's FFN input (its residual after
     // its attention, before its FFN), re-weighted to this layer's ffn_norm: what a GPU can
@@ -583,17 +599,7 @@ int main(int argc, char** argv) {
         const size_t h = i % H;
         early_x[i] = prev_wf[h] == 0 ? 0 : prev_eval[i] / prev_wf[h] * wf[h];
       }
-      const std::vector<float> sc = Scores(*ops, a.mlp, H, F, early_x.data(), 0, n_all - n_cal);
-      res.early_same = Measure(d, sc, n_cal, n_all, F, thr_a);
-      double lo = -200, hi = 50;
-      for (int it = 0; it < 60; ++it) {
-        const double mid = 0.5 * (lo + hi);
-        const Metrics mm = Measure(d, sc, n_cal, n_all, F, NeuronThresholds(d, mid));
-        (mm.magnitude_recall >= res.std_pred.magnitude_recall ? lo : hi) = mid;
-      }
-      res.early_matched = Measure(d, sc, n_cal, n_all, F, NeuronThresholds(d, lo));
-      res.early_size90 = GuessSizeForShare(sa, sc, thr_a, n_all - n_cal, F, 0.90);
-      res.early_size95 = GuessSizeForShare(sa, sc, thr_a, n_all - n_cal, F, 0.95);
+      res.early = reuse(early_x);
     }
     prev_eval = ToF32(ev->ffn_in[l]);
     prev_wf = ToFloat(m.layers[l].ffn_norm);
@@ -653,10 +659,10 @@ int main(int argc, char** argv) {
     if (res.has_lib) line("(a) library check", res.lib_pred);
     line("(b) lookahead matched", res.look_matched);
     line("(b) lookahead same rule", res.look_same);
-    line("(c) reuse (a)'s thresh.", res.reuse_same);
-    line("(c) reuse matched", res.reuse_matched);
-    line("(d) prev. FFN input, thresh.", res.early_same);
-    line("(d) prev. FFN input matched", res.early_matched);
+    line("(c) reuse (a)'s thresh.", res.reuse.same);
+    line("(c) reuse matched", res.reuse.matched);
+    line("(d) prev. FFN input, thresh.", res.early.same);
+    line("(d) prev. FFN input matched", res.early.matched);
     line("previous token", res.prev);
     std::fprintf(stderr, "layer %d: cos(residual before, after attention) %.3f; done in %.1f s\n",
                  l, res.cosine, res.seconds);
@@ -723,8 +729,8 @@ int main(int argc, char** argv) {
       "|---|---|---|---|---|---|---|\n");
   for (size_t i = 0; i < results.size(); ++i) {
     const LayerResult& r = results[i];
-    const Metrics &s = r.reuse_same, &m = r.reuse_matched;
-    const Metrics& e = r.early_matched;
+    const Metrics &s = r.reuse.same, &m = r.reuse.matched;
+    const Metrics& e = r.early.matched;
     char d[128] = "- | -";  // layer 0 has no previous layer
     if (i > 0) {
       std::snprintf(d, sizeof(d), "%.3f / %.3f / %.3f / %.3f | %.2fx", e.recall, e.magnitude_recall,
@@ -743,8 +749,8 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < results.size(); ++i) {
     const LayerResult& r = results[i];
     char d[64] = "-";
-    if (i > 0) std::snprintf(d, sizeof(d), "%.2fx / %.2fx", r.early_size90, r.early_size95);
-    std::printf("| %zu | %.2fx / %.2fx | %s |\n", i, r.reuse_size90, r.reuse_size95, d);
+    if (i > 0) std::snprintf(d, sizeof(d), "%.2fx / %.2fx", r.early.size90, r.early.size95);
+    std::printf("| %zu | %.2fx / %.2fx | %s |\n", i, r.reuse.size90, r.reuse.size95, d);
   }
   if (library_check) {
     std::printf(
