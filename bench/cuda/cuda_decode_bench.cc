@@ -340,8 +340,8 @@ class CpuColdFfn : public cuda::ColdFfn {
     if (g.empty()) return;
     const SynthLayer& L = m_.layers[layer];
     const size_t rb = RowBytes(m_.dtype, m_.config.hidden_size);
-    const int parts = pool_.size();
     const int n = static_cast<int>(g.size());
+    const int parts = ops_->SparseFfnParts(n);  // the op's parts, on the same pinned threads
     std::atomic<bool> stop{false};
     pool_.ParallelFor(parts, 1, [&](int64_t p0, int64_t p1) {
       auto touch = [&](const uint8_t* p, size_t bytes) {
@@ -362,8 +362,8 @@ class CpuColdFfn : public cuda::ColdFfn {
         }
       };
       for (int64_t part = p0; part < p1; ++part) {
-        const int i0 = static_cast<int>(static_cast<int64_t>(n) * part / parts);
-        const int i1 = static_cast<int>(static_cast<int64_t>(n) * (part + 1) / parts);
+        const int i0 = SparseFfnPartBegin(n, parts, static_cast<int>(part));
+        const int i1 = SparseFfnPartBegin(n, parts, static_cast<int>(part) + 1);
         for (int i = i0; i < i1; ++i) {
           if (part == 0 && x_ready()) stop.store(true, std::memory_order_relaxed);
           if (stop.load(std::memory_order_relaxed)) break;

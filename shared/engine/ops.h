@@ -22,6 +22,11 @@
 
 namespace pinfer {
 
+// The first neuron of part c when a list of n_rows neurons is split into `parts` equal parts.
+inline int SparseFfnPartBegin(int n_rows, int parts, int c) {
+  return static_cast<int>(static_cast<int64_t>(n_rows) * c / parts);
+}
+
 class CpuOps {
  public:
   virtual ~CpuOps() = default;
@@ -62,6 +67,15 @@ class CpuOps {
     std::fill(parts, parts + down_t.cols(), 0.f);
     *n_parts = 1;
     return SparseFfnToken(gate, up, down_t, rows, n_rows, act, x, gate_values, a, parts);
+  }
+  // How many parts SparseFfnToken and SparseFfnTokenParts (with max_parts at least that many)
+  // split a list of n_rows neurons into; part c is [SparseFfnPartBegin(n_rows, parts, c),
+  // SparseFfnPartBegin(n_rows, parts, c + 1)). With the pool's chunks pinned and as many parts as
+  // pool threads, part c runs on pool thread c every time, so code that loads rows ahead of the
+  // op (PartialFfn::Prefetch) loads each part's rows into the caches that will read them.
+  virtual int SparseFfnParts(int n_rows) const {
+    (void)n_rows;
+    return 1;
   }
   // out: [n, dim] = x * rsqrt(mean(x^2) + eps) * weight
   virtual void RmsNorm(const float* x, const float* weight, int n, int dim, float eps,

@@ -130,6 +130,11 @@ class SimdOps : public CpuOps {
                           std::max(max_parts, 1), n_parts);
   }
 
+  int SparseFfnParts(int n_rows) const override {
+    const int threads = pool_ == nullptr ? 1 : pool_->size();
+    return std::clamp((n_rows + kGroup - 1) / kGroup, 1, threads);
+  }
+
   // Both of the above: with out, the parts are summed into it here; with parts, they are left
   // there, at most max_parts of them.
   int SparseFfnSplit(const TensorView& gate, const TensorView& up, const TensorView& down_t,
@@ -162,10 +167,8 @@ class SimdOps : public CpuOps {
     // gate rows, then the up rows of the active ones, then their down rows, each set read
     // interleaved.
     const int threads = pool_ == nullptr ? 1 : pool_->size();
-    const int chunks = std::min(std::clamp((n_rows + kGroup - 1) / kGroup, 1, threads), max_parts);
-    auto part_begin = [&](int c) {
-      return static_cast<int>(static_cast<int64_t>(n_rows) * c / chunks);
-    };
+    const int chunks = std::min(SparseFfnParts(n_rows), max_parts);
+    auto part_begin = [&](int c) { return SparseFfnPartBegin(n_rows, chunks, c); };
     // Up rows per chunk, in the calling thread's buffer (reused: decode allocates nothing once
     // warm). The workers reach it through this pointer: a thread_local named inside the lambda
     // would be each worker's own.

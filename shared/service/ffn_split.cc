@@ -200,18 +200,16 @@ uint64_t PartialFfn::Prefetch(int layer, const uint64_t* mask, ThreadPool* pool,
   }
   const int n = static_cast<int>(guess_.size());
   if (n == 0) return 0;
-  // As CpuOps::SparseFfnToken splits a list: equal parts, one per pool thread, at least 8
-  // neurons each (ops_simd.cc, kGroup).
-  const int threads = pool == nullptr ? 1 : pool->size();
-  const int parts = std::clamp((n + 7) / 8, 1, threads);
+  // The parts the op splits a list of this size into (CpuOps::SparseFfnParts).
+  const int parts = pool == nullptr ? 1 : ops_.SparseFfnParts(n);
   const size_t row_bytes[3] = {L.gate.row_bytes(), L.up.row_bytes(), L.down_t.row_bytes()};
   std::atomic<bool> done{false};
   std::atomic<int> finished{0};
   std::atomic<uint64_t> loaded{0};
   auto run_part = [&](int p) {
-    const int i1 = static_cast<int>(static_cast<int64_t>(n) * (p + 1) / parts);
+    const int i1 = SparseFfnPartBegin(n, parts, p + 1);
     uint64_t count = 0;
-    for (int i = static_cast<int>(static_cast<int64_t>(n) * p / parts); i < i1; ++i) {
+    for (int i = SparseFfnPartBegin(n, parts, p); i < i1; ++i) {
       if (p == 0 && stop()) done.store(true, std::memory_order_relaxed);
       if (done.load(std::memory_order_relaxed)) break;
       const uint8_t* rows[3] = {L.gate.row(guess_[i]), L.up.row(guess_[i]),

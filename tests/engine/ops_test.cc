@@ -424,6 +424,7 @@ TEST(SparseFfnTokenTest, PartsAddUpToTheSameBits) {
                       ups);
             ASSERT_GE(n_parts, 1);
             ASSERT_LE(n_parts, max_parts);
+            EXPECT_EQ(n_parts, std::min(ops->SparseFfnParts(n_rows), max_parts));
             if (ops == ref.get() || threads == 1) {
               EXPECT_EQ(n_parts, 1);
             } else if (max_parts >= 3 && n_rows >= 150) {
@@ -439,6 +440,23 @@ TEST(SparseFfnTokenTest, PartsAddUpToTheSameBits) {
               EXPECT_LE(Nmse(sum.data(), want.data(), hidden), 1e-10);
             }
             EXPECT_TRUE(parts.GuardsIntact());
+            // A SIMD part p is the op on SparseFfnPartBegin's range alone (one thread, from zero):
+            // the split that loads ahead of the op (PartialFfn::Prefetch) relies on.
+            if (ops == simd.get() && n_parts == ops->SparseFfnParts(n_rows)) {
+              auto one_thread = NewSimdOps(nullptr);
+              for (int p = 0; p < n_parts; ++p) {
+                const int b = SparseFfnPartBegin(n_rows, n_parts, p);
+                const int e = SparseFfnPartBegin(n_rows, n_parts, p + 1);
+                std::vector<float> part(hidden, 0.f);
+                one_thread->SparseFfnToken(gate.view, up.view, down_t.view, idx.data() + b, e - b,
+                                           Activation::kRelu, x.data(), nullptr, a.data(),
+                                           part.data());
+                EXPECT_EQ(
+                    std::vector<float>(parts.data() + p * hidden, parts.data() + (p + 1) * hidden),
+                    part)
+                    << "part " << p;
+              }
+            }
           }
         }
       }
