@@ -1389,12 +1389,13 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_COLD_AHEAD", "0", 1);  // the bench's cold side: no guess, no loads ahead
   setenv("PINFER_CUDA_COLD_AHEAD_HINT", "2", 1);
   setenv("PINFER_CUDA_COLD_AHEAD_PIN", "0", 1);  // the pool's chunks taken by any thread
-  // COLD_GUESS=1: the module's own guess (ModelUpload::cold_guess) runs beside each attention,
-  // so its cost counts; with masks drawn independently of the random predictors its content means
-  // nothing, and the bench's cold side keeps its drawn guess (COLD_AHEAD) instead.
+  // COLD_GUESS=1: the module's own guess (ModelUpload::cold_guess) runs beside each layer's hot
+  // rows, so its cost counts; with masks drawn independently of the random predictors its content
+  // means nothing, and the bench's cold side keeps its drawn guess (COLD_AHEAD) instead.
   setenv("PINFER_CUDA_COLD_GUESS", "0", 1);
   unsetenv("PINFER_CUDA_COLD_GUESS_SHIFT");  // COLD_GUESS_SHIFT=S: the cut lowered by S
-  setenv("PINFER_CUDA_COLD_GUESS_EARLY", "1", 1);
+  unsetenv("PINFER_CUDA_COLD_GUESS_RECALL");
+  unsetenv("PINFER_CUDA_COLD_GUESS_MAX_RATIO");
   g_variant_lanes_pool = 0;
   if (variant == "base") return;
   for (const std::string& kv : Split(variant, '+')) {

@@ -413,11 +413,26 @@ class CudaBackend : public Backend {
   // guess_x_, compacts the cold neurons above its cut lowered by guess_shift_[l], copies the list
   // to guess_host_ and records ev_guess_[l], all on guess_stream_, which the main stream joins
   // (ev_gjoin_) at the end of the layer that forked it, so each captured graph holds its whole
-  // branch. guess_x_ is written, and the chain forked, per guess_early_ (below). The stream has
-  // the device's highest priority (layer graphs keep their nodes' priorities).
+  // branch. guess_x_ is the residual after layer l - 1's attention alone, through layer l's FFN
+  // norm, forked beside layer l - 1's hot rows: the guess takes nothing from layer l's attention.
+  // (From that residual plus layer l - 1's hot part, a closer guess, with its predictor forked
+  // first in layer l, it took 0.27 ms a token from the attention on the H200: docs/
+  // benchmarks.md, run 44; removed in session 28.) The stream has the device's highest priority
+  // (layer graphs keep their nodes' priorities).
   bool guess_on_ = false;
   double guess_recall_ = 0.95;
   float guess_initial_shift_ = 1.f;
+  // cold_guess_max_ratio: per layer, running averages of the guess's size and of the actual cold
+  // list's (-1 until the first score). A layer whose guess averages more than guess_max_ratio_
+  // times its list has it withheld from Ahead; it is still made and scored, so that the layer
+  // gets it back once its guess closes in.
+  double guess_max_ratio_ = 0;
+  std::vector<double> guess_size_avg_, guess_list_avg_;
+  bool guess_posted_ = false;  // whether guess_ids_ went to Ahead
+  bool WithholdsGuess(int l) const {
+    return guess_max_ratio_ > 0 && guess_list_avg_[l] >= 0 &&
+           guess_size_avg_[l] > guess_max_ratio_ * guess_list_avg_[l];
+  }
   float* guess_shift_ = nullptr;      // pinned [n_layers]
   float* guess_x_ = nullptr;          // device [hidden]
   float* guess_h_ = nullptr;          // device [max_rank]
@@ -432,20 +447,11 @@ class CudaBackend : public Backend {
   cudaEvent_t ev_gfork_ = nullptr, ev_gjoin_ = nullptr;
   std::vector<cudaEvent_t> ev_guess_;
   // Hands layer l's guess from guess_host_ to guess_ids_ (global ids) and marks its neurons;
-  // returns its size.
+  // returns its size if it goes to Ahead, 0 if it is withheld (WithholdsGuess).
   int TakeGuess(int l);
-  // On the main stream at the end of layer l - 1: the guess's input for layer l (guess_x_).
-  BackendStatus EnqueueGuessInput(int l);
   // On guess_stream_, from guess_x_: layer l's predictor, the compaction, the copy to the host,
   // ev_guess_[l], ev_gjoin_.
   BackendStatus EnqueueGuessChain(int l, const ForwardArgs& a);
-  // Where layer l's guess is made. Early (the default): from the residual after layer l - 1's
-  // attention alone, forked beside layer l - 1's hot rows and joined at its end, so that it
-  // takes nothing from layer l's attention. PINFER_CUDA_COLD_GUESS_EARLY=0: from that residual
-  // plus layer l - 1's hot part, a closer guess, its predictor forked first in layer l's work;
-  // on the H200 that took 0.27 ms a token from the attention (docs/benchmarks.md, run 44).
-  bool guess_early_ = true;
-  float* guess_res_ = nullptr;  // device [hidden]: the residual the guess sees
   // Whether layer l's guess is made (at the end of layer l - 1, which must be on the GPU's
   // sparse path in the same step).
   bool GuessMade(int l, const ForwardArgs& a) const {
@@ -460,8 +466,8 @@ class CudaBackend : public Backend {
            CallsColdSide(l, a) &&
            (mode == FfnMode::kPredicted || (mode == FfnMode::kGiven && a.run_predictors));
   }
-  // After the layer's actual cold list (global ids) is known: scores the guess handed to Ahead
-  // and moves the layer's shift (cold_guess_recall).
+  // After the layer's actual cold list (global ids) is known: scores the layer's guess, moves
+  // its shift (cold_guess_recall) and its size averages (cold_guess_max_ratio).
   void ScoreGuess(int l, const int32_t* actual, int count, bool adapt);
 };
 
@@ -666,15 +672,19 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   }
   guess_on_ = m.cold_guess;
   if (const char* g = std::getenv("PINFER_CUDA_COLD_GUESS")) guess_on_ = std::string(g) != "0";
-  if (!(m.cold_guess_recall >= 0 && m.cold_guess_recall < 1) ||
-      !std::isfinite(m.cold_guess_shift)) {
+  guess_recall_ = m.cold_guess_recall;
+  if (const char* g = std::getenv("PINFER_CUDA_COLD_GUESS_RECALL")) guess_recall_ = std::atof(g);
+  if (!(guess_recall_ >= 0 && guess_recall_ < 1) || !std::isfinite(m.cold_guess_shift)) {
     return Error(Code::kInvalidArgument,
                  "cold_guess_recall must be in [0, 1) and cold_guess_shift finite");
   }
-  guess_recall_ = m.cold_guess_recall;
   guess_initial_shift_ = static_cast<float>(m.cold_guess_shift);
-  if (const char* g = std::getenv("PINFER_CUDA_COLD_GUESS_EARLY")) {
-    guess_early_ = std::string(g) != "0";
+  guess_max_ratio_ = m.cold_guess_max_ratio;
+  if (const char* g = std::getenv("PINFER_CUDA_COLD_GUESS_MAX_RATIO")) {
+    guess_max_ratio_ = std::atof(g);
+  }
+  if (!(guess_max_ratio_ >= 0 && std::isfinite(guess_max_ratio_))) {
+    return Error(Code::kInvalidArgument, "cold_guess_max_ratio must be finite and at least 0");
   }
   if (const char* g = std::getenv("PINFER_CUDA_COLD_GUESS_SHIFT")) {
     guess_initial_shift_ = static_cast<float>(std::atof(g));
@@ -974,13 +984,14 @@ BackendStatus CudaBackend::AllocateScratch() {
     BACKEND_RETURN_IF_ERROR(AllocHost(static_cast<size_t>(c.n_layers), &guess_shift_));
     std::fill(guess_shift_, guess_shift_ + c.n_layers, guess_initial_shift_);
     BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(H), &guess_x_));
-    BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(H), &guess_res_));
     BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(max_rank_), &guess_h_));
     BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(F), &guess_scores_));
     BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(F) + 1, &guess_list_));
     BACKEND_RETURN_IF_ERROR(AllocHost(static_cast<size_t>(c.n_layers) * (F + 1), &guess_host_));
     guess_ids_.reserve(F);
     guess_mark_.assign(F, 0);
+    guess_size_avg_.assign(c.n_layers, -1);
+    guess_list_avg_.assign(c.n_layers, -1);
     ev_guess_.resize(c.n_layers);
     for (cudaEvent_t& e : ev_guess_) {
       CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -1060,7 +1071,7 @@ BackendStatus CudaBackend::InitLane(const CudaBackend& base) {
   guess_on_ = base.guess_on_;
   guess_recall_ = base.guess_recall_;
   guess_initial_shift_ = base.guess_initial_shift_;
-  guess_early_ = base.guess_early_;
+  guess_max_ratio_ = base.guess_max_ratio_;
   return AllocateScratch();
 }
 
@@ -1155,11 +1166,6 @@ BackendStatus CudaBackend::LaunchLayer(int l, const ForwardArgs& a, float* excha
   const float* pend1 = pending1_;
   const float* pend2 = wait_cold ? ColdInput(exchange_out, a.n) : pending2_;
   auto enqueue = [&]() -> BackendStatus {
-    if (!guess_early_ && GuessMade(l, a)) {
-      CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_gfork_, stream_));
-      CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(guess_stream_, ev_gfork_, 0));
-      BACKEND_RETURN_IF_ERROR(EnqueueGuessChain(l, a));
-    }
     if (wait_cold) BACKEND_RETURN_IF_ERROR(EnqueueColdWait(l - 1, exchange_out, a.n));
     return EnqueueLayer(l, a, pend1, pend2, cold, exchange_x);
   };
@@ -1403,7 +1409,7 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
     CUDA_RETURN_IF_ERROR(RecordEvent(ev_x_[l]));
   }
   if (mode == FfnMode::kPredicted && n_hot > 0 && early) BACKEND_RETURN_IF_ERROR(compact_hot());
-  if (guess_early_ && GuessMade(l + 1, a)) {
+  if (GuessMade(l + 1, a)) {
     // The next layer's guess beside this layer's hot rows: x_ is final until the next layer.
     CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_gfork_, stream_));
     CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(guess_stream_, ev_gfork_, 0));
@@ -1484,22 +1490,9 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
     CUDA_RETURN_IF_ERROR(RecordEvent(ev_share_[l]));
   }
   if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot1_[l]));
-  if (GuessMade(guess_early_ ? l + 1 : l, a)) {
+  if (GuessMade(l + 1, a)) {
     CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, ev_gjoin_, 0));  // the branch forked here
   }
-  if (!guess_early_ && GuessMade(l + 1, a)) BACKEND_RETURN_IF_ERROR(EnqueueGuessInput(l + 1));
-  return Ok();
-}
-
-BackendStatus CudaBackend::EnqueueGuessInput(int l) {
-  // x_: the residual after layer l - 1's attention; hot_out_: that layer's hot FFN part. Its cold
-  // part is still being computed and layer l's attention has not run: the guess's input.
-  const ModelDims& c = dims_;
-  const int H = c.hidden;
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(guess_res_, x_, static_cast<size_t>(H) * 4,
-                                       cudaMemcpyDeviceToDevice, stream_));
-  CUDA_RETURN_IF_ERROR(ResidualRmsNorm(guess_res_, hot_out_, nullptr, layers_[l].ffn_norm, 1, H,
-                                       c.norm_eps, guess_x_, stream_));  // [hidden]
   return Ok();
 }
 
@@ -1653,6 +1646,11 @@ int CudaBackend::TakeGuess(int l) {
     guess_mark_[id] = guess_epoch_;
   }
   guess_layer_ = l;
+  guess_posted_ = !WithholdsGuess(l);
+  if (!guess_posted_) {
+    stats_.guess_withheld += count;
+    return 0;
+  }
   stats_.guess_rows += count;
   return count;
 }
@@ -1661,8 +1659,20 @@ void CudaBackend::ScoreGuess(int l, const int32_t* actual, int count, bool adapt
   guess_layer_ = -1;
   int hits = 0;
   for (int i = 0; i < count; ++i) hits += guess_mark_[actual[i]] == guess_epoch_;
-  stats_.guess_hits += hits;
-  stats_.guess_actual += count;
+  if (guess_posted_) {
+    stats_.guess_hits += hits;
+    stats_.guess_actual += count;
+  }
+  // The sizes over about the last ten steps (the first score starts them).
+  constexpr double kAvg = 0.1;
+  const double size = static_cast<double>(guess_ids_.size());
+  if (guess_list_avg_[l] < 0) {
+    guess_size_avg_[l] = size;
+    guess_list_avg_[l] = count;
+  } else {
+    guess_size_avg_[l] += kAvg * (size - guess_size_avg_[l]);
+    guess_list_avg_[l] += kAvg * (count - guess_list_avg_[l]);
+  }
   if (!adapt || count == 0) return;
   // Stochastic quantile tracking: a missed neuron raises the cut's shift by kEta * recall, a held
   // one lowers it by kEta * (1 - recall), so it rests where the guess holds `recall` of the list.

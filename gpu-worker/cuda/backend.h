@@ -129,19 +129,25 @@ struct ModelUpload {
   // run_predictors): beside layer l - 1's hot rows, the GPU runs layer l's own predictor on a
   // guess at layer l's FFN input, the residual after layer l - 1's attention through layer l's
   // FFN norm (what the FFN input would be if layer l - 1's FFN and layer l's attention added
-  // nothing; PINFER_CUDA_COLD_GUESS_EARLY=0: plus layer l - 1's hot part, a closer guess that
-  // costs the attention time). The cold neurons it selects with its cut lowered by
+  // nothing). The cold neurons it selects with its cut lowered by
   // `cold_guess_shift` (score units) reach ColdFfn::Ahead(l) as the guess, with the whole of
   // layer l's attention still ahead. (On relu-llama-tiny this guess reaches the predictor's
   // magnitude recall with 1.29-1.50x its neurons in four of five layers: bench/sparse/
   // lookahead_study, "(d)".) The first layer of a step gets no guess. cold_guess_recall > 0:
   // after each kPredicted step each layer's shift moves towards the point where the guess holds
   // that fraction of the layer's actual cold list (stochastic quantile tracking); 0: the shift
-  // stays. PINFER_CUDA_COLD_GUESS=0/1 and PINFER_CUDA_COLD_GUESS_SHIFT override cold_guess and
-  // cold_guess_shift. Layers with pre-norm predictors (pred_scores_times_rms) get no guess.
+  // stays. PINFER_CUDA_COLD_GUESS=0/1, PINFER_CUDA_COLD_GUESS_SHIFT and
+  // PINFER_CUDA_COLD_GUESS_RECALL override cold_guess, cold_guess_shift and cold_guess_recall.
+  // Layers with pre-norm predictors (pred_scores_times_rms) get no guess.
   bool cold_guess = false;
   double cold_guess_shift = 1.0;
   double cold_guess_recall = 0.95;
+  // A layer whose guess has averaged more than this many times its
+  // actual cold list over the last steps (about ten) has it withheld from Ahead (ForwardStats::
+  // guess_withheld), since loads of mostly unused rows cost more than they save; it keeps being
+  // made and scored, and goes to Ahead again once it closes in. 0: every guess goes to Ahead.
+  // PINFER_CUDA_COLD_GUESS_MAX_RATIO overrides it.
+  double cold_guess_max_ratio = 2.0;
 };
 
 // Who computes the cold rows of a layer in a Forward.
@@ -286,11 +292,13 @@ struct ForwardStats {
   double gpu_cold_in = 0;   // from that signal to the next layer's first kernel: the cold
                             // contribution brought in (SumParts or a copy)
   // ModelUpload::cold_guess: the guesses handed to Ahead (neurons, summed over layers), and in
-  // kPredicted steps how many of the actual cold lists' neurons they held.
+  // kPredicted steps how many of the actual cold lists' neurons they held; the guesses made but
+  // withheld from Ahead (cold_guess_max_ratio).
   int64_t guess_rows = 0;
   int64_t guess_hits = 0;
-  int64_t guess_actual = 0;  // neurons of the actual cold lists of the layers with a guess
-  double guess_wait = 0;     // host waiting for the guess before Ahead
+  int64_t guess_actual = 0;  // neurons of the actual cold lists of the layers with a guess posted
+  int64_t guess_withheld = 0;
+  double guess_wait = 0;  // host waiting for the guess before Ahead
 };
 
 // Backends sharing one model's weights: the first and its lanes (Backend::NewLane).

@@ -1231,9 +1231,8 @@ TEST_F(CudaBackendTest, ColdGpuShareMatchesCpuReference) {
 
 // The cold guess (ModelUpload::cold_guess): with the attention's output projection and every
 // FFN down row zeroed (on the GPU and on the cold side), each layer's FFN input is the layer's
-// residual, which is what the guess is made from in either mode (from the residual plus the
-// previous layer's hot part, or, PINFER_CUDA_COLD_GUESS_EARLY=1, from the residual after the
-// previous layer's attention). So layer l's predictor sees exactly its FFN input, and with its
+// residual, which is what the guess is made from (the residual after the previous layer's
+// attention). So layer l's predictor sees exactly its FFN input, and with its
 // cut lowered by a little (1e-3) the guess handed to Ahead must hold every neuron of the actual
 // cold list that the same step's callback gets, and little else. Each guess is ascending and
 // within the layer's cold neurons; the first layer gets none.
@@ -1255,57 +1254,94 @@ TEST_F(CudaBackendTest, ColdGuessWithoutAttentionHoldsTheActualColdList) {
   u.cold_guess = true;
   u.cold_guess_shift = 1e-3;
   u.cold_guess_recall = 0;  // the shift stays
-  for (const char* early : {"0", "1"}) {
-    SCOPED_TRACE(std::string("PINFER_CUDA_COLD_GUESS_EARLY=") + early);
-    setenv("PINFER_CUDA_COLD_GUESS_EARLY", early, 1);
-    auto backend = Create(u);
-    unsetenv("PINFER_CUDA_COLD_GUESS_EARLY");
-    ASSERT_NE(backend, nullptr);
-    CpuColdFfn cpu(*model_, zero_down_t, *cold_ids_);
-    class Recorder : public AheadRecorder {
-     public:
-      using AheadRecorder::AheadRecorder;
-      cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
-        actual.emplace_back(r.active, r.active + r.n_active);
-        return AheadRecorder::Run(r);
-      }
-      std::vector<std::vector<int32_t>> actual;
-    } cold(&cpu);
-    std::vector<float> got(c.vocab_size);
-    int64_t guessed = 0, listed = 0;
-    for (size_t pos = 0; pos < tokens.size(); ++pos) {
-      cuda::BackendStatus st = backend->Forward(PredictedStep(tokens, pos, &cold, got.data()));
-      ASSERT_TRUE(st.ok()) << st.message;
-      const cuda::ForwardStats& fs = backend->last_stats();
-      EXPECT_EQ(fs.guess_hits, fs.guess_actual) << "position " << pos;
-      const std::vector<int32_t>& first = cold.actual[cold.actual.size() - c.n_layers];
-      EXPECT_EQ(fs.guess_actual, fs.cold_rows_requested - static_cast<int64_t>(first.size()))
-          << "position " << pos;
+  auto backend = Create(u);
+  ASSERT_NE(backend, nullptr);
+  CpuColdFfn cpu(*model_, zero_down_t, *cold_ids_);
+  class Recorder : public AheadRecorder {
+   public:
+    using AheadRecorder::AheadRecorder;
+    cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
+      actual.emplace_back(r.active, r.active + r.n_active);
+      return AheadRecorder::Run(r);
     }
-    ASSERT_EQ(cold.guesses.size(), cold.actual.size());
-    ASSERT_EQ(cold.actual.size(), tokens.size() * c.n_layers);
-    for (size_t i = 0; i < cold.actual.size(); ++i) {
-      const int l = static_cast<int>(i % c.n_layers);
-      const std::vector<int32_t>& g = cold.guesses[i];
-      if (l == 0) {
-        EXPECT_TRUE(g.empty()) << "call " << i;
-        continue;
-      }
-      const std::vector<int32_t>& cold_l = (*cold_ids_)[l];
-      EXPECT_TRUE(std::is_sorted(g.begin(), g.end()) &&
-                  std::adjacent_find(g.begin(), g.end()) == g.end())
-          << "call " << i;
-      for (int32_t j : g) {
-        EXPECT_TRUE(std::binary_search(cold_l.begin(), cold_l.end(), j)) << j << ", call " << i;
-      }
-      for (int32_t j : cold.actual[i]) {
-        EXPECT_TRUE(std::binary_search(g.begin(), g.end(), j)) << j << " missed, call " << i;
-      }
-      guessed += static_cast<int64_t>(g.size());
-      listed += static_cast<int64_t>(cold.actual[i].size());
+    std::vector<std::vector<int32_t>> actual;
+  } cold(&cpu);
+  std::vector<float> got(c.vocab_size);
+  int64_t guessed = 0, listed = 0;
+  for (size_t pos = 0; pos < tokens.size(); ++pos) {
+    cuda::BackendStatus st = backend->Forward(PredictedStep(tokens, pos, &cold, got.data()));
+    ASSERT_TRUE(st.ok()) << st.message;
+    const cuda::ForwardStats& fs = backend->last_stats();
+    EXPECT_EQ(fs.guess_hits, fs.guess_actual) << "position " << pos;
+    EXPECT_EQ(fs.guess_withheld, 0) << "position " << pos;  // never 2x (the default) the list
+    const std::vector<int32_t>& first = cold.actual[cold.actual.size() - c.n_layers];
+    EXPECT_EQ(fs.guess_actual, fs.cold_rows_requested - static_cast<int64_t>(first.size()))
+        << "position " << pos;
+  }
+  ASSERT_EQ(cold.guesses.size(), cold.actual.size());
+  ASSERT_EQ(cold.actual.size(), tokens.size() * c.n_layers);
+  for (size_t i = 0; i < cold.actual.size(); ++i) {
+    const int l = static_cast<int>(i % c.n_layers);
+    const std::vector<int32_t>& g = cold.guesses[i];
+    if (l == 0) {
+      EXPECT_TRUE(g.empty()) << "call " << i;
+      continue;
     }
-    EXPECT_GT(listed, 0);
-    EXPECT_LE(guessed, listed + listed / 20) << "the cut lowered by 1e-3 adds few neurons";
+    const std::vector<int32_t>& cold_l = (*cold_ids_)[l];
+    EXPECT_TRUE(std::is_sorted(g.begin(), g.end()) &&
+                std::adjacent_find(g.begin(), g.end()) == g.end())
+        << "call " << i;
+    for (int32_t j : g) {
+      EXPECT_TRUE(std::binary_search(cold_l.begin(), cold_l.end(), j)) << j << ", call " << i;
+    }
+    for (int32_t j : cold.actual[i]) {
+      EXPECT_TRUE(std::binary_search(g.begin(), g.end(), j)) << j << " missed, call " << i;
+    }
+    guessed += static_cast<int64_t>(g.size());
+    listed += static_cast<int64_t>(cold.actual[i].size());
+  }
+  EXPECT_GT(listed, 0);
+  EXPECT_LE(guessed, listed + listed / 20) << "the cut lowered by 1e-3 adds few neurons";
+
+  // cold_guess_max_ratio: a layer whose guesses average more than that many times its list has
+  // them withheld from Ahead, still made and scored. These guesses hold their whole lists, so at
+  // 0.5 every guess after the first step's is withheld.
+  u.cold_guess_max_ratio = 0.5;
+  auto strict = Create(u);
+  ASSERT_NE(strict, nullptr);
+  cold.guesses.clear();
+  for (size_t pos = 0; pos < tokens.size(); ++pos) {
+    SCOPED_TRACE(::testing::Message() << "max ratio 0.5, position " << pos);
+    cuda::BackendStatus st = strict->Forward(PredictedStep(tokens, pos, &cold, got.data()));
+    ASSERT_TRUE(st.ok()) << st.message;
+    const cuda::ForwardStats& fs = strict->last_stats();
+    ASSERT_EQ(cold.guesses.size(), (pos + 1) * c.n_layers);
+    int64_t handed = 0;
+    for (int l = 0; l < c.n_layers; ++l) handed += cold.guesses[pos * c.n_layers + l].size();
+    EXPECT_EQ(handed, fs.guess_rows);
+    if (pos == 0) {  // no sizes seen yet: posted
+      EXPECT_GT(fs.guess_rows, 0);
+      EXPECT_EQ(fs.guess_withheld, 0);
+    } else {
+      EXPECT_EQ(fs.guess_rows, 0);
+      EXPECT_EQ(fs.guess_actual, 0);
+      EXPECT_GT(fs.guess_withheld, 0);
+    }
+  }
+  // Values out of range are refused at creation.
+  for (int bad = 0; bad < 3; ++bad) {
+    cuda::ModelUpload v = u;
+    v.cold_guess_max_ratio = bad == 0 ? -1 : 2;
+    v.cold_guess_recall = bad == 1 ? 1 : 0.95;
+    v.cold_guess_shift = bad == 2 ? NAN : 1;
+    cuda::Backend* b = nullptr;
+    char err[256] = {0};
+    EXPECT_EQ(module_->create(&v, &b, err, sizeof(err)),
+              static_cast<int>(cuda::Code::kInvalidArgument))
+        << bad;
+    EXPECT_NE(std::string(err).find(bad == 0 ? "cold_guess_max_ratio" : "cold_guess_recall"),
+              std::string::npos)
+        << err;
   }
 }
 
