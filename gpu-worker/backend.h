@@ -45,15 +45,11 @@ struct BackendStats {
   uint64_t cache_swaps = 0;
   // Decode steps run on a second (or later) lane, beside another sequence's (CUDA backend).
   uint64_t lane_steps = 0;
-  // --cold-guess (CUDA backend): neurons in the module's cold guesses posted to the cpu-worker,
-  // and of the actual cold lists of the layers with a guess posted, how many neurons there were
-  // and how many the guess held; neurons of the guesses withheld (the module withholds a layer's
-  // guess while it stays much larger than the layer's list: cuda::ModelUpload::
-  // cold_guess_max_ratio).
+  // --cold-guess (CUDA backend): neurons in the module's cold guesses, and of the actual cold
+  // lists of the layers with a guess, how many neurons there were and how many the guess held.
   uint64_t guess_neurons = 0;
   uint64_t guess_actual = 0;
   uint64_t guess_hits = 0;
-  uint64_t guess_withheld = 0;
 };
 
 class ComputeBackend {

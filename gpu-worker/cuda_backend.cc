@@ -262,7 +262,6 @@ class CudaBackend : public ComputeBackend {
     stats_.guess_neurons += static_cast<uint64_t>(fs.guess_rows);
     stats_.guess_actual += static_cast<uint64_t>(fs.guess_actual);
     stats_.guess_hits += static_cast<uint64_t>(fs.guess_hits);
-    stats_.guess_withheld += static_cast<uint64_t>(fs.guess_withheld);
     if (adapt && st.ok()) {
       const uint64_t before = adaptive_->swaps_committed();
       absl::Status ast = adaptive_->AfterStep(active_);

@@ -95,8 +95,7 @@ constexpr char kUsage[] =
     "               active cold neurons ahead of the layer's attention (the layer's predictor on\n"
     "               the previous layer's residual) and posts the guess through the segment, for a\n"
     "               cpu-worker with --prefetch-guess to load their rows meanwhile; it counts how\n"
-    "               much of the actual list each guess held; a layer whose guesses stay over\n"
-    "               twice its list's size has them withheld "
+    "               much of the actual list each guess held "
     "(pinfer_worker_cold_guess_neurons_total)\n";
 
 struct Options {
@@ -838,15 +837,13 @@ int Main(const std::vector<std::string>& args) {
   auto& guess = prometheus::BuildCounter()
                     .Name("pinfer_worker_cold_guess_neurons_total")
                     .Help(
-                        "Decode layers' cold neurons: in the GPU's guesses posted ahead of each "
-                        "attention (guessed), in the actual lists of those layers (actual), of "
-                        "those, in the guess (held), and in guesses withheld as too large "
-                        "(withheld) (--cold-guess; CUDA backend)")
+                        "Decode layers' cold neurons: in the GPU's guesses made ahead of each "
+                        "attention (guessed), in the actual lists of those layers (actual), and "
+                        "of those, in the guess (held) (--cold-guess; CUDA backend)")
                     .Register(*registry);
   auto& guess_neurons = guess.Add({{"kind", "guessed"}});
   auto& guess_actual = guess.Add({{"kind", "actual"}});
   auto& guess_hits = guess.Add({{"kind", "held"}});
-  auto& guess_withheld = guess.Add({{"kind", "withheld"}});
   auto& lane_steps = prometheus::BuildCounter()
                          .Name("pinfer_worker_decode_lane_steps_total")
                          .Help(
@@ -931,7 +928,6 @@ int Main(const std::vector<std::string>& args) {
     guess_neurons.Increment(static_cast<double>(st.guess_neurons));
     guess_actual.Increment(static_cast<double>(st.guess_actual));
     guess_hits.Increment(static_cast<double>(st.guess_hits));
-    guess_withheld.Increment(static_cast<double>(st.guess_withheld));
   };
   hooks.on_running = [&](int n) { running.Set(n); };
   hooks.on_tokens = [&](int n) { tokens.Increment(n); };

@@ -1395,7 +1395,6 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_COLD_GUESS", "0", 1);
   unsetenv("PINFER_CUDA_COLD_GUESS_SHIFT");  // COLD_GUESS_SHIFT=S: the cut lowered by S
   unsetenv("PINFER_CUDA_COLD_GUESS_RECALL");
-  unsetenv("PINFER_CUDA_COLD_GUESS_MAX_RATIO");
   g_variant_lanes_pool = 0;
   if (variant == "base") return;
   for (const std::string& kv : Split(variant, '+')) {

@@ -422,17 +422,6 @@ class CudaBackend : public Backend {
   bool guess_on_ = false;
   double guess_recall_ = 0.95;
   float guess_initial_shift_ = 1.f;
-  // cold_guess_max_ratio: per layer, running averages of the guess's size and of the actual cold
-  // list's (-1 until the first score). A layer whose guess averages more than guess_max_ratio_
-  // times its list has it withheld from Ahead; it is still made and scored, so that the layer
-  // gets it back once its guess closes in.
-  double guess_max_ratio_ = 0;
-  std::vector<double> guess_size_avg_, guess_list_avg_;
-  bool guess_posted_ = false;  // whether guess_ids_ went to Ahead
-  bool WithholdsGuess(int l) const {
-    return guess_max_ratio_ > 0 && guess_list_avg_[l] >= 0 &&
-           guess_size_avg_[l] > guess_max_ratio_ * guess_list_avg_[l];
-  }
   float* guess_shift_ = nullptr;      // pinned [n_layers]
   float* guess_x_ = nullptr;          // device [hidden]
   float* guess_h_ = nullptr;          // device [max_rank]
@@ -447,7 +436,7 @@ class CudaBackend : public Backend {
   cudaEvent_t ev_gfork_ = nullptr, ev_gjoin_ = nullptr;
   std::vector<cudaEvent_t> ev_guess_;
   // Hands layer l's guess from guess_host_ to guess_ids_ (global ids) and marks its neurons;
-  // returns its size if it goes to Ahead, 0 if it is withheld (WithholdsGuess).
+  // returns its size.
   int TakeGuess(int l);
   // On guess_stream_, from guess_x_: layer l's predictor, the compaction, the copy to the host,
   // ev_guess_[l], ev_gjoin_.
@@ -466,8 +455,8 @@ class CudaBackend : public Backend {
            CallsColdSide(l, a) &&
            (mode == FfnMode::kPredicted || (mode == FfnMode::kGiven && a.run_predictors));
   }
-  // After the layer's actual cold list (global ids) is known: scores the layer's guess, moves
-  // its shift (cold_guess_recall) and its size averages (cold_guess_max_ratio).
+  // After the layer's actual cold list (global ids) is known: scores the guess handed to Ahead
+  // and moves the layer's shift (cold_guess_recall).
   void ScoreGuess(int l, const int32_t* actual, int count, bool adapt);
 };
 
@@ -679,13 +668,6 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
                  "cold_guess_recall must be in [0, 1) and cold_guess_shift finite");
   }
   guess_initial_shift_ = static_cast<float>(m.cold_guess_shift);
-  guess_max_ratio_ = m.cold_guess_max_ratio;
-  if (const char* g = std::getenv("PINFER_CUDA_COLD_GUESS_MAX_RATIO")) {
-    guess_max_ratio_ = std::atof(g);
-  }
-  if (!(guess_max_ratio_ >= 0 && std::isfinite(guess_max_ratio_))) {
-    return Error(Code::kInvalidArgument, "cold_guess_max_ratio must be finite and at least 0");
-  }
   if (const char* g = std::getenv("PINFER_CUDA_COLD_GUESS_SHIFT")) {
     guess_initial_shift_ = static_cast<float>(std::atof(g));
   }
@@ -990,8 +972,6 @@ BackendStatus CudaBackend::AllocateScratch() {
     BACKEND_RETURN_IF_ERROR(AllocHost(static_cast<size_t>(c.n_layers) * (F + 1), &guess_host_));
     guess_ids_.reserve(F);
     guess_mark_.assign(F, 0);
-    guess_size_avg_.assign(c.n_layers, -1);
-    guess_list_avg_.assign(c.n_layers, -1);
     ev_guess_.resize(c.n_layers);
     for (cudaEvent_t& e : ev_guess_) {
       CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -1071,7 +1051,6 @@ BackendStatus CudaBackend::InitLane(const CudaBackend& base) {
   guess_on_ = base.guess_on_;
   guess_recall_ = base.guess_recall_;
   guess_initial_shift_ = base.guess_initial_shift_;
-  guess_max_ratio_ = base.guess_max_ratio_;
   return AllocateScratch();
 }
 
@@ -1646,11 +1625,6 @@ int CudaBackend::TakeGuess(int l) {
     guess_mark_[id] = guess_epoch_;
   }
   guess_layer_ = l;
-  guess_posted_ = !WithholdsGuess(l);
-  if (!guess_posted_) {
-    stats_.guess_withheld += count;
-    return 0;
-  }
   stats_.guess_rows += count;
   return count;
 }
@@ -1659,20 +1633,8 @@ void CudaBackend::ScoreGuess(int l, const int32_t* actual, int count, bool adapt
   guess_layer_ = -1;
   int hits = 0;
   for (int i = 0; i < count; ++i) hits += guess_mark_[actual[i]] == guess_epoch_;
-  if (guess_posted_) {
-    stats_.guess_hits += hits;
-    stats_.guess_actual += count;
-  }
-  // The sizes over about the last ten steps (the first score starts them).
-  constexpr double kAvg = 0.1;
-  const double size = static_cast<double>(guess_ids_.size());
-  if (guess_list_avg_[l] < 0) {
-    guess_size_avg_[l] = size;
-    guess_list_avg_[l] = count;
-  } else {
-    guess_size_avg_[l] += kAvg * (size - guess_size_avg_[l]);
-    guess_list_avg_[l] += kAvg * (count - guess_list_avg_[l]);
-  }
+  stats_.guess_hits += hits;
+  stats_.guess_actual += count;
   if (!adapt || count == 0) return;
   // Stochastic quantile tracking: a missed neuron raises the cut's shift by kEta * recall, a held
   // one lowers it by kEta * (1 - recall), so it rests where the guess holds `recall` of the list.

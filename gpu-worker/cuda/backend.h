@@ -142,12 +142,6 @@ struct ModelUpload {
   bool cold_guess = false;
   double cold_guess_shift = 1.0;
   double cold_guess_recall = 0.95;
-  // A layer whose guess has averaged more than this many times its
-  // actual cold list over the last steps (about ten) has it withheld from Ahead (ForwardStats::
-  // guess_withheld), since loads of mostly unused rows cost more than they save; it keeps being
-  // made and scored, and goes to Ahead again once it closes in. 0: every guess goes to Ahead.
-  // PINFER_CUDA_COLD_GUESS_MAX_RATIO overrides it.
-  double cold_guess_max_ratio = 2.0;
 };
 
 // Who computes the cold rows of a layer in a Forward.
@@ -292,13 +286,11 @@ struct ForwardStats {
   double gpu_cold_in = 0;   // from that signal to the next layer's first kernel: the cold
                             // contribution brought in (SumParts or a copy)
   // ModelUpload::cold_guess: the guesses handed to Ahead (neurons, summed over layers), and in
-  // kPredicted steps how many of the actual cold lists' neurons they held; the guesses made but
-  // withheld from Ahead (cold_guess_max_ratio).
+  // kPredicted steps how many of the actual cold lists' neurons they held.
   int64_t guess_rows = 0;
   int64_t guess_hits = 0;
-  int64_t guess_actual = 0;  // neurons of the actual cold lists of the layers with a guess posted
-  int64_t guess_withheld = 0;
-  double guess_wait = 0;  // host waiting for the guess before Ahead
+  int64_t guess_actual = 0;  // neurons of the actual cold lists of the layers with a guess
+  double guess_wait = 0;     // host waiting for the guess before Ahead
 };
 
 // Backends sharing one model's weights: the first and its lanes (Backend::NewLane).
