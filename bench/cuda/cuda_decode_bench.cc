@@ -321,16 +321,25 @@ class CpuColdFfn : public cuda::ColdFfn {
     bundles_ = env == nullptr || std::string(env) != "0";
     const char* hint = std::getenv("PINFER_CUDA_COLD_AHEAD_HINT");
     hint_ = hint == nullptr ? 2 : std::atoi(hint);
+    const char* ranked = std::getenv("PINFER_CUDA_COLD_AHEAD_RANKED");
+    ranked_ = ranked != nullptr && std::string(ranked) == "1";
   }
 
   // Variant COLD_AHEAD: guess[layer], this step's guess at each layer's active cold neurons, whose
-  // rows Ahead brings into the CPU's caches while the GPU computes the layer's attention.
-  void SetGuess(const std::vector<std::vector<int32_t>>* guess) { guess_ = guess; }
+  // rows Ahead brings into the CPU's caches while the GPU computes the layer's attention;
+  // active[layer], the step's actual cold lists (ascending), for COLD_AHEAD_RANKED.
+  void SetGuess(const std::vector<std::vector<int32_t>>* guess,
+                const std::vector<std::vector<int32_t>>* active) {
+    guess_ = guess;
+    active_ = active;
+  }
 
   // Each pool thread prefetches its share of the guessed neurons' rows, line by line, in the
   // order the op reads them (PINFER_CUDA_COLD_AHEAD_HINT: 3 = prefetcht0, 2 = prefetcht1,
   // 1 = prefetcht2, 0 = loads), until x is published: part 0 polls x_ready between neurons and
-  // tells the others to stop.
+  // tells the others to stop. COLD_AHEAD_RANKED=1: each part loads its actually active neurons
+  // first, then the rest, as a guess ranked perfectly by its confidence would (an upper bound on
+  // what ranking a guess larger than the loads' window can give).
   void Ahead(int layer, const int32_t* module_guess, int n_module_guess,
              const std::function<bool()>& x_ready) override {
     (void)module_guess;  // a guess from random predictors, about masks drawn independently
@@ -361,19 +370,24 @@ class CpuColdFfn : public cuda::ColdFfn {
           }
         }
       };
+      const std::vector<int32_t>* act = ranked_ ? &(*active_)[layer] : nullptr;
       for (int64_t part = p0; part < p1; ++part) {
         const int i0 = SparseFfnPartBegin(n, parts, static_cast<int>(part));
         const int i1 = SparseFfnPartBegin(n, parts, static_cast<int>(part) + 1);
-        for (int i = i0; i < i1; ++i) {
-          if (part == 0 && x_ready()) stop.store(true, std::memory_order_relaxed);
-          if (stop.load(std::memory_order_relaxed)) break;
-          const size_t j = static_cast<size_t>(g[i]);
-          if (bundles_) {
-            touch(L.bundles->p + j * 3 * rb, 3 * rb);
-          } else {
-            touch(L.gate->p + j * rb, rb);
-            touch(L.up->p + j * rb, rb);
-            touch(L.down_t->p + j * rb, rb);
+        for (int pass = act != nullptr ? 0 : 1; pass < 2; ++pass) {
+          for (int i = i0; i < i1; ++i) {
+            if (part == 0 && x_ready()) stop.store(true, std::memory_order_relaxed);
+            if (stop.load(std::memory_order_relaxed)) break;
+            if (act != nullptr && std::binary_search(act->begin(), act->end(), g[i]) != (pass == 0))
+              continue;
+            const size_t j = static_cast<size_t>(g[i]);
+            if (bundles_) {
+              touch(L.bundles->p + j * 3 * rb, 3 * rb);
+            } else {
+              touch(L.gate->p + j * rb, rb);
+              touch(L.up->p + j * rb, rb);
+              touch(L.down_t->p + j * rb, rb);
+            }
           }
         }
         // Part 0 done early: keep watching for x, so that the other parts stop in time.
@@ -427,6 +441,8 @@ class CpuColdFfn : public cuda::ColdFfn {
   bool bundles_ = true;
   int hint_ = 2;
   const std::vector<std::vector<int32_t>>* guess_ = nullptr;
+  const std::vector<std::vector<int32_t>>* active_ = nullptr;
+  bool ranked_ = false;
 };
 
 // Variant COLD_AHEAD (PINFER_CUDA_COLD_AHEAD): per step and layer a guess at the active cold
@@ -1388,6 +1404,7 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_COLD_PARTS", "1", 1);
   setenv("PINFER_CUDA_COLD_AHEAD", "0", 1);  // the bench's cold side: no guess, no loads ahead
   setenv("PINFER_CUDA_COLD_AHEAD_HINT", "2", 1);
+  setenv("PINFER_CUDA_COLD_AHEAD_RANKED", "0", 1);
   setenv("PINFER_CUDA_COLD_AHEAD_PIN", "0", 1);  // the pool's chunks taken by any thread
   // COLD_GUESS=1: the module's own guess (ModelUpload::cold_guess) runs beside each layer's hot
   // rows, so its cost counts; with masks drawn independently of the random predictors its content
@@ -2128,7 +2145,7 @@ int Main(int argc, char** argv) {
           const std::vector<std::vector<std::vector<int32_t>>> guess =
               GuessCold(cold_ids, local_of, c.ffn_size);
           std::function<void(int)> on_step;
-          if (!guess.empty()) on_step = [&](int s) { cold.SetGuess(&guess[s]); };
+          if (!guess.empty()) on_step = [&](int s) { cold.SetGuess(&guess[s], &cold_ids[s]); };
           double start = 0;
           Sums sums;
           if (!decode(
