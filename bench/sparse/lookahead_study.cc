@@ -358,7 +358,8 @@ Metrics PreviousToken(const Targets& d, int64_t begin, int64_t end, int F) {
 // the neurons (a) selects, counted over the rows (each neuron's rows are the same bytes, so this
 // is the share of (a)'s cold rows a cold side could have loaded ahead).
 double GuessSizeForShare(const std::vector<float>& sa, const std::vector<float>& sg,
-                         const std::vector<float>& thr, int64_t rows, int F, double share) {
+                         const std::vector<float>& thr, int64_t rows, int F, double share,
+                         double* shift_out = nullptr) {
   auto count = [&](double shift, int64_t* held, int64_t* guessed) {
     int64_t h = 0, g = 0;
     for (int64_t t = 0; t < rows; ++t) {
@@ -387,7 +388,61 @@ double GuessSizeForShare(const std::vector<float>& sa, const std::vector<float>&
   }
   int64_t held = 0, guessed = 0;
   count(hi, &held, &guessed);
+  if (shift_out != nullptr) *shift_out = hi;
   return static_cast<double>(guessed) / actual;
+}
+
+// A cold side loads a layer's guessed rows until the layer's input arrives, which may come
+// before the whole guess is loaded. For a guess by the module's rule at `shift`: the share of
+// the neurons (a) selects that are among the loads when the window holds `window` times (a)'s
+// mean selection per token, the guess split into kParts equal parts in ascending order as
+// PartialFfn::Prefetch splits it (each part loading as many), for three orders within a part:
+// ascending ids (what the product does), the neurons the predictor selects on the guess's own
+// input (sg >= thr) first ("tiers"), and by the margin sg - thr, highest first ("ranked").
+struct LoadShares {
+  double ascending = 0, tiers = 0, ranked = 0;
+};
+LoadShares LoadsInWindow(const std::vector<float>& sa, const std::vector<float>& sg,
+                         const std::vector<float>& thr, int64_t rows, int F, double shift,
+                         double window) {
+  constexpr int kParts = 16;
+  int64_t actual = 0;
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int j = 0; j < F; ++j) actual += sa[t * F + j] >= thr[j];
+  }
+  if (actual == 0) return {};
+  const int per_part = std::max<int>(
+      1, static_cast<int>(std::lround(window * static_cast<double>(actual) / rows / kParts)));
+  int64_t hits[3] = {0, 0, 0};
+  std::vector<int> guess;
+  std::vector<std::pair<float, int>> keyed;
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* a = sa.data() + t * F;
+    const float* b = sg.data() + t * F;
+    guess.clear();
+    for (int j = 0; j < F; ++j) {
+      if (b[j] >= thr[j] - shift) guess.push_back(j);
+    }
+    const int n = static_cast<int>(guess.size());
+    for (int p = 0; p < kParts; ++p) {
+      const int i0 = static_cast<int>(static_cast<int64_t>(n) * p / kParts);
+      const int i1 = static_cast<int>(static_cast<int64_t>(n) * (p + 1) / kParts);
+      for (int order = 0; order < 3; ++order) {
+        keyed.clear();
+        for (int i = i0; i < i1; ++i) {
+          const int j = guess[i];
+          const float margin = b[j] - thr[j];
+          keyed.emplace_back(order == 0 ? 0.f : order == 1 ? (margin >= 0 ? 1.f : 0.f) : margin, j);
+        }
+        std::stable_sort(keyed.begin(), keyed.end(),
+                         [](const auto& x, const auto& y) { return x.first > y.first; });
+        const int k = std::min(per_part, static_cast<int>(keyed.size()));
+        for (int i = 0; i < k; ++i) hits[order] += a[keyed[i].second] >= thr[keyed[i].second];
+      }
+    }
+  }
+  const double n = static_cast<double>(actual);
+  return {hits[0] / n, hits[1] / n, hits[2] / n};
 }
 
 // The largest cut lambda at which scores s reach magnitude recall `target` over the evaluation
@@ -410,6 +465,7 @@ double CutForMagnitudeRecall(const Targets& d, const std::vector<float>& s, int6
 struct Reused {
   Metrics same, matched;
   double size90 = 0, size95 = 0;
+  LoadShares loads_half, loads_one;  // at the 95% shift, windows of 0.5x and 1x (a)'s selection
 };
 
 struct Trained {
@@ -573,7 +629,10 @@ int main(int argc, char** argv) {
           CutForMagnitudeRecall(d, sc, n_cal, n_all, F, res.std_pred.magnitude_recall);
       r.matched = Measure(d, sc, n_cal, n_all, F, NeuronThresholds(d, cut));
       r.size90 = GuessSizeForShare(sa, sc, thr_a, n_all - n_cal, F, 0.90);
-      r.size95 = GuessSizeForShare(sa, sc, thr_a, n_all - n_cal, F, 0.95);
+      double shift95 = 0;
+      r.size95 = GuessSizeForShare(sa, sc, thr_a, n_all - n_cal, F, 0.95, &shift95);
+      r.loads_half = LoadsInWindow(sa, sc, thr_a, n_all - n_cal, F, shift95, 0.5);
+      r.loads_one = LoadsInWindow(sa, sc, thr_a, n_all - n_cal, F, shift95, 1.0);
       return r;
     };
     // (c) reuse: (a)'s own predictor on the layer input, re-weighted from attn_norm to
@@ -751,6 +810,18 @@ int main(int argc, char** argv) {
     char d[64] = "-";
     if (i > 0) std::snprintf(d, sizeof(d), "%.2fx / %.2fx", r.early.size90, r.early.size95);
     std::printf("| %zu | %.2fx / %.2fx | %s |\n", i, r.reuse.size90, r.reuse.size95, d);
+  }
+  std::printf(
+      "\nLoads in a window shorter than the guess ((d), the guess holding 95%% of (a)'s neurons): "
+      "the share of (a)'s neurons loaded when the window holds 0.5x / 1x (a)'s selection, in 16 "
+      "parts, each loading in ascending order / the predictor's own selection on the guess's "
+      "input first / by its margin:\n\n| layer | guess size | 0.5x: ascending / tiers / "
+      "ranked | 1x: ascending / tiers / ranked |\n|---|---|---|---|\n");
+  for (size_t i = 1; i < results.size(); ++i) {
+    const Reused& r = results[i].early;
+    std::printf("| %zu | %.2fx | %.3f / %.3f / %.3f | %.3f / %.3f / %.3f |\n", i, r.size95,
+                r.loads_half.ascending, r.loads_half.tiers, r.loads_half.ranked,
+                r.loads_one.ascending, r.loads_one.tiers, r.loads_one.ranked);
   }
   if (library_check) {
     std::printf(

@@ -420,7 +420,7 @@ class CudaBackend : public Backend {
   // benchmarks.md, run 44; removed in session 28.) The stream has the device's highest priority
   // (layer graphs keep their nodes' priorities).
   bool guess_on_ = false;
-  double guess_recall_ = 0.9;
+  double guess_recall_ = 0.95;
   float guess_initial_shift_ = 1.f;
   float* guess_shift_ = nullptr;      // pinned [n_layers]
   float* guess_x_ = nullptr;          // device [hidden]

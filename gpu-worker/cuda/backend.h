@@ -136,15 +136,14 @@ struct ModelUpload {
   // lookahead_study, "(d)".) The first layer of a step gets no guess. cold_guess_recall > 0:
   // after each kPredicted step each layer's shift moves towards the point where the guess holds
   // that fraction of the layer's actual cold list (stochastic quantile tracking); 0: the shift
-  // stays. The default, 0.9, was worth more than 0.95 on the H200: a smaller guess at a lower
-  // recall (relu-llama-tiny: 1.9x the list at 0.9, 2.2x at 0.95) spends less of the loads'
-  // window on unused rows (docs/benchmarks.md, run 45). PINFER_CUDA_COLD_GUESS=0/1,
+  // stays. (0.9 and 0.95, at relu-llama-tiny's guess sizes for each, 1.9x and 2.2x the list,
+  // took turns ahead on the H200: docs/benchmarks.md, run 45.) PINFER_CUDA_COLD_GUESS=0/1,
   // PINFER_CUDA_COLD_GUESS_SHIFT and PINFER_CUDA_COLD_GUESS_RECALL override cold_guess,
   // cold_guess_shift and cold_guess_recall. Layers with pre-norm predictors (pred_scores_times_rms)
   // get no guess.
   bool cold_guess = false;
   double cold_guess_shift = 1.0;
-  double cold_guess_recall = 0.9;
+  double cold_guess_recall = 0.95;
 };
 
 // Who computes the cold rows of a layer in a Forward.
