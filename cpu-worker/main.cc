@@ -379,12 +379,13 @@ int Main(const std::vector<std::string>& args) {
             return count;
           },
           stop,
-          o.prefetch_guess ? shm::GuessHandler([&](int layer, const uint64_t* mask,
-                                                   const std::function<bool()>& stop_guess) {
-            guessed_loaded.Increment(
-                static_cast<double>(ffn.Prefetch(layer, mask, &pool, stop_guess)));
-          })
-                           : shm::GuessHandler());
+          o.prefetch_guess
+              ? shm::GuessHandler([&](int layer, const uint64_t* mask, const uint64_t* first,
+                                      const std::function<bool()>& stop_guess) {
+                  guessed_loaded.Increment(static_cast<double>(
+                      ffn.Prefetch(layer, mask, first, &pool, stop_guess).neurons));
+                })
+              : shm::GuessHandler());
       {
         std::lock_guard<std::mutex> lock(status.mu);
         status.gpu_alive = false;

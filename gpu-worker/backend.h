@@ -50,6 +50,7 @@ struct BackendStats {
   uint64_t guess_neurons = 0;
   uint64_t guess_actual = 0;
   uint64_t guess_hits = 0;
+  uint64_t guess_first = 0;  // of guess_neurons, in the guesses' first tiers (loaded first)
 };
 
 class ComputeBackend {

@@ -63,12 +63,12 @@ class ExchangeColdFfn : public cuda::ColdFfn {
 
   // The module's guess at the layer's cold neurons (--cold-guess), for the cpu-worker to load
   // their rows while the GPU computes the attention. A hint: failures are not errors.
-  void Ahead(int layer, const int32_t* guess, int n_guess,
+  void Ahead(int layer, const cuda::ColdGuess& guess,
              const std::function<bool()>& x_ready) override {
     (void)x_ready;
-    if (n_guess <= 0) return;
+    if (guess.n <= 0) return;
     absl::MutexLock turn(&turn_);
-    exchange_->PostGuess(layer, guess, n_guess).IgnoreError();
+    exchange_->PostGuess(layer, guess.ids, guess.n, guess.first).IgnoreError();
   }
 
   cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
@@ -262,6 +262,7 @@ class CudaBackend : public ComputeBackend {
     stats_.guess_neurons += static_cast<uint64_t>(fs.guess_rows);
     stats_.guess_actual += static_cast<uint64_t>(fs.guess_actual);
     stats_.guess_hits += static_cast<uint64_t>(fs.guess_hits);
+    stats_.guess_first += static_cast<uint64_t>(fs.guess_first);
     if (adapt && st.ok()) {
       const uint64_t before = adaptive_->swaps_committed();
       absl::Status ast = adaptive_->AfterStep(active_);

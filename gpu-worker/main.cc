@@ -838,12 +838,14 @@ int Main(const std::vector<std::string>& args) {
                     .Name("pinfer_worker_cold_guess_neurons_total")
                     .Help(
                         "Decode layers' cold neurons: in the GPU's guesses made ahead of each "
-                        "attention (guessed), in the actual lists of those layers (actual), and "
-                        "of those, in the guess (held) (--cold-guess; CUDA backend)")
+                        "attention (guessed), of those, in their first tiers, loaded first "
+                        "(first), in the actual lists of those layers (actual), and of those, in "
+                        "the guess (held) (--cold-guess; CUDA backend)")
                     .Register(*registry);
   auto& guess_neurons = guess.Add({{"kind", "guessed"}});
   auto& guess_actual = guess.Add({{"kind", "actual"}});
   auto& guess_hits = guess.Add({{"kind", "held"}});
+  auto& guess_first = guess.Add({{"kind", "first"}});
   auto& lane_steps = prometheus::BuildCounter()
                          .Name("pinfer_worker_decode_lane_steps_total")
                          .Help(
@@ -928,6 +930,7 @@ int Main(const std::vector<std::string>& args) {
     guess_neurons.Increment(static_cast<double>(st.guess_neurons));
     guess_actual.Increment(static_cast<double>(st.guess_actual));
     guess_hits.Increment(static_cast<double>(st.guess_hits));
+    guess_first.Increment(static_cast<double>(st.guess_first));
   };
   hooks.on_running = [&](int n) { running.Set(n); };
   hooks.on_tokens = [&](int n) { tokens.Increment(n); };

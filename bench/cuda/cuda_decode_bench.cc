@@ -340,10 +340,9 @@ class CpuColdFfn : public cuda::ColdFfn {
   // tells the others to stop. COLD_AHEAD_RANKED=1: each part loads its actually active neurons
   // first, then the rest, as a guess ranked perfectly by its confidence would (an upper bound on
   // what ranking a guess larger than the loads' window can give).
-  void Ahead(int layer, const int32_t* module_guess, int n_module_guess,
+  void Ahead(int layer, const cuda::ColdGuess& module_guess,
              const std::function<bool()>& x_ready) override {
     (void)module_guess;  // a guess from random predictors, about masks drawn independently
-    (void)n_module_guess;
     if (guess_ == nullptr) return;
     const std::vector<int32_t>& g = (*guess_)[layer];
     if (g.empty()) return;

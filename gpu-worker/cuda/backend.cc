@@ -422,24 +422,29 @@ class CudaBackend : public Backend {
   bool guess_on_ = false;
   double guess_recall_ = 0.95;
   float guess_initial_shift_ = 1.f;
-  float* guess_shift_ = nullptr;      // pinned [n_layers]
-  float* guess_x_ = nullptr;          // device [hidden]
-  float* guess_h_ = nullptr;          // device [max_rank]
-  float* guess_scores_ = nullptr;     // device [ffn]
-  int32_t* guess_list_ = nullptr;     // device [1 + ffn]: count, then positions in the cold list
-  int32_t* guess_host_ = nullptr;     // pinned [n_layers, 1 + ffn]
+  float* guess_shift_ = nullptr;   // pinned [n_layers]
+  float* guess_x_ = nullptr;       // device [hidden]
+  float* guess_h_ = nullptr;       // device [max_rank]
+  float* guess_scores_ = nullptr;  // device [ffn]
+  int32_t* guess_list_ = nullptr;  // device [1 + ffn]: count, then positions in the cold list
+  int32_t* guess_host_ = nullptr;  // pinned [n_layers, 1 + ffn]
+  // The guess's first tier (ColdGuess::first): the cold neurons above the predictor's own cut on
+  // the guess's input, as guess_list_ and guess_host_.
+  int32_t* guess_first_list_ = nullptr;
+  int32_t* guess_first_host_ = nullptr;
   std::vector<int32_t> guess_ids_;    // the layer's guess in global ids, as Ahead gets it
+  std::vector<uint8_t> guess_first_;  // [guess_ids_.size()]: ColdGuess::first
   std::vector<uint32_t> guess_mark_;  // [ffn]: == guess_epoch_ for the neurons of guess_ids_
   uint32_t guess_epoch_ = 0;
   int guess_layer_ = -1;  // the layer guess_ids_ belongs to (FinishCold scores it), or -1
   cudaStream_t guess_stream_ = nullptr;
   cudaEvent_t ev_gfork_ = nullptr, ev_gjoin_ = nullptr;
   std::vector<cudaEvent_t> ev_guess_;
-  // Hands layer l's guess from guess_host_ to guess_ids_ (global ids) and marks its neurons;
-  // returns its size.
+  // Hands layer l's guess from guess_host_ to guess_ids_ (global ids) and guess_first_, and marks
+  // its neurons; returns its size.
   int TakeGuess(int l);
-  // On guess_stream_, from guess_x_: layer l's predictor, the compaction, the copy to the host,
-  // ev_guess_[l], ev_gjoin_.
+  // On guess_stream_, from guess_x_: layer l's predictor, the two compactions (the guess and its
+  // first tier), the copies to the host, ev_guess_[l], ev_gjoin_.
   BackendStatus EnqueueGuessChain(int l, const ForwardArgs& a);
   // Whether layer l's guess is made (at the end of layer l - 1, which must be on the GPU's
   // sparse path in the same step).
@@ -970,6 +975,9 @@ BackendStatus CudaBackend::AllocateScratch() {
     BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(F), &guess_scores_));
     BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(F) + 1, &guess_list_));
     BACKEND_RETURN_IF_ERROR(AllocHost(static_cast<size_t>(c.n_layers) * (F + 1), &guess_host_));
+    BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(F) + 1, &guess_first_list_));
+    BACKEND_RETURN_IF_ERROR(
+        AllocHost(static_cast<size_t>(c.n_layers) * (F + 1), &guess_first_host_));
     guess_ids_.reserve(F);
     guess_mark_.assign(F, 0);
     ev_guess_.resize(c.n_layers);
@@ -1254,8 +1262,9 @@ BackendStatus CudaBackend::RunLayersQueued(const ForwardArgs& a, int layer_end, 
     if (st.ok() && cold) {
       const double t0 = Now();
       // Layer l's attention runs meanwhile (layer l + 1 is queued).
-      a.cold->Ahead(l, n_guess > 0 ? guess_ids_.data() : nullptr, n_guess,
-                    [&] { return cudaEventQuery(ev_x_[l]) != cudaErrorNotReady; });
+      ColdGuess guess;
+      if (n_guess > 0) guess = {guess_ids_.data(), guess_first_.data(), n_guess};
+      a.cold->Ahead(l, guess, [&] { return cudaEventQuery(ev_x_[l]) != cudaErrorNotReady; });
       stats_.cold_ahead += Now() - t0;
       st = FinishCold(l, a, exchange_x, exchange_out, exchange_active, /*signal=*/true);
     }
@@ -1491,6 +1500,12 @@ BackendStatus CudaBackend::EnqueueGuessChain(int l, const ForwardArgs& a) {
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(guess_host_ + static_cast<size_t>(l) * (F + 1), guess_list_,
                                        (static_cast<size_t>(n_cold) + 1) * 4,
                                        cudaMemcpyDeviceToHost, guess_stream_));
+  CUDA_RETURN_IF_ERROR(
+      CompactActive(guess_scores_, 1, F, UsesCache(L, a) ? L.cold_map_c : L.cold_ids, n_cold,
+                    L.pred_cut, guess_first_list_ + 1, guess_first_list_, guess_stream_));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(guess_first_host_ + static_cast<size_t>(l) * (F + 1),
+                                       guess_first_list_, (static_cast<size_t>(n_cold) + 1) * 4,
+                                       cudaMemcpyDeviceToHost, guess_stream_));
   CUDA_RETURN_IF_ERROR(RecordEvent(ev_guess_[l], guess_stream_));
   CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_gjoin_, guess_stream_));
   return Ok();
@@ -1618,11 +1633,18 @@ int CudaBackend::TakeGuess(int l) {
     std::fill(guess_mark_.begin(), guess_mark_.end(), 0);
     guess_epoch_ = 1;
   }
+  // Both lists are ascending positions in the cold list: the first tier is found by one merge.
+  const int32_t* first = guess_first_host_ + static_cast<size_t>(l) * (dims_.ffn + 1);
+  const int n_first = std::clamp(first[0], 0, static_cast<int>(L.cold_ids_host.size()));
   guess_ids_.resize(count);
-  for (int i = 0; i < count; ++i) {
+  guess_first_.resize(count);
+  for (int i = 0, f = 0; i < count; ++i) {
     const int32_t id = L.cold_ids_host[slot[1 + i]];
     guess_ids_[i] = id;
     guess_mark_[id] = guess_epoch_;
+    while (f < n_first && first[1 + f] < slot[1 + i]) ++f;
+    guess_first_[i] = f < n_first && first[1 + f] == slot[1 + i];
+    stats_.guess_first += guess_first_[i];
   }
   guess_layer_ = l;
   stats_.guess_rows += count;

@@ -195,6 +195,16 @@ struct ColdRequest {
 // The max_parts a backend offers: more than a cpu-worker's threads on any host we have measured.
 constexpr int kMaxColdParts = 64;
 
+// The module's guess at a decode layer's active cold neurons (ModelUpload::cold_guess).
+struct ColdGuess {
+  const int32_t* ids = nullptr;  // [n] global ids, ascending
+  // [n]: 1 for the neurons that the layer's predictor selects at its own cut on the guess's
+  // input, the likelier ones (the rest are there only through the lowered cut): a cold side whose
+  // loads may be cut short loads them first.
+  const uint8_t* first = nullptr;
+  int n = 0;
+};
+
 class ColdFfn {
  public:
   virtual ~ColdFfn() = default;
@@ -205,12 +215,10 @@ class ColdFfn {
   // x_ready() (the FFN input is published, so Run could start): loads past that point delay the
   // layer. x_ready may be called from one thread at a time only. Must not fail.
   // guess: with ModelUpload::cold_guess, the module's guess at the layer's active cold neurons
-  // (global ids, ascending; n_guess of them), valid during the call; otherwise null and 0.
-  virtual void Ahead(int layer, const int32_t* guess, int n_guess,
-                     const std::function<bool()>& x_ready) {
+  // (ColdGuess), valid during the call; otherwise empty.
+  virtual void Ahead(int layer, const ColdGuess& guess, const std::function<bool()>& x_ready) {
     (void)layer;
     (void)guess;
-    (void)n_guess;
     (void)x_ready;
   }
 };
@@ -292,6 +300,7 @@ struct ForwardStats {
   int64_t guess_rows = 0;
   int64_t guess_hits = 0;
   int64_t guess_actual = 0;  // neurons of the actual cold lists of the layers with a guess
+  int64_t guess_first = 0;   // of guess_rows, in the guesses' first tiers (ColdGuess::first)
   double guess_wait = 0;     // host waiting for the guess before Ahead
 };
 

@@ -190,36 +190,47 @@ void ReleaseMappedPages(const Model& model) {
   }
 }
 
-uint64_t PartialFfn::Prefetch(int layer, const uint64_t* mask, ThreadPool* pool,
-                              const std::function<bool()>& stop) {
+PartialFfn::Loaded PartialFfn::Prefetch(int layer, const uint64_t* mask, const uint64_t* first,
+                                        ThreadPool* pool, const std::function<bool()>& stop) {
   const FfnRowStore::Layer& L = rows_.layer(layer);
   guess_.clear();
+  guess_first_.clear();
+  auto bit = [](const uint64_t* m, int32_t j) { return (m[j >> 6] >> (j & 63)) & 1; };
   for (int i = 0; i < static_cast<int>(L.neurons.size()); ++i) {
     const int32_t j = L.neurons[i];
-    if ((mask[j >> 6] >> (j & 63)) & 1) guess_.push_back(i);
+    if (bit(mask, j)) {
+      guess_.push_back(i);
+      guess_first_.push_back(first != nullptr && bit(first, j));
+    }
   }
   const int n = static_cast<int>(guess_.size());
-  if (n == 0) return 0;
+  if (n == 0) return {};
   // The parts the op splits a list of this size into (CpuOps::SparseFfnParts).
   const int parts = pool == nullptr ? 1 : ops_.SparseFfnParts(n);
   const size_t row_bytes[3] = {L.gate.row_bytes(), L.up.row_bytes(), L.down_t.row_bytes()};
   std::atomic<bool> done{false};
   std::atomic<int> finished{0};
-  std::atomic<uint64_t> loaded{0};
+  std::atomic<uint64_t> loaded{0}, loaded_first{0};
   auto run_part = [&](int p) {
-    const int i1 = SparseFfnPartBegin(n, parts, p + 1);
-    uint64_t count = 0;
-    for (int i = SparseFfnPartBegin(n, parts, p); i < i1; ++i) {
-      if (p == 0 && stop()) done.store(true, std::memory_order_relaxed);
-      if (done.load(std::memory_order_relaxed)) break;
-      const uint8_t* rows[3] = {L.gate.row(guess_[i]), L.up.row(guess_[i]),
-                                L.down_t.row(guess_[i])};
-      for (int r = 0; r < 3; ++r) {
-        for (size_t o = 0; o < row_bytes[r]; o += 64) __builtin_prefetch(rows[r] + o, 0, 3);
+    const int i0 = SparseFfnPartBegin(n, parts, p), i1 = SparseFfnPartBegin(n, parts, p + 1);
+    uint64_t count = 0, count_first = 0;
+    // The part's first tier, then the rest: the loads may be cut short by the request.
+    for (int pass = 0; pass < 2 && !done.load(std::memory_order_relaxed); ++pass) {
+      for (int i = i0; i < i1; ++i) {
+        if (guess_first_[i] != (pass == 0)) continue;
+        if (p == 0 && stop()) done.store(true, std::memory_order_relaxed);
+        if (done.load(std::memory_order_relaxed)) break;
+        const uint8_t* rows[3] = {L.gate.row(guess_[i]), L.up.row(guess_[i]),
+                                  L.down_t.row(guess_[i])};
+        for (int r = 0; r < 3; ++r) {
+          for (size_t o = 0; o < row_bytes[r]; o += 64) __builtin_prefetch(rows[r] + o, 0, 3);
+        }
+        ++count;
+        count_first += pass == 0;
       }
-      ++count;
     }
     loaded.fetch_add(count, std::memory_order_relaxed);
+    loaded_first.fetch_add(count_first, std::memory_order_relaxed);
     if (p != 0) {
       finished.fetch_add(1, std::memory_order_release);
       return;
@@ -237,7 +248,7 @@ uint64_t PartialFfn::Prefetch(int layer, const uint64_t* mask, ThreadPool* pool,
       for (int64_t p = b; p < e; ++p) run_part(static_cast<int>(p));
     });
   }
-  return loaded.load();
+  return {loaded.load(), loaded_first.load()};
 }
 
 uint64_t PartialFfn::Accumulate(int layer, const float* x, int n, const uint64_t* masks,

@@ -106,11 +106,16 @@ class PartialFfn {
   // Loads the rows of this side's neurons set in `mask` (a guess at the next request's list for
   // `layer`) into the caches of the pool threads that will compute them: the list in the parts
   // a single token's Accumulate splits its list into, part i on pool thread i, which the pool's
-  // pinned chunks (ThreadPool::set_pinned_chunks) keep so for both loops. Stops soon after
-  // stop() (called from one thread at a time) turns true. Returns the neurons whose rows it
-  // loaded.
-  uint64_t Prefetch(int layer, const uint64_t* mask, ThreadPool* pool,
-                    const std::function<bool()>& stop);
+  // pinned chunks (ThreadPool::set_pinned_chunks) keep so for both loops. Within a part the
+  // neurons also set in `first` (may be null) go first: the request often comes before the whole
+  // guess is loaded. Stops soon after stop() (called from one thread at a time) turns true.
+  // Returns the neurons whose rows it loaded, and how many of them were in `first`.
+  struct Loaded {
+    uint64_t neurons = 0;
+    uint64_t first = 0;
+  };
+  Loaded Prefetch(int layer, const uint64_t* mask, const uint64_t* first, ThreadPool* pool,
+                  const std::function<bool()>& stop);
 
  private:
   const FfnRowStore& rows_;
@@ -118,6 +123,7 @@ class PartialFfn {
   const CpuOps& ops_;
   std::vector<float> gate_, sel_gate_, up_, coef_;
   std::vector<int32_t> sel_, iota_, guess_;
+  std::vector<uint8_t> guess_first_;
 };
 
 }  // namespace pinfer

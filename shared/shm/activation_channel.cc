@@ -78,7 +78,7 @@ absl::StatusOr<uint32_t> ExchangeClient::Post(int layer, const float* x, int n,
   return seq;
 }
 
-absl::Status ExchangeClient::PostGuess(int layer, const int32_t* ids, int n) {
+absl::Status ExchangeClient::PostGuess(int layer, const int32_t* ids, int n, const uint8_t* first) {
   Header* h = segment_->header();
   const Geometry& g = h->geometry;
   if (layer < 0 || layer >= g.n_layers || n < 0) {
@@ -87,12 +87,15 @@ absl::Status ExchangeClient::PostGuess(int layer, const int32_t* ids, int n) {
   if (std::string problem = PeerProblem(); !problem.empty()) {
     return absl::UnavailableError(problem);
   }
-  guess_.assign(g.words_per_mask(), 0);
+  const size_t words = static_cast<size_t>(g.words_per_mask());
+  guess_.assign(2 * words, 0);  // the guess, then its first tier
   for (int i = 0; i < n; ++i) {
     if (ids[i] < 0 || ids[i] >= g.ffn) {
       return absl::InvalidArgumentError(absl::StrCat("guessed neuron ", ids[i], " of ", g.ffn));
     }
-    guess_[ids[i] >> 6] |= 1ull << (ids[i] & 63);
+    const uint64_t bit = 1ull << (ids[i] & 63);
+    guess_[ids[i] >> 6] |= bit;
+    if (first != nullptr && first[i] != 0) guess_[words + (ids[i] >> 6)] |= bit;
   }
   // Sequence lock (segment.h): odd while writing.
   const uint32_t s = h->guess_seq.load(std::memory_order_relaxed);
@@ -239,7 +242,7 @@ absl::Status ExchangeServer::Serve(const ColdHandler& handler, const std::atomic
     return absl::OkStatus();
   };
   uint32_t seen_guess = h->guess_seq.load(std::memory_order_acquire);
-  std::vector<uint64_t> guess(g.words_per_mask());
+  std::vector<uint64_t> guess(2 * static_cast<size_t>(g.words_per_mask()));
   for (;;) {
     // The doorbell first: a request or guess posted after this load changes it, so the wait
     // below cannot miss one.
@@ -258,7 +261,7 @@ absl::Status ExchangeServer::Serve(const ColdHandler& handler, const std::atomic
           std::atomic_thread_fence(std::memory_order_acquire);
           if (h->guess_seq.load(std::memory_order_relaxed) == gs && layer >= 0 &&
               layer < g.n_layers) {
-            guess_handler(layer, guess.data(), [&] {
+            guess_handler(layer, guess.data(), guess.data() + g.words_per_mask(), [&] {
               return h->req_seq.load(std::memory_order_acquire) != seen || stop.load() ||
                      !GpuAlive();
             });

@@ -69,9 +69,11 @@ class ExchangeClient {
   absl::StatusOr<uint32_t> Post(int layer, const float* x, int n, const uint64_t* masks);
   // Publishes a guess at the neurons (global ids, n of them) that the next request for `layer`
   // will list, so that the cpu-worker can load their rows while this side computes the layer's
-  // attention. A hint only: the request is answered the same with or without it. Fails fast
-  // with UNAVAILABLE if the peer is not ready, and with INVALID_ARGUMENT for a bad layer or id.
-  absl::Status PostGuess(int layer, const int32_t* ids, int n);
+  // attention; first[i] != 0 (first may be null: none) marks ids[i] as likelier, to be loaded
+  // before the others. A hint only: the request is answered the same with or without it. Fails
+  // fast with UNAVAILABLE if the peer is not ready, and with INVALID_ARGUMENT for a bad layer or
+  // id.
+  absl::Status PostGuess(int layer, const int32_t* ids, int n, const uint8_t* first = nullptr);
   // Waits for the answer to `seq` and adds the cold contribution into out: [n, hidden].
   absl::Status AwaitAndAdd(uint32_t seq, int n, float* out, ExchangeStats* stats);
 
@@ -79,7 +81,7 @@ class ExchangeClient {
   std::unique_ptr<Segment> segment_;
   ChannelOptions options_;
   Heartbeat heartbeat_;
-  std::vector<uint64_t> guess_;  // PostGuess's mask, built here before it is published
+  std::vector<uint64_t> guess_;  // PostGuess's two masks, built here before they are published
 };
 
 // What the cpu-worker computes per request: out: [n, hidden] = the contribution of its cold
@@ -87,10 +89,11 @@ class ExchangeClient {
 using ColdHandler = std::function<absl::StatusOr<uint64_t>(int layer, const float* x, int n,
                                                            const uint64_t* masks, float* out)>;
 // What the cpu-worker does with a guess (ExchangeClient::PostGuess) while no request is pending:
-// mask: [words_per_mask], the guessed neurons of `layer` (a copy, valid during the call). It
-// should return soon after stop() turns true (a request arrived, or the server is stopping).
-using GuessHandler =
-    std::function<void(int layer, const uint64_t* mask, const std::function<bool()>& stop)>;
+// mask: [words_per_mask], the guessed neurons of `layer`; first: [words_per_mask], those of them
+// to load first (copies, valid during the call). It should return soon after stop() turns true
+// (a request arrived, or the server is stopping).
+using GuessHandler = std::function<void(int layer, const uint64_t* mask, const uint64_t* first,
+                                        const std::function<bool()>& stop)>;
 
 // The cpu-worker's side, attached to an existing segment.
 class ExchangeServer {

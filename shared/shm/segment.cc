@@ -38,7 +38,7 @@ Offsets ComputeOffsets(const Geometry& g) {
   o.request_mask = AlignUp(o.request_x + act_bytes);
   o.response = AlignUp(o.request_mask + static_cast<size_t>(g.max_tokens) * mask_bytes);
   o.guess_mask = AlignUp(o.response + act_bytes);
-  o.total = AlignUp(o.guess_mask + mask_bytes);
+  o.total = AlignUp(o.guess_mask + 2 * mask_bytes);  // the guess, then its first tier
   return o;
 }
 

@@ -13,8 +13,9 @@
 //   request x       [max_tokens, hidden] f32: FFN input of the current exchange
 //   request masks   [max_tokens][words_per_mask] u64: sparse mode, predicted-active neurons
 //   response        [max_tokens, hidden] f32: the cold neurons' contribution
-//   guess mask      [words_per_mask] u64: a hint, the neurons the gpu-worker guesses the next
-//                   request of layer guess_layer will list (ExchangeClient::PostGuess)
+//   guess mask      [2][words_per_mask] u64: a hint, the neurons the gpu-worker guesses the next
+//                   request of layer guess_layer will list, then the subset to load first, the
+//                   likelier ones (ExchangeClient::PostGuess)
 #pragma once
 
 #include <atomic>
@@ -29,7 +30,7 @@
 namespace pinfer::shm {
 
 inline constexpr uint64_t kMagic = 0x31764d4853464e50ull;  // "PNFSHMv1" little-endian
-inline constexpr uint32_t kLayoutVersion = 2;              // 2: the guess mask and the doorbell
+inline constexpr uint32_t kLayoutVersion = 3;  // 2: the guess mask and the doorbell; 3: its tier
 
 // What both sides must agree on; the cpu-worker derives it from its own copy of the model and
 // compares it with the header.
@@ -129,7 +130,7 @@ class Segment {
   uint64_t* hot_bitmap(int layer) const;
   float* request_x() const;
   uint64_t* request_mask(int token) const;
-  uint64_t* guess_mask() const;
+  uint64_t* guess_mask() const;  // [2][words_per_mask]: the guess, then its first tier
   float* response() const;
   const std::string& name() const { return name_; }
   size_t size() const { return size_; }

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <thread>
@@ -454,10 +455,14 @@ TEST_F(CudaBackendTest, ColdPartsSummedOnTheGpuMatchCpuReference) {
 class AheadRecorder : public cuda::ColdFfn {
  public:
   explicit AheadRecorder(cuda::ColdFfn* inner) : inner_(inner) {}
-  void Ahead(int layer, const int32_t* guess, int n_guess,
+  void Ahead(int layer, const cuda::ColdGuess& guess,
              const std::function<bool()>& x_ready) override {
     events.push_back(-1 - layer);
-    guesses.emplace_back(guess, guess + n_guess);
+    guesses.emplace_back(guess.ids, guess.ids + guess.n);
+    firsts.emplace_back();
+    for (int i = 0; i < guess.n; ++i) {
+      if (guess.first != nullptr && guess.first[i] != 0) firsts.back().push_back(guess.ids[i]);
+    }
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (!x_ready()) {
       if (std::chrono::steady_clock::now() > deadline) {
@@ -472,6 +477,7 @@ class AheadRecorder : public cuda::ColdFfn {
   }
   std::vector<int> events;                    // Run(l): l; Ahead(l): -1 - l
   std::vector<std::vector<int32_t>> guesses;  // per Ahead call
+  std::vector<std::vector<int32_t>> firsts;   // per Ahead call: the guess's first tier
   int never_ready = 0;
 
  private:
@@ -1234,8 +1240,9 @@ TEST_F(CudaBackendTest, ColdGpuShareMatchesCpuReference) {
 // residual, which is what the guess is made from (the residual after the previous layer's
 // attention). So layer l's predictor sees exactly its FFN input, and with its
 // cut lowered by a little (1e-3) the guess handed to Ahead must hold every neuron of the actual
-// cold list that the same step's callback gets, and little else. Each guess is ascending and
-// within the layer's cold neurons; the first layer gets none.
+// cold list that the same step's callback gets, and little else; its first tier (the predictor's
+// own cut) is the actual list itself, up to the rounding of scores that sit on the cut. Each guess
+// is ascending and within the layer's cold neurons; the first layer gets none.
 TEST_F(CudaBackendTest, ColdGuessWithoutAttentionHoldsTheActualColdList) {
   const ModelConfig& c = model_->config;
   std::vector<int32_t> tokens =
@@ -1267,12 +1274,13 @@ TEST_F(CudaBackendTest, ColdGuessWithoutAttentionHoldsTheActualColdList) {
     std::vector<std::vector<int32_t>> actual;
   } cold(&cpu);
   std::vector<float> got(c.vocab_size);
-  int64_t guessed = 0, listed = 0;
+  int64_t guessed = 0, listed = 0, tier_differs = 0, first_total = 0, stats_first = 0;
   for (size_t pos = 0; pos < tokens.size(); ++pos) {
     cuda::BackendStatus st = backend->Forward(PredictedStep(tokens, pos, &cold, got.data()));
     ASSERT_TRUE(st.ok()) << st.message;
     const cuda::ForwardStats& fs = backend->last_stats();
     EXPECT_EQ(fs.guess_hits, fs.guess_actual) << "position " << pos;
+    stats_first += fs.guess_first;
     const std::vector<int32_t>& first = cold.actual[cold.actual.size() - c.n_layers];
     EXPECT_EQ(fs.guess_actual, fs.cold_rows_requested - static_cast<int64_t>(first.size()))
         << "position " << pos;
@@ -1298,9 +1306,17 @@ TEST_F(CudaBackendTest, ColdGuessWithoutAttentionHoldsTheActualColdList) {
     }
     guessed += static_cast<int64_t>(g.size());
     listed += static_cast<int64_t>(cold.actual[i].size());
+    const std::vector<int32_t>& f = cold.firsts[i];
+    std::vector<int32_t> diff;
+    std::set_symmetric_difference(f.begin(), f.end(), cold.actual[i].begin(), cold.actual[i].end(),
+                                  std::back_inserter(diff));
+    tier_differs += static_cast<int64_t>(diff.size());
+    first_total += static_cast<int64_t>(f.size());
   }
   EXPECT_GT(listed, 0);
   EXPECT_LE(guessed, listed + listed / 20) << "the cut lowered by 1e-3 adds few neurons";
+  EXPECT_LE(tier_differs, listed / 100) << first_total << " in the first tiers";
+  EXPECT_EQ(stats_first, first_total);
 
   // Values out of range are refused at creation.
   for (int bad = 0; bad < 2; ++bad) {

@@ -132,8 +132,9 @@ TEST(FfnSplitTest, MasksRestrictTheComputedNeurons) {
 
 // Prefetch (the cpu-worker's --prefetch-guess) loads the rows of the guessed neurons that this
 // side holds, every one of them when nothing stops it, and none on part 0 when stop() is true
-// from the start. It changes nothing Accumulate computes: with the pool's pinned chunks the
-// result is the same bits as without.
+// from the start. Within a part the guess's first tier goes first: stopped early, a single part
+// has loaded only first-tier neurons. It changes nothing Accumulate computes: with the pool's
+// pinned chunks the result is the same bits as without.
 TEST(FfnSplitTest, PrefetchLoadsThisSidesGuessedNeuronsUntilStopped) {
   auto m = Load("relu-llama-tiny");
   ASSERT_NE(m, nullptr);
@@ -148,15 +149,31 @@ TEST(FfnSplitTest, PrefetchLoadsThisSidesGuessedNeuronsUntilStopped) {
   auto pinned_ops = NewSimdOps(&pinned_pool), plain_ops = NewSimdOps(&plain_pool);
   PartialFfn ffn(**rows, c.activation, *pinned_ops), plain(**rows, c.activation, *plain_ops);
   const int W = (c.ffn_size + 63) / 64;
-  std::vector<uint64_t> mask(W, 0);
-  uint64_t want = 0;
+  std::vector<uint64_t> mask(W, 0), first(W, 0), none(W, 0);
+  uint64_t want = 0, want_first = 0;
   for (int j = 0; j < c.ffn_size; j += 3) mask[j >> 6] |= 1ull << (j & 63);
-  for (int32_t j : cold[1]) want += j % 3 == 0;
+  for (int j = 0; j < c.ffn_size; j += 6) first[j >> 6] |= 1ull << (j & 63);
+  for (int32_t j : cold[1]) {
+    want += j % 3 == 0;
+    want_first += j % 6 == 0;
+  }
   ASSERT_GT(want, 64u);  // several parts
-  EXPECT_EQ(ffn.Prefetch(1, mask.data(), &pinned_pool, [] { return false; }), want);
-  EXPECT_LT(ffn.Prefetch(1, mask.data(), &pinned_pool, [] { return true; }), want);
-  EXPECT_EQ(ffn.Prefetch(1, std::vector<uint64_t>(W, 0).data(), &pinned_pool, [] { return false; }),
-            0u);
+  ASSERT_GT(want_first, 10u);
+  auto never = [] { return false; };
+  PartialFfn::Loaded got = ffn.Prefetch(1, mask.data(), first.data(), &pinned_pool, never);
+  EXPECT_EQ(got.neurons, want);
+  EXPECT_EQ(got.first, want_first);
+  got = ffn.Prefetch(1, mask.data(), nullptr, &pinned_pool, never);
+  EXPECT_EQ(got.neurons, want);
+  EXPECT_EQ(got.first, 0u);
+  EXPECT_LT(ffn.Prefetch(1, mask.data(), first.data(), &pinned_pool, [] { return true; }).neurons,
+            want);
+  EXPECT_EQ(ffn.Prefetch(1, none.data(), first.data(), &pinned_pool, never).neurons, 0u);
+  // One part (no pool), stopped after 10 neurons: all of them from the first tier.
+  int polls = 0;
+  got = ffn.Prefetch(1, mask.data(), first.data(), nullptr, [&] { return ++polls > 10; });
+  EXPECT_EQ(got.neurons, 10u);
+  EXPECT_EQ(got.first, 10u);
 
   std::mt19937 rng(5);
   std::normal_distribution<float> nd(0.f, 1.f);

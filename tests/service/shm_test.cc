@@ -217,7 +217,8 @@ TEST(ExchangeTest, RoundTripsAndPairsAnswersWithRequests) {
 }
 
 // A guess (ExchangeClient::PostGuess) reaches the cpu-worker's guess handler as a mask of the
-// guessed neurons for its layer while no request is pending, and the handler's stop() turns true
+// guessed neurons for its layer, with a mask of its first tier, while no request is pending; a
+// guess without a tier comes with an empty one. The handler's stop() turns true
 // once the request arrives, which is then answered as usual. Bad guesses are refused.
 TEST(ExchangeTest, GuessesReachTheGuessHandlerUntilTheRequestComes) {
   const std::string name = UniqueSegmentName();
@@ -230,7 +231,7 @@ TEST(ExchangeTest, GuessesReachTheGuessHandlerUntilTheRequestComes) {
   std::atomic<bool> stop{false}, in_handler{false};
   std::atomic<int> guesses{0};
   int guess_layer = -1;
-  std::vector<uint64_t> guess_mask;
+  std::vector<uint64_t> guess_mask, first_mask;
   bool stopped_by_request = false;
   std::thread server([&] {
     auto att = Segment::Attach(name, TestGeometry());
@@ -241,9 +242,11 @@ TEST(ExchangeTest, GuessesReachTheGuessHandlerUntilTheRequestComes) {
         s.Serve([](int layer, const float* x, int n, const uint64_t* masks,
                    float* out) { return TestHandler(layer, x, n, masks, out, 8); },
                 stop,
-                [&](int layer, const uint64_t* mask, const std::function<bool()>& stop_guess) {
+                [&](int layer, const uint64_t* mask, const uint64_t* first,
+                    const std::function<bool()>& stop_guess) {
                   guess_layer = layer;
                   guess_mask.assign(mask, mask + 2);
+                  first_mask.assign(first, first + 2);
                   in_handler = true;
                   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
                   while (!stop_guess() && std::chrono::steady_clock::now() < deadline) {
@@ -254,7 +257,8 @@ TEST(ExchangeTest, GuessesReachTheGuessHandlerUntilTheRequestComes) {
     EXPECT_TRUE(st.ok()) << st;
   });
   while (!client.PeerReady()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  ASSERT_TRUE(client.PostGuess(2, guessed, 4).ok());
+  const uint8_t first[] = {0, 1, 0, 1};
+  ASSERT_TRUE(client.PostGuess(2, guessed, 4, first).ok());
   while (!in_handler) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   float x[8], out[8] = {0};
   for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(i);
@@ -268,7 +272,20 @@ TEST(ExchangeTest, GuessesReachTheGuessHandlerUntilTheRequestComes) {
   EXPECT_EQ(guesses.load(), 1);
   EXPECT_EQ(guess_layer, 2);
   EXPECT_EQ(guess_mask, (std::vector<uint64_t>{(1ull << 1) | (1ull << 5), 1ull | (1ull << 35)}));
+  EXPECT_EQ(first_mask, (std::vector<uint64_t>{1ull << 5, 1ull << 35}));
   EXPECT_TRUE(stopped_by_request);
+
+  // Without a tier: the same guess, an empty first mask.
+  in_handler = false;
+  ASSERT_TRUE(client.PostGuess(1, guessed, 4).ok());
+  while (!in_handler) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  seq = client.Post(1, x, 1, masks);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  ASSERT_TRUE(client.AwaitAndAdd(*seq, 1, out, &stats).ok());
+  EXPECT_EQ(guesses.load(), 2);
+  EXPECT_EQ(guess_layer, 1);
+  EXPECT_EQ(guess_mask, (std::vector<uint64_t>{(1ull << 1) | (1ull << 5), 1ull | (1ull << 35)}));
+  EXPECT_EQ(first_mask, (std::vector<uint64_t>{0, 0}));
 
   const int32_t bad_id[] = {100};  // ffn 100
   EXPECT_EQ(client.PostGuess(2, bad_id, 1).code(), absl::StatusCode::kInvalidArgument);
