@@ -426,12 +426,10 @@ class CudaBackend : public Backend {
   float* guess_x_ = nullptr;       // device [hidden]
   float* guess_h_ = nullptr;       // device [max_rank]
   float* guess_scores_ = nullptr;  // device [ffn]
-  int32_t* guess_list_ = nullptr;  // device [1 + ffn]: count, then positions in the cold list
-  int32_t* guess_host_ = nullptr;  // pinned [n_layers, 1 + ffn]
-  // The guess's first tier (ColdGuess::first): the cold neurons above the predictor's own cut on
-  // the guess's input, as guess_list_ and guess_host_.
-  int32_t* guess_first_list_ = nullptr;
-  int32_t* guess_first_host_ = nullptr;
+  // device [1 + ffn]: count, then positions in the cold list, kAboveBit set on the guess's first
+  // tier (ColdGuess::first: above the predictor's own cut on the guess's input)
+  int32_t* guess_list_ = nullptr;
+  int32_t* guess_host_ = nullptr;     // pinned [n_layers, 1 + ffn]
   std::vector<int32_t> guess_ids_;    // the layer's guess in global ids, as Ahead gets it
   std::vector<uint8_t> guess_first_;  // [guess_ids_.size()]: ColdGuess::first
   std::vector<uint32_t> guess_mark_;  // [ffn]: == guess_epoch_ for the neurons of guess_ids_
@@ -443,8 +441,8 @@ class CudaBackend : public Backend {
   // Hands layer l's guess from guess_host_ to guess_ids_ (global ids) and guess_first_, and marks
   // its neurons; returns its size.
   int TakeGuess(int l);
-  // On guess_stream_, from guess_x_: layer l's predictor, the two compactions (the guess and its
-  // first tier), the copies to the host, ev_guess_[l], ev_gjoin_.
+  // On guess_stream_, from guess_x_: layer l's predictor, the compaction (its first tier marked),
+  // the copy to the host, ev_guess_[l], ev_gjoin_.
   BackendStatus EnqueueGuessChain(int l, const ForwardArgs& a);
   // Whether layer l's guess is made (at the end of layer l - 1, which must be on the GPU's
   // sparse path in the same step).
@@ -975,9 +973,6 @@ BackendStatus CudaBackend::AllocateScratch() {
     BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(F), &guess_scores_));
     BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(F) + 1, &guess_list_));
     BACKEND_RETURN_IF_ERROR(AllocHost(static_cast<size_t>(c.n_layers) * (F + 1), &guess_host_));
-    BACKEND_RETURN_IF_ERROR(Alloc(static_cast<size_t>(F) + 1, &guess_first_list_));
-    BACKEND_RETURN_IF_ERROR(
-        AllocHost(static_cast<size_t>(c.n_layers) * (F + 1), &guess_first_host_));
     guess_ids_.reserve(F);
     guess_mark_.assign(F, 0);
     ev_guess_.resize(c.n_layers);
@@ -1496,15 +1491,10 @@ BackendStatus CudaBackend::EnqueueGuessChain(int l, const ForwardArgs& a) {
                                   guess_stream_));  // [ffn]
   CUDA_RETURN_IF_ERROR(CompactActive(
       guess_scores_, 1, F, UsesCache(L, a) ? L.cold_map_c : L.cold_ids, n_cold, L.pred_cut,
-      guess_list_ + 1, guess_list_, guess_stream_, nullptr, guess_shift_ + l));
+      guess_list_ + 1, guess_list_, guess_stream_, nullptr, guess_shift_ + l,
+      /*mark_unshifted=*/true));
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(guess_host_ + static_cast<size_t>(l) * (F + 1), guess_list_,
                                        (static_cast<size_t>(n_cold) + 1) * 4,
-                                       cudaMemcpyDeviceToHost, guess_stream_));
-  CUDA_RETURN_IF_ERROR(
-      CompactActive(guess_scores_, 1, F, UsesCache(L, a) ? L.cold_map_c : L.cold_ids, n_cold,
-                    L.pred_cut, guess_first_list_ + 1, guess_first_list_, guess_stream_));
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(guess_first_host_ + static_cast<size_t>(l) * (F + 1),
-                                       guess_first_list_, (static_cast<size_t>(n_cold) + 1) * 4,
                                        cudaMemcpyDeviceToHost, guess_stream_));
   CUDA_RETURN_IF_ERROR(RecordEvent(ev_guess_[l], guess_stream_));
   CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_gjoin_, guess_stream_));
@@ -1633,17 +1623,14 @@ int CudaBackend::TakeGuess(int l) {
     std::fill(guess_mark_.begin(), guess_mark_.end(), 0);
     guess_epoch_ = 1;
   }
-  // Both lists are ascending positions in the cold list: the first tier is found by one merge.
-  const int32_t* first = guess_first_host_ + static_cast<size_t>(l) * (dims_.ffn + 1);
-  const int n_first = std::clamp(first[0], 0, static_cast<int>(L.cold_ids_host.size()));
   guess_ids_.resize(count);
   guess_first_.resize(count);
-  for (int i = 0, f = 0; i < count; ++i) {
-    const int32_t id = L.cold_ids_host[slot[1 + i]];
+  for (int i = 0; i < count; ++i) {
+    const uint32_t entry = static_cast<uint32_t>(slot[1 + i]);
+    const int32_t id = L.cold_ids_host[entry & ~kAboveBit];
     guess_ids_[i] = id;
     guess_mark_[id] = guess_epoch_;
-    while (f < n_first && first[1 + f] < slot[1 + i]) ++f;
-    guess_first_[i] = f < n_first && first[1 + f] == slot[1 + i];
+    guess_first_[i] = (entry & kAboveBit) != 0;
     stats_.guess_first += guess_first_[i];
   }
   guess_layer_ = l;

@@ -2230,8 +2230,10 @@ __global__ void __launch_bounds__(kCompactThreads)
     CompactActiveKernel(const float* __restrict__ v, int n, int ldv,
                         const int32_t* __restrict__ map, int len, float threshold,
                         const float* __restrict__ scale, const float* __restrict__ shift,
-                        int32_t* __restrict__ idx, int32_t* __restrict__ count) {
+                        bool mark_unshifted, int32_t* __restrict__ idx,
+                        int32_t* __restrict__ count) {
   PdlStart();
+  const float unshifted = threshold;
   if (shift != nullptr) threshold -= *shift;
   __shared__ int warp_totals[32];
   __shared__ int base;
@@ -2239,12 +2241,14 @@ __global__ void __launch_bounds__(kCompactThreads)
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   for (int j0 = 0; j0 < len; j0 += kCompactThreads) {
     const int j = j0 + threadIdx.x;
-    bool active = false;
+    bool active = false, above = false;  // above: also over the unshifted threshold
     if (j < len) {
       const int g = map != nullptr ? map[j] : j;  // < 0: a map entry that serves nobody
-      for (int t = 0; t < n && !active && g >= 0; ++t) {
+      for (int t = 0; t < n && !(active && (above || !mark_unshifted)) && g >= 0; ++t) {
         const float s = v[static_cast<int64_t>(t) * ldv + g];
-        active = (scale != nullptr ? s * scale[t] : s) > threshold;
+        const float x = scale != nullptr ? s * scale[t] : s;
+        active = active || x > threshold;
+        above = above || x > unshifted;
       }
     }
     const unsigned ballot = __ballot_sync(0xffffffffu, active);
@@ -2263,7 +2267,8 @@ __global__ void __launch_bounds__(kCompactThreads)
     __syncthreads();
     if (active) {
       const int slot = base + warp_totals[warp] + __popc(ballot & ((1u << lane) - 1u));
-      idx[slot] = j;
+      idx[slot] =
+          mark_unshifted && above ? static_cast<int32_t>(static_cast<uint32_t>(j) | kAboveBit) : j;
     }
     __syncthreads();
     if (threadIdx.x == kCompactThreads - 1) {
@@ -2989,9 +2994,9 @@ cudaError_t Embed(const DeviceMatrix& table, const int32_t* tokens, int n, float
 
 cudaError_t CompactActive(const float* v, int n, int ldv, const int32_t* map, int len,
                           float threshold, int32_t* idx, int32_t* count, cudaStream_t stream,
-                          const float* scale, const float* threshold_shift) {
+                          const float* scale, const float* threshold_shift, bool mark_unshifted) {
   return Launch(CompactActiveKernel, 1, kCompactThreads, 0, stream, v, n, ldv, map, len, threshold,
-                scale, threshold_shift, idx, count);
+                scale, threshold_shift, mark_unshifted, idx, count);
 }
 
 cudaError_t DequantizeToHalf(const DeviceMatrix& w, void* out, cudaStream_t stream) {

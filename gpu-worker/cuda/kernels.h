@@ -316,10 +316,14 @@ cudaError_t Embed(const DeviceMatrix& table, const int32_t* tokens, int n, float
 // A negative map entry is never active (an empty cache slot, a cold neuron held by a slot).
 // With scale ([n], device), token t's values are multiplied by scale[t] before the comparison.
 // With threshold_shift (one float the device can read, e.g. pinned host memory, read when the
-// kernel runs) the threshold is threshold - *threshold_shift.
+// kernel runs) the threshold is threshold - *threshold_shift; with mark_unshifted too, the ids
+// of neurons also above the unshifted threshold have kAboveBit set (they read as negative), which
+// tells the module's cold guess its first tier in the same pass.
+constexpr uint32_t kAboveBit = 1u << 31;
 cudaError_t CompactActive(const float* v, int n, int ldv, const int32_t* map, int len,
                           float threshold, int32_t* idx, int32_t* count, cudaStream_t stream,
-                          const float* scale = nullptr, const float* threshold_shift = nullptr);
+                          const float* scale = nullptr, const float* threshold_shift = nullptr,
+                          bool mark_unshifted = false);
 
 // Converts a weight matrix to fp16 (for cuBLAS): out: [rows, cols] halves.
 cudaError_t DequantizeToHalf(const DeviceMatrix& w, void* out, cudaStream_t stream);

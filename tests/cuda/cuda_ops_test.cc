@@ -892,17 +892,18 @@ TEST_F(CudaOpsTest, EmbedMatchesDequantizedRows) {
 // or through a map of global ids (hot or cold subsets), many passes of the 1024-thread block;
 // with per-token scales (PowerInfer's pre-norm scores times rms(residual)) against a threshold;
 // with the threshold lowered by a shift the kernel reads from pinned host memory (the module's
-// cold guess), changed between launches.
+// cold guess), changed between launches, and with the ids of the neurons above the unshifted
+// threshold marked (the guess's first tier).
 TEST_F(CudaOpsTest, CompactActiveListsExactlyTheActiveNeurons) {
   void* pinned = nullptr;
   ASSERT_EQ(cudaMallocHost(&pinned, sizeof(float)), cudaSuccess);
   float* shift = static_cast<float*>(pinned);
   for (int n : {1, 3}) {
     for (int len : {37, 13824}) {
-      for (int variant = 0; variant < 5; ++variant) {
-        const bool mapped = variant == 1 || variant == 4, scaled = variant == 2;
-        const bool shifted = variant >= 3;
-        *shift = variant == 3 ? 0.5f : -0.25f;
+      for (int variant = 0; variant < 6; ++variant) {
+        const bool mapped = variant == 1 || variant >= 4, scaled = variant == 2;
+        const bool shifted = variant >= 3, marked = variant == 5;
+        *shift = variant == 3 || marked ? 0.5f : -0.25f;
         const int full = 13824;
         std::vector<float> v = Random(static_cast<size_t>(n) * full);
         for (float& s : v) s -= 1.3f;  // about 10% above zero
@@ -923,17 +924,21 @@ TEST_F(CudaOpsTest, CompactActiveListsExactlyTheActiveNeurons) {
         for (int j = 0; j < len; ++j) {
           const int g = mapped ? map[j] : j;
           if (g < 0) continue;
-          bool any = false;
+          bool any = false, above = false;
           for (int t = 0; t < n; ++t) {
             any = any || v[static_cast<size_t>(t) * full + g] * scale[t] > effective;
+            above = above || v[static_cast<size_t>(t) * full + g] * scale[t] > threshold;
           }
-          if (any) expect.push_back(j);
+          if (any) {
+            expect.push_back(marked && above ? static_cast<int32_t>(j | cuda::kAboveBit) : j);
+          }
         }
         DevBuf<float> dv(v), dscale(scale);
         DevBuf<int32_t> dmap(mapped ? map : std::vector<int32_t>{0}), didx(len), dcount(1);
         CUDA_OK(cuda::CompactActive(dv.get(), n, full, mapped ? dmap.get() : nullptr, len,
                                     threshold, didx.get(), dcount.get(), nullptr,
-                                    scaled ? dscale.get() : nullptr, shifted ? shift : nullptr));
+                                    scaled ? dscale.get() : nullptr, shifted ? shift : nullptr,
+                                    marked));
         std::vector<int32_t> count = dcount.Download(), idx = didx.Download();
         ASSERT_EQ(count[0], static_cast<int32_t>(expect.size()));
         idx.resize(expect.size());
