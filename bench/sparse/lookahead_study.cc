@@ -397,8 +397,9 @@ double GuessSizeForShare(const std::vector<float>& sa, const std::vector<float>&
 // the neurons (a) selects that are among the loads when the window holds `window` times (a)'s
 // mean selection per token, the guess split into kParts equal parts in ascending order as
 // PartialFfn::Prefetch splits it (each part loading as many), for three orders within a part:
-// ascending ids (what the product does), the neurons the predictor selects on the guess's own
-// input (sg >= thr) first ("tiers"), and by the margin sg - thr, highest first ("ranked").
+// ascending ids (the product before its guess had a first tier), the neurons the predictor
+// selects on the guess's own input (sg >= thr) first ("tiers", what the product does now), and
+// by the margin sg - thr, highest first ("ranked").
 struct LoadShares {
   double ascending = 0, tiers = 0, ranked = 0;
 };
