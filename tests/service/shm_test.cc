@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <mutex>
 #include <thread>
 
 #include "gmock/gmock.h"
@@ -230,6 +231,9 @@ TEST(ExchangeTest, GuessesReachTheGuessHandlerUntilTheRequestComes) {
 
   std::atomic<bool> stop{false}, in_handler{false};
   std::atomic<int> guesses{0};
+  // What the handler saw, under a mutex: the two sides' ordering through the segment is invisible
+  // to TSan (each maps it at its own address).
+  std::mutex seen_mu;
   int guess_layer = -1;
   std::vector<uint64_t> guess_mask, first_mask;
   bool stopped_by_request = false;
@@ -244,14 +248,21 @@ TEST(ExchangeTest, GuessesReachTheGuessHandlerUntilTheRequestComes) {
                 stop,
                 [&](int layer, const uint64_t* mask, const uint64_t* first,
                     const std::function<bool()>& stop_guess) {
-                  guess_layer = layer;
-                  guess_mask.assign(mask, mask + 2);
-                  first_mask.assign(first, first + 2);
+                  {
+                    std::lock_guard<std::mutex> lock(seen_mu);
+                    guess_layer = layer;
+                    guess_mask.assign(mask, mask + 2);
+                    first_mask.assign(first, first + 2);
+                  }
                   in_handler = true;
                   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
                   while (!stop_guess() && std::chrono::steady_clock::now() < deadline) {
                   }
-                  stopped_by_request = stop_guess() && !stop.load();
+                  const bool by_request = stop_guess() && !stop.load();
+                  {
+                    std::lock_guard<std::mutex> lock(seen_mu);
+                    stopped_by_request = by_request;
+                  }
                   ++guesses;
                 });
     EXPECT_TRUE(st.ok()) << st;
@@ -270,10 +281,13 @@ TEST(ExchangeTest, GuessesReachTheGuessHandlerUntilTheRequestComes) {
   for (int i = 0; i < 8; ++i) EXPECT_EQ(out[i], x[i] * 3);
   EXPECT_EQ(stats.cold_neurons, 1u);
   EXPECT_EQ(guesses.load(), 1);
-  EXPECT_EQ(guess_layer, 2);
-  EXPECT_EQ(guess_mask, (std::vector<uint64_t>{(1ull << 1) | (1ull << 5), 1ull | (1ull << 35)}));
-  EXPECT_EQ(first_mask, (std::vector<uint64_t>{1ull << 5, 1ull << 35}));
-  EXPECT_TRUE(stopped_by_request);
+  {
+    std::lock_guard<std::mutex> lock(seen_mu);
+    EXPECT_EQ(guess_layer, 2);
+    EXPECT_EQ(guess_mask, (std::vector<uint64_t>{(1ull << 1) | (1ull << 5), 1ull | (1ull << 35)}));
+    EXPECT_EQ(first_mask, (std::vector<uint64_t>{1ull << 5, 1ull << 35}));
+    EXPECT_TRUE(stopped_by_request);
+  }
 
   // Without a tier: the same guess, an empty first mask.
   in_handler = false;
@@ -283,9 +297,12 @@ TEST(ExchangeTest, GuessesReachTheGuessHandlerUntilTheRequestComes) {
   ASSERT_TRUE(seq.ok()) << seq.status();
   ASSERT_TRUE(client.AwaitAndAdd(*seq, 1, out, &stats).ok());
   EXPECT_EQ(guesses.load(), 2);
-  EXPECT_EQ(guess_layer, 1);
-  EXPECT_EQ(guess_mask, (std::vector<uint64_t>{(1ull << 1) | (1ull << 5), 1ull | (1ull << 35)}));
-  EXPECT_EQ(first_mask, (std::vector<uint64_t>{0, 0}));
+  {
+    std::lock_guard<std::mutex> lock(seen_mu);
+    EXPECT_EQ(guess_layer, 1);
+    EXPECT_EQ(guess_mask, (std::vector<uint64_t>{(1ull << 1) | (1ull << 5), 1ull | (1ull << 35)}));
+    EXPECT_EQ(first_mask, (std::vector<uint64_t>{0, 0}));
+  }
 
   const int32_t bad_id[] = {100};  // ffn 100
   EXPECT_EQ(client.PostGuess(2, bad_id, 1).code(), absl::StatusCode::kInvalidArgument);
