@@ -208,14 +208,17 @@ int Main(const std::vector<std::string>& args) {
                       .Help("(token, neuron) pairs computed, by side of the split")
                       .Register(*registry)
                       .Add({{"side", "cpu"}});
-  auto& guessed_loaded = prometheus::BuildCounter()
-                             .Name("pinfer_worker_guessed_neurons_loaded_total")
-                             .Help(
-                                 "Cold neurons whose rows were loaded into the compute threads' "
-                                 "caches ahead of their layer's request, from the gpu-worker's "
-                                 "guesses (--prefetch-guess)")
-                             .Register(*registry)
-                             .Add({});
+  auto& guessed_loaded_family =
+      prometheus::BuildCounter()
+          .Name("pinfer_worker_guessed_neurons_loaded_total")
+          .Help(
+              "Cold neurons whose rows were loaded into the compute threads' caches ahead of "
+              "their layer's request, from the gpu-worker's guesses (--prefetch-guess): all of "
+              "them (kind=all), and those in the guesses' first tiers (kind=first), which are "
+              "loaded first")
+          .Register(*registry);
+  auto& guessed_loaded = guessed_loaded_family.Add({{"kind", "all"}});
+  auto& guessed_loaded_first = guessed_loaded_family.Add({{"kind", "first"}});
   auto& candidates = prometheus::BuildCounter()
                          .Name("pinfer_worker_neuron_candidates_total")
                          .Help("(token, neuron) pairs that could have been computed, by side")
@@ -382,8 +385,10 @@ int Main(const std::vector<std::string>& args) {
           o.prefetch_guess
               ? shm::GuessHandler([&](int layer, const uint64_t* mask, const uint64_t* first,
                                       const std::function<bool()>& stop_guess) {
-                  guessed_loaded.Increment(static_cast<double>(
-                      ffn.Prefetch(layer, mask, first, &pool, stop_guess).neurons));
+                  const PartialFfn::Loaded loaded =
+                      ffn.Prefetch(layer, mask, first, &pool, stop_guess);
+                  guessed_loaded.Increment(static_cast<double>(loaded.neurons));
+                  guessed_loaded_first.Increment(static_cast<double>(loaded.first));
                 })
               : shm::GuessHandler());
       {
