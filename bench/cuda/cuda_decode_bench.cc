@@ -321,25 +321,27 @@ class CpuColdFfn : public cuda::ColdFfn {
     bundles_ = env == nullptr || std::string(env) != "0";
     const char* hint = std::getenv("PINFER_CUDA_COLD_AHEAD_HINT");
     hint_ = hint == nullptr ? 2 : std::atoi(hint);
-    const char* ranked = std::getenv("PINFER_CUDA_COLD_AHEAD_RANKED");
-    ranked_ = ranked != nullptr && std::string(ranked) == "1";
   }
 
   // Variant COLD_AHEAD: guess[layer], this step's guess at each layer's active cold neurons, whose
   // rows Ahead brings into the CPU's caches while the GPU computes the layer's attention;
-  // active[layer], the step's actual cold lists (ascending), for COLD_AHEAD_RANKED.
+  // first[layer] (ascending; may be null), the guess's first tier, loaded first within each part:
+  // the step's actual cold lists for COLD_AHEAD_RANKED, the drawn tiers of COLD_AHEAD_TIER.
   void SetGuess(const std::vector<std::vector<int32_t>>* guess,
-                const std::vector<std::vector<int32_t>>* active) {
+                const std::vector<std::vector<int32_t>>* first) {
     guess_ = guess;
-    active_ = active;
+    first_ = first;
   }
 
   // Each pool thread prefetches its share of the guessed neurons' rows, line by line, in the
   // order the op reads them (PINFER_CUDA_COLD_AHEAD_HINT: 3 = prefetcht0, 2 = prefetcht1,
-  // 1 = prefetcht2, 0 = loads), until x is published: part 0 polls x_ready between neurons and
-  // tells the others to stop. COLD_AHEAD_RANKED=1: each part loads its actually active neurons
-  // first, then the rest, as a guess ranked perfectly by its confidence would (an upper bound on
-  // what ranking a guess larger than the loads' window can give).
+  // 1 = prefetcht2, 0 = loads, -1 = none: what the parts and the wait for x cost alone), until x is
+  // published: part 0 polls x_ready between neurons and tells the others to stop. (Checks every 2-8
+  // KB within a neuron's rows as well, variant COLD_AHEAD_STEP of session 29, stopped no sooner:
+  // docs/benchmarks.md, run 46.) With a first tier, each part loads its first-tier neurons first,
+  // then the rest, as PartialFfn::Prefetch does with the module's tiers. COLD_AHEAD_RANKED=1
+  // makes the tier the actually active neurons, as a guess ranked perfectly by its confidence
+  // would (an upper bound on what ranking a guess larger than the loads' window can give).
   void Ahead(int layer, const cuda::ColdGuess& module_guess,
              const std::function<bool()>& x_ready) override {
     (void)module_guess;  // a guess from random predictors, about masks drawn independently
@@ -352,7 +354,12 @@ class CpuColdFfn : public cuda::ColdFfn {
     const int parts = ops_->SparseFfnParts(n);  // the op's parts, on the same pinned threads
     std::atomic<bool> stop{false};
     pool_.ParallelFor(parts, 1, [&](int64_t p0, int64_t p1) {
+      auto stopped = [&](int64_t part) {
+        if (part == 0 && x_ready()) stop.store(true, std::memory_order_relaxed);
+        return stop.load(std::memory_order_relaxed);
+      };
       auto touch = [&](const uint8_t* p, size_t bytes) {
+        if (hint_ < 0) return;  // COLD_AHEAD_HINT=-1: no loads, the parts and the polling only
         for (size_t o = 0; o < bytes; o += 64) {
           switch (hint_) {
             case 3:
@@ -369,14 +376,13 @@ class CpuColdFfn : public cuda::ColdFfn {
           }
         }
       };
-      const std::vector<int32_t>* act = ranked_ ? &(*active_)[layer] : nullptr;
+      const std::vector<int32_t>* act = first_ != nullptr ? &(*first_)[layer] : nullptr;
       for (int64_t part = p0; part < p1; ++part) {
         const int i0 = SparseFfnPartBegin(n, parts, static_cast<int>(part));
         const int i1 = SparseFfnPartBegin(n, parts, static_cast<int>(part) + 1);
         for (int pass = act != nullptr ? 0 : 1; pass < 2; ++pass) {
           for (int i = i0; i < i1; ++i) {
-            if (part == 0 && x_ready()) stop.store(true, std::memory_order_relaxed);
-            if (stop.load(std::memory_order_relaxed)) break;
+            if (stopped(part)) break;
             if (act != nullptr && std::binary_search(act->begin(), act->end(), g[i]) != (pass == 0))
               continue;
             const size_t j = static_cast<size_t>(g[i]);
@@ -440,8 +446,7 @@ class CpuColdFfn : public cuda::ColdFfn {
   bool bundles_ = true;
   int hint_ = 2;
   const std::vector<std::vector<int32_t>>* guess_ = nullptr;
-  const std::vector<std::vector<int32_t>>* active_ = nullptr;
-  bool ranked_ = false;
+  const std::vector<std::vector<int32_t>>* first_ = nullptr;
 };
 
 // Variant COLD_AHEAD (PINFER_CUDA_COLD_AHEAD): per step and layer a guess at the active cold
@@ -484,6 +489,38 @@ std::vector<std::vector<std::vector<int32_t>>> GuessCold(
     }
   }
   return guess;
+}
+
+// Variant COLD_AHEAD_TIER=A:B (PINFER_CUDA_COLD_AHEAD_TIER): a first tier for each guess of
+// GuessCold, as the module marks the neurons its predictor selects at its own cut on the
+// guess's input: each guessed neuron that is active joins it with probability A, each other one
+// with probability B. lookahead_study's last table gives A and B for relu-llama-tiny's guesses
+// (the bench's random predictors cannot make a tier worth measuring). The draws have their own
+// generator, so the guesses are the same with the tier as without it. Empty when off.
+std::vector<std::vector<std::vector<int32_t>>> TierCold(
+    const std::vector<std::vector<std::vector<int32_t>>>& guess,
+    const std::vector<std::vector<std::vector<int32_t>>>& cold_ids) {
+  const char* env = std::getenv("PINFER_CUDA_COLD_AHEAD_TIER");
+  if (env == nullptr || std::string(env) == "0" || guess.empty()) return {};
+  double a = 0, b = 0;
+  if (std::sscanf(env, "%lf:%lf", &a, &b) != 2) {
+    std::fprintf(stderr, "PINFER_CUDA_COLD_AHEAD_TIER=%s: expected 0 or A:B\n", env);
+    std::exit(2);
+  }
+  std::vector<std::vector<std::vector<int32_t>>> first(guess.size());
+  std::mt19937 rng(29);
+  std::uniform_real_distribution<double> u(0, 1);
+  for (size_t s = 0; s < guess.size(); ++s) {
+    first[s].resize(guess[s].size());
+    for (size_t l = 0; l < guess[s].size(); ++l) {
+      const std::vector<int32_t>& act = cold_ids[s][l];
+      for (int32_t j : guess[s][l]) {  // ascending, so the tier is too
+        const bool active = std::binary_search(act.begin(), act.end(), j);
+        if (u(rng) < (active ? a : b)) first[s][l].push_back(j);
+      }
+    }
+  }
+  return first;
 }
 
 // Two lanes' cold sides on one pool: each request runs alone, in arrival order, as the
@@ -1404,6 +1441,7 @@ void ApplyVariant(const std::string& variant) {
   setenv("PINFER_CUDA_COLD_AHEAD", "0", 1);  // the bench's cold side: no guess, no loads ahead
   setenv("PINFER_CUDA_COLD_AHEAD_HINT", "2", 1);
   setenv("PINFER_CUDA_COLD_AHEAD_RANKED", "0", 1);
+  setenv("PINFER_CUDA_COLD_AHEAD_TIER", "0", 1);
   setenv("PINFER_CUDA_COLD_AHEAD_PIN", "0", 1);  // the pool's chunks taken by any thread
   // COLD_GUESS=1: the module's own guess (ModelUpload::cold_guess) runs beside each layer's hot
   // rows, so its cost counts; with masks drawn independently of the random predictors its content
@@ -2143,8 +2181,18 @@ int Main(int argc, char** argv) {
           CpuColdFfn cold(m, spin);
           const std::vector<std::vector<std::vector<int32_t>>> guess =
               GuessCold(cold_ids, local_of, c.ffn_size);
+          const std::vector<std::vector<std::vector<int32_t>>> tiers = TierCold(guess, cold_ids);
+          const char* ranked = std::getenv("PINFER_CUDA_COLD_AHEAD_RANKED");
+          const std::vector<std::vector<std::vector<int32_t>>>* first =
+              ranked != nullptr && std::string(ranked) == "1" ? &cold_ids
+              : tiers.empty()                                 ? nullptr
+                                                              : &tiers;
           std::function<void(int)> on_step;
-          if (!guess.empty()) on_step = [&](int s) { cold.SetGuess(&guess[s], &cold_ids[s]); };
+          if (!guess.empty()) {
+            on_step = [&](int s) {
+              cold.SetGuess(&guess[s], first == nullptr ? nullptr : &(*first)[s]);
+            };
+          }
           double start = 0;
           Sums sums;
           if (!decode(

@@ -399,9 +399,13 @@ double GuessSizeForShare(const std::vector<float>& sa, const std::vector<float>&
 // PartialFfn::Prefetch splits it (each part loading as many), for three orders within a part:
 // ascending ids (the product before its guess had a first tier), the neurons the predictor
 // selects on the guess's own input (sg >= thr) first ("tiers", what the product does now), and
-// by the margin sg - thr, highest first ("ranked").
+// by the margin sg - thr, highest first ("ranked"). Also what the first tier holds, for the
+// 13B-shape bench's drawn tiers (cuda_decode_bench's COLD_AHEAD_TIER=A:B): the share A of the
+// guessed neurons that (a) selects which are in the first tier, and the share B of the other
+// guessed neurons.
 struct LoadShares {
   double ascending = 0, tiers = 0, ranked = 0;
+  double tier_selected = 0, tier_other = 0;  // A and B
 };
 LoadShares LoadsInWindow(const std::vector<float>& sa, const std::vector<float>& sg,
                          const std::vector<float>& thr, int64_t rows, int F, double shift,
@@ -415,6 +419,7 @@ LoadShares LoadsInWindow(const std::vector<float>& sa, const std::vector<float>&
   const int per_part = std::max<int>(
       1, static_cast<int>(std::lround(window * static_cast<double>(actual) / rows / kParts)));
   int64_t hits[3] = {0, 0, 0};
+  int64_t guessed_selected = 0, guessed_other = 0, tier_selected = 0, tier_other = 0;
   std::vector<int> guess;
   std::vector<std::pair<float, int>> keyed;
   for (int64_t t = 0; t < rows; ++t) {
@@ -422,7 +427,11 @@ LoadShares LoadsInWindow(const std::vector<float>& sa, const std::vector<float>&
     const float* b = sg.data() + t * F;
     guess.clear();
     for (int j = 0; j < F; ++j) {
-      if (b[j] >= thr[j] - shift) guess.push_back(j);
+      if (b[j] < thr[j] - shift) continue;
+      guess.push_back(j);
+      const bool selected = a[j] >= thr[j], in_tier = b[j] >= thr[j];
+      (selected ? guessed_selected : guessed_other) += 1;
+      if (in_tier) (selected ? tier_selected : tier_other) += 1;
     }
     const int n = static_cast<int>(guess.size());
     for (int p = 0; p < kParts; ++p) {
@@ -443,7 +452,9 @@ LoadShares LoadsInWindow(const std::vector<float>& sa, const std::vector<float>&
     }
   }
   const double n = static_cast<double>(actual);
-  return {hits[0] / n, hits[1] / n, hits[2] / n};
+  return {hits[0] / n, hits[1] / n, hits[2] / n,
+          static_cast<double>(tier_selected) / std::max<int64_t>(1, guessed_selected),
+          static_cast<double>(tier_other) / std::max<int64_t>(1, guessed_other)};
 }
 
 // The largest cut lambda at which scores s reach magnitude recall `target` over the evaluation
@@ -816,13 +827,16 @@ int main(int argc, char** argv) {
       "\nLoads in a window shorter than the guess ((d), the guess holding 95%% of (a)'s neurons): "
       "the share of (a)'s neurons loaded when the window holds 0.5x / 1x (a)'s selection, in 16 "
       "parts, each loading in ascending order / the predictor's own selection on the guess's "
-      "input first / by its margin:\n\n| layer | guess size | 0.5x: ascending / tiers / "
-      "ranked | 1x: ascending / tiers / ranked |\n|---|---|---|---|\n");
+      "input first / by its margin; and the first tier's share of the guessed neurons that (a) "
+      "selects / of the other guessed neurons:\n\n| layer | guess size | 0.5x: ascending / "
+      "tiers / ranked | 1x: ascending / tiers / ranked | first tier: selected / other "
+      "|\n|---|---|---|---|---|\n");
   for (size_t i = 1; i < results.size(); ++i) {
     const Reused& r = results[i].early;
-    std::printf("| %zu | %.2fx | %.3f / %.3f / %.3f | %.3f / %.3f / %.3f |\n", i, r.size95,
-                r.loads_half.ascending, r.loads_half.tiers, r.loads_half.ranked,
-                r.loads_one.ascending, r.loads_one.tiers, r.loads_one.ranked);
+    std::printf("| %zu | %.2fx | %.3f / %.3f / %.3f | %.3f / %.3f / %.3f | %.3f / %.3f |\n", i,
+                r.size95, r.loads_half.ascending, r.loads_half.tiers, r.loads_half.ranked,
+                r.loads_one.ascending, r.loads_one.tiers, r.loads_one.ranked,
+                r.loads_one.tier_selected, r.loads_one.tier_other);
   }
   if (library_check) {
     std::printf(
