@@ -20,6 +20,14 @@ RATE = "$__rate_interval"  # Grafana's rate window: at least four scrape interva
 # The gpu-worker counts the (token, neuron) pairs of both sides of the split, so the GPU share is
 # taken from it alone (the cpu-worker's own count would count the cold side twice).
 GPU_NEURONS = 'pinfer_worker_neurons_computed_total{job="pinfer-gpu-worker"'
+GUESS = "pinfer_worker_cold_guess_neurons_total"
+LOADED = "pinfer_worker_guessed_neurons_loaded_total"
+
+
+def ratio(num, den):
+    """num / den of two counters' rates, 0 while den has not moved (a stack without the cold
+    guess still shows a value rather than NaN)."""
+    return f"sum(rate({num}[{RATE}])) / clamp_min(sum(rate({den}[{RATE}])), 1e-9)"
 
 
 
@@ -107,6 +115,21 @@ ROWS = [
          [("{{job}} backend={{backend}}", "max by (job, backend) (pinfer_worker_backend_info)"),
           ("gpu available", "min(pinfer_worker_gpu_available)"),
           ("{{job}} peer alive", "min by (job) (pinfer_worker_peer_alive)")]),
+        ("Cold guess: recall and loads ahead", "percentunit",
+         "With `--cold-guess` (CUDA gpu-worker) and `--prefetch-guess` (cpu-worker): the share of "
+         "the actual cold lists the guesses held (recall), the share of guessed neurons whose rows "
+         "the cpu-worker loaded before the layer's request came, and the share of those loads "
+         "from the guesses' first tiers. Zero where the guess is off.",
+         [("recall", ratio(f'{GUESS}{{kind="held"}}', f'{GUESS}{{kind="actual"}}')),
+          ("guessed neurons loaded ahead",
+           ratio(f'{LOADED}{{kind="all"}}', f'{GUESS}{{kind="guessed"}}')),
+          ("loads from first tiers", ratio(f'{LOADED}{{kind="first"}}', f'{LOADED}{{kind="all"}}'))]),
+        ("Cold guess: size", "short",
+         "Guessed neurons per actual cold neuron, and first-tier neurons per actual one. A guess "
+         "much larger than its list is loaded only in part before the request comes, which is "
+         "why its first tier is loaded first.",
+         [("guessed / actual", ratio(f'{GUESS}{{kind="guessed"}}', f'{GUESS}{{kind="actual"}}')),
+          ("first tier / actual", ratio(f'{GUESS}{{kind="first"}}', f'{GUESS}{{kind="actual"}}'))]),
         ("Targets up", "short", "Scrape health of every pinfer process (1 = up).",
          [("{{job}} {{instance}}", "up{job=~\"pinfer-.*\"}")]),
     ]),

@@ -329,7 +329,8 @@ class GeneratedFilesTest(unittest.TestCase):
         for needed in ("Request rate", "Errors by code", "Time to first token",
                        "Inter-token latency", "End-to-end", "Tokens per second",
                        "Running and waiting", "served by the GPU", "per layer",
-                       "Shared-memory wait", "Resident memory"):
+                       "Shared-memory wait", "Resident memory", "Cold guess: recall",
+                       "Cold guess: size"):
             self.assertTrue(any(needed in t for t in titles), f"no panel for {needed}")
         ids = [p["id"] for p in dash["panels"]]
         self.assertEqual(len(ids), len(set(ids)), "panel ids are unique")
