@@ -109,6 +109,45 @@ inline F8 q4q8_block(const uint8_t* qs, const int8_t* x, const int32_t* s8) {
 
 #include "shared/engine/kernels_simd.inc"
 
+namespace {
+// QuantizeQ8x vectorised, bit for bit the same: the same fp32 products x * (1 / d) rounded half
+// to even (the default MXCSR mode of vcvtps2dq), the same scalar scale arithmetic, and the
+// 4-value sums by two pairwise-adding multiplies with ones. The scalar loop was a quarter of a
+// Q4_0 sparse FFN token on one AVX2 core (22 neurons with their rows in cache, perf), since every
+// part of the op quantizes x for itself.
+void QuantizeQ8x256(const float* x, int64_t n, int8_t* q, float* d, int32_t* s8) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < n / 32; ++b) {
+    const float* xb = x + b * 32;
+    const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8),
+                 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+    const __m256 m =
+        _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                      _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float dd = amax / 127.f;
+    const float id = dd != 0.f ? 1.f / dd : 0.f;
+    d[b] = Fp16ToFp32(Fp32ToFp16(dd));
+    const __m256 vid = _mm256_set1_ps(id);
+    // 32 int32 -> 32 int8 (|q| <= 127, so the saturating packs change nothing), then the
+    // dwords put back in element order (packs works within 128-bit lanes).
+    const __m256i i01 = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v0, vid)),
+                                           _mm256_cvtps_epi32(_mm256_mul_ps(v1, vid)));
+    const __m256i i23 = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v2, vid)),
+                                           _mm256_cvtps_epi32(_mm256_mul_ps(v3, vid)));
+    const __m256i qb = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i01, i23), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * 32), qb);
+    const __m256i sums =
+        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), qb), _mm256_set1_epi16(1));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(s8 + b * 8),
+                        _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 3)));
+  }
+}
+}  // namespace
+
 const RowKernels* RowKernelsAvx2() {
   static const RowKernels k = {
       "avx2",
@@ -119,7 +158,7 @@ const RowKernels* RowKernelsAvx2() {
       DotF32,
       AxpyF32,
       {nullptr, nullptr, nullptr, DotQ8x<BlockQ8_0, Q8BlockDot>, DotQ8x<BlockQ4_0, Q4BlockDot>},
-      QuantizeQ8x,
+      QuantizeQ8x256,
       SiluMul,
       ExpSubSum,
       PINFER_AXPY_ROWS,

@@ -587,6 +587,52 @@ TEST(RowKernelsTest, Avx512Q4_0RowDotsEqualTheBlockKernelsBitForBit) {
   }
 }
 
+// Every instruction set quantizes x for Q8_0 / Q4_0 rows exactly as the scalar set does (the
+// products of the quantized models depend on it bit for bit): random blocks, an all-zero block,
+// large magnitudes, and a block whose scale is 1 with values halfway between integers, where
+// rounding half to even decides.
+TEST(RowKernelsTest, QuantizeQ8xOfEverySetEqualsTheScalarSetBitForBit) {
+  std::mt19937 rng(5);
+  const int64_t cols = 1024;
+  std::vector<float> x = Random(cols, rng);
+  for (int i = 32; i < 64; ++i) x[i] = 0;
+  for (int i = 64; i < 96; ++i) x[i] *= 1e6f;
+  x[96] = 127;
+  for (int i = 97; i < 128; ++i) x[i] = (i % 2 ? -1.f : 1.f) * (static_cast<float>(i - 97) + 0.5f);
+  const RowKernels* want_k = RowKernelsScalar();
+  std::vector<int8_t> want_q(cols);
+  std::vector<float> want_d(cols / 32);
+  std::vector<int32_t> want_s8(cols / 4);
+  want_k->quantize_q8x(x.data(), cols, want_q.data(), want_d.data(), want_s8.data());
+  std::vector<const RowKernels*> sets;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    sets.push_back(RowKernelsAvx2());
+  }
+  if (__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512vnni")) {
+    sets.push_back(RowKernelsAvx512(false));
+  }
+  int compared = 0;
+  for (const RowKernels* k : sets) {
+    if (k == nullptr) continue;  // not compiled in
+    std::vector<int8_t> q(cols);
+    std::vector<float> d(cols / 32);
+    std::vector<int32_t> s8(cols / 4);
+    k->quantize_q8x(x.data(), cols, q.data(), d.data(), s8.data());
+    EXPECT_EQ(q, want_q) << k->name;
+    EXPECT_EQ(0, std::memcmp(d.data(), want_d.data(), d.size() * sizeof(float))) << k->name;
+    EXPECT_EQ(s8, want_s8) << k->name;
+    ++compared;
+  }
+  if (compared == 0) GTEST_SKIP() << "no vector instruction set here";
+  // The halfway block: -0.5 -> 0, 1.5 -> 2, -2.5 -> -2, 3.5 -> 4.
+  EXPECT_EQ(want_q[97], 0);
+  EXPECT_EQ(want_q[98], 2);
+  EXPECT_EQ(want_q[99], -2);
+  EXPECT_EQ(want_q[100], 4);
+}
+
 // The storage formats round-trip within their precision.
 TEST(QuantizeTest, RoundTripErrorWithinFormatPrecision) {
   std::mt19937 rng(7);
