@@ -99,6 +99,10 @@ struct Options {
   std::vector<double> cache_fractions = {0.5};
   double cache_decay = 0.95, cache_gain = 2.0;
   int cache_swaps = 256, cache_period = 4;
+  // --modes=staged
+  std::vector<int> stage_rows = {0, 100, 200};
+  std::string stage_guess = "0.95:1.6:0.82:0.31";
+  bool stage_ahead = false;
 };
 
 // 64-byte aligned host buffer.
@@ -526,18 +530,30 @@ std::vector<std::vector<std::vector<int32_t>>> TierCold(
 // Two lanes' cold sides on one pool: each request runs alone, in arrival order, as the
 // cpu-worker serves one exchange at a time. (A waiting lane that polled instead of blocking on
 // the mutex, variant TURNS=spin of 7c9e593, was no faster in two H200 calls: docs/benchmarks.md,
-// run 35.)
+// run 35.) A lane's loads ahead (variant COLD_AHEAD) take the turn too, and stop as soon as
+// another lane's request waits for it, as the cpu-worker's loads stop at the next request's
+// doorbell: the CPU's idle time between two lanes' requests is what they may use.
 class TakeTurns : public cuda::ColdFfn {
  public:
-  TakeTurns(cuda::ColdFfn* inner, std::mutex* turn) : inner_(inner), turn_(turn) {}
+  TakeTurns(cuda::ColdFfn* inner, std::mutex* turn, std::atomic<int>* waiting)
+      : inner_(inner), turn_(turn), waiting_(waiting) {}
   cuda::BackendStatus Run(const cuda::ColdRequest& r) override {
+    waiting_->fetch_add(1, std::memory_order_relaxed);
     std::lock_guard<std::mutex> lock(*turn_);
+    waiting_->fetch_sub(1, std::memory_order_relaxed);
     return inner_->Run(r);
+  }
+  void Ahead(int layer, const cuda::ColdGuess& guess,
+             const std::function<bool()>& x_ready) override {
+    std::lock_guard<std::mutex> lock(*turn_);
+    inner_->Ahead(layer, guess,
+                  [&] { return waiting_->load(std::memory_order_relaxed) > 0 || x_ready(); });
   }
 
  private:
   cuda::ColdFfn* inner_;
   std::mutex* turn_;
+  std::atomic<int>* waiting_;  // lanes whose request waits for the turn
 };
 
 // The cold side's row bandwidth on one layer-sized set of gate, up and down_t rows: 10% of the
@@ -1705,6 +1721,259 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
   return 0;
 }
 
+// --modes=staged: what staging each layer's guessed cold rows in VRAM could give one sequence,
+// as a bound. The budget's hot rows stay on the GPU, and each layer gets --stage-rows=K slots
+// besides (a staging that copies each layer's rows during the layer before needs slots for two
+// or three layers only, not all of them: 2 x 200 F16 neurons are 12 MB). Before each step the K
+// most likely neurons of each layer's drawn guess
+// (--stage-guess=R:X:A:B: GuessCold's recall R and size X, TierCold's tier A:B; the tier first,
+// then the rest of the guess) are copied into them from the pinned cold rows (LoadCacheRows: one
+// gather kernel per layer over PCIe). The step then lists every staged neuron that is active
+// among the GPU's rows and only the others for the CPU. The copies run before the step, not
+// beside it, so the step's tokens/s is what a staging that hid its copies entirely would reach;
+// tokens/s with the copies counted, and their rate, say how much PCIe time hiding them needs.
+// K = 0 is the pinfer mode's static placement on the same masks. --stage-ahead=1 runs each K
+// twice, the second time with the CPU loading the guess's other neurons (its tier first) while
+// the GPU computes the attention, as variant COLD_AHEAD does (PINFER_CUDA_COLD_AHEAD_PIN and
+// _HINT from the environment).
+int StagedBench(const Options& o, const SynthModel& m, ThreadPool& pool, int threads) {
+  const ModelConfig& c = m.config;
+  const int H = c.hidden_size, F = c.ffn_size, Lc = c.n_layers;
+  const int max_ctx = o.warmup + o.steps + 8, total = o.warmup + o.steps;
+  const size_t rb = m.Rb(H);
+  const double budget = o.budget_fraction * m.ModelBytes();
+  const double fixed =
+      m.HeadBytes() + Lc * (m.AttnBytes() + m.PredBytes()) + ScratchBytes(m, max_ctx, Lc, 8);
+  const int n_gpu =
+      std::max(0, std::min(F, static_cast<int>((budget - fixed) / (Lc * (3.0 * rb + 4)))));
+  const double skew = o.skews.empty() ? 0.2 : o.skews[0];
+  double recall = 0.95, size = 1.6, tier_a = 0.82, tier_b = 0.31;
+  if (std::sscanf(o.stage_guess.c_str(), "%lf:%lf:%lf:%lf", &recall, &size, &tier_a, &tier_b) !=
+      4) {
+    std::fprintf(stderr, "--stage-guess=%s: expected R:X:A:B\n", o.stage_guess.c_str());
+    return 2;
+  }
+  std::vector<std::vector<int32_t>> rank(Lc);
+  for (int l = 0; l < Lc; ++l) rank[l] = m.layers[l].rank_of;
+  const Masks masks = DrawMasksRanked(rank, F, o.active, skew, total, 77, pool);
+  ThreadPool spin(threads, kColdSpin);
+  const char* pin = std::getenv("PINFER_CUDA_COLD_AHEAD_PIN");
+  spin.set_pinned_chunks(pin != nullptr && std::string(pin) == "1");
+  CpuColdFfn cold(m, spin);
+  std::printf(
+      "staged: %d GPU FFN rows per layer in the budget; skew %.0f%%; guess recall %.2f, size "
+      "%.2fx, tier %.2f:%.2f; %d warm-up + %d measured tokens\n",
+      n_gpu, skew * 100, recall, size, tier_a, tier_b, o.warmup, o.steps);
+
+  struct Stage {
+    int k = 0, n_static = 0;
+    Backend be;
+    // [step][layer]: the staged neurons (slot i holds staged[i]) and the step's given lists.
+    std::vector<std::vector<std::vector<int32_t>>> staged, hot, cold_ids;
+    // [step][layer]: the guess's neurons left to the CPU (ascending), and those of its tier.
+    std::vector<std::vector<std::vector<int32_t>>> ahead, ahead_first;
+    double share = 0, precision = 0;  // GPU share of activations; active / staged
+    // Per round, [0] without and [1] with the CPU's loads ahead.
+    std::vector<double> fast[2], serial[2], load_gbps[2], callback_ms[2];
+  };
+  std::vector<std::unique_ptr<Stage>> stages;  // Backend does not move
+  for (int k : o.stage_rows) {
+    if (k < 0 || n_gpu + k > F) continue;
+    stages.push_back(std::make_unique<Stage>());
+    Stage& st = *stages.back();
+    st.k = k;
+    st.n_static = n_gpu;
+    cuda::ModelUpload u = BaseUpload(m, max_ctx);
+    std::vector<std::vector<int32_t>> local_of(Lc, std::vector<int32_t>(F, -1));
+    for (int l = 0; l < Lc; ++l) {
+      const SynthLayer& L = m.layers[l];
+      cuda::LayerUpload& lu = u.layers[l];
+      FillAttention(m, l, &lu);
+      lu.ffn = cuda::FfnPlacement::kHot;
+      lu.gate = Host(m.dtype, F, H, L.gate->p);
+      lu.up = Host(m.dtype, F, H, L.up->p);
+      lu.down_t = Host(m.dtype, F, H, L.down_t->p);
+      lu.pred_fc1 = Host(m.dtype, m.pred_rank, H, L.fc1->p);
+      lu.pred_fc2 = Host(m.dtype, F, m.pred_rank, L.fc2->p);
+      for (int j = 0; j < F; ++j) {
+        if (L.rank_of[j] < st.n_static) {
+          local_of[l][j] = static_cast<int32_t>(lu.hot_ids.size());
+          lu.hot_ids.push_back(j);
+        }
+      }
+      lu.cache_rows = k;
+    }
+    char err[512] = {0};
+    if (int rc = pinfer_cuda_create_backend(&u, &st.be.b, err, sizeof(err)); rc != 0) {
+      std::fprintf(stderr, "staged backend: %s\n", err);
+      return 1;
+    }
+    st.be.b->set_use_graphs(o.graphs);
+    st.be.b->set_collect_gpu_times(true);
+    std::mt19937 rng(1234 + k);
+    std::uniform_real_distribution<double> u01(0, 1);
+    std::uniform_int_distribution<int32_t> pick(0, F - 1);
+    st.staged.assign(total, std::vector<std::vector<int32_t>>(Lc));
+    st.hot = st.cold_ids = st.ahead = st.ahead_first = st.staged;
+    double staged_n = 0, staged_active = 0, gpu_acts = 0, all_acts = 0;
+    for (int s = 0; s < total; ++s) {
+      for (int l = 0; l < Lc; ++l) {
+        std::vector<char> active(F, 0), in_tier(F, 0);
+        std::vector<int32_t> cold_act, first, rest;
+        for (int32_t j : masks[s][l]) {
+          active[j] = 1;
+          if (local_of[l][j] >= 0) {
+            st.hot[s][l].push_back(local_of[l][j]);
+          } else {
+            cold_act.push_back(j);
+            if (u01(rng) < recall) {
+              in_tier[j] = u01(rng) < tier_a;
+              (in_tier[j] ? first : rest).push_back(j);
+            }
+          }
+        }
+        // The guess's inactive neurons, drawn among the cold ones up to its size.
+        std::vector<char> taken(active);
+        const size_t want = static_cast<size_t>(std::lround(size * cold_act.size()));
+        size_t n = first.size() + rest.size();
+        for (int tries = 0; n < want && tries < 100 * F; ++tries) {
+          const int32_t j = pick(rng);
+          if (local_of[l][j] >= 0 || taken[j]) continue;
+          taken[j] = 1;
+          in_tier[j] = u01(rng) < tier_b;
+          (in_tier[j] ? first : rest).push_back(j);
+          ++n;
+        }
+        std::shuffle(first.begin(), first.end(), rng);
+        std::shuffle(rest.begin(), rest.end(), rng);
+        first.insert(first.end(), rest.begin(), rest.end());
+        if (first.size() > static_cast<size_t>(k)) {
+          std::vector<int32_t>& left = st.ahead[s][l];
+          left.assign(first.begin() + k, first.end());
+          std::sort(left.begin(), left.end());
+          for (int32_t j : left) {
+            if (in_tier[j]) st.ahead_first[s][l].push_back(j);
+          }
+          first.resize(k);
+        }
+        std::vector<char> on_gpu(F, 0);
+        int32_t active_staged = 0;
+        for (size_t i = 0; i < first.size(); ++i) {
+          if (active[first[i]]) {
+            st.hot[s][l].push_back(st.n_static + static_cast<int32_t>(i));
+            on_gpu[first[i]] = 1;
+            ++active_staged;
+          }
+        }
+        std::sort(st.hot[s][l].begin(), st.hot[s][l].end());
+        for (int32_t j : cold_act) {
+          if (!on_gpu[j]) st.cold_ids[s][l].push_back(j);
+        }
+        st.staged[s][l] = std::move(first);
+        if (s >= o.warmup) {
+          staged_n += static_cast<double>(st.staged[s][l].size());
+          staged_active += active_staged;
+          gpu_acts += static_cast<double>(st.hot[s][l].size());
+          all_acts += static_cast<double>(masks[s][l].size());
+        }
+      }
+    }
+    st.share = gpu_acts / all_acts;
+    st.precision = staged_n > 0 ? staged_active / staged_n : 0;
+    std::printf(
+        "staged %d rows a layer: %d static hot rows; GPU share of activations %.1f%%, %.0f%% of "
+        "the staged neurons active\n",
+        k, st.n_static, 100 * st.share, 100 * st.precision);
+  }
+  std::vector<float> logits(c.vocab_size);
+  cuda::GreedyResult pick;
+  for (int round = 0; round < o.rounds; ++round) {
+    for (int w = 0; w < (o.stage_ahead ? 2 : 1) * static_cast<int>(stages.size()); ++w) {
+      Stage& st = *stages[w / (o.stage_ahead ? 2 : 1)];
+      const int ahead = o.stage_ahead ? w % 2 : 0;
+      double fwd = 0, load = 0, bytes = 0, callback = 0, hot_ffn = 0, attention = 0;
+      int32_t token = 1;
+      std::vector<int32_t> slots;
+      for (int s = 0; s < total; ++s) {
+        const double t0 = Now();
+        double step_bytes = 0;
+        for (int l = 0; l < Lc && st.k > 0; ++l) {
+          const std::vector<int32_t>& g = st.staged[s][l];
+          slots.resize(g.size());
+          std::iota(slots.begin(), slots.end(), 0);
+          cuda::BackendStatus bs = st.be.b->LoadCacheRows(l, slots, g);
+          if (!bs.ok()) {
+            std::fprintf(stderr, "staged load: %s\n", bs.message.c_str());
+            return 1;
+          }
+          step_bytes += 3.0 * rb * g.size();
+        }
+        bool landed = true;
+        if (st.k > 0) st.be.b->CacheRowsLanded(/*wait=*/true, &landed);
+        const double t1 = Now();
+        if (ahead) cold.SetGuess(&st.ahead[s], &st.ahead_first[s]);
+        cuda::ForwardArgs a;
+        a.tokens = &token;
+        a.n = 1;
+        a.pos0 = s;
+        a.mode = cuda::FfnMode::kGiven;
+        a.given_hot = &st.hot[s];
+        a.given_cold = &st.cold_ids[s];
+        a.run_predictors = true;
+        a.cold = &cold;
+        AskForPick(&a, &logits, &pick);
+        cuda::BackendStatus bs = st.be.b->Forward(a);
+        if (!bs.ok()) {
+          std::fprintf(stderr, "staged forward: %s\n", bs.message.c_str());
+          return 1;
+        }
+        token = Picked(logits, pick);
+        if (s >= o.warmup) {
+          load += t1 - t0;
+          fwd += Now() - t1;
+          bytes += step_bytes;
+          const cuda::ForwardStats& fs = st.be.b->last_stats();
+          callback += fs.cold_callback;
+          hot_ffn += fs.gpu_hot_ffn;
+          attention += fs.gpu_attention;
+        }
+      }
+      cold.SetGuess(nullptr, nullptr);
+      st.fast[ahead].push_back(o.steps / fwd);
+      st.serial[ahead].push_back(o.steps / (fwd + load));
+      st.load_gbps[ahead].push_back(load > 0 ? bytes / load / 1e9 : 0);
+      st.callback_ms[ahead].push_back(callback / o.steps * 1e3);
+      std::printf(
+          "round %d, staged %d%s: %.2f tokens/s with the copies hidden, %.2f with them counted "
+          "(%.1f GB/s), cold callback %.2f ms/token, GPU attention phase %.2f, GPU hot FFN %.2f\n",
+          round + 1, st.k, ahead ? ", CPU loads ahead" : "", st.fast[ahead].back(),
+          st.serial[ahead].back(), st.load_gbps[ahead].back(), st.callback_ms[ahead].back(),
+          attention / o.steps * 1e3, hot_ffn / o.steps * 1e3);
+    }
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  std::printf(
+      "\n| dtype | skew | staged rows a layer | CPU loads ahead | static hot rows | GPU share of "
+      "activations | "
+      "staged active | tokens/s, copies hidden | vs 0 | tokens/s, copies counted | copies GB/s | "
+      "cold callback ms/token |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  const double base = stages.empty() ? 0 : median(stages[0]->fast[0]);
+  for (const auto& stage : stages) {
+    const Stage& st = *stage;
+    for (int ahead = 0; ahead < (o.stage_ahead ? 2 : 1); ++ahead) {
+      std::printf(
+          "| %s | %.0f%% | %d | %s | %d | %.1f%% | %.0f%% | %.2f | %.2fx | %.2f | %.1f | %.2f |\n",
+          DTypeName(m.dtype).data(), skew * 100, st.k, ahead ? "yes" : "no", st.n_static,
+          100 * st.share, 100 * st.precision, median(st.fast[ahead]), median(st.fast[ahead]) / base,
+          median(st.serial[ahead]), median(st.load_gbps[ahead]), median(st.callback_ms[ahead]));
+    }
+  }
+  return 0;
+}
+
 // The cold side alone (--modes=coldrows; no GPU): a layer's cold rows as the pinfer mode
 // computes them (CpuColdFfn: the cpu-worker's op on spinning threads), by list length and thread
 // count. Each call takes a fresh random set of n neurons of the next layer, so rows come from
@@ -1895,7 +2164,19 @@ int Main(int argc, char** argv) {
         if (q == nullptr) break;
         p = q + 1;
       }
-    } else if (const char* v = val("--cache-decay="))
+    } else if (const char* v = val("--stage-rows=")) {
+      o.stage_rows.clear();
+      for (const char* p = v; *p;) {
+        o.stage_rows.push_back(std::atoi(p));
+        const char* q = std::strchr(p, ',');
+        if (q == nullptr) break;
+        p = q + 1;
+      }
+    } else if (const char* v = val("--stage-guess="))
+      o.stage_guess = v;
+    else if (const char* v = val("--stage-ahead="))
+      o.stage_ahead = std::atoi(v) != 0;
+    else if (const char* v = val("--cache-decay="))
       o.cache_decay = std::atof(v);
     else if (const char* v = val("--cache-gain="))
       o.cache_gain = std::atof(v);
@@ -1970,6 +2251,7 @@ int Main(int argc, char** argv) {
 
   if (o.modes == "prefill") return PrefillBench(o, m, pool, threads);
   if (o.modes == "adaptive") return AdaptiveBench(o, m, pool, threads);
+  if (o.modes == "staged") return StagedBench(o, m, pool, threads);
   Bandwidths bw;
   if (o.bandwidths) {
     bw = MeasureBandwidths(m.dtype, pool);
@@ -2174,19 +2456,21 @@ int Main(int argc, char** argv) {
         };
         std::printf("pinfer skew %.0f%%: %.1f hot + %.1f cold active rows per layer per token\n",
                     skew * 100, hot_rows / c.n_layers, cold_rows / c.n_layers);
+        // Variant COLD_AHEAD and its knobs, for one sequence and for lanes alike.
+        const char* pin = std::getenv("PINFER_CUDA_COLD_AHEAD_PIN");
+        const bool pinned = pin != nullptr && std::string(pin) == "1";
+        const std::vector<std::vector<std::vector<int32_t>>> guess =
+            GuessCold(cold_ids, local_of, c.ffn_size);
+        const std::vector<std::vector<std::vector<int32_t>>> tiers = TierCold(guess, cold_ids);
+        const char* ranked = std::getenv("PINFER_CUDA_COLD_AHEAD_RANKED");
+        const std::vector<std::vector<std::vector<int32_t>>>* first =
+            ranked != nullptr && std::string(ranked) == "1" ? &cold_ids
+            : tiers.empty()                                 ? nullptr
+                                                            : &tiers;
         if (has_mode("pinfer")) {
           ThreadPool spin(threads, kColdSpin);
-          const char* pin = std::getenv("PINFER_CUDA_COLD_AHEAD_PIN");
-          spin.set_pinned_chunks(pin != nullptr && std::string(pin) == "1");
+          spin.set_pinned_chunks(pinned);
           CpuColdFfn cold(m, spin);
-          const std::vector<std::vector<std::vector<int32_t>>> guess =
-              GuessCold(cold_ids, local_of, c.ffn_size);
-          const std::vector<std::vector<std::vector<int32_t>>> tiers = TierCold(guess, cold_ids);
-          const char* ranked = std::getenv("PINFER_CUDA_COLD_AHEAD_RANKED");
-          const std::vector<std::vector<std::vector<int32_t>>>* first =
-              ranked != nullptr && std::string(ranked) == "1" ? &cold_ids
-              : tiers.empty()                                 ? nullptr
-                                                              : &tiers;
           std::function<void(int)> on_step;
           if (!guess.empty()) {
             on_step = [&](int s) {
@@ -2215,13 +2499,22 @@ int Main(int argc, char** argv) {
           ThreadPool spin(
               g_variant_lanes_pool > 0 ? g_variant_lanes_pool : std::max(1, threads - (seqs - 1)),
               kColdSpin);
+          spin.set_pinned_chunks(pinned);
           std::mutex turn;
+          std::atomic<int> waiting{0};
           std::vector<std::unique_ptr<CpuColdFfn>> colds;
           std::vector<std::unique_ptr<TakeTurns>> takes;
           for (int i = 0; i < seqs; ++i) {
             colds.push_back(std::make_unique<CpuColdFfn>(m, spin));
-            takes.push_back(std::make_unique<TakeTurns>(colds.back().get(), &turn));
+            takes.push_back(std::make_unique<TakeTurns>(colds.back().get(), &turn, &waiting));
           }
+          // Lane i's guesses, for the steps of its masks (from step i * total_steps).
+          auto lane_step = [&](int i) -> std::function<void(int)> {
+            if (guess.empty()) return nullptr;
+            return [&, i](int s) {
+              colds[i]->SetGuess(&guess[s], first == nullptr ? nullptr : &(*first)[s]);
+            };
+          };
           std::barrier warm_done(seqs);
           std::atomic<double> start{0};
           std::vector<Sums> sums(seqs);
@@ -2234,10 +2527,11 @@ int Main(int argc, char** argv) {
           std::vector<std::thread> others;
           for (int i = 1; i < seqs; ++i) {
             others.emplace_back([&, i] {
-              ok[i] = decode(lane[i - 1].b, i, i * total_steps, takes[i].get(), warm, &sums[i]);
+              ok[i] = decode(lane[i - 1].b, i, i * total_steps, takes[i].get(), warm, &sums[i],
+                             lane_step(i));
             });
           }
-          ok[0] = decode(be.b, 0, 0, takes[0].get(), warm, &sums[0]);
+          ok[0] = decode(be.b, 0, 0, takes[0].get(), warm, &sums[0], lane_step(0));
           for (std::thread& t : others) t.join();
           if (std::count(ok.begin(), ok.end(), 0) > 0) return 1;
           double device_bytes = static_cast<double>(be.b->DeviceBytes());
