@@ -186,7 +186,7 @@ class CudaBackend : public Backend {
   BackendStatus UploadVector(const HostMatrix& h, int64_t expect, const char* name, float** out);
   // Uploads matrices of one type and width as one, rows stacked in order.
   // Block formats go to the split layout (kernels.h) unless PINFER_CUDA_REPACK=0.
-  BackendStatus MaybeSplit(DeviceMatrix* d);
+  BackendStatus MaybeSplit(DeviceMatrix* d, int64_t extra_rows = 0);
   BackendStatus UploadStacked(const std::vector<const HostMatrix*>& parts, const char* name,
                               DeviceMatrix* out);
   // y: [n, ldy] = x: [n, w.cols] @ w^T
@@ -541,15 +541,18 @@ BackendStatus CudaBackend::UploadMatrix(const HostMatrix& h, const std::vector<i
     }
   }
   d.data = dev;
-  // Adaptive cache slots are loaded row by row in GGUF's layout, so such matrices keep it.
-  if (extra_rows == 0) BACKEND_RETURN_IF_ERROR(MaybeSplit(&d));
+  // Adaptive cache slots are loaded in GGUF's layout and rewritten into the split one
+  // (ColdStreamer::LoadRows), so the slots take their share of the split layout too.
+  BACKEND_RETURN_IF_ERROR(MaybeSplit(&d, extra_rows));
   *out = d;
   return Ok();
 }
 
 // The matrix is on the device in GGUF's layout: copy it aside and rewrite it in place as the
 // split layout (same bytes), which the matrix-vector kernels read with aligned 16-byte loads.
-BackendStatus CudaBackend::MaybeSplit(DeviceMatrix* d) {
+// extra_rows: slots after the rows, in the same allocation, which get zeros in the split layout
+// (the scales of all rows, slots included, go after all the quants).
+BackendStatus CudaBackend::MaybeSplit(DeviceMatrix* d, int64_t extra_rows) {
   if (!repack_ || (d->type != WType::kQ8_0 && d->type != WType::kQ4_0) || d->rows == 0) {
     return Ok();
   }
@@ -569,8 +572,15 @@ BackendStatus CudaBackend::MaybeSplit(DeviceMatrix* d) {
       cudaMemcpyAsync(repack_tmp_, d->data, bytes, cudaMemcpyDeviceToDevice, stream_));
   DeviceMatrix src = *d, dst = *d;
   src.data = repack_tmp_;
-  dst.scales = static_cast<const uint8_t*>(d->data) + QuantRowBytes(d->type, d->cols) * d->rows;
+  const size_t qrb = QuantRowBytes(d->type, d->cols), srb = d->row_bytes() - qrb;
+  auto* base = static_cast<uint8_t*>(const_cast<void*>(d->data));
+  dst.scales = base + qrb * (d->rows + extra_rows);
   CUDA_RETURN_IF_ERROR(RepackSplit(src, dst, 0, stream_));
+  if (extra_rows > 0) {
+    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(base + qrb * d->rows, 0, qrb * extra_rows, stream_));
+    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(base + qrb * (d->rows + extra_rows) + srb * d->rows, 0,
+                                         srb * extra_rows, stream_));
+  }
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   *d = dst;
   return Ok();
@@ -2104,9 +2114,7 @@ BackendStatus CudaBackend::LoadCacheRows(int layer, const std::vector<int32_t>& 
     cold_index[i] = it - L.cold_ids_host.begin();
   }
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-  uint8_t* dst[3] = {static_cast<uint8_t*>(const_cast<void*>(L.gate_c.data)),
-                     static_cast<uint8_t*>(const_cast<void*>(L.up_c.data)),
-                     static_cast<uint8_t*>(const_cast<void*>(L.down_t_c.data))};
+  const DeviceMatrix dst[3] = {L.gate_c, L.up_c, L.down_t_c};
   for (size_t i = 0; i < slots.size(); ++i) {
     if (L.slot_neuron[slots[i]] >= 0) {
       return Error(Code::kFailedPrecondition,

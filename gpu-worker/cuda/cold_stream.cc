@@ -28,6 +28,7 @@ ColdStreamer::~ColdStreamer() {
   if (order_ != nullptr) cudaEventDestroy(order_);
   if (stage_host_ != nullptr) cudaFreeHost(stage_host_);
   if (stage_dev_ != nullptr) cudaFree(stage_dev_);
+  if (gathered_ != nullptr) cudaFree(gathered_);
   if (loaded_ != nullptr) cudaEventDestroy(loaded_);
   if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
 }
@@ -139,20 +140,32 @@ int ColdStreamer::Run(cublasHandle_t h, const ColdRows& rows, const StreamTarget
 
 cudaError_t ColdStreamer::LoadRows(const ColdRows& rows, const std::vector<int64_t>& cold_index,
                                    const std::vector<int32_t>& slots, int64_t row0,
-                                   uint8_t* const dst[3], cudaStream_t after) {
+                                   const DeviceMatrix dst[3], cudaStream_t after) {
   if (!ready()) return cudaErrorNotReady;
   if (slots.empty()) return cudaSuccess;
+  const bool split = dst[0].split();
+  for (int m = 0; m < 3; ++m) {
+    if (dst[m].split() != split || dst[m].row_bytes() != rows.row_bytes()) {
+      return cudaErrorInvalidValue;
+    }
+  }
+  const size_t n = slots.size();
+  // Split destinations take two index arrays: the gather's (row i of the gathered buffer) and
+  // the repack's (row row0 + slots[i] of the matrix).
+  const size_t per_row = split ? 4 : 2;
   // The index pairs of the loads in flight share one pinned staging area, reused from the start
-  // once they have all landed (or after waiting for them when it is full).
+  // once they have all landed (or after waiting for them when it is full). So does the gathered
+  // buffer, which only grows once they have landed.
   bool landed = false;
   cudaError_t e = RowsLanded(/*wait=*/false, &landed);
   if (e != cudaSuccess) return e;
   if (landed) stage_used_ = 0;
-  size_t need = stage_used_ + 2 * slots.size();
-  if (need > stage_capacity_ && stage_used_ > 0) {
+  size_t need = stage_used_ + per_row * n;
+  const size_t gathered = split ? 3 * n * rows.row_bytes() : 0;
+  if ((need > stage_capacity_ || gathered > gathered_bytes_) && !landed) {
     if ((e = RowsLanded(/*wait=*/true, &landed)) != cudaSuccess) return e;
     stage_used_ = 0;
-    need = 2 * slots.size();
+    need = per_row * n;
   }
   if (need > stage_capacity_) {
     if (stage_host_ != nullptr) cudaFreeHost(stage_host_);
@@ -164,11 +177,20 @@ cudaError_t ColdStreamer::LoadRows(const ColdRows& rows, const std::vector<int64
     if (e == cudaSuccess) e = cudaMalloc(&stage_dev_, stage_capacity_ * sizeof(int64_t));
     if (e != cudaSuccess) return e;
   }
+  if (gathered > gathered_bytes_) {
+    if (gathered_ != nullptr) cudaFree(gathered_);
+    gathered_ = nullptr;
+    gathered_bytes_ = 0;
+    e = cudaMalloc(reinterpret_cast<void**>(&gathered_), gathered);
+    if (e != cudaSuccess) return e;
+    gathered_bytes_ = gathered;
+  }
   int64_t* host = static_cast<int64_t*>(stage_host_) + stage_used_;
   int64_t* dev = static_cast<int64_t*>(stage_dev_) + stage_used_;
-  for (size_t i = 0; i < slots.size(); ++i) {
+  for (size_t i = 0; i < n; ++i) {
     host[2 * i] = cold_index[i];
-    host[2 * i + 1] = row0 + slots[i];
+    host[2 * i + 1] = split ? static_cast<int64_t>(i) : row0 + slots[i];
+    if (split) host[2 * (n + i) + 1] = row0 + slots[i];
   }
   stage_used_ = need;
   const uint8_t* src[3] = {rows.gate, rows.up, rows.down_t};
@@ -179,15 +201,23 @@ cudaError_t ColdStreamer::LoadRows(const ColdRows& rows, const std::vector<int64
     if (e != cudaSuccess) return e;
     src_dev[m] = static_cast<const uint8_t*>(p);
   }
+  uint8_t* into[3];
+  for (int m = 0; m < 3; ++m) {
+    into[m] = split ? gathered_ + m * n * rows.row_bytes()
+                    : static_cast<uint8_t*>(const_cast<void*>(dst[m].data));
+  }
   e = cudaEventRecord(order_, after);
   if (e == cudaSuccess) e = cudaStreamWaitEvent(copy_stream_, order_, 0);
   if (e == cudaSuccess) {
-    e = cudaMemcpyAsync(dev, host, 2 * slots.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
+    e = cudaMemcpyAsync(dev, host, per_row * n * sizeof(int64_t), cudaMemcpyHostToDevice,
                         copy_stream_);
   }
   if (e == cudaSuccess) {
-    e = GatherRows(src_dev, dev, static_cast<int>(slots.size()), rows.row_bytes(), dst,
-                   copy_stream_);
+    e = GatherRows(src_dev, dev, static_cast<int>(n), rows.row_bytes(), into, copy_stream_);
+  }
+  for (int m = 0; m < 3 && split && e == cudaSuccess; ++m) {
+    DeviceMatrix from{rows.type, static_cast<int64_t>(n), rows.cols, into[m]};
+    e = RepackSplitRows(from, dst[m], dev + 2 * n, copy_stream_);
   }
   if (e == cudaSuccess) e = cudaEventRecord(loaded_, copy_stream_);
   if (e == cudaSuccess) load_pending_ = true;

@@ -77,11 +77,13 @@ class ColdStreamer {
 
   // Adaptive cache loads: rows cold_index[i] of `rows` into row row0 + slots[i] of the three
   // device matrices dst (gate, up, down_t), gathered by one kernel straight from the pinned rows
-  // (gather_rows.h), on the copy stream after the work queued on `after` so far. RowsLanded
-  // reports (or waits for) the last load's completion. Loads of several layers can be queued
-  // back to back; they share one index staging area until RowsLanded says they have landed.
+  // (gather_rows.h), on the copy stream after the work queued on `after` so far. Matrices in the
+  // split layout (Q8_0 / Q4_0, DeviceMatrix::split) get the rows gathered into a device buffer
+  // first and rewritten into their slots from there (RepackSplitRows). RowsLanded reports (or
+  // waits for) the last load's completion. Loads of several layers can be queued back to back;
+  // they share one index staging area until RowsLanded says they have landed.
   cudaError_t LoadRows(const ColdRows& rows, const std::vector<int64_t>& cold_index,
-                       const std::vector<int32_t>& slots, int64_t row0, uint8_t* const dst[3],
+                       const std::vector<int32_t>& slots, int64_t row0, const DeviceMatrix dst[3],
                        cudaStream_t after);
   cudaError_t RowsLanded(bool wait, bool* landed);
 
@@ -108,6 +110,8 @@ class ColdStreamer {
   void* stage_host_ = nullptr;  // pinned [stage_capacity_] int64 index pairs of cache loads
   void* stage_dev_ = nullptr;
   size_t stage_capacity_ = 0, stage_used_ = 0;
+  uint8_t* gathered_ = nullptr;  // device [3][gathered_rows_] GGUF rows for split destinations
+  size_t gathered_bytes_ = 0;
 };
 
 }  // namespace cuda

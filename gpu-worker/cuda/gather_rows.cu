@@ -10,17 +10,29 @@ namespace pinfer {
 namespace cuda {
 namespace {
 
+template <typename Unit>
 __global__ void GatherRowsKernel(const uint8_t* __restrict__ s0, const uint8_t* __restrict__ s1,
                                  const uint8_t* __restrict__ s2, const int64_t* __restrict__ idx,
                                  size_t row_bytes, uint8_t* d0, uint8_t* d1, uint8_t* d2) {
   const int i = blockIdx.y, m = blockIdx.z;
   const uint8_t* src = (m == 0 ? s0 : m == 1 ? s1 : s2) + idx[2 * i] * row_bytes;
   uint8_t* dst = (m == 0 ? d0 : m == 1 ? d1 : d2) + idx[2 * i + 1] * row_bytes;
-  const size_t step = static_cast<size_t>(gridDim.x) * blockDim.x * 16;
-  for (size_t off = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 16;
+  const size_t step = static_cast<size_t>(gridDim.x) * blockDim.x * sizeof(Unit);
+  for (size_t off = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) * sizeof(Unit);
        off < row_bytes; off += step) {
-    *reinterpret_cast<uint4*>(dst + off) = *reinterpret_cast<const uint4*>(src + off);
+    *reinterpret_cast<Unit*>(dst + off) = *reinterpret_cast<const Unit*>(src + off);
   }
+}
+
+template <typename Unit>
+cudaError_t LaunchGather(const uint8_t* const src[3], const int64_t* idx, int count,
+                         size_t row_bytes, uint8_t* const dst[3], cudaStream_t stream) {
+  const int threads = 256;
+  const size_t units = row_bytes / sizeof(Unit);
+  const unsigned bx = static_cast<unsigned>((units + threads - 1) / threads);
+  GatherRowsKernel<Unit><<<dim3(bx, count, 3), threads, 0, stream>>>(
+      src[0], src[1], src[2], idx, row_bytes, dst[0], dst[1], dst[2]);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -28,18 +40,17 @@ __global__ void GatherRowsKernel(const uint8_t* __restrict__ s0, const uint8_t* 
 cudaError_t GatherRows(const uint8_t* const src[3], const int64_t* idx, int count, size_t row_bytes,
                        uint8_t* const dst[3], cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
-  if (row_bytes % 16 != 0 || count > 65535) return cudaErrorInvalidValue;
+  if (count > 65535) return cudaErrorInvalidValue;
+  // The widest unit that divides the row size and every base address.
+  uintptr_t all = row_bytes;
   for (int m = 0; m < 3; ++m) {
-    if (reinterpret_cast<uintptr_t>(src[m]) % 16 != 0 ||
-        reinterpret_cast<uintptr_t>(dst[m]) % 16 != 0) {
-      return cudaErrorMisalignedAddress;
-    }
+    all |= reinterpret_cast<uintptr_t>(src[m]) | reinterpret_cast<uintptr_t>(dst[m]);
   }
-  const int threads = 256;
-  const unsigned bx = static_cast<unsigned>((row_bytes / 16 + threads - 1) / threads);
-  GatherRowsKernel<<<dim3(bx, count, 3), threads, 0, stream>>>(src[0], src[1], src[2], idx,
-                                                               row_bytes, dst[0], dst[1], dst[2]);
-  return cudaGetLastError();
+  if (all % 16 == 0) return LaunchGather<uint4>(src, idx, count, row_bytes, dst, stream);
+  if (all % 8 == 0) return LaunchGather<uint2>(src, idx, count, row_bytes, dst, stream);
+  if (all % 4 == 0) return LaunchGather<uint32_t>(src, idx, count, row_bytes, dst, stream);
+  if (all % 2 == 0) return LaunchGather<uint16_t>(src, idx, count, row_bytes, dst, stream);
+  return cudaErrorMisalignedAddress;
 }
 
 }  // namespace cuda

@@ -1844,11 +1844,12 @@ __global__ void __launch_bounds__(128)
   for (int e = 0; e < 32; ++e) atomicAdd(yt + e, acc[e]);
 }
 
-// GGUF blocks -> split layout, one thread per block.
+// GGUF blocks -> split layout, one thread per block. Row r of src goes to row row0 + r, or with
+// index pairs to row pairs[2 * r + 1].
 template <WType T>
 __global__ void RepackSplitKernel(const uint8_t* __restrict__ src, int64_t rows, int64_t cols,
                                   uint8_t* __restrict__ qs, uint16_t* __restrict__ scales,
-                                  int64_t row0) {
+                                  int64_t row0, const int64_t* __restrict__ pairs) {
   PdlStart();
   constexpr int QB = kSplitBlockBytes<T>;
   constexpr int kSrcBytes = QB + 2;
@@ -1857,9 +1858,10 @@ __global__ void RepackSplitKernel(const uint8_t* __restrict__ src, int64_t rows,
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = i / nblk, b = i % nblk;
+    const int64_t to = pairs != nullptr ? pairs[2 * r + 1] : row0 + r;
     const uint16_t* in = reinterpret_cast<const uint16_t*>(src + i * kSrcBytes);
-    scales[(row0 + r) * nblk + b] = in[0];
-    uint32_t* out = reinterpret_cast<uint32_t*>(qs + (row0 + r) * nblk * QB + b * QB);
+    scales[to * nblk + b] = in[0];
+    uint32_t* out = reinterpret_cast<uint32_t*>(qs + to * nblk * QB + b * QB);
 #pragma unroll
     for (int k = 0; k < QB / 4; ++k) {
       out[k] = static_cast<uint32_t>(in[1 + 2 * k]) | (static_cast<uint32_t>(in[2 + 2 * k]) << 16);
@@ -2367,13 +2369,10 @@ cudaError_t CheckMatrixShape(const DeviceMatrix& w) {
   return cudaSuccess;
 }
 
-cudaError_t RepackSplit(const DeviceMatrix& src, const DeviceMatrix& dst, int64_t row0,
-                        cudaStream_t stream) {
-  if ((src.type != WType::kQ8_0 && src.type != WType::kQ4_0) || src.type != dst.type ||
-      src.cols != dst.cols || src.cols % 32 != 0 || src.split() || !dst.split() || row0 < 0 ||
-      row0 + src.rows > dst.rows || reinterpret_cast<uintptr_t>(dst.data) % 16 != 0) {
-    return cudaErrorInvalidValue;
-  }
+namespace {
+
+cudaError_t LaunchRepackSplit(const DeviceMatrix& src, const DeviceMatrix& dst, int64_t row0,
+                              const int64_t* pairs, cudaStream_t stream) {
   const int64_t total = src.rows * (src.cols / 32);
   if (total <= 0) return cudaSuccess;
   auto* qs = static_cast<uint8_t*>(const_cast<void*>(dst.data));
@@ -2381,10 +2380,32 @@ cudaError_t RepackSplit(const DeviceMatrix& src, const DeviceMatrix& dst, int64_
   const auto* in = static_cast<const uint8_t*>(src.data);
   if (src.type == WType::kQ8_0) {
     return Launch(RepackSplitKernel<WType::kQ8_0>, GridFor(total, 256), 256, 0, stream, in,
-                  src.rows, src.cols, qs, sc, row0);
+                  src.rows, src.cols, qs, sc, row0, pairs);
   }
   return Launch(RepackSplitKernel<WType::kQ4_0>, GridFor(total, 256), 256, 0, stream, in, src.rows,
-                src.cols, qs, sc, row0);
+                src.cols, qs, sc, row0, pairs);
+}
+
+bool RepackShapesFit(const DeviceMatrix& src, const DeviceMatrix& dst) {
+  return (src.type == WType::kQ8_0 || src.type == WType::kQ4_0) && src.type == dst.type &&
+         src.cols == dst.cols && src.cols % 32 == 0 && !src.split() && dst.split() &&
+         reinterpret_cast<uintptr_t>(dst.data) % 16 == 0;
+}
+
+}  // namespace
+
+cudaError_t RepackSplit(const DeviceMatrix& src, const DeviceMatrix& dst, int64_t row0,
+                        cudaStream_t stream) {
+  if (!RepackShapesFit(src, dst) || row0 < 0 || row0 + src.rows > dst.rows) {
+    return cudaErrorInvalidValue;
+  }
+  return LaunchRepackSplit(src, dst, row0, nullptr, stream);
+}
+
+cudaError_t RepackSplitRows(const DeviceMatrix& src, const DeviceMatrix& dst, const int64_t* pairs,
+                            cudaStream_t stream) {
+  if (!RepackShapesFit(src, dst) || pairs == nullptr) return cudaErrorInvalidValue;
+  return LaunchRepackSplit(src, dst, 0, pairs, stream);
 }
 
 // Threads per block of the norms (one block per token): decode has a single token, so the block

@@ -59,6 +59,10 @@ size_t QuantRowBytes(WType t, int64_t cols);
 // columns): dst.data and dst.scales must hold dst.rows rows. dst.data 16-byte aligned.
 cudaError_t RepackSplit(const DeviceMatrix& src, const DeviceMatrix& dst, int64_t row0,
                         cudaStream_t stream);
+// The same for scattered rows: row r of src goes to row pairs[2 * r + 1] of dst (device index
+// pairs, as GatherRows takes them; each below dst.rows, which is the caller's to ensure).
+cudaError_t RepackSplitRows(const DeviceMatrix& src, const DeviceMatrix& dst, const int64_t* pairs,
+                            cudaStream_t stream);
 
 // Programmatic dependent launch (Hopper): every kernel is launched so that it may start while
 // its predecessor in the stream finishes (it waits for the predecessor's results with

@@ -195,6 +195,11 @@ class CudaBackendTest : public ::testing::Test {
     }
   }
 
+  // AdaptiveCacheRowsMatchCpuReference for one set of weights (ref_model: what the split
+  // multiplies, on the CPU reference), logits' normalized error at most `limit`.
+  void CheckAdaptiveCacheRows(const Model& weights, const std::vector<TensorView>& down_t,
+                              const Model& ref_model, double limit);
+
   // hot: the split placement; otherwise every layer dense on the GPU.
   static cuda::ModelUpload Upload(bool hot) { return Upload(*model_, *down_t_, hot); }
   static cuda::ModelUpload Upload(const Model& model, const std::vector<TensorView>& down_t,
@@ -824,11 +829,33 @@ TEST_F(CudaBackendTest, StreamedPrefillGivesReferenceGreedyTokens) {
 // and listed (kGiven) as local rows n_hot + slot, the rest of the cold neurons on the CPU. Every
 // neuron is listed on exactly one side (inactive ones give exactly zero through ReLU), so the
 // logits at every position equal the CPU reference's; halfway, half of the slots are reloaded
-// with other neurons, the evicted ones moving back to the CPU side.
+// with other neurons, the evicted ones moving back to the CPU side. For the model's F16 rows and
+// for Q8_0 / Q4_0 copies, whose slots are gathered in GGUF's layout and rewritten into the split
+// layout of the rows around them (ColdStreamer::LoadRows); the quantized ones against the
+// reference on the weights the split multiplies, as QuantizedModelStepLogitsMatchCpuReference.
 TEST_F(CudaBackendTest, AdaptiveCacheRowsMatchCpuReference) {
+  for (DType type : {DType::kF16, DType::kQ8_0, DType::kQ4_0}) {
+    SCOPED_TRACE(std::string(DTypeName(type)));
+    std::vector<TensorView> qdown_t;
+    std::unique_ptr<Model> qmodel, split_model;
+    if (type != DType::kF16) {
+      qmodel = QuantizedCopy(*model_, *down_t_, type, &qdown_t);
+      split_model = WithDownFromRows(*qmodel, qdown_t);
+    }
+    const Model& weights = qmodel != nullptr ? *qmodel : *model_;
+    const std::vector<TensorView>& down_t = qmodel != nullptr ? qdown_t : *down_t_;
+    const Model& ref_model = qmodel != nullptr ? *split_model : *model_;
+    const double limit = qmodel != nullptr ? 1e-3 : 1e-6;
+    CheckAdaptiveCacheRows(weights, down_t, ref_model, limit);
+  }
+}
+
+void CudaBackendTest::CheckAdaptiveCacheRows(const Model& weights,
+                                             const std::vector<TensorView>& down_t,
+                                             const Model& ref_model, double limit) {
   const ModelConfig& c = model_->config;
   const int slots = 32;
-  cuda::ModelUpload u = Upload(/*hot=*/true);
+  cuda::ModelUpload u = Upload(weights, down_t, /*hot=*/true);
   for (cuda::LayerUpload& lu : u.layers) lu.cache_rows = slots;
   auto backend = Create(u);
   ASSERT_NE(backend, nullptr);
@@ -877,9 +904,9 @@ TEST_F(CudaBackendTest, AdaptiveCacheRowsMatchCpuReference) {
     }
   };
   split();
-  CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
+  CpuColdFfn cold(weights, down_t, *cold_ids_);
   std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
-  Transformer ref(*model_, *ref_ops);
+  Transformer ref(ref_model, *ref_ops);
   KvCache cache(c, 64);
   const int V = c.vocab_size;
   std::vector<int32_t> tokens =
@@ -908,7 +935,7 @@ TEST_F(CudaBackendTest, AdaptiveCacheRowsMatchCpuReference) {
       err += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
       norm += double(want[i]) * want[i];
     }
-    EXPECT_LE(err / norm, 1e-6) << "position " << pos;
+    EXPECT_LE(err / norm, limit) << "position " << pos;
   }
   // A cuBLAS batch would compute every slot, loaded or not: refused once slots are loaded.
   cuda::ForwardArgs a;
