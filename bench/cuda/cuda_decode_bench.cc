@@ -103,6 +103,7 @@ struct Options {
   std::vector<int> stage_rows = {0, 100, 200};
   std::string stage_guess = "0.95:1.6:0.82:0.31";
   bool stage_ahead = false;
+  bool stage_overlap = false;
 };
 
 // 64-byte aligned host buffer.
@@ -1735,7 +1736,11 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
 // K = 0 is the pinfer mode's static placement on the same masks. --stage-ahead=1 runs each K
 // twice, the second time with the CPU loading the guess's other neurons (its tier first) while
 // the GPU computes the attention, as variant COLD_AHEAD does (PINFER_CUDA_COLD_AHEAD_PIN and
-// _HINT from the environment).
+// _HINT from the environment). --stage-overlap=1 gives each layer 2K slots and copies step s +
+// 1's rows into one half while step s runs on the other: the copies then share the GPU, the PCIe
+// link and host memory with the step, as a staging during the previous layer would (with the
+// rows a whole step early, which only the bench can know); "copies counted" is then that
+// overlapped rate.
 int StagedBench(const Options& o, const SynthModel& m, ThreadPool& pool, int threads) {
   const ModelConfig& c = m.config;
   const int H = c.hidden_size, F = c.ffn_size, Lc = c.n_layers;
@@ -1762,8 +1767,9 @@ int StagedBench(const Options& o, const SynthModel& m, ThreadPool& pool, int thr
   CpuColdFfn cold(m, spin);
   std::printf(
       "staged: %d GPU FFN rows per layer in the budget; skew %.0f%%; guess recall %.2f, size "
-      "%.2fx, tier %.2f:%.2f; %d warm-up + %d measured tokens\n",
-      n_gpu, skew * 100, recall, size, tier_a, tier_b, o.warmup, o.steps);
+      "%.2fx, tier %.2f:%.2f; %d warm-up + %d measured tokens%s\n",
+      n_gpu, skew * 100, recall, size, tier_a, tier_b, o.warmup, o.steps,
+      o.stage_overlap ? "; copies overlapped with the step before" : "");
 
   struct Stage {
     int k = 0, n_static = 0;
@@ -1778,7 +1784,7 @@ int StagedBench(const Options& o, const SynthModel& m, ThreadPool& pool, int thr
   };
   std::vector<std::unique_ptr<Stage>> stages;  // Backend does not move
   for (int k : o.stage_rows) {
-    if (k < 0 || n_gpu + k > F) continue;
+    if (k < 0 || n_gpu + (o.stage_overlap ? 2 : 1) * k > F) continue;
     stages.push_back(std::make_unique<Stage>());
     Stage& st = *stages.back();
     st.k = k;
@@ -1801,7 +1807,7 @@ int StagedBench(const Options& o, const SynthModel& m, ThreadPool& pool, int thr
           lu.hot_ids.push_back(j);
         }
       }
-      lu.cache_rows = k;
+      lu.cache_rows = o.stage_overlap ? 2 * k : k;
     }
     char err[512] = {0};
     if (int rc = pinfer_cuda_create_backend(&u, &st.be.b, err, sizeof(err)); rc != 0) {
@@ -1860,7 +1866,8 @@ int StagedBench(const Options& o, const SynthModel& m, ThreadPool& pool, int thr
         int32_t active_staged = 0;
         for (size_t i = 0; i < first.size(); ++i) {
           if (active[first[i]]) {
-            st.hot[s][l].push_back(st.n_static + static_cast<int32_t>(i));
+            st.hot[s][l].push_back(st.n_static + (o.stage_overlap ? (s % 2) * k : 0) +
+                                   static_cast<int32_t>(i));
             on_gpu[first[i]] = 1;
             ++active_staged;
           }
@@ -1894,23 +1901,36 @@ int StagedBench(const Options& o, const SynthModel& m, ThreadPool& pool, int thr
       double fwd = 0, load = 0, bytes = 0, callback = 0, hot_ffn = 0, attention = 0;
       int32_t token = 1;
       std::vector<int32_t> slots;
-      for (int s = 0; s < total; ++s) {
-        const double t0 = Now();
+      // Queues step s's copies (into half s % 2 of the slots with --stage-overlap) and returns
+      // their bytes, or -1 on an error.
+      auto load_step = [&](int s) -> double {
         double step_bytes = 0;
         for (int l = 0; l < Lc && st.k > 0; ++l) {
           const std::vector<int32_t>& g = st.staged[s][l];
           slots.resize(g.size());
-          std::iota(slots.begin(), slots.end(), 0);
+          std::iota(slots.begin(), slots.end(), o.stage_overlap ? (s % 2) * st.k : 0);
           cuda::BackendStatus bs = st.be.b->LoadCacheRows(l, slots, g);
           if (!bs.ok()) {
             std::fprintf(stderr, "staged load: %s\n", bs.message.c_str());
-            return 1;
+            return -1;
           }
           step_bytes += 3.0 * rb * g.size();
         }
+        return step_bytes;
+      };
+      double next_bytes = o.stage_overlap ? load_step(0) : 0;
+      for (int s = 0; s < total; ++s) {
+        const double t0 = Now();
+        double step_bytes = o.stage_overlap ? next_bytes : load_step(s);
+        if (step_bytes < 0) return 1;
         bool landed = true;
         if (st.k > 0) st.be.b->CacheRowsLanded(/*wait=*/true, &landed);
         const double t1 = Now();
+        if (o.stage_overlap && s + 1 < total) {
+          // The next step's copies, beside this step (its slots' half is free: the step before
+          // used it and is done).
+          if ((next_bytes = load_step(s + 1)) < 0) return 1;
+        }
         if (ahead) cold.SetGuess(&st.ahead[s], &st.ahead_first[s]);
         cuda::ForwardArgs a;
         a.tokens = &token;
@@ -1941,7 +1961,8 @@ int StagedBench(const Options& o, const SynthModel& m, ThreadPool& pool, int thr
       cold.SetGuess(nullptr, nullptr);
       st.fast[ahead].push_back(o.steps / fwd);
       st.serial[ahead].push_back(o.steps / (fwd + load));
-      st.load_gbps[ahead].push_back(load > 0 ? bytes / load / 1e9 : 0);
+      // (Overlapped copies have no rate of their own: the wait is what they add.)
+      st.load_gbps[ahead].push_back(load > 0 && !o.stage_overlap ? bytes / load / 1e9 : 0);
       st.callback_ms[ahead].push_back(callback / o.steps * 1e3);
       std::printf(
           "round %d, staged %d%s: %.2f tokens/s with the copies hidden, %.2f with them counted "
@@ -2176,6 +2197,8 @@ int Main(int argc, char** argv) {
       o.stage_guess = v;
     else if (const char* v = val("--stage-ahead="))
       o.stage_ahead = std::atoi(v) != 0;
+    else if (const char* v = val("--stage-overlap="))
+      o.stage_overlap = std::atoi(v) != 0;
     else if (const char* v = val("--cache-decay="))
       o.cache_decay = std::atof(v);
     else if (const char* v = val("--cache-gain="))
