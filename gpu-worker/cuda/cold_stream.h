@@ -110,8 +110,8 @@ class ColdStreamer {
   void* stage_host_ = nullptr;  // pinned [stage_capacity_] int64 index pairs of cache loads
   void* stage_dev_ = nullptr;
   size_t stage_capacity_ = 0, stage_used_ = 0;
-  uint8_t* gathered_ =
-      nullptr;  // device [3][rows] of a load, in GGUF's layout (split destinations)
+  // Device [3][rows] of a load in GGUF's layout, for split destinations.
+  uint8_t* gathered_ = nullptr;
   size_t gathered_bytes_ = 0;
 };
 
