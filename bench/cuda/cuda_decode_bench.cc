@@ -914,6 +914,25 @@ void FillAttention(const SynthModel& m, int l, cuda::LayerUpload* lu) {
   lu->wo = Host(m.dtype, H, c.q_dim(), L.wo->p);
 }
 
+// Layer l with its attention and the kHot FFN of the pinfer split: the neurons ranked below n_hot
+// on the GPU (hot_ids, ascending), every row of gate, up and down_t offered, and the predictors.
+void FillHotLayer(const SynthModel& m, int l, int n_hot, cuda::LayerUpload* lu) {
+  const ModelConfig& c = m.config;
+  const SynthLayer& L = m.layers[l];
+  const int H = c.hidden_size, F = c.ffn_size;
+  FillAttention(m, l, lu);
+  lu->ffn = cuda::FfnPlacement::kHot;
+  lu->gate = Host(m.dtype, F, H, L.gate->p);
+  lu->up = Host(m.dtype, F, H, L.up->p);
+  lu->down_t = Host(m.dtype, F, H, L.down_t->p);
+  lu->pred_fc1 = Host(m.dtype, m.pred_rank, H, L.fc1->p);
+  lu->pred_fc2 = Host(m.dtype, F, m.pred_rank, L.fc2->p);
+  lu->hot_ids.clear();
+  for (int j = 0; j < F; ++j) {
+    if (L.rank_of[j] < n_hot) lu->hot_ids.push_back(j);
+  }
+}
+
 void FillDenseFfn(const SynthModel& m, int l, cuda::LayerUpload* lu) {
   const ModelConfig& c = m.config;
   const SynthLayer& L = m.layers[l];
@@ -1158,21 +1177,8 @@ int PrefillBench(const Options& o, const SynthModel& m, ThreadPool& pool, int th
   u.stream_slots = o.stream_slots;
   std::vector<std::vector<int32_t>> is_hot(c.n_layers, std::vector<int32_t>(F, 0));
   for (int l = 0; l < c.n_layers; ++l) {
-    const SynthLayer& L = m.layers[l];
-    cuda::LayerUpload& lu = u.layers[l];
-    FillAttention(m, l, &lu);
-    lu.ffn = cuda::FfnPlacement::kHot;
-    lu.gate = Host(m.dtype, F, H, L.gate->p);
-    lu.up = Host(m.dtype, F, H, L.up->p);
-    lu.down_t = Host(m.dtype, F, H, L.down_t->p);
-    lu.pred_fc1 = Host(m.dtype, m.pred_rank, H, L.fc1->p);
-    lu.pred_fc2 = Host(m.dtype, F, m.pred_rank, L.fc2->p);
-    for (int j = 0; j < F; ++j) {
-      if (L.rank_of[j] < n_hot) {
-        lu.hot_ids.push_back(j);
-        is_hot[l][j] = 1;
-      }
-    }
+    FillHotLayer(m, l, n_hot, &u.layers[l]);
+    for (int32_t j : u.layers[l].hot_ids) is_hot[l][j] = 1;
   }
   const double plan = fixed + c.n_layers * (per_neuron * n_hot + 4.0 * n_cold);
   Backend be;
@@ -1568,18 +1574,8 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
     cuda::ModelUpload u = BaseUpload(m, max_ctx);
     std::vector<std::vector<int32_t>> static_hot(c.n_layers);
     for (int l = 0; l < c.n_layers; ++l) {
-      const SynthLayer& L = m.layers[l];
       cuda::LayerUpload& lu = u.layers[l];
-      FillAttention(m, l, &lu);
-      lu.ffn = cuda::FfnPlacement::kHot;
-      lu.gate = Host(m.dtype, F, H, L.gate->p);
-      lu.up = Host(m.dtype, F, H, L.up->p);
-      lu.down_t = Host(m.dtype, F, H, L.down_t->p);
-      lu.pred_fc1 = Host(m.dtype, m.pred_rank, H, L.fc1->p);
-      lu.pred_fc2 = Host(m.dtype, F, m.pred_rank, L.fc2->p);
-      for (int j = 0; j < F; ++j) {
-        if (L.rank_of[j] < n_static) lu.hot_ids.push_back(j);
-      }
+      FillHotLayer(m, l, n_static, &lu);
       lu.cache_rows = slots;
       static_hot[l] = lu.hot_ids;
     }
@@ -1793,20 +1789,10 @@ int StagedBench(const Options& o, const SynthModel& m, ThreadPool& pool, int thr
     cuda::ModelUpload u = BaseUpload(m, max_ctx);
     std::vector<std::vector<int32_t>> local_of(Lc, std::vector<int32_t>(F, -1));
     for (int l = 0; l < Lc; ++l) {
-      const SynthLayer& L = m.layers[l];
       cuda::LayerUpload& lu = u.layers[l];
-      FillAttention(m, l, &lu);
-      lu.ffn = cuda::FfnPlacement::kHot;
-      lu.gate = Host(m.dtype, F, H, L.gate->p);
-      lu.up = Host(m.dtype, F, H, L.up->p);
-      lu.down_t = Host(m.dtype, F, H, L.down_t->p);
-      lu.pred_fc1 = Host(m.dtype, m.pred_rank, H, L.fc1->p);
-      lu.pred_fc2 = Host(m.dtype, F, m.pred_rank, L.fc2->p);
-      for (int j = 0; j < F; ++j) {
-        if (L.rank_of[j] < st.n_static) {
-          local_of[l][j] = static_cast<int32_t>(lu.hot_ids.size());
-          lu.hot_ids.push_back(j);
-        }
+      FillHotLayer(m, l, st.n_static, &lu);
+      for (size_t i = 0; i < lu.hot_ids.size(); ++i) {
+        local_of[l][lu.hot_ids[i]] = static_cast<int32_t>(i);
       }
       lu.cache_rows = o.stage_overlap ? 2 * k : k;
     }
@@ -2333,19 +2319,9 @@ int Main(int argc, char** argv) {
       u.max_seqs = seqs;
       std::vector<std::vector<int32_t>> local_of(c.n_layers);  // global -> hot local or -1
       for (int l = 0; l < c.n_layers; ++l) {
-        const SynthLayer& L = m.layers[l];
         cuda::LayerUpload& lu = u.layers[l];
-        FillAttention(m, l, &lu);
-        lu.ffn = cuda::FfnPlacement::kHot;
-        lu.gate = Host(m.dtype, c.ffn_size, c.hidden_size, L.gate->p);
-        lu.up = Host(m.dtype, c.ffn_size, c.hidden_size, L.up->p);
-        lu.down_t = Host(m.dtype, c.ffn_size, c.hidden_size, L.down_t->p);
-        lu.pred_fc1 = Host(m.dtype, m.pred_rank, c.hidden_size, L.fc1->p);
-        lu.pred_fc2 = Host(m.dtype, c.ffn_size, m.pred_rank, L.fc2->p);
+        FillHotLayer(m, l, n_hot, &lu);
         local_of[l].assign(c.ffn_size, -1);
-        for (int j = 0; j < c.ffn_size; ++j) {
-          if (L.rank_of[j] < n_hot) lu.hot_ids.push_back(j);
-        }
         for (size_t i = 0; i < lu.hot_ids.size(); ++i)
           local_of[l][lu.hot_ids[i]] = static_cast<int>(i);
       }
