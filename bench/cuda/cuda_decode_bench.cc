@@ -70,6 +70,19 @@ double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// "a,b,c" -> {a, b, c} (--skews=0.2,0.4 and the like).
+template <typename T>
+std::vector<T> CommaList(const char* v) {
+  std::vector<T> out;
+  for (const char* p = v; *p;) {
+    out.push_back(static_cast<T>(std::atof(p)));
+    const char* q = std::strchr(p, ',');
+    if (q == nullptr) break;
+    p = q + 1;
+  }
+  return out;
+}
+
 struct Options {
   std::string dtype = "F16";
   int layers = 40, hidden = 5120, ffn = 13824, heads = 40, vocab = 32000;
@@ -2164,23 +2177,11 @@ int Main(int argc, char** argv) {
       o.stream_chunk = std::atoi(v);
     else if (const char* v = val("--stream-slots="))
       o.stream_slots = std::atoi(v);
-    else if (const char* v = val("--cache-fractions=")) {
-      o.cache_fractions.clear();
-      for (const char* p = v; *p;) {
-        o.cache_fractions.push_back(std::atof(p));
-        const char* q = std::strchr(p, ',');
-        if (q == nullptr) break;
-        p = q + 1;
-      }
-    } else if (const char* v = val("--stage-rows=")) {
-      o.stage_rows.clear();
-      for (const char* p = v; *p;) {
-        o.stage_rows.push_back(std::atoi(p));
-        const char* q = std::strchr(p, ',');
-        if (q == nullptr) break;
-        p = q + 1;
-      }
-    } else if (const char* v = val("--stage-guess="))
+    else if (const char* v = val("--cache-fractions="))
+      o.cache_fractions = CommaList<double>(v);
+    else if (const char* v = val("--stage-rows="))
+      o.stage_rows = CommaList<int>(v);
+    else if (const char* v = val("--stage-guess="))
       o.stage_guess = v;
     else if (const char* v = val("--stage-ahead="))
       o.stage_ahead = std::atoi(v) != 0;
@@ -2194,23 +2195,11 @@ int Main(int argc, char** argv) {
       o.cache_swaps = std::atoi(v);
     else if (const char* v = val("--cache-period="))
       o.cache_period = std::max(1, std::atoi(v));
-    else if (const char* v = val("--prefill-batches=")) {
-      o.prefill_batches.clear();
-      for (const char* p = v; *p;) {
-        o.prefill_batches.push_back(std::atoi(p));
-        const char* q = std::strchr(p, ',');
-        if (q == nullptr) break;
-        p = q + 1;
-      }
-    } else if (const char* v = val("--skews=")) {
-      o.skews.clear();
-      for (const char* p = v; *p;) {
-        o.skews.push_back(std::atof(p));
-        const char* c = std::strchr(p, ',');
-        if (c == nullptr) break;
-        p = c + 1;
-      }
-    } else {
+    else if (const char* v = val("--prefill-batches="))
+      o.prefill_batches = CommaList<int>(v);
+    else if (const char* v = val("--skews="))
+      o.skews = CommaList<double>(v);
+    else {
       std::fprintf(stderr, "unknown flag %s\n", argv[i]);
       return 2;
     }
