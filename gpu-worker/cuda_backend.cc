@@ -158,9 +158,10 @@ class CudaBackend : public ComputeBackend {
   }
 
   // Decode steps keep the cache slots filled with the cold neurons the text activates.
-  void StartAdaptiveHotSet(AdaptiveHotCache cache, int plan_every) {
+  void StartAdaptiveHotSet(AdaptiveHotCache cache, int plan_every, bool background) {
     slots_ = std::make_unique<ModuleCacheSlots>(backend_);
-    adaptive_ = std::make_unique<AdaptiveHotSet>(std::move(cache), slots_.get(), plan_every);
+    adaptive_ =
+        std::make_unique<AdaptiveHotSet>(std::move(cache), slots_.get(), plan_every, background);
   }
 
   std::string name() const override { return "cuda"; }
@@ -649,11 +650,11 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
     ho.slots = cache_rows;
     ASSIGN_OR_RETURN(AdaptiveHotCache cache,
                      AdaptiveHotCache::Create(c.ffn_size, placement.hot, ho));
-    backend->StartAdaptiveHotSet(std::move(cache), o.cache_plan_every);
+    backend->StartAdaptiveHotSet(std::move(cache), o.cache_plan_every, o.cache_background);
     Log("adaptive hot set: %d cache rows per layer (%.1f MiB), counts decaying by %.3g per token, "
-        "swaps planned every %d decode steps",
-        cache_rows, AdaptiveCacheBytes(model, cache_rows) / 1048576.0, ho.decay,
-        o.cache_plan_every);
+        "swaps planned every %d decode steps, counted %s",
+        cache_rows, AdaptiveCacheBytes(model, cache_rows) / 1048576.0, ho.decay, o.cache_plan_every,
+        o.cache_background ? "on a thread of their own" : "between steps");
   }
   return std::unique_ptr<ComputeBackend>(std::move(backend));
 }

@@ -26,14 +26,14 @@ ASAN_OPTIONS=detect_leaks=1 ctest --test-dir build-asan --output-on-failure -j 2
   -E "HeldOut|Perplexity|model_family"
 
 echo "== TSan (thread pool, sparse kernels, the gpu-worker's scheduler and decode lanes, the"
-echo "   shared-memory exchange and its guesses, the cold rows loaded ahead)"
+echo "   shared-memory exchange and its guesses, the cold rows loaded ahead, the adaptive hot set's counting thread)"
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPINFER_TSAN=ON \
   -DPINFER_SERVICE=OFF -DPINFER_CUDA=OFF >/dev/null
 cmake --build build-tsan -j "$(nproc)" --target thread_pool_test ops_test scheduler_test \
-  lane_threads_test shm_test ffn_split_test
+  lane_threads_test shm_test ffn_split_test hot_cache_test
 # The exchange tests that fork a peer process are left out: TSan cannot fork a threaded process.
 ctest --test-dir build-tsan --output-on-failure -R \
-  "ThreadPool|OpsTest|SparseFfnTokenTest|SchedulerTest|LaneThreads|WaitTest|FfnSplitTest|ExchangeTest\.(RoundTrips|HandlerErrors|Guesses|RestartedPeer|ServerLetsGo)"
+  "ThreadPool|OpsTest|SparseFfnTokenTest|SchedulerTest|LaneThreads|WaitTest|FfnSplitTest|AdaptiveHotSet|ExchangeTest\.(RoundTrips|HandlerErrors|Guesses|RestartedPeer|ServerLetsGo)"
 
 echo "== fuzzers (libFuzzer + ASan/UBSan, 60 s each)"
 tests/fuzz/run_fuzzers.sh 60

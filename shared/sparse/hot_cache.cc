@@ -203,44 +203,156 @@ absl::Status AdaptiveHotSet::ByLayer(const std::vector<CacheSwap>& swaps, bool n
   return absl::OkStatus();
 }
 
-absl::Status AdaptiveHotSet::AfterStep(const std::vector<std::vector<int32_t>>& active) {
-  if (static_cast<int>(active.size()) != cache_.n_layers()) {
-    return absl::InvalidArgumentError(absl::StrCat("active neurons of ", active.size(),
-                                                   " layers for a cache of ", cache_.n_layers()));
+AdaptiveHotSet::AdaptiveHotSet(AdaptiveHotCache cache, CacheSlotTarget* target, int plan_every,
+                               bool background)
+    : target_(target),
+      plan_every_(std::max(1, plan_every)),
+      background_(background),
+      n_layers_(cache.n_layers()),
+      cache_(std::move(cache)) {
+  if (background_) worker_ = std::thread([this] { Work(); });
+}
+
+AdaptiveHotSet::~AdaptiveHotSet() {
+  if (!background_) return;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    stop_ = true;
+    work_cv_.notify_one();
   }
-  for (int l = 0; l < cache_.n_layers(); ++l) cache_.Observe(l, active[l]);
+  worker_.join();
+}
+
+void AdaptiveHotSet::Count(const std::vector<std::vector<int32_t>>& active) {
+  for (int l = 0; l < n_layers_; ++l) cache_.Observe(l, active[l]);
   cache_.EndToken();
-  steps_ += 1;
-  if (!pending_.empty()) {
-    absl::StatusOr<bool> landed = target_->RowsLanded();
-    if (!landed.ok()) return landed.status();
-    if (!*landed) return absl::OkStatus();
-    std::vector<CacheSwap> done = std::move(pending_);
-    pending_.clear();
-    absl::Status st =
-        ByLayer(done, /*neurons=*/true,
-                [&](int l, const std::vector<int32_t>& s, const std::vector<int32_t>& n) {
-                  return target_->AssignSlots(l, s, n);
-                });
-    if (!st.ok()) return st;
-    cache_.Commit(done);
-    swaps_committed_ += done.size();
-  }
-  if (steps_ % plan_every_ != 0) return absl::OkStatus();
+  counted_ += 1;
+}
+
+std::vector<CacheSwap> AdaptiveHotSet::MaybePlan() {
+  // A plan while copies are in flight would race them, so none before the last one's Commit.
+  if (plan_outstanding_ || counted_ % plan_every_ != 0) return {};
   std::vector<CacheSwap> swaps = cache_.PlanSwaps();  // grouped by layer, ascending
-  if (swaps.empty()) return absl::OkStatus();
-  pending_ = swaps;
-  // The slots stop serving their old neurons before new rows overwrite them.
+  plan_outstanding_ = !swaps.empty();
+  return swaps;
+}
+
+absl::Status AdaptiveHotSet::CommitIfLanded() {
+  if (pending_.empty()) return absl::OkStatus();
+  absl::StatusOr<bool> landed = target_->RowsLanded();
+  if (!landed.ok()) return landed.status();
+  if (!*landed) return absl::OkStatus();
+  std::vector<CacheSwap> done = std::move(pending_);
+  pending_.clear();
   absl::Status st =
-      ByLayer(swaps, /*neurons=*/false,
+      ByLayer(done, /*neurons=*/true,
               [&](int l, const std::vector<int32_t>& s, const std::vector<int32_t>& n) {
                 return target_->AssignSlots(l, s, n);
               });
   if (!st.ok()) return st;
-  return ByLayer(swaps, /*neurons=*/true,
+  swaps_committed_ += done.size();
+  if (!background_) {
+    cache_.Commit(done);
+    plan_outstanding_ = false;
+    return absl::OkStatus();
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  landed_.insert(landed_.end(), done.begin(), done.end());
+  work_cv_.notify_one();
+  return absl::OkStatus();
+}
+
+absl::Status AdaptiveHotSet::Start(std::vector<CacheSwap> swaps) {
+  if (swaps.empty()) return absl::OkStatus();
+  pending_ = std::move(swaps);
+  // The slots stop serving their old neurons before new rows overwrite them.
+  absl::Status st =
+      ByLayer(pending_, /*neurons=*/false,
+              [&](int l, const std::vector<int32_t>& s, const std::vector<int32_t>& n) {
+                return target_->AssignSlots(l, s, n);
+              });
+  if (!st.ok()) return st;
+  return ByLayer(pending_, /*neurons=*/true,
                  [&](int l, const std::vector<int32_t>& s, const std::vector<int32_t>& n) {
                    return target_->LoadRows(l, s, n);
                  });
+}
+
+absl::Status AdaptiveHotSet::AfterStep(const std::vector<std::vector<int32_t>>& active) {
+  if (static_cast<int>(active.size()) != n_layers_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("active neurons of ", active.size(), " layers for a cache of ", n_layers_));
+  }
+  steps_ += 1;
+  if (!background_) {
+    Count(active);
+    absl::Status st = CommitIfLanded();
+    if (!st.ok()) return st;
+    return Start(MaybePlan());
+  }
+  absl::Status st = CommitIfLanded();
+  if (!st.ok()) return st;
+  std::vector<CacheSwap> plan;
+  std::vector<std::vector<int32_t>> buffer;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (pending_.empty()) plan.swap(plan_);
+    // Only when the worker falls this far behind does a step wait for the counting.
+    while (static_cast<int>(queued_.size()) >= kMaxQueued) done_cv_.wait(lock);
+    if (!spare_.empty()) {
+      buffer = std::move(spare_.back());
+      spare_.pop_back();
+    }
+  }
+  buffer.resize(active.size());
+  for (size_t l = 0; l < active.size(); ++l) buffer[l].assign(active[l].begin(), active[l].end());
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    queued_.push_back(std::move(buffer));
+    work_cv_.notify_one();
+  }
+  return Start(std::move(plan));
+}
+
+void AdaptiveHotSet::Flush() {
+  if (!background_) return;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!queued_.empty() || !landed_.empty() || working_) done_cv_.wait(lock);
+}
+
+void AdaptiveHotSet::Work() {
+  std::vector<std::vector<std::vector<int32_t>>> steps;
+  std::vector<CacheSwap> landed;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      for (auto& b : steps) spare_.push_back(std::move(b));
+      steps.clear();
+      working_ = false;
+      done_cv_.notify_all();
+      while (!stop_ && queued_.empty() && landed_.empty()) work_cv_.wait(lock);
+      if (stop_) return;
+      steps.swap(queued_);
+      landed.swap(landed_);
+      working_ = true;
+      done_cv_.notify_all();  // room in the queue
+    }
+    if (!landed.empty()) {
+      cache_.Commit(landed);
+      plan_outstanding_ = false;
+      landed.clear();
+    }
+    std::vector<CacheSwap> plan;
+    for (const auto& active : steps) {
+      Count(active);
+      std::vector<CacheSwap> swaps = MaybePlan();
+      if (!swaps.empty()) plan = std::move(swaps);
+    }
+    if (!plan.empty()) {
+      std::unique_lock<std::mutex> lock(mu_);
+      plan_ = std::move(plan);
+    }
+  }
 }
 
 }  // namespace pinfer

@@ -17,10 +17,14 @@
 #pragma once
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdint>
+#include <mutex>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
@@ -113,29 +117,70 @@ class CacheSlotTarget {
 // `plan_every` steps, when no copy is in flight, plans new swaps: their slots stop serving at
 // once and their rows start loading. Every call to the target leaves each layer consistent (a
 // neuron is served by one side only), so an error only stops the adapting.
+//
+// With `background`, the counting and planning (a pass over every neuron of every layer) run on a
+// thread of the set's own instead of between two decode steps: AfterStep hands the step's active
+// neurons over and only makes the target's calls, so the next step starts at once. A plan is then
+// carried out by the AfterStep after the one whose step it counted. The target is still called
+// from AfterStep only, i.e. from the decode thread, so it needs no locking.
 class AdaptiveHotSet {
  public:
-  AdaptiveHotSet(AdaptiveHotCache cache, CacheSlotTarget* target, int plan_every)
-      : cache_(std::move(cache)), target_(target), plan_every_(std::max(1, plan_every)) {}
+  AdaptiveHotSet(AdaptiveHotCache cache, CacheSlotTarget* target, int plan_every,
+                 bool background = false);
+  ~AdaptiveHotSet();
+  AdaptiveHotSet(const AdaptiveHotSet&) = delete;
+  AdaptiveHotSet& operator=(const AdaptiveHotSet&) = delete;
 
   // active[l]: the step's active neurons of layer l (global ids, hot and cold).
   absl::Status AfterStep(const std::vector<std::vector<int32_t>>& active);
 
+  // Waits until the background thread has counted every step handed to it and made the plan
+  // those steps call for (so the next AfterStep carries it out); returns at once without one.
+  void Flush();
+
   uint64_t steps() const { return steps_; }
   uint64_t swaps_committed() const { return swaps_committed_; }
   bool copy_in_flight() const { return !pending_.empty(); }
-  const AdaptiveHotCache& cache() const { return cache_; }
 
  private:
+  void Count(const std::vector<std::vector<int32_t>>& active);  // one step's active neurons
+  // Every plan_every_ counted steps with no plan outstanding: new swaps (empty if none).
+  std::vector<CacheSwap> MaybePlan();
+  // Hands the landed copies' slots to their neurons (and the cache's view after them).
+  absl::Status CommitIfLanded();
+  // The plan's slots stop serving; their rows start loading.
+  absl::Status Start(std::vector<CacheSwap> swaps);
+  void Work();  // the background thread
   // Calls fn(layer, slots, neurons) once per layer that the swaps touch.
   template <typename Fn>
   absl::Status ByLayer(const std::vector<CacheSwap>& swaps, bool neurons, Fn fn);
 
-  AdaptiveHotCache cache_;
   CacheSlotTarget* target_;
-  int plan_every_;
+  const int plan_every_;
+  const bool background_;
+  const int n_layers_;
+  // The decode thread's: copies in flight and the counters.
   uint64_t steps_ = 0, swaps_committed_ = 0;
   std::vector<CacheSwap> pending_;
+
+  // The counts and the planning: the decode thread's in the foreground, the worker's otherwise
+  // (after construction only the worker touches them then).
+  AdaptiveHotCache cache_;
+  uint64_t counted_ = 0;
+  bool plan_outstanding_ = false;  // planned and not yet committed
+
+  // Between the decode thread and the worker (std::mutex rather than absl::Mutex: Debian's Abseil
+  // is not built for ThreadSanitizer, which would not see its locks).
+  static constexpr int kMaxQueued = 4;  // steps not yet counted before AfterStep waits
+  std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  std::vector<std::vector<std::vector<int32_t>>> queued_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::vector<std::vector<int32_t>>> spare_ ABSL_GUARDED_BY(mu_);  // reused buffers
+  std::vector<CacheSwap> landed_ ABSL_GUARDED_BY(mu_);  // assigned on the GPU, not yet in cache_
+  std::vector<CacheSwap> plan_ ABSL_GUARDED_BY(mu_);    // planned, not yet started
+  bool working_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread worker_;
 };
 
 }  // namespace pinfer

@@ -1567,56 +1567,62 @@ TEST_F(CudaBackendTest, AdaptiveCacheInPredictedModeMatchesCpuReference) {
   const int V = c.vocab_size, slots = 48;
   cuda::ModelUpload u = WithPredictors(Upload(/*hot=*/true), *pc);
   auto plain = Create(u);
-  for (cuda::LayerUpload& lu : u.layers) lu.cache_rows = slots;
-  auto cached = Create(u);
   ASSERT_NE(plain, nullptr);
-  ASSERT_NE(cached, nullptr);
-  HotCacheOptions ho;
-  ho.slots = slots;
-  ho.decay = 0.8;
-  ho.min_gain = 0.5;
-  ho.max_swaps = 16;
-  absl::StatusOr<AdaptiveHotCache> hc = AdaptiveHotCache::Create(c.ffn_size, *hot_ids_, ho);
-  ASSERT_TRUE(hc.ok()) << hc.status();
-  gpuworker::ModuleCacheSlots target(cached.get());
-  AdaptiveHotSet set(std::move(*hc), &target, /*plan_every=*/1);
-  CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
-  std::vector<float> got(V), got_plain(V);
-  std::vector<std::vector<int32_t>> active;
-  int64_t moved = 0;
-  for (size_t pos = 0; pos < tokens.size(); ++pos) {
-    cuda::ForwardArgs a = PredictedStep(tokens, pos, &cold, got_plain.data());
-    cuda::BackendStatus st = plain->Forward(a);
-    ASSERT_TRUE(st.ok()) << st.message;
-    const cuda::ForwardStats p = plain->last_stats();
-    a.logits = got.data();
-    a.active_out = &active;
-    st = cached->Forward(a);
-    ASSERT_TRUE(st.ok()) << st.message;
-    const cuda::ForwardStats q = cached->last_stats();
-    EXPECT_LE(Nmse(got.data(), pc->want.data() + pos * V, V), 1e-6) << "position " << pos;
-    // The same active neurons, each computed once; the cache only moves some to the GPU.
-    int64_t reported = 0;
-    for (const auto& v : active) reported += static_cast<int64_t>(v.size());
-    EXPECT_EQ(q.hot_rows_computed + q.cold_rows_requested, reported) << "position " << pos;
-    EXPECT_EQ(p.hot_rows_computed + p.cold_rows_requested, reported) << "position " << pos;
-    EXPECT_GE(q.hot_rows_computed, p.hot_rows_computed) << "position " << pos;
-    moved += q.hot_rows_computed - p.hot_rows_computed;
-    absl::Status ast = set.AfterStep(active);
-    ASSERT_TRUE(ast.ok()) << ast;
+  for (cuda::LayerUpload& lu : u.layers) lu.cache_rows = slots;
+  // The driver counting between steps, then on its own thread (flushed after each step, so that
+  // both make the same calls, one step apart).
+  for (bool background : {false, true}) {
+    SCOPED_TRACE(background ? "counting in the background" : "counting between steps");
+    auto cached = Create(u);
+    ASSERT_NE(cached, nullptr);
+    HotCacheOptions ho;
+    ho.slots = slots;
+    ho.decay = 0.8;
+    ho.min_gain = 0.5;
+    ho.max_swaps = 16;
+    absl::StatusOr<AdaptiveHotCache> hc = AdaptiveHotCache::Create(c.ffn_size, *hot_ids_, ho);
+    ASSERT_TRUE(hc.ok()) << hc.status();
+    gpuworker::ModuleCacheSlots target(cached.get());
+    AdaptiveHotSet set(std::move(*hc), &target, /*plan_every=*/1, background);
+    CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
+    std::vector<float> got(V), got_plain(V);
+    std::vector<std::vector<int32_t>> active;
+    int64_t moved = 0;
+    for (size_t pos = 0; pos < tokens.size(); ++pos) {
+      cuda::ForwardArgs a = PredictedStep(tokens, pos, &cold, got_plain.data());
+      cuda::BackendStatus st = plain->Forward(a);
+      ASSERT_TRUE(st.ok()) << st.message;
+      const cuda::ForwardStats p = plain->last_stats();
+      a.logits = got.data();
+      a.active_out = &active;
+      st = cached->Forward(a);
+      ASSERT_TRUE(st.ok()) << st.message;
+      const cuda::ForwardStats q = cached->last_stats();
+      EXPECT_LE(Nmse(got.data(), pc->want.data() + pos * V, V), 1e-6) << "position " << pos;
+      // The same active neurons, each computed once; the cache only moves some to the GPU.
+      int64_t reported = 0;
+      for (const auto& v : active) reported += static_cast<int64_t>(v.size());
+      EXPECT_EQ(q.hot_rows_computed + q.cold_rows_requested, reported) << "position " << pos;
+      EXPECT_EQ(p.hot_rows_computed + p.cold_rows_requested, reported) << "position " << pos;
+      EXPECT_GE(q.hot_rows_computed, p.hot_rows_computed) << "position " << pos;
+      moved += q.hot_rows_computed - p.hot_rows_computed;
+      absl::Status ast = set.AfterStep(active);
+      ASSERT_TRUE(ast.ok()) << ast;
+      set.Flush();
+    }
+    EXPECT_GT(set.swaps_committed(), static_cast<uint64_t>(c.n_layers * slots));  // filled, churned
+    EXPECT_GT(moved, static_cast<int64_t>(tokens.size()));  // more than a neuron per step
+    // The module's rules: a slot still serving cannot be reloaded; a slot serves only what landed.
+    int serving = -1;
+    for (int s = 0; s < slots && serving < 0; ++s) {
+      cuda::BackendStatus st = cached->LoadCacheRows(0, {s}, {(*cold_ids_)[0][0]});
+      if (st.code == cuda::Code::kFailedPrecondition) serving = s;
+    }
+    EXPECT_GE(serving, 0) << "no slot of layer 0 serves a neuron after the run";
+    cuda::BackendStatus st = cached->SetCacheSlots(0, {0}, {(*hot_ids_)[0][0]});
+    EXPECT_EQ(st.code, cuda::Code::kInvalidArgument);
+    EXPECT_NE(st.message.find("is not a cold neuron"), std::string::npos) << st.message;
   }
-  EXPECT_GT(set.swaps_committed(), static_cast<uint64_t>(c.n_layers * slots));  // filled, churned
-  EXPECT_GT(moved, static_cast<int64_t>(tokens.size()));  // more than a neuron per step
-  // The module's rules: a slot still serving cannot be reloaded; a slot serves only what landed.
-  int serving = -1;
-  for (int s = 0; s < slots && serving < 0; ++s) {
-    cuda::BackendStatus st = cached->LoadCacheRows(0, {s}, {(*cold_ids_)[0][0]});
-    if (st.code == cuda::Code::kFailedPrecondition) serving = s;
-  }
-  EXPECT_GE(serving, 0) << "no slot of layer 0 serves a neuron after the run";
-  cuda::BackendStatus st = cached->SetCacheSlots(0, {0}, {(*hot_ids_)[0][0]});
-  EXPECT_EQ(st.code, cuda::Code::kInvalidArgument);
-  EXPECT_NE(st.message.find("is not a cold neuron"), std::string::npos) << st.message;
 }
 
 TEST_F(CudaBackendTest, RejectsBadRequestsWithSpecificErrors) {

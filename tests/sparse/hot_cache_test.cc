@@ -215,7 +215,20 @@ class FakeSlots : public CacheSlotTarget {
   bool landed = true, auto_land = true, fail_loads = false;
 };
 
-TEST(AdaptiveHotSetTest, SlotsFollowTheTextThroughTheTargetsProtocol) {
+// Each test runs with the counting on the decode thread and on the set's background thread. In
+// the background, Flush after each step makes the worker's plan ready for the next AfterStep,
+// which is when the foreground would have started it, so the same sequence of calls holds.
+class AdaptiveHotSetTest : public testing::TestWithParam<bool> {
+ protected:
+  bool background() const { return GetParam(); }
+  absl::Status Step(AdaptiveHotSet& set, const std::vector<std::vector<int32_t>>& active) {
+    absl::Status st = set.AfterStep(active);
+    set.Flush();
+    return st;
+  }
+};
+
+TEST_P(AdaptiveHotSetTest, SlotsFollowTheTextThroughTheTargetsProtocol) {
   HotCacheOptions o;
   o.slots = 4;
   o.decay = 0.9;
@@ -224,11 +237,12 @@ TEST(AdaptiveHotSetTest, SlotsFollowTheTextThroughTheTargetsProtocol) {
   absl::StatusOr<AdaptiveHotCache> c = AdaptiveHotCache::Create(64, {{0, 1}, {0, 1}}, o);
   ASSERT_TRUE(c.ok()) << c.status();
   FakeSlots gpu(2, 4);
-  AdaptiveHotSet set(std::move(*c), &gpu, /*plan_every=*/2);
+  AdaptiveHotSet set(std::move(*c), &gpu, /*plan_every=*/2, background());
   // Layer 0 keeps activating 10..13, layer 1 20..23 (plus static neuron 0).
   const std::vector<std::vector<int32_t>> text_a = {{0, 10, 11, 12, 13}, {0, 20, 21, 22, 23}};
-  for (int t = 0; t < 4; ++t) ASSERT_TRUE(set.AfterStep(text_a).ok());
-  // Planned at step 2 (counts 1.9 > 0 + 1), committed at step 3 (the copy had landed).
+  for (int t = 0; t < 4; ++t) ASSERT_TRUE(Step(set, text_a).ok());
+  // Foreground: planned and started at step 2 (counts 1.9 > 0 + 1), committed at step 3 (the
+  // copy had landed). Background: planned after step 2, started at step 3, committed at step 4.
   EXPECT_EQ(gpu.Serving(0), (std::set<int32_t>{10, 11, 12, 13}));
   EXPECT_EQ(gpu.Serving(1), (std::set<int32_t>{20, 21, 22, 23}));
   EXPECT_EQ(set.swaps_committed(), 8u);
@@ -238,23 +252,23 @@ TEST(AdaptiveHotSetTest, SlotsFollowTheTextThroughTheTargetsProtocol) {
   const std::vector<std::vector<int32_t>> text_b = {{0, 30, 31, 32, 33}, {0, 40, 41, 42, 43}};
   int steps = 0;
   while (!set.copy_in_flight() && steps < 100) {
-    ASSERT_TRUE(set.AfterStep(text_b).ok());
+    ASSERT_TRUE(Step(set, text_b).ok());
     ++steps;
   }
   ASSERT_TRUE(set.copy_in_flight()) << "no swap planned after " << steps << " steps";
   const uint64_t before = set.swaps_committed();
-  for (int t = 0; t < 3; ++t) ASSERT_TRUE(set.AfterStep(text_b).ok());
+  for (int t = 0; t < 3; ++t) ASSERT_TRUE(Step(set, text_b).ok());
   EXPECT_EQ(set.swaps_committed(), before);  // nothing committed before the copy lands
   for (int l = 0; l < 2; ++l) {
     for (int32_t j : gpu.Serving(l)) EXPECT_TRUE(j < 30) << "served before its copy landed";
   }
   gpu.landed = true;
-  for (int t = 0; t < 40; ++t) ASSERT_TRUE(set.AfterStep(text_b).ok());
+  for (int t = 0; t < 40; ++t) ASSERT_TRUE(Step(set, text_b).ok());
   EXPECT_EQ(gpu.Serving(0), (std::set<int32_t>{30, 31, 32, 33}));
   EXPECT_EQ(gpu.Serving(1), (std::set<int32_t>{40, 41, 42, 43}));
 }
 
-TEST(AdaptiveHotSetTest, ReportsTheTargetsErrorsAndBadInput) {
+TEST_P(AdaptiveHotSetTest, ReportsTheTargetsErrorsAndBadInput) {
   HotCacheOptions o;
   o.slots = 2;
   o.min_gain = 0.5;
@@ -262,14 +276,68 @@ TEST(AdaptiveHotSetTest, ReportsTheTargetsErrorsAndBadInput) {
   ASSERT_TRUE(c.ok());
   FakeSlots gpu(1, 2);
   gpu.fail_loads = true;
-  AdaptiveHotSet set(std::move(*c), &gpu, /*plan_every=*/1);
-  absl::Status st = set.AfterStep({{5, 6}});
+  AdaptiveHotSet set(std::move(*c), &gpu, /*plan_every=*/1, background());
+  // In the background the plan made from the first step is started by the second.
+  if (background()) {
+    ASSERT_TRUE(Step(set, {{5, 6}}).ok());
+  }
+  absl::Status st = Step(set, {{5, 6}});
   EXPECT_EQ(st.code(), absl::StatusCode::kInternal);
   EXPECT_EQ(st.message(), "copy failed");
-  st = set.AfterStep({{5}, {6}});
+  st = Step(set, {{5}, {6}});
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("active neurons of 2 layers for a cache of 1"), std::string::npos)
       << st;
+}
+
+INSTANTIATE_TEST_SUITE_P(CountingThread, AdaptiveHotSetTest, testing::Bool(),
+                         [](const testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Background" : "Foreground";
+                         });
+
+// Steps that do not wait for the worker (as in decoding): the text drifts every 50 steps and
+// copies land a few steps after they start, while the worker counts and plans concurrently. The
+// fake target fails any call that breaks the protocol, and once the text stays put the slots
+// serve exactly its neurons. Under TSan this is the test of the handover between the threads.
+TEST(AdaptiveHotSetBackgroundTest, StepsDoNotWaitAndTheSlotsStillFollowTheText) {
+  HotCacheOptions o;
+  o.slots = 8;
+  o.decay = 0.8;
+  o.min_gain = 0.5;
+  o.max_swaps = 3;
+  const int layers = 3;
+  absl::StatusOr<AdaptiveHotCache> c =
+      AdaptiveHotCache::Create(256, std::vector<std::vector<int32_t>>(layers, {0, 1, 2}), o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  FakeSlots gpu(layers, 8);
+  gpu.auto_land = false;
+  AdaptiveHotSet set(std::move(*c), &gpu, /*plan_every=*/1, /*background=*/true);
+  auto text = [&](int phase) {
+    std::vector<std::vector<int32_t>> active(layers);
+    for (int l = 0; l < layers; ++l) {
+      active[l].push_back(0);
+      for (int k = 0; k < 8; ++k) active[l].push_back(16 + 32 * phase + 8 * l + k);
+    }
+    return active;
+  };
+  int in_flight_for = 0;
+  for (int t = 0; t < 400; ++t) {
+    ASSERT_TRUE(set.AfterStep(text(t / 50 % 4)).ok()) << "step " << t;
+    in_flight_for = set.copy_in_flight() ? in_flight_for + 1 : 0;
+    if (in_flight_for == 3) gpu.landed = true;  // the copy lands three steps after its start
+  }
+  EXPECT_GT(set.swaps_committed(), static_cast<uint64_t>(layers * 8));  // filled and moved on
+  gpu.landed = true;
+  gpu.auto_land = true;
+  for (int t = 0; t < 30; ++t) {
+    ASSERT_TRUE(set.AfterStep(text(1)).ok());
+    set.Flush();
+  }
+  for (int l = 0; l < layers; ++l) {
+    std::set<int32_t> want;
+    for (int k = 0; k < 8; ++k) want.insert(16 + 32 + 8 * l + k);
+    EXPECT_EQ(gpu.Serving(l), want) << "layer " << l;
+  }
 }
 
 }  // namespace
