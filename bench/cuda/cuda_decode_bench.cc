@@ -54,6 +54,7 @@
 #include "gpu-worker/cuda/backend.h"
 #include "gpu-worker/cuda/kernels.h"
 #include "gpu-worker/cuda/model_dims.h"
+#include "gpu-worker/module_cache_slots.h"
 #include "shared/engine/ops.h"
 #include "shared/engine/row_kernels.h"
 #include "shared/engine/sampler.h"
@@ -1515,10 +1516,13 @@ void ApplyVariant(const std::string& variant) {
 // budget split into static hot rows and cache slots that follow the text
 // (shared/sparse/hot_cache.h), on two run-time profiles: "matched" (the run-time ranking is the
 // calibration ranking the placement used) and "shifted" (the run-time hot tier is a different
-// random 20% of each layer: text unlike the calibration text). Each token: commit the swaps whose
-// copies have landed, split every layer's active set between GPU rows and the CPU, run the step,
-// count the activations, and every `cache_period` tokens plan new swaps whose rows are gathered
-// on a copy stream while the next steps run.
+// random 20% of each layer: text unlike the calibration text). The cache is run by the product's
+// driver (AdaptiveHotSet, as the gpu-worker runs it), once counting on the decode thread and once
+// on its own thread: after each step it commits the swaps whose copies have landed and every
+// `cache_period` tokens plans new swaps whose rows are gathered on a copy stream while the next
+// steps run. Before each step the bench splits every layer's drawn active set between the GPU's
+// rows and the CPU from the slots as the driver assigned them (kGiven; the service's predicted
+// mode makes this split on the GPU), and times the split and the driver apart.
 
 // masks[step][layer] drawn from the profile of DrawMasks with ranking rank_of[layer].
 Masks DrawMasksRanked(const std::vector<std::vector<int32_t>>& rank_of, int F, double active,
@@ -1539,6 +1543,82 @@ Masks DrawMasksRanked(const std::vector<std::vector<int32_t>>& rank_of, int F, d
   });
   return masks;
 }
+
+// The adaptive bench's GPU side for the product's driver (AdaptiveHotSet): the module's calls as
+// the gpu-worker makes them (ModuleCacheSlots), plus a copy of what each slot serves, from which
+// the bench splits a step's drawn active neurons for kGiven. In the service the module's
+// predicted mode makes that split on the GPU, from the same slot tables.
+class BenchSlots : public CacheSlotTarget {
+ public:
+  BenchSlots(cuda::Backend* b, int F, const std::vector<std::vector<int32_t>>& static_hot,
+             int slots)
+      : module_(b), n_slots_(slots) {
+    for (const std::vector<int32_t>& hot : static_hot) {
+      Layer& L = layers_.emplace_back();
+      L.n_static = static_cast<int32_t>(hot.size());
+      L.static_local.assign(F, -1);
+      for (size_t i = 0; i < hot.size(); ++i) L.static_local[hot[i]] = static_cast<int32_t>(i);
+      L.slot_of.assign(F, -1);
+      L.neuron_of.assign(slots, -1);
+    }
+  }
+  absl::Status LoadRows(int layer, const std::vector<int32_t>& slots,
+                        const std::vector<int32_t>& neurons) override {
+    return module_.LoadRows(layer, slots, neurons);
+  }
+  absl::StatusOr<bool> RowsLanded() override { return module_.RowsLanded(); }
+  absl::Status AssignSlots(int layer, const std::vector<int32_t>& slots,
+                           const std::vector<int32_t>& neurons) override {
+    absl::Status st = module_.AssignSlots(layer, slots, neurons);
+    if (!st.ok()) return st;
+    Layer& L = layers_[layer];
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (L.neuron_of[slots[i]] >= 0) L.slot_of[L.neuron_of[slots[i]]] = -1;
+      L.neuron_of[slots[i]] = neurons[i];
+      if (neurons[i] >= 0) L.slot_of[neurons[i]] = slots[i];
+    }
+    return absl::OkStatus();
+  }
+  // Every slot serves nobody again (the module's tables too), for the next run on this backend.
+  absl::Status Clear() {
+    std::vector<int32_t> all(n_slots_), none(n_slots_, -1);
+    std::iota(all.begin(), all.end(), 0);
+    for (int l = 0; l < static_cast<int>(layers_.size()) && n_slots_ > 0; ++l) {
+      absl::Status st = AssignSlots(l, all, none);
+      if (!st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
+  // active (ascending) -> hot: local rows, static then slots, ascending; cold: the rest.
+  void Split(int layer, const std::vector<int32_t>& active, std::vector<int32_t>* hot,
+             std::vector<int32_t>* cold) const {
+    const Layer& L = layers_[layer];
+    hot->clear();
+    cold->clear();
+    slot_part_.clear();
+    for (int32_t j : active) {
+      if (L.static_local[j] >= 0) {
+        hot->push_back(L.static_local[j]);
+      } else if (L.slot_of[j] >= 0) {
+        slot_part_.push_back(L.n_static + L.slot_of[j]);
+      } else {
+        cold->push_back(j);
+      }
+    }
+    std::sort(slot_part_.begin(), slot_part_.end());
+    hot->insert(hot->end(), slot_part_.begin(), slot_part_.end());
+  }
+
+ private:
+  struct Layer {
+    int32_t n_static = 0;
+    std::vector<int32_t> static_local, slot_of, neuron_of;
+  };
+  gpuworker::ModuleCacheSlots module_;
+  int n_slots_;
+  std::vector<Layer> layers_;
+  mutable std::vector<int32_t> slot_part_;
+};
 
 int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int threads) {
   const ModelConfig& c = m.config;
@@ -1573,7 +1653,9 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
     std::string profile;
     double fraction = 0;
     double tok_s = 0, gpu_share = 0, gpu_share_last = 0, plan = 0, actual = 0;
-    double host_s = 0;  // bookkeeping per measured token (split, counts, plans, load calls)
+    std::string driver;   // where AdaptiveHotSet counts: "foreground", "background"; "" static
+    double split_s = 0;   // the bench's kGiven split per measured token (the GPU's, in the service)
+    double driver_s = 0;  // AdaptiveHotSet::AfterStep per measured token (the product's)
     int64_t swaps = 0;
   };
   std::vector<Row> rows;
@@ -1605,113 +1687,104 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
     std::printf("cache fraction %.2f: %d static + %d cache rows per layer, created in %.1f s\n",
                 fraction, n_static, slots, Now() - t0);
     be.b->set_use_graphs(o.graphs);
+    // The static placement runs once per profile; the cache with the product's driver counting
+    // on the decode thread between steps, and on its own thread.
+    std::vector<bool> drivers = {false};
+    if (slots > 0) drivers.push_back(true);
     for (const char* profile : {"shifted", "matched"}) {
       const auto& ranks = std::string(profile) == "shifted" ? shifted_rank : calib_rank;
       Masks masks = DrawMasksRanked(ranks, F, o.active, skew, total, 77, pool);
-      HotCacheOptions ho;
-      ho.slots = slots;
-      ho.decay = o.cache_decay;
-      ho.min_gain = o.cache_gain;
-      ho.max_swaps = o.cache_swaps;
-      absl::StatusOr<AdaptiveHotCache> cache = AdaptiveHotCache::Create(F, static_hot, ho);
-      if (!cache.ok()) {
-        std::fprintf(stderr, "%s\n", std::string(cache.status().message()).c_str());
-        return 1;
-      }
-      std::vector<CacheSwap> in_flight;
-      std::vector<std::vector<int32_t>> hot(c.n_layers), cold_ids(c.n_layers);
-      Row row;
-      row.profile = profile;
-      row.fraction = fraction;
-      row.plan = plan;
-      row.actual = static_cast<double>(be.b->DeviceBytes());
-      double hot_rows = 0, all_rows = 0, hot_last = 0, all_last = 0, start = 0;
-      int32_t token = 1;
-      for (int s = 0; s < total; ++s) {
-        if (s == o.warmup) start = Now();
-        if (!in_flight.empty()) {  // token boundary: hand over the slots whose copies landed
-          bool landed = false;
-          cuda::BackendStatus st = be.b->CacheRowsLanded(/*wait=*/false, &landed);
-          if (!st.ok()) {
-            std::fprintf(stderr, "landed: %s\n", st.message.c_str());
-            return 1;
-          }
-          if (landed) {
-            cache->Commit(in_flight);
-            in_flight.clear();
-          }
-        }
-        const double h0 = Now();
-        for (int l = 0; l < c.n_layers; ++l) {
-          cache->Split(l, masks[s][l], &hot[l], &cold_ids[l]);
-          if (s >= o.warmup) {
-            hot_rows += hot[l].size();
-            all_rows += masks[s][l].size();
-            if (s >= total - 8) {
-              hot_last += hot[l].size();
-              all_last += masks[s][l].size();
-            }
-          }
-        }
-        if (s >= o.warmup) row.host_s += Now() - h0;
-        cuda::ForwardArgs a;
-        a.tokens = &token;
-        a.n = 1;
-        a.pos0 = s;
-        a.mode = cuda::FfnMode::kGiven;
-        a.given_hot = &hot;
-        a.given_cold = &cold_ids;
-        a.run_predictors = true;
-        a.cold = &cold;
-        AskForPick(&a, &logits, &pick);
-        cuda::BackendStatus st = be.b->Forward(a);
-        if (!st.ok()) {
-          std::fprintf(stderr, "adaptive forward: %s\n", st.message.c_str());
+      for (bool background : drivers) {
+        HotCacheOptions ho;
+        ho.slots = slots;
+        ho.decay = o.cache_decay;
+        ho.min_gain = o.cache_gain;
+        ho.max_swaps = o.cache_swaps;
+        absl::StatusOr<AdaptiveHotCache> cache = AdaptiveHotCache::Create(F, static_hot, ho);
+        if (!cache.ok()) {
+          std::fprintf(stderr, "%s\n", std::string(cache.status().message()).c_str());
           return 1;
         }
-        token = Picked(logits, pick);
-        const double h1 = Now();
-        if (slots > 0) {
-          for (int l = 0; l < c.n_layers; ++l) cache->Observe(l, masks[s][l]);
-          cache->EndToken();
-          if (in_flight.empty() && s % o.cache_period == 0) {
-            in_flight = cache->PlanSwaps();
-            row.swaps += static_cast<int64_t>(in_flight.size());
-            std::vector<std::vector<int32_t>> ss(c.n_layers), ns(c.n_layers);
-            for (const CacheSwap& sw : in_flight) {
-              ss[sw.layer].push_back(sw.slot);
-              ns[sw.layer].push_back(sw.neuron);
-            }
-            for (int l = 0; l < c.n_layers; ++l) {
-              if (ss[l].empty()) continue;
-              st = be.b->LoadCacheRows(l, ss[l], ns[l]);
-              if (!st.ok()) {
-                std::fprintf(stderr, "load: %s\n", st.message.c_str());
-                return 1;
+        BenchSlots target(be.b, F, static_hot, slots);
+        auto set = std::make_unique<AdaptiveHotSet>(std::move(*cache), &target, o.cache_period,
+                                                    background);
+        std::vector<std::vector<int32_t>> hot(c.n_layers), cold_ids(c.n_layers);
+        Row row;
+        row.profile = profile;
+        row.fraction = fraction;
+        row.driver = slots == 0 ? "" : background ? "background" : "foreground";
+        row.plan = plan;
+        row.actual = static_cast<double>(be.b->DeviceBytes());
+        double hot_rows = 0, all_rows = 0, hot_last = 0, all_last = 0, start = 0;
+        int32_t token = 1;
+        for (int s = 0; s < total; ++s) {
+          if (s == o.warmup) start = Now();
+          const double h0 = Now();
+          for (int l = 0; l < c.n_layers; ++l) {
+            target.Split(l, masks[s][l], &hot[l], &cold_ids[l]);
+            if (s >= o.warmup) {
+              hot_rows += hot[l].size();
+              all_rows += masks[s][l].size();
+              if (s >= total - 8) {
+                hot_last += hot[l].size();
+                all_last += masks[s][l].size();
               }
             }
           }
+          if (s >= o.warmup) row.split_s += Now() - h0;
+          cuda::ForwardArgs a;
+          a.tokens = &token;
+          a.n = 1;
+          a.pos0 = s;
+          a.mode = cuda::FfnMode::kGiven;
+          a.given_hot = &hot;
+          a.given_cold = &cold_ids;
+          a.run_predictors = true;
+          a.cold = &cold;
+          AskForPick(&a, &logits, &pick);
+          cuda::BackendStatus st = be.b->Forward(a);
+          if (!st.ok()) {
+            std::fprintf(stderr, "adaptive forward: %s\n", st.message.c_str());
+            return 1;
+          }
+          token = Picked(logits, pick);
+          if (slots > 0) {
+            const double h1 = Now();
+            const uint64_t before = set->swaps_committed();
+            if (absl::Status ast = set->AfterStep(masks[s]); !ast.ok()) {
+              std::fprintf(stderr, "adaptive hot set: %s\n", ast.ToString().c_str());
+              return 1;
+            }
+            if (s >= o.warmup) row.driver_s += Now() - h1;
+            row.swaps += static_cast<int64_t>(set->swaps_committed() - before);
+          }
         }
-        if (s >= o.warmup) row.host_s += Now() - h1;
+        row.split_s /= o.steps;
+        row.driver_s /= o.steps;
+        row.tok_s = o.steps / (Now() - start);
+        row.gpu_share = hot_rows / all_rows;
+        row.gpu_share_last = hot_last / all_last;
+        std::printf(
+            "%s, cache fraction %.2f%s%s: %.2f tokens/s, GPU share of activations %.1f%% (last 8 "
+            "tokens %.1f%%), %lld swaps, split %.3f ms/token, driver %.3f ms/token\n",
+            profile, fraction, row.driver.empty() ? "" : ", counting in the ", row.driver.c_str(),
+            row.tok_s, 100 * row.gpu_share, 100 * row.gpu_share_last,
+            static_cast<long long>(row.swaps), row.split_s * 1e3, row.driver_s * 1e3);
+        rows.push_back(row);
+        set.reset();
+        bool landed = false;
+        be.b->CacheRowsLanded(/*wait=*/true, &landed);
+        if (absl::Status cst = target.Clear(); !cst.ok()) {
+          std::fprintf(stderr, "clearing the slots: %s\n", cst.ToString().c_str());
+          return 1;
+        }
       }
-      row.host_s /= o.steps;
-      row.tok_s = o.steps / (Now() - start);
-      row.gpu_share = hot_rows / all_rows;
-      row.gpu_share_last = hot_last / all_last;
-      std::printf(
-          "%s, cache fraction %.2f: %.2f tokens/s, GPU share of activations %.1f%% "
-          "(last 8 tokens %.1f%%), %lld swaps, host bookkeeping %.3f ms/token\n",
-          profile, fraction, row.tok_s, 100 * row.gpu_share, 100 * row.gpu_share_last,
-          static_cast<long long>(row.swaps), row.host_s * 1e3);
-      rows.push_back(row);
-      bool landed = false;
-      be.b->CacheRowsLanded(/*wait=*/true, &landed);
     }
   }
   std::printf(
-      "\n| dtype | run-time profile | placement | tokens/s | vs static | GPU share of "
-      "activations | last 8 tokens | swaps | host bookkeeping ms/token | VRAM plan GB | VRAM "
-      "actual GB |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "\n| dtype | run-time profile | placement | counting | tokens/s | vs static | GPU share of "
+      "activations | last 8 tokens | swaps | split ms/token | driver ms/token | VRAM plan GB | "
+      "VRAM actual GB |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Row& r : rows) {
     double base = 0;
     for (const Row& q : rows) {
@@ -1723,10 +1796,13 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
     } else {
       std::snprintf(pl, sizeof(pl), "adaptive (%.0f%% of them as cache)", 100 * r.fraction);
     }
-    std::printf("| %s | %s | %s | %.2f | %.2fx | %.1f%% | %.1f%% | %lld | %.3f | %.2f | %.2f |\n",
-                DTypeName(m.dtype).data(), r.profile.c_str(), pl, r.tok_s, r.tok_s / base,
-                100 * r.gpu_share, 100 * r.gpu_share_last, static_cast<long long>(r.swaps),
-                r.host_s * 1e3, r.plan / 1e9, r.actual / 1e9);
+    std::printf(
+        "| %s | %s | %s | %s | %.2f | %.2fx | %.1f%% | %.1f%% | %lld | %.3f | %.3f | %.2f | "
+        "%.2f |\n",
+        DTypeName(m.dtype).data(), r.profile.c_str(), pl, r.driver.empty() ? "-" : r.driver.c_str(),
+        r.tok_s, r.tok_s / base, 100 * r.gpu_share, 100 * r.gpu_share_last,
+        static_cast<long long>(r.swaps), r.split_s * 1e3, r.driver_s * 1e3, r.plan / 1e9,
+        r.actual / 1e9);
   }
   return 0;
 }
