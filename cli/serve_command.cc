@@ -48,7 +48,8 @@ constexpr char kUsage[] =
     "         [--port-file FILE] [--metrics-port-file FILE] [--status-file FILE] [--sparse]\n"
     "         [--placement FILE.gpuidx | --vram-budget SIZE] [--cold-prefill auto|cpu|stream]\n"
     "         [--stream-chunk-rows N] [--stream-slots N] [--adaptive-cache-rows N]\n"
-    "         [--cold-gpu-share auto|off|F] [--decode-lanes N] [--cpu-spin-us US] [--cold-guess]\n"
+    "         [--adaptive-cache-thread] [--cold-gpu-share auto|off|F] [--decode-lanes N] "
+    "[--cpu-spin-us US] [--cold-guess]\n"
     "  --port: public gRPC port of the gateway (default 50051; 0 picks one, see --port-file)\n"
     "  --metrics-port: the gateway's /metrics (off unless given); the workers default to M+1\n"
     "                  and M+2 (or 0 = any free port, when M is 0)\n"
@@ -65,6 +66,8 @@ constexpr char kUsage[] =
     "            first, as `pinfer generate --sparse` does\n"
     "  --adaptive-cache-rows: with --sparse and a GPU, extra GPU rows per layer that follow the\n"
     "            cold neurons the text keeps activating (see pinfer-gpu-worker --help)\n"
+    "  --adaptive-cache-thread: the cache's bookkeeping on a thread of its own (see\n"
+    "            pinfer-gpu-worker --help)\n"
     "  --cold-gpu-share: with --sparse and a GPU, how much of the cold work the GPU takes over\n"
     "            PCIe (auto, the default; see pinfer-gpu-worker --help)\n"
     "  --decode-lanes: with a GPU, decode steps of up to N sequences in flight at once (default\n"
@@ -186,7 +189,7 @@ int ServeCommand(const std::vector<std::string>& args) {
                               "cold-gpu-share",
                               "decode-lanes",
                               "cpu-spin-us"},
-                             {"sparse", "cold-guess"});
+                             {"sparse", "cold-guess", "adaptive-cache-thread"});
   if (!parsed.ok()) return UsageError(kUsage, parsed.status());
   const Flags& f = *parsed;
   auto model = f.Required("model");
@@ -234,6 +237,10 @@ int ServeCommand(const std::vector<std::string>& args) {
   }
   if (f.Has("adaptive-cache-rows") && !f.Has("sparse")) {
     return UsageError(kUsage, absl::InvalidArgumentError("--adaptive-cache-rows needs --sparse"));
+  }
+  if (f.Has("adaptive-cache-thread") && !f.Has("adaptive-cache-rows")) {
+    return UsageError(
+        kUsage, absl::InvalidArgumentError("--adaptive-cache-thread needs --adaptive-cache-rows"));
   }
   for (const char* flag : {"stream-chunk-rows", "stream-slots", "adaptive-cache-rows"}) {
     if (!f.Has(flag)) continue;
@@ -320,6 +327,7 @@ int ServeCommand(const std::vector<std::string>& args) {
   pass(&gpu.argv, "decode-lanes");
   if (f.Has("sparse")) gpu.argv.push_back("--sparse");
   if (f.Has("cold-guess")) gpu.argv.push_back("--cold-guess");
+  if (f.Has("adaptive-cache-thread")) gpu.argv.push_back("--adaptive-cache-thread");
   if (!gpu_metrics.empty()) {
     gpu.argv.insert(gpu.argv.end(), {"--metrics-port", gpu_metrics, "--metrics-port-file",
                                      dir + "/gpu-worker.metrics-port"});

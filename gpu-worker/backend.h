@@ -133,8 +133,9 @@ struct CudaBackendOptions {
   HotCacheOptions cache_options;  // its slots field is set from adaptive_cache_rows
   int cache_plan_every = 4;       // decode steps between swap plans
   // Counting and planning on a thread of their own rather than between decode steps
-  // (AdaptiveHotSet's background).
-  bool cache_background = true;
+  // (AdaptiveHotSet's background; --adaptive-cache-thread). Off by default: on a host whose
+  // cores all run the cold side, the thread costs them more than it saves the decode step.
+  bool cache_background = false;
   // With predictors: the share of each layer's active cold neurons the GPU computes from a
   // pinned host copy (ModelUpload::cold_gpu_share): auto balances it step by step; otherwise
   // cold_gpu_share (0: off).

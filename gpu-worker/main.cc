@@ -61,7 +61,8 @@ constexpr char kUsage[] =
     "         [--placement FILE.gpuidx | --vram-budget SIZE] [--sparse] [--gpu-timing]\n"
     "         [--drain-timeout-ms MS] [--cold-prefill auto|cpu|stream]\n"
     "         [--stream-chunk-rows N] [--stream-slots N] [--adaptive-cache-rows N]\n"
-    "         [--cold-gpu-share auto|off|F] [--decode-lanes N] [--cold-guess]\n"
+    "         [--adaptive-cache-thread] [--cold-gpu-share auto|off|F] [--decode-lanes N]\n"
+    "         [--cold-guess]\n"
     "  --listen: host:port (port 0 picks one; see --port-file) or unix:/path\n"
     "  --segment: POSIX shared-memory name for the activation exchange (default: a fresh\n"
     "             unique name, printed in the log); give the cpu-worker the same name\n"
@@ -81,6 +82,9 @@ constexpr char kUsage[] =
     "               that decoding refills with the cold neurons the current text keeps\n"
     "               activating (the adaptive hot set; 0, the default: static placement only);\n"
     "               they count against --vram-budget\n"
+    "  --adaptive-cache-thread: count the activations and plan the cache's swaps on a thread of\n"
+    "               their own instead of between decode steps; pays only where the cpu-worker's\n"
+    "               threads leave a core free (docs/benchmarks.md, the adaptive hot set)\n"
     "  --cold-gpu-share: with --sparse on the CUDA backend, the share of each layer's active cold\n"
     "               neurons that the GPU computes itself from a pinned host copy over PCIe while\n"
     "               the cpu-worker computes the rest: auto (the default) balances the two sides\n"
@@ -121,6 +125,7 @@ struct Options {
   int decode_lanes = 2;
   bool decode_lanes_given = false;
   bool cold_guess = false;
+  bool adaptive_cache_thread = false;
 };
 
 absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
@@ -152,7 +157,8 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
                                                     "adaptive-cache-rows",
                                                     "cold-gpu-share",
                                                     "decode-lanes"},
-                                                   {"sparse", "gpu-timing", "cold-guess"}));
+                                                   {"sparse", "gpu-timing", "cold-guess",
+                                                    "adaptive-cache-thread"}));
   Options o;
   ASSIGN_OR_RETURN(o.model, f.Required("model"));
   if (auto v = f.Get("listen")) o.listen = *v;
@@ -242,6 +248,11 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
         "with its own gate rows");
   }
   o.adaptive_cache_rows = static_cast<int>(cache_rows);
+  o.adaptive_cache_thread = f.Has("adaptive-cache-thread");
+  if (o.adaptive_cache_thread && cache_rows == 0) {
+    return absl::InvalidArgumentError(
+        "--adaptive-cache-thread needs --adaptive-cache-rows: it runs the cache's bookkeeping");
+  }
   ASSIGN_OR_RETURN(int64_t lanes, f.Int("decode-lanes", 2));
   if (lanes < 1 || lanes > kMaxDecodeLanes) {
     return absl::InvalidArgumentError(
@@ -545,6 +556,7 @@ CudaBackendOptions CudaOptions(const State& s) {
   cbo.stream_chunk_rows = s.options.stream_chunk_rows;
   cbo.stream_slots = s.options.stream_slots;
   cbo.adaptive_cache_rows = s.options.adaptive_cache_rows;
+  cbo.cache_background = s.options.adaptive_cache_thread;
   cbo.cold_gpu_share = s.options.cold_gpu_share;
   cbo.cold_gpu_share_auto = s.options.cold_gpu_share_auto;
   cbo.decode_lanes = s.options.decode_lanes;

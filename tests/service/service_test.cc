@@ -750,6 +750,14 @@ TEST(ServiceAdaptiveCacheTest, FlagErrors) {
                                 "adaptive-3");
   EXPECT_EQ(rc3, 2);
   EXPECT_THAT(err3, HasSubstr("--adaptive-cache-rows needs --sparse"));
+  auto [rc8, err8] = RunCommand(worker + "--sparse --adaptive-cache-thread", "adaptive-8");
+  EXPECT_EQ(rc8, 2);
+  EXPECT_THAT(err8, HasSubstr("--adaptive-cache-thread needs --adaptive-cache-rows"));
+  auto [rc9, err9] = RunCommand(std::string(PINFER_BINARY_DIR) + "/cli/pinfer serve --model " +
+                                    kTiny + " --port 0 --sparse --adaptive-cache-thread",
+                                "adaptive-9");
+  EXPECT_EQ(rc9, 2);
+  EXPECT_THAT(err9, HasSubstr("--adaptive-cache-thread needs --adaptive-cache-rows"));
   auto [rc6, err6] = RunCommand(worker + "--cold-guess", "adaptive-6");
   EXPECT_EQ(rc6, 2);
   EXPECT_THAT(err6,
