@@ -5,7 +5,8 @@
 # against each other and against the dense reference.json, and the FFN sparsity each reports.
 # Run from the repository root with bundles from bench/make_service_bundle.sh and a folder whose
 # bin/ holds libpinfer_cuda.so (PREPARE_FLAGS, e.g. "--ranks 96 --max-tokens 16384", shortens the
-# preparation; CACHE_ROWS sets the adaptive run's --adaptive-cache-rows, 128):
+# preparation; CACHE_ROWS sets the adaptive runs' --adaptive-cache-rows, 128; RUNS picks runs of
+# "cpu cuda cuda-adaptive cuda-adaptive-thread", all by default):
 #
 #   bench/device_sparse_run.sh SERVICE_BUNDLE CUDA_BUNDLE      # results in $OUT (./sparse-results)
 #
@@ -32,11 +33,13 @@ timeout 400 "$b/bin/pinfer" prepare --model $model --calibration $model/calibrat
 tail -12 "$out/prepare.log"
 rc=0
 # cuda-adaptive: the CUDA backend with the adaptive hot set (--adaptive-cache-rows); it computes
-# the same predicted-active neurons, only moving some from the cpu-worker to cache slots.
-for run in cpu cuda cuda-adaptive; do
+# the same predicted-active neurons, only moving some from the cpu-worker to cache slots;
+# cuda-adaptive-thread: the same with its bookkeeping on a thread of its own.
+for run in ${RUNS:-cpu cuda cuda-adaptive cuda-adaptive-thread}; do
   backend=${run%%-*}
   extra=()
-  [[ $run == cuda-adaptive ]] && extra=(--adaptive-cache-rows "${CACHE_ROWS:-128}")
+  [[ $run == cuda-adaptive* ]] && extra=(--adaptive-cache-rows "${CACHE_ROWS:-128}")
+  [[ $run == cuda-adaptive-thread ]] && extra+=(--adaptive-cache-thread)
   dir=$(mktemp -d)
   seg=/pinfer-sparse-$run-$$
   PINFER_CUDA_MODULE="$cb/bin/libpinfer_cuda.so" "$b/bin/pinfer-gpu-worker" --model "$prepared" \
@@ -61,13 +64,13 @@ for run in cpu cuda cuda-adaptive; do
       --reference "$out/greedy-cpu.json" --tokens 8 --repeats 1 --streams 1 2>&1 |
       grep -E "reference:|MISMATCH" | tee "$out/cuda-vs-cpu.txt"
   fi
-  if [[ $run == cuda-adaptive ]]; then
+  if [[ $run == cuda-adaptive* ]]; then
     # The same neurons, computed once each: the 128-token continuations must equal cuda's.
-    echo "== cuda with the adaptive hot set against cuda without (128 tokens)"
+    echo "== $run against cuda without the adaptive hot set (128 tokens)"
     timeout 300 "$b/bin/service_bench" --address "127.0.0.1:$(cat "$dir/gw.port")" \
       --reference "$out/greedy-cuda.json" --tokens 128 --repeats 1 --streams 1 2>&1 |
-      grep -E "reference:|MISMATCH" | tee "$out/adaptive-vs-cuda.txt"
-    grep -q "MISMATCH" "$out/adaptive-vs-cuda.txt" && rc=1
+      grep -E "reference:|MISMATCH" | tee "$out/$run-vs-cuda.txt"
+    grep -q "MISMATCH" "$out/$run-vs-cuda.txt" && rc=1
   fi
   curl -s "http://127.0.0.1:$(cat "$dir/gpu.mport")/metrics" > "$out/gpu-worker-$run.metrics"
   grep -E '^pinfer_worker_ffn_sparsity|^pinfer_worker_neurons_computed_total|^pinfer_worker_adaptive' \
