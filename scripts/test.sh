@@ -26,7 +26,8 @@ ASAN_OPTIONS=detect_leaks=1 ctest --test-dir build-asan --output-on-failure -j 2
   -E "HeldOut|Perplexity|model_family"
 
 echo "== TSan (thread pool, sparse kernels, the gpu-worker's scheduler and decode lanes, the"
-echo "   shared-memory exchange and its guesses, the cold rows loaded ahead, the adaptive hot set's counting thread)"
+echo "   shared-memory exchange and its guesses, the cold rows loaded ahead, the adaptive hot"
+echo "   set's counting thread)"
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPINFER_TSAN=ON \
   -DPINFER_SERVICE=OFF -DPINFER_CUDA=OFF >/dev/null
 cmake --build build-tsan -j "$(nproc)" --target thread_pool_test ops_test scheduler_test \

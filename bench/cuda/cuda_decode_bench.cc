@@ -1589,33 +1589,11 @@ class BenchSlots : public CacheSlotTarget {
     }
     return absl::OkStatus();
   }
-  // active (ascending) -> hot: local rows, static then slots, ascending; cold: the rest.
+  // The step's split as the module would make it from the slots assigned so far.
   void Split(int layer, const std::vector<int32_t>& active, std::vector<int32_t>* hot,
              std::vector<int32_t>* cold) const {
     const Layer& L = layers_[layer];
-    hot->clear();
-    cold->clear();
-    slot_part_.clear();
-    for (int32_t j : active) {
-      if (L.static_local[j] >= 0) {
-        hot->push_back(L.static_local[j]);
-      } else if (L.slot_of[j] >= 0) {
-        slot_part_.push_back(L.n_static + L.slot_of[j]);
-      } else {
-        cold->push_back(j);
-      }
-    }
-    if (slot_part_.size() > 64) {
-      // Many slots: ordered by marking (one pass over the slots), cheaper than sorting them.
-      marks_.assign(n_slots_, 0);
-      for (int32_t x : slot_part_) marks_[x - L.n_static] = 1;
-      for (int32_t i = 0; i < n_slots_; ++i) {
-        if (marks_[i]) hot->push_back(L.n_static + i);
-      }
-    } else {
-      std::sort(slot_part_.begin(), slot_part_.end());
-      hot->insert(hot->end(), slot_part_.begin(), slot_part_.end());
-    }
+    SplitActive(active, L.static_local, L.slot_of, L.n_static, n_slots_, hot, cold, &marks_);
   }
 
  private:
@@ -1626,7 +1604,6 @@ class BenchSlots : public CacheSlotTarget {
   gpuworker::ModuleCacheSlots module_;
   int n_slots_;
   std::vector<Layer> layers_;
-  mutable std::vector<int32_t> slot_part_;
   mutable std::vector<char> marks_;
 };
 

@@ -149,21 +149,21 @@ void AdaptiveHotCache::Commit(const std::vector<CacheSwap>& swaps) {
   }
 }
 
-void AdaptiveHotCache::Split(int layer, const std::vector<int32_t>& active,
-                             std::vector<int32_t>* hot_local, std::vector<int32_t>* cold) const {
-  const Layer& L = layers_[layer];
+void SplitActive(const std::vector<int32_t>& active, const std::vector<int32_t>& static_local,
+                 const std::vector<int32_t>& slot_of, int32_t n_static, int n_slots,
+                 std::vector<int32_t>* hot_local, std::vector<int32_t>* cold,
+                 std::vector<char>* marks) {
   hot_local->clear();
   cold->clear();
-  const int32_t n_static = static_cast<int32_t>(L.static_hot.size());
   // Static locals grow with the neuron id, so for an ascending active list only the slot part
   // needs sorting, then one merge; the cold ids come out in the order given.
   std::vector<int32_t> slot_part;
   slot_part.reserve(64);
   for (int32_t j : active) {
-    if (L.static_local[j] >= 0) {
-      hot_local->push_back(L.static_local[j]);
-    } else if (L.slot_of[j] >= 0) {
-      slot_part.push_back(n_static + L.slot_of[j]);
+    if (static_local[j] >= 0) {
+      hot_local->push_back(static_local[j]);
+    } else if (slot_of[j] >= 0) {
+      slot_part.push_back(n_static + slot_of[j]);
     } else {
       cold->push_back(j);
     }
@@ -173,17 +173,23 @@ void AdaptiveHotCache::Split(int layer, const std::vector<int32_t>& active,
   }
   if (slot_part.size() > 64) {
     // Many slots: order them by marking (one pass over the slots) rather than sorting.
-    std::vector<char>& mark = scratch_marks_;
-    mark.assign(L.slot_neuron.size(), 0);
-    for (int32_t x : slot_part) mark[x - n_static] = 1;
-    for (size_t s = 0; s < mark.size(); ++s) {
-      if (mark[s]) hot_local->push_back(n_static + static_cast<int32_t>(s));
+    marks->assign(n_slots, 0);
+    for (int32_t x : slot_part) (*marks)[x - n_static] = 1;
+    for (int s = 0; s < n_slots; ++s) {
+      if ((*marks)[s]) hot_local->push_back(n_static + s);
     }
   } else {
     std::sort(slot_part.begin(), slot_part.end());
     hot_local->insert(hot_local->end(), slot_part.begin(), slot_part.end());  // all >= n_static
   }
   if (!std::is_sorted(cold->begin(), cold->end())) std::sort(cold->begin(), cold->end());
+}
+
+void AdaptiveHotCache::Split(int layer, const std::vector<int32_t>& active,
+                             std::vector<int32_t>* hot_local, std::vector<int32_t>* cold) const {
+  const Layer& L = layers_[layer];
+  SplitActive(active, L.static_local, L.slot_of, static_cast<int32_t>(L.static_hot.size()),
+              static_cast<int>(L.slot_neuron.size()), hot_local, cold, &scratch_marks_);
 }
 
 template <typename Fn>

@@ -45,6 +45,14 @@ struct CacheSwap {
   int32_t evicted = -1;  // the slot's previous neuron (cold from PlanSwaps on), -1 if empty
 };
 
+// Splits one token's active neurons of a layer between the GPU and the CPU: hot_local gets the
+// GPU's local rows (static row static_local[j], or slot slot_of[j] as row n_static + slot;
+// ascending), cold the rest (global ids, ascending); -1 in either map: none. marks: scratch.
+void SplitActive(const std::vector<int32_t>& active, const std::vector<int32_t>& static_local,
+                 const std::vector<int32_t>& slot_of, int32_t n_static, int n_slots,
+                 std::vector<int32_t>* hot_local, std::vector<int32_t>* cold,
+                 std::vector<char>* marks);
+
 class AdaptiveHotCache {
  public:
   // static_hot[l]: the placement's hot neuron ids of layer l, ascending.
