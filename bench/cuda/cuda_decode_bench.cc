@@ -1775,11 +1775,12 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
       }
     }
   }
-  std::printf(
+  const char* const header =
       "\n| dtype | run-time profile | placement | counting | tokens/s | vs static | less the "
       "split: tokens/s | vs static | GPU share of activations | last 8 tokens | swaps | split "
       "ms/token | driver ms/token | VRAM plan GB | VRAM actual GB |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  std::fputs(header, stdout);
   // Against the static placement's median on the same profile.
   auto median = [&](const std::string& profile, double fraction, const std::string& driver,
                     double Row::*field) {
@@ -1810,11 +1811,7 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
   for (const Row& r : rows) print(r, r.tok_s, r.tok_s_unsplit);
   if (o.rounds > 1) {
     std::printf("\nMedians of the %d rounds (the other columns: the first round's):\n", o.rounds);
-    std::printf(
-        "\n| dtype | run-time profile | placement | counting | tokens/s | vs static | less the "
-        "split: tokens/s | vs static | GPU share of activations | last 8 tokens | swaps | "
-        "split ms/token | driver ms/token | VRAM plan GB | VRAM actual GB |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    std::fputs(header, stdout);
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
       bool first = true;
