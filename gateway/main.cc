@@ -1,11 +1,11 @@
 // pinfer-gateway: serves the public API (pinfer.v1.Inference, grpc.health.v1.Health, server
-// reflection) and routes each Generate to a gpu-worker, which streams tokens back. The gateway
-// holds no model: it validates requests, queues them (bounded), picks the least-loaded healthy
-// worker pair, forwards the stream with the client's deadline and cancellation, and records the
-// service metrics. It polls every worker's health; a worker whose process is gone, or whose
-// cpu-worker is gone, takes no requests, and with none left the health service reports
-// NOT_SERVING until one comes back. SIGTERM stops new requests, drains running ones (with a
-// timeout) and exits.
+// reflection) and routes each Generate and Chat to a gpu-worker, which streams tokens back. The
+// gateway holds no model: it validates requests, queues them (bounded), picks the least-loaded
+// healthy worker pair, forwards the stream with the client's deadline and cancellation, and
+// records the service metrics (Generate and Chat alike). It polls every worker's health; a worker
+// whose process is gone, or whose cpu-worker is gone, takes no requests, and with none left the
+// health service reports NOT_SERVING until one comes back. SIGTERM stops new requests, drains
+// running ones (with a timeout) and exits.
 #include <unistd.h>
 
 #include <atomic>
@@ -415,7 +415,35 @@ class InferenceService final : public v1::Inference::Service {
   grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
                         grpc::ServerWriter<v1::GenerateResponse>* writer) override {
     const Clock::time_point arrival = Clock::now();
-    grpc::Status st = GenerateImpl(ctx, req, writer, arrival);
+    grpc::Status st = Validate(*req);
+    if (st.ok()) {
+      wv1::RunRequest run;
+      if (req->input_case() == v1::GenerateRequest::kTokenIds) {
+        *run.mutable_token_ids() = req->token_ids();
+      } else {
+        run.set_prompt(req->prompt());
+      }
+      SetRunOptions(*req, &run);
+      st = Serve(ctx, run, writer, arrival);
+    }
+    if (!st.ok()) m_->failures.Add({{"code", StatusCodeLabel(st.error_code())}}).Increment();
+    return st;
+  }
+
+  // Like Generate, with the prompt rendered by the worker from the messages with the model's
+  // chat template; the gateway checks only what needs no template (the messages and roles).
+  grpc::Status Chat(grpc::ServerContext* ctx, const v1::ChatRequest* req,
+                    grpc::ServerWriter<v1::GenerateResponse>* writer) override {
+    const Clock::time_point arrival = Clock::now();
+    grpc::Status st = ValidateChat(*req);
+    if (st.ok()) {
+      wv1::RunRequest run;
+      wv1::ChatInput* chat = run.mutable_chat();
+      *chat->mutable_messages() = req->messages();
+      chat->set_add_generation_prompt(true);
+      SetRunOptions(*req, &run);
+      st = Serve(ctx, run, writer, arrival);
+    }
     if (!st.ok()) m_->failures.Add({{"code", StatusCodeLabel(st.error_code())}}).Increment();
     return st;
   }
@@ -450,11 +478,9 @@ class InferenceService final : public v1::Inference::Service {
                         absl::StrCat("no healthy worker: ", pool_->Problems()));
   }
 
-  grpc::Status Validate(const v1::GenerateRequest& req) {
-    const bool has_ids = req.input_case() == v1::GenerateRequest::kTokenIds;
-    if ((has_ids && req.token_ids().ids().empty()) || (!has_ids && req.prompt().empty())) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the prompt is empty");
-    }
+  // The checks that Generate and Chat share: the token limit and the sampling parameters.
+  template <typename Request>
+  grpc::Status ValidateOptions(const Request& req) {
     if (req.max_new_tokens() > static_cast<uint32_t>(o_.max_new_tokens_limit)) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           absl::StrCat("max_new_tokens ", req.max_new_tokens(),
@@ -468,6 +494,43 @@ class InferenceService final : public v1::Inference::Service {
     if (absl::Status st = SamplingFromProto(req.sampling()).Validate(); !st.ok()) {
       return ToGrpcStatus(st);
     }
+    return grpc::Status::OK;
+  }
+
+  // The generation options that GenerateRequest and ChatRequest have alike.
+  template <typename Request>
+  void SetRunOptions(const Request& req, wv1::RunRequest* run) {
+    run->set_max_new_tokens(req.max_new_tokens() == 0 ? o_.default_max_new_tokens
+                                                      : req.max_new_tokens());
+    *run->mutable_sampling() = req.sampling();
+    *run->mutable_stop() = req.stop();
+    run->set_request_id(req.request_id());
+    run->set_ignore_eos(req.ignore_eos());
+  }
+
+  // The prompt's length is known only after the worker renders it, so the worker checks it
+  // against the context length.
+  grpc::Status ValidateChat(const v1::ChatRequest& req) {
+    if (req.messages().empty()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the conversation has no messages");
+    }
+    for (int i = 0; i < req.messages_size(); ++i) {
+      const std::string& role = req.messages(i).role();
+      if (role != "system" && role != "user" && role != "assistant" && role != "tool") {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            absl::StrCat("message ", i, " has the unknown role \"", role,
+                                         "\" (system, user, assistant or tool)"));
+      }
+    }
+    return ValidateOptions(req);
+  }
+
+  grpc::Status Validate(const v1::GenerateRequest& req) {
+    const bool has_ids = req.input_case() == v1::GenerateRequest::kTokenIds;
+    if ((has_ids && req.token_ids().ids().empty()) || (!has_ids && req.prompt().empty())) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the prompt is empty");
+    }
+    if (grpc::Status st = ValidateOptions(req); !st.ok()) return st;
     v1::ModelInfo info;
     if (has_ids && pool_->ModelInfo(&info)) {
       const size_t n = static_cast<size_t>(req.token_ids().ids().size());
@@ -490,10 +553,10 @@ class InferenceService final : public v1::Inference::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status GenerateImpl(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-                            grpc::ServerWriter<v1::GenerateResponse>* writer,
-                            Clock::time_point arrival) {
-    if (grpc::Status st = Validate(*req); !st.ok()) return st;
+  // Queues a validated request for a worker slot and forwards it: the part of Generate and
+  // Chat after their requests became a RunRequest.
+  grpc::Status Serve(grpc::ServerContext* ctx, const wv1::RunRequest& run,
+                     grpc::ServerWriter<v1::GenerateResponse>* writer, Clock::time_point arrival) {
     m_->waiting.Set(pool_->waiting() + 1);
     absl::StatusOr<Worker*> acquired = pool_->Acquire(ctx);
     m_->waiting.Set(pool_->waiting());
@@ -502,28 +565,15 @@ class InferenceService final : public v1::Inference::Service {
     m_->running.Set(pool_->running());
     const double queue_seconds = Since(arrival);
     m_->queue.Observe(queue_seconds);
-    grpc::Status st = Forward(ctx, req, writer, w, arrival, queue_seconds);
+    grpc::Status st = Forward(ctx, run, writer, w, arrival, queue_seconds);
     pool_->Release(w);
     m_->running.Set(pool_->running());
     return st;
   }
 
-  grpc::Status Forward(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
+  grpc::Status Forward(grpc::ServerContext* ctx, const wv1::RunRequest& run,
                        grpc::ServerWriter<v1::GenerateResponse>* writer, Worker* w,
                        Clock::time_point arrival, double queue_seconds) {
-    wv1::RunRequest run;
-    if (req->input_case() == v1::GenerateRequest::kTokenIds) {
-      *run.mutable_token_ids() = req->token_ids();
-    } else {
-      run.set_prompt(req->prompt());
-    }
-    run.set_max_new_tokens(req->max_new_tokens() == 0 ? o_.default_max_new_tokens
-                                                      : req->max_new_tokens());
-    *run.mutable_sampling() = req->sampling();
-    *run.mutable_stop() = req->stop();
-    run.set_request_id(req->request_id());
-    run.set_ignore_eos(req->ignore_eos());
-
     // Carries the client's deadline, and cancels the worker's call when the client cancels.
     std::unique_ptr<grpc::ClientContext> cctx = grpc::ClientContext::FromServerContext(*ctx);
     std::unique_ptr<grpc::ClientReader<wv1::RunEvent>> reader = w->stub->Run(cctx.get(), run);
@@ -534,7 +584,7 @@ class InferenceService final : public v1::Inference::Service {
     v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
     while (reader->Read(&ev)) {
       v1::GenerateResponse out;
-      out.set_request_id(req->request_id());
+      out.set_request_id(run.request_id());
       for (const v1::Token& t : ev.tokens()) *out.add_tokens() = t;
       const int k = ev.tokens_size();
       if (k > 0) {
