@@ -7,7 +7,7 @@ if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
 PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   libabsl-dev libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  prometheus-cpp-dev libsentencepiece-dev libre2-dev nlohmann-json3-dev
+  prometheus-cpp-dev libsentencepiece-dev libre2-dev nlohmann-json3-dev libcpp-httplib-dev
   libgtest-dev libgmock-dev
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy python3-yaml
   clang libclang-rt-14-dev
