@@ -1,16 +1,17 @@
-// The CUDA Backend (backend.h): uploads a placement's weights and runs the forward pass on one
-// GPU, calling the cold side once per layer while the hot rows of that layer are computed.
+// The CUDA module's entry points (backend.h): the extern "C" functions the gpu-worker finds with
+// dlsym, and the one setting that must be made when the module loads. The Backend they create is
+// CudaBackend (backend_internal.h), implemented by role so that each part can be read on its own:
+//
+//   backend_upload.cc       the memory plan and upload of weights, scratch and lanes
+//   backend_step.cc         one forward step: layers, CUDA graphs, the output head
+//   backend_cold.cc         the exchange with the cold side, its guesses, streamed cold rows
+//   backend_cache_slots.cc  the adaptive hot set's slots
 //
 // One stream carries all GPU work in order; the host only waits where the pinfer split needs it:
 // for the FFN input of a layer to reach host memory (an event), and at the end of the step. So
 // per layer the GPU runs attention, publishes the FFN input, and goes straight on to the hot
 // rows, while the host hands the same input to the cold side; when the cold side returns, its
 // contribution is copied up and added together with the hot one.
-//
-// The backend's parts live in files by responsibility: backend_internal.h (the class and its
-// state), backend_upload.cc (the memory plan and upload), backend_step.cc (the forward step),
-// backend_cold.cc (the cold exchange, the guesses and streamed cold rows) and
-// backend_cache_slots.cc (the adaptive slots). This file holds the module's C entry points.
 #include "gpu-worker/cuda/backend.h"
 
 #include <cuda_runtime_api.h>
@@ -20,50 +21,6 @@
 #include <memory>
 
 #include "gpu-worker/cuda/backend_internal.h"
-
-namespace pinfer {
-namespace cuda {
-
-void CudaBackend::Release() {
-  if (device_name_.empty() && allocations_.empty()) return;
-  cudaSetDevice(device_);
-  if (stream_ != nullptr) cudaStreamSynchronize(stream_);
-  for (void* p : allocations_) cudaFree(p);
-  for (void* p : host_allocations_) cudaFreeHost(p);
-  if (repack_tmp_ != nullptr) cudaFree(repack_tmp_);
-  repack_tmp_ = nullptr;
-  allocations_.clear();
-  host_allocations_.clear();
-  streamer_.reset();
-  for (auto* v : {&ev_x_, &ev_hot0_, &ev_hot1_, &ev_share_, &ev_attn0_, &ev_signal_}) {
-    for (cudaEvent_t e : *v) cudaEventDestroy(e);
-    v->clear();
-  }
-  if (ev_start_ != nullptr) cudaEventDestroy(ev_start_);
-  if (ev_layers_end_ != nullptr) cudaEventDestroy(ev_layers_end_);
-  for (cudaEvent_t e : ev_guess_) cudaEventDestroy(e);
-  ev_guess_.clear();
-  for (cudaEvent_t* e : {&ev_gfork_, &ev_gjoin_}) {
-    if (*e != nullptr) cudaEventDestroy(*e);
-    *e = nullptr;
-  }
-  if (guess_stream_ != nullptr) cudaStreamDestroy(guess_stream_);
-  guess_stream_ = nullptr;
-  if (ev_fork_ != nullptr) cudaEventDestroy(ev_fork_);
-  if (ev_join_ != nullptr) cudaEventDestroy(ev_join_);
-  if (publish_stream_ != nullptr) cudaStreamDestroy(publish_stream_);
-  ev_fork_ = ev_join_ = nullptr;
-  publish_stream_ = nullptr;
-  for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
-  graphs_.clear();
-  if (cublas_ != nullptr) cublasDestroy(cublas_);
-  if (stream_ != nullptr) cudaStreamDestroy(stream_);
-  stream_ = nullptr;
-  cublas_ = nullptr;
-}
-
-}  // namespace cuda
-}  // namespace pinfer
 
 namespace {
 // Lanes run several streams at once (each lane its compute and publish streams), and a lane's

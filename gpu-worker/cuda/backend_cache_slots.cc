@@ -1,6 +1,10 @@
-// The adaptive hot set's slots (ModelUpload::cache_rows): rows of neurons that turned hot, copied
-// into spare device slots on the copy stream while steps run, and the compaction maps through which
-// predicted steps address them.
+// The adaptive hot set's slots (ModelUpload::cache_rows): spare device rows after each layer's hot
+// rows, into which LoadCacheRows copies the rows of cold neurons that turned hot, from the pinned
+// cold copy on the copy stream while steps run, and SetCacheSlots then switches the compaction
+// maps so that predicted steps compute those neurons on the GPU and leave them off the cold list.
+// Apart from the step because the slots change between steps, driven by the adaptive hot set
+// (shared/sparse/hot_cache.h, through gpu-worker/module_cache_slots.h), and a refused call must
+// leave the maps as they were.
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 

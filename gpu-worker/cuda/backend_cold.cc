@@ -1,7 +1,11 @@
-// The cold side of a layer: waiting for the cold contribution and bringing it up (copied, read in
-// place or summed from the callback's parts), the guess of the next layer's cold rows handed to
-// the cpu-worker ahead of time and its scoring, and prompt batches whose cold rows are streamed to
-// the GPU instead (ColdPath::kStream).
+// The exchange with the cold side (the cpu-worker, through the ColdFfn callback): after a layer
+// publishes its FFN input, FinishCold waits for it, hands the cold list to the callback and
+// brings the contribution back (copied up, read in place, or summed on the GPU from the callback's
+// partial sums), or signals the already queued next layer. Beside it: the next layer's cold-row
+// guess, made on a high-priority stream and handed to the cpu-worker ahead of time (Ahead) and
+// scored against the actual list, and prompt batches whose cold rows are streamed over PCIe to
+// the GPU instead (ColdPath::kStream). Kept apart from the step because this is where the host
+// waits, and every microsecond here is on the critical path of a decode token.
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 

@@ -1,7 +1,11 @@
-// The CUDA Backend's class and state, shared by the files that implement it (backend.cc lists
-// them). Private to the module: nothing outside gpu-worker/cuda/ includes it.
-#ifndef PINFER_GPU_WORKER_CUDA_BACKEND_INTERNAL_H_
-#define PINFER_GPU_WORKER_CUDA_BACKEND_INTERNAL_H_
+// CudaBackend, the module's implementation of Backend (backend.h): its class, the per-layer device
+// state (DeviceLayer) and the error helpers its files share. The class is one object because a
+// step, the upload and the cold exchange all read the same buffers, streams and events; its methods
+// are defined by role in backend_upload.cc, backend_step.cc, backend_cold.cc and
+// backend_cache_slots.cc (backend.cc holds the C entry points). Private to the module: nothing
+// outside gpu-worker/cuda/ includes this header, and the module exports only its extern "C"
+// functions (hidden visibility).
+#pragma once
 
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -18,7 +22,6 @@
 #include "gpu-worker/cuda/cold_stream.h"
 #include "gpu-worker/cuda/gemm.h"
 #include "gpu-worker/cuda/kernels.h"
-#include "shared/util/half.h"
 
 namespace pinfer {
 namespace cuda {
@@ -53,30 +56,6 @@ inline BackendStatus CudaError(cudaError_t e, const char* what, const char* file
 
 inline double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-inline size_t HostRowBytes(HostType t, int64_t cols) {
-  return WRowBytes(static_cast<WType>(t), cols);
-}
-
-// fp32 copy of a small host vector (norm weights).
-inline bool HostToFloat(const HostMatrix& m, std::vector<float>* out) {
-  const int64_t n = m.rows * m.cols;
-  out->resize(n);
-  const auto* u16 = static_cast<const uint16_t*>(m.data);
-  switch (m.type) {
-    case HostType::kF32:
-      std::memcpy(out->data(), m.data, n * 4);
-      return true;
-    case HostType::kF16:
-      for (int64_t i = 0; i < n; ++i) (*out)[i] = pinfer::Fp16ToFp32(u16[i]);
-      return true;
-    case HostType::kBF16:
-      for (int64_t i = 0; i < n; ++i) (*out)[i] = pinfer::Bf16ToFp32(u16[i]);
-      return true;
-    default:
-      return false;
-  }
 }
 
 struct DeviceLayer {
@@ -461,5 +440,3 @@ class CudaBackend : public Backend {
 
 }  // namespace cuda
 }  // namespace pinfer
-
-#endif  // PINFER_GPU_WORKER_CUDA_BACKEND_INTERNAL_H_

@@ -1,6 +1,9 @@
-// One forward step: the layers queued on the stream (attention, the hot FFN rows, the handoff of
-// the FFN input to the cold side), the per-layer and whole-step CUDA graphs, and Forward itself,
-// which runs a step from the embedding to the logits.
+// One forward step (Forward): the per-layer GPU work (attention, predictors, the hot FFN rows, the
+// dense layers with their norms fused into the products) queued on one stream, replayed as one
+// captured CUDA graph per layer, or per step where no cold side interrupts it, and the output head
+// with its greedy pick. Decode steps with a cold side queue each layer before the previous one's
+// callback runs (RunLayersQueued), so the host's launches stay off the critical path. What the
+// cold side does between a layer's publish and its contribution is backend_cold.cc's.
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 

@@ -1,6 +1,9 @@
-// Weights into device memory: the memory plan of a placement (each matrix whole, or only the
-// hot rows, stacked where one product reads them), the split layout of block formats, the scratch,
-// streams, events and pinned staging of a backend and of each lane made from it.
+// The memory plan and upload (Create): checks a ModelUpload's shapes, copies each layer's weights
+// to the device (whole matrices, or a hot placement's rows only, stacked where one product reads
+// them), rewrites block formats into the split layout the row kernels read, and sizes the scratch,
+// streams, events and pinned staging from the largest shapes. Lanes (NewLane) share the weights
+// and the KV cache and get only their own scratch, so the same sizing code (AllocateScratch) runs
+// for both. Everything here runs once, before the first step; Release undoes it.
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
@@ -20,6 +23,71 @@
 
 namespace pinfer {
 namespace cuda {
+
+namespace {
+
+size_t HostRowBytes(HostType t, int64_t cols) { return WRowBytes(static_cast<WType>(t), cols); }
+
+// fp32 copy of a small host vector (norm weights).
+bool HostToFloat(const HostMatrix& m, std::vector<float>* out) {
+  const int64_t n = m.rows * m.cols;
+  out->resize(n);
+  const auto* u16 = static_cast<const uint16_t*>(m.data);
+  switch (m.type) {
+    case HostType::kF32:
+      std::memcpy(out->data(), m.data, n * 4);
+      return true;
+    case HostType::kF16:
+      for (int64_t i = 0; i < n; ++i) (*out)[i] = pinfer::Fp16ToFp32(u16[i]);
+      return true;
+    case HostType::kBF16:
+      for (int64_t i = 0; i < n; ++i) (*out)[i] = pinfer::Bf16ToFp32(u16[i]);
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+// Frees what Create, AllocateScratch and SetUpStreaming made (a lane: only its own).
+void CudaBackend::Release() {
+  if (device_name_.empty() && allocations_.empty()) return;
+  cudaSetDevice(device_);
+  if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  for (void* p : allocations_) cudaFree(p);
+  for (void* p : host_allocations_) cudaFreeHost(p);
+  if (repack_tmp_ != nullptr) cudaFree(repack_tmp_);
+  repack_tmp_ = nullptr;
+  allocations_.clear();
+  host_allocations_.clear();
+  streamer_.reset();
+  for (auto* v : {&ev_x_, &ev_hot0_, &ev_hot1_, &ev_share_, &ev_attn0_, &ev_signal_}) {
+    for (cudaEvent_t e : *v) cudaEventDestroy(e);
+    v->clear();
+  }
+  if (ev_start_ != nullptr) cudaEventDestroy(ev_start_);
+  if (ev_layers_end_ != nullptr) cudaEventDestroy(ev_layers_end_);
+  for (cudaEvent_t e : ev_guess_) cudaEventDestroy(e);
+  ev_guess_.clear();
+  for (cudaEvent_t* e : {&ev_gfork_, &ev_gjoin_}) {
+    if (*e != nullptr) cudaEventDestroy(*e);
+    *e = nullptr;
+  }
+  if (guess_stream_ != nullptr) cudaStreamDestroy(guess_stream_);
+  guess_stream_ = nullptr;
+  if (ev_fork_ != nullptr) cudaEventDestroy(ev_fork_);
+  if (ev_join_ != nullptr) cudaEventDestroy(ev_join_);
+  if (publish_stream_ != nullptr) cudaStreamDestroy(publish_stream_);
+  ev_fork_ = ev_join_ = nullptr;
+  publish_stream_ = nullptr;
+  for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+  graphs_.clear();
+  if (cublas_ != nullptr) cublasDestroy(cublas_);
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  stream_ = nullptr;
+  cublas_ = nullptr;
+}
 
 // extra_rows: zeroed rows allocated after the uploaded ones (adaptive cache slots), not counted
 // in out->rows.

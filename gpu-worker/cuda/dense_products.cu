@@ -406,16 +406,7 @@ __global__ void __launch_bounds__(kSplitWarps* kWarp)
 // of x / d_x, computed with the same fp32 operations as the CPU reference), and each weight block
 // contributes d_w * d_x * (an exact integer dot product, four products per dp4a). A Q4_0 nibble
 // is used unsigned and its offset of 8 is taken out with the block's sum of q.
-// Shape of the launch: kQxWarps warps per block (PINFER_CUDA_QX_WARPS: 4, 8 or 16), R rows per
-// warp (PINFER_CUDA_QX_ROWS: 1, 2 or 4; 0 = the most rows per warp that still give every SM four
-// blocks). Every block quantizes all of x before it streams its rows (unless its producer did),
-// so more rows per block means less repeated work, while more rows per warp means more loads in
-// flight per warp but more registers. Nsight Compute on the H200 found 16 x 2 latency-bound (58
-// registers: two blocks, 32 warps an SM; no eligible warp in 53% of cycles, 61% of DRAM
-// bandwidth); one row a warp compiled for 48 warps an SM (40 registers) took Q4_0 13B-shape
-// decode with the whole model on the GPU from 265.6 to 287.1 tokens/s in one process (and
-// 265.3 -> 290.8 on another host), where 64 warps (32 registers, spilling) fell to 215.2
-// (docs/cuda-runs/session7-qx-occupancy/). Default 16 x 1. (Session 3's measurements, before
+// The launch's shape (warps per block, rows per warp) and how it was chosen: kernel_config.cu.
 
 template <WType T>
 __device__ __forceinline__ int SplitBlockIntDot(const uint4* q, const int4* xw) {

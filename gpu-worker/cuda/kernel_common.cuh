@@ -263,7 +263,7 @@ __device__ __forceinline__ void LoadUnit(const uint8_t* row, int64_t u, float* w
 // then each block's scale, then each block's sum. (Measured and dropped: each block's first and
 // last 16 values in separate halves, so that a warp's two 16-byte loads of x each cover 512
 // contiguous bytes instead of 1 KB at half use, as Nsight Compute suggested; the products took
-// as long or up to 2% longer, docs/cuda-runs/session9-norm/ against session9-fused-rope/.)
+// as long or up to 2% longer, the runs of commits d37999c and e92d7b8.)
 struct QxParts {
   int8_t* q;  // [cols]
   float* d;   // [cols / 32] the blocks' scales, rounded to fp16

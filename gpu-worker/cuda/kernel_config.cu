@@ -35,7 +35,7 @@ bool KnobOff(const char* name) {
 bool g_q8x = KnobOn("PINFER_CUDA_Q8X");
 
 // L2 prefetch of a dense matrix-vector kernel's rows before it waits for its predecessor (off;
-// PINFER_CUDA_PREFETCH=1 turns it on). Measured on the H200 (docs/cuda-runs/final2): the whole
+// PINFER_CUDA_PREFETCH=1 turns it on). Measured on the H200 (run 10, commit 4890231): the whole
 // F16 model on the GPU decodes at 117 tokens/s without it and 105 with it, in the same run.
 bool g_prefetch = KnobOff("PINFER_CUDA_PREFETCH");
 
@@ -58,8 +58,8 @@ int g_warp_rows_min = 1 << 30;
 // bandwidth); one row a warp compiled for 48 warps an SM (40 registers) took Q4_0 13B-shape
 // decode with the whole model on the GPU from 265.6 to 287.1 tokens/s in one process (and
 // 265.3 -> 290.8 on another host), where 64 warps (32 registers, spilling) fell to 215.2
-// (docs/cuda-runs/session7-qx-occupancy/). Default 16 x 1. (Session 3's measurements, before
-// producer-quantized x: 16 x 2 292 tokens/s, 8 x 4 272, 4 x 4 246; docs/cuda-runs/qx-shape/.)
+// (commit 8cdb0e9). Default 16 x 1. (Session 3's measurements, before
+// producer-quantized x: 16 x 2 292 tokens/s, 8 x 4 272, 4 x 4 246; commit e1a2a37.)
 int g_qx_warps = [] {
   const char* e = std::getenv("PINFER_CUDA_QX_WARPS");
   const int w = e != nullptr ? std::atoi(e) : 16;
@@ -74,7 +74,7 @@ int g_qx_rows = [] {
 // every matrix). With 32 rows a block (the default before one row a warp), a 5120-row matrix is 160
 // blocks on 132 SMs: a fifth of the SMs stream two blocks' rows while the rest idle after one, and
 // Nsight Compute measured the Q4_0 output projection at 1.4 TB/s and the down projection at 2.0
-// TB/s against 2.6-2.9 TB/s for the taller ones (docs/cuda-runs/session7-norms/). So a short matrix
+// TB/s against 2.6-2.9 TB/s for the taller ones (commit 8cdb0e9). So a short matrix
 // takes smaller blocks (QxBalancedShape).
 bool g_qx_balanced = [] {
   const char* e = std::getenv("PINFER_CUDA_QX_SHAPE");

@@ -22,7 +22,7 @@ namespace {
 // issued before its first store and x is read once, so a block waits on memory about twice. A
 // loop that loads, adds and stores element by element (out may alias d1, so the compiler keeps
 // that order) waited once per element and pass: 8.5 us for one 5120-wide row with the Q8_0
-// output on the H200 (Nsight Compute, docs/cuda-runs/session7-norms/). Longer rows loop; both
+// output on the H200 (Nsight Compute, commit 8cdb0e9). Longer rows loop; both
 // paths compute the same values in the same order.
 
 // One block per token: x (+= d1 (+ d2) with kResidual, written back) normalized into out, and
@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(1024)
 // quantized by four lanes with two shuffles a reduction instead of a warp with five. A single
 // multiprocessor runs a norm, so its instruction count is its time: the element-a-lane kernel
 // issued 28k warp instructions for one 5120-wide row with the Q8_0 output, 10 us (Nsight
-// Compute, docs/cuda-runs/session9-norm/). Same values as NormKernel up to the order of the sum
+// Compute, commit d37999c). Same values as NormKernel up to the order of the sum
 // of squares.
 template <bool kResidual>
 __global__ void __launch_bounds__(1024)

@@ -47,7 +47,7 @@ __device__ __forceinline__ void Store8(float* p, const float (&v)[8]) {
 // The norm done by the int8 product that consumes it (NormMatVec): x + d1 (+ d2), RMS-normed
 // and scaled by weight, quantized by each block of the product into its shared copy of x. A
 // norm kernel runs on one multiprocessor while the rest of the GPU waits for it (two a layer:
-// 6.4 us a layer of the whole Q4_0 step on the H200, docs/cuda-runs/session12-ablation/); here
+// 6.4 us a layer of the whole Q4_0 step on the H200, commit c4e9912); here
 // every block of the product computes the same sum of squares over the row (20 KB from L2 for
 // a 5120-wide row) while its first rows of weights, loaded before its wait, are on their way.
 struct NormIn {
