@@ -105,6 +105,66 @@ inline F8 q4q8_block(const uint8_t* qs, const int8_t* x, const int32_t* s8) {
   return _mm256_cvtepi32_ps(
       _mm256_add_epi32(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s8))));
 }
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+// One Q4_K / Q5_K super-block against 256 Q8_K values: sum_j scale_j * (sub-block j's integer
+// dot). Per 32 bytes of qs two sub-blocks (low and high nibbles); maddubs pairs the unsigned
+// values (<= 31) with x (|x| <= 127) without saturating, madd applies the scale.
+template <bool kHigh>
+inline int32_t q45k_dot(const uint8_t* qs, const uint8_t* qh, const int* sc, const int8_t* q8) {
+  const __m256i mask = _mm256_set1_epi8(0x0f);
+  __m256i high = _mm256_setzero_si256();
+  if constexpr (kHigh) high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+  __m256i acc = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i));
+    __m256i lo = _mm256_and_si256(v, mask);
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    if constexpr (kHigh) {
+      const __m256i one = _mm256_set1_epi8(1);
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(high, one), 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 1), one), 4));
+      high = _mm256_srli_epi16(high, 2);  // the next pair of sub-blocks' bits to bits 0 and 1
+    }
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 64 * i));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 64 * i + 32));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0),
+                                                  _mm256_set1_epi16(static_cast<int16_t>(sc[2 * i]))));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1),
+                                                  _mm256_set1_epi16(static_cast<int16_t>(sc[2 * i + 1]))));
+  }
+  return hsum_i32(acc);
+}
+// One Q6_K super-block with the unsigned values q in 0..63: sum_g scale_g * (group g's dot).
+// Each 32-value vector spans two groups of 16: the low 128-bit lane takes one scale, the high
+// lane the next (maddubs cannot saturate: 2 * 63 * 127 < 32768).
+inline int32_t q6k_dot(const BlockQ6_K& b, const int8_t* q8) {
+  const __m256i mask = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3);
+  __m256i acc = _mm256_setzero_si256();
+  for (int h = 0; h < 2; ++h) {
+    const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h));
+    const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h + 32));
+    __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * h));
+    const __m256i low[4] = {_mm256_and_si256(ql0, mask), _mm256_and_si256(ql1, mask),
+                            _mm256_and_si256(_mm256_srli_epi16(ql0, 4), mask),
+                            _mm256_and_si256(_mm256_srli_epi16(ql1, 4), mask)};
+    for (int k = 0; k < 4; ++k) {
+      const __m256i q =
+          _mm256_or_si256(low[k], _mm256_slli_epi16(_mm256_and_si256(qh, three), 4));
+      qh = _mm256_srli_epi16(qh, 2);
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 128 * h + 32 * k));
+      const __m256i scale = _mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_set1_epi16(b.scales[8 * h + 2 * k])),
+          _mm_set1_epi16(b.scales[8 * h + 2 * k + 1]), 1);
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scale));
+    }
+  }
+  return hsum_i32(acc);
+}
 }  // namespace
 
 #include "shared/engine/kernels_simd.inc"
@@ -151,8 +211,8 @@ void QuantizeQ8x256(const float* x, int64_t n, int8_t* q, float* d, int32_t* s8)
 const RowKernels* RowKernelsAvx2() {
   static const RowKernels k = {
       "avx2",
-      {DotRowF32, DotRowF16, DotRowBF16, DotRowQ8, DotRowQ4},
-      {AxpyRowF32, AxpyRowF16, AxpyRowBF16, AxpyRowQ8, AxpyRowQ4},
+      {DotRowF32, DotRowF16, DotRowBF16, DotRowQ8, DotRowQ4, PINFER_K_DOT},
+      {AxpyRowF32, AxpyRowF16, AxpyRowBF16, AxpyRowQ8, AxpyRowQ4, PINFER_K_AXPY},
       Dot4F32,
       Dot4x4F32,
       DotF32,
@@ -163,6 +223,8 @@ const RowKernels* RowKernelsAvx2() {
       ExpSubSum,
       PINFER_AXPY_ROWS,
       PINFER_DOT_ROWS((DotRowsQ8x<BlockQ4_0, Q4BlockDot>)),
+      PINFER_K_Q8K,
+      QuantizeQ8K,
   };
   return &k;
 }

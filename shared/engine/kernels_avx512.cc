@@ -106,6 +106,60 @@ inline F8 q4q8_block(const uint8_t* qs, const int8_t* x, const int32_t* s8) {
       _mm256_dpbusd_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s8)), nib, xv);
   return _mm256_cvtepi32_ps(p);
 }
+// One Q4_K / Q5_K super-block against 256 Q8_K values, sum_j scale_j * (sub-block j's integer
+// dot): a 512-bit vector holds the two sub-blocks that share 32 bytes of qs (low nibbles, then
+// high), which are also 64 consecutive values of x; maddubs pairs them (no saturation: values
+// <= 31, |x| <= 127) and VNNI's dpwssd applies each half's scale and accumulates.
+template <bool kHigh>
+inline int32_t q45k_dot(const uint8_t* qs, const uint8_t* qh, const int* sc, const int8_t* q8) {
+  const __m512i mask = _mm512_set1_epi8(0x0f);
+  __m256i high = _mm256_setzero_si256();
+  if constexpr (kHigh) high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+  __m512i acc = _mm512_setzero_si512();
+  for (int i = 0; i < 4; ++i) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i));
+    __m512i q = _mm512_and_si512(
+        _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), mask);
+    if constexpr (kHigh) {
+      const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(high), _mm256_srli_epi16(high, 1), 1);
+      q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(1)), 4));
+      high = _mm256_srli_epi16(high, 2);
+    }
+    const __m512i x = _mm512_loadu_si512(q8 + 64 * i);
+    const __m512i scale =
+        _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(sc[2 * i])),
+                           _mm256_set1_epi16(static_cast<int16_t>(sc[2 * i + 1])), 1);
+    acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q, x), scale);
+  }
+  return _mm512_reduce_add_epi32(acc);
+}
+// One Q6_K super-block with the unsigned values q in 0..63: sum_g scale_g * (group g's dot).
+// A 512-bit vector holds 64 consecutive values, four groups of 16; their scales reach the four
+// 128-bit quarters by one permute of the block's sixteen scales.
+inline int32_t q6k_dot(const BlockQ6_K& b, const int8_t* q8) {
+  alignas(32) static constexpr uint8_t kQuarter[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                       2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+  const __m512i quarter = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(kQuarter)));
+  const __m512i scales16 = _mm512_castsi256_si512(
+      _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales))));
+  const __m512i mask = _mm512_set1_epi8(0x0f), three = _mm512_set1_epi8(3);
+  __m512i acc = _mm512_setzero_si512();
+  for (int h = 0; h < 2; ++h) {
+    const __m512i ql = _mm512_loadu_si512(b.ql + 64 * h);  // values k = 0 | k = 1 (low nibbles)
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * h));
+    for (int p = 0; p < 2; ++p) {  // values 64p..64p+63 of the half: k = 2p, 2p + 1
+      const __m512i low = _mm512_and_si512(p == 0 ? ql : _mm512_srli_epi16(ql, 4), mask);
+      const __m256i h0 = _mm256_srli_epi16(qh, 4 * p);
+      const __m512i hz = _mm512_inserti64x4(_mm512_castsi256_si512(h0), _mm256_srli_epi16(h0, 2), 1);
+      const __m512i q = _mm512_or_si512(low, _mm512_slli_epi16(_mm512_and_si512(hz, three), 4));
+      const __m512i x = _mm512_loadu_si512(q8 + 128 * h + 64 * p);
+      const __m512i scale = _mm512_permutexvar_epi16(
+          _mm512_add_epi16(quarter, _mm512_set1_epi16(static_cast<int16_t>(8 * h + 4 * p))), scales16);
+      acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q, x), scale);
+    }
+  }
+  return _mm512_reduce_add_epi32(acc);
+}
 }  // namespace
 
 #include "shared/engine/kernels_simd.inc"
@@ -296,8 +350,8 @@ void QuantizeQ8x512(const float* x, int64_t n, int8_t* q, float* d, int32_t* s8)
 const RowKernels* RowKernelsAvx512(bool vbmi) {
   static const RowKernels with_vbmi = {
       "avx512",
-      {DotRowF32, DotRowF16, DotRowBF16, DotRowQ8, DotRowQ4},
-      {AxpyRowF32, AxpyRowF16, AxpyRowBF16, AxpyRowQ8, AxpyRowQ4},
+      {DotRowF32, DotRowF16, DotRowBF16, DotRowQ8, DotRowQ4, PINFER_K_DOT},
+      {AxpyRowF32, AxpyRowF16, AxpyRowBF16, AxpyRowQ8, AxpyRowQ4, PINFER_K_AXPY},
       Dot4F32,
       Dot4x4F32,
       DotF32,
@@ -308,11 +362,13 @@ const RowKernels* RowKernelsAvx512(bool vbmi) {
       ExpSubSum,
       PINFER_AXPY_ROWS,
       PINFER_DOT_ROWS(DotRowsQ4x512),
+      PINFER_K_Q8K,
+      QuantizeQ8K,
   };
   static const RowKernels without_vbmi = {
       "avx512-novbmi",
-      {DotRowF32, DotRowF16, DotRowBF16, DotRowQ8, DotRowQ4},
-      {AxpyRowF32, AxpyRowF16, AxpyRowBF16, AxpyRowQ8, AxpyRowQ4},
+      {DotRowF32, DotRowF16, DotRowBF16, DotRowQ8, DotRowQ4, PINFER_K_DOT},
+      {AxpyRowF32, AxpyRowF16, AxpyRowBF16, AxpyRowQ8, AxpyRowQ4, PINFER_K_AXPY},
       Dot4F32,
       Dot4x4F32,
       DotF32,
@@ -323,6 +379,8 @@ const RowKernels* RowKernelsAvx512(bool vbmi) {
       ExpSubSum,
       PINFER_AXPY_ROWS,
       PINFER_DOT_ROWS(DotRowsQ4x512),
+      PINFER_K_Q8K,
+      QuantizeQ8K,
   };
   return vbmi ? &with_vbmi : &without_vbmi;
 }

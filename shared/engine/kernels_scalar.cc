@@ -62,6 +62,45 @@ inline F8 q4q8_block(const uint8_t* qs, const int8_t* x, const int32_t*) {
   for (int i = 0; i < 16; ++i) s += ((qs[i] & 0x0f) - 8) * x[i] + ((qs[i] >> 4) - 8) * x[i + 16];
   return static_cast<float>(s);
 }
+// One Q4_K / Q5_K super-block against 256 Q8_K values: sum_j scale_j * (sub-block j's integer
+// dot), the values q in 0..15 (with Q5_K's fifth bit 0..31).
+template <bool kHigh>
+inline int32_t q45k_dot(const uint8_t* qs, const uint8_t* qh, const int* sc, const int8_t* q8) {
+  int32_t sum = 0;
+  for (int i = 0; i < 4; ++i) {
+    int32_t s0 = 0, s1 = 0;
+    for (int l = 0; l < 32; ++l) {
+      int q0 = qs[32 * i + l] & 0x0f, q1 = qs[32 * i + l] >> 4;
+      if constexpr (kHigh) {
+        q0 |= ((qh[l] >> (2 * i)) & 1) << 4;
+        q1 |= ((qh[l] >> (2 * i + 1)) & 1) << 4;
+      }
+      s0 += q0 * q8[64 * i + l];
+      s1 += q1 * q8[64 * i + 32 + l];
+    }
+    sum += sc[2 * i] * s0 + sc[2 * i + 1] * s1;
+  }
+  return sum;
+}
+// One Q6_K super-block against 256 Q8_K values with the unsigned values q in 0..63:
+// sum_g scale_g * (group g's integer dot), the groups of 16.
+inline int32_t q6k_dot(const BlockQ6_K& b, const int8_t* q8) {
+  int32_t sum = 0;
+  for (int h = 0; h < 2; ++h) {
+    for (int k = 0; k < 4; ++k) {
+      for (int half16 = 0; half16 < 2; ++half16) {
+        int32_t s = 0;
+        for (int l = 16 * half16; l < 16 * half16 + 16; ++l) {
+          const uint8_t low = b.ql[64 * h + l + 32 * (k & 1)];
+          const int q = (k < 2 ? (low & 0x0f) : (low >> 4)) | (((b.qh[32 * h + l] >> (2 * k)) & 3) << 4);
+          s += q * q8[128 * h + 32 * k + l];
+        }
+        sum += b.scales[8 * h + 2 * k + half16] * s;
+      }
+    }
+  }
+  return sum;
+}
 }  // namespace
 
 #include "shared/engine/kernels_simd.inc"
@@ -69,8 +108,8 @@ inline F8 q4q8_block(const uint8_t* qs, const int8_t* x, const int32_t*) {
 const RowKernels* RowKernelsScalar() {
   static const RowKernels k = {
       "scalar",
-      {DotRowF32, DotRowF16, DotRowBF16, DotRowQ8, DotRowQ4},
-      {AxpyRowF32, AxpyRowF16, AxpyRowBF16, AxpyRowQ8, AxpyRowQ4},
+      {DotRowF32, DotRowF16, DotRowBF16, DotRowQ8, DotRowQ4, PINFER_K_DOT},
+      {AxpyRowF32, AxpyRowF16, AxpyRowBF16, AxpyRowQ8, AxpyRowQ4, PINFER_K_AXPY},
       Dot4F32,
       Dot4x4F32,
       DotF32,
@@ -81,6 +120,8 @@ const RowKernels* RowKernelsScalar() {
       ExpSubSum,
       PINFER_AXPY_ROWS,
       PINFER_DOT_ROWS((DotRowsQ8x<BlockQ4_0, Q4BlockDot>)),
+      PINFER_K_Q8K,
+      QuantizeQ8K,
   };
   return &k;
 }

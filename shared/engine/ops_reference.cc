@@ -40,12 +40,113 @@ int32_t BlockValue(DType t, const uint8_t* block, int i) {
   return (i < 16 ? (byte & 0x0f) : (byte >> 4)) - 8;
 }
 
+// x quantized to Q8_K as ggml's quantize_row_q8_K does it: per block of 256 the value of largest
+// magnitude m maps to -127, q = min(127, round(x * (-127 / m))), d = 1 / (-127 / m) in fp32.
+struct Q8KBlock {
+  float d;
+  int32_t q[256];
+};
+
+std::vector<Q8KBlock> QuantizeToQ8K(const float* x, int64_t n) {
+  std::vector<Q8KBlock> out(n / 256);
+  for (int64_t b = 0; b < n / 256; ++b) {
+    const float* xb = x + b * 256;
+    float amax = 0, max = 0;
+    for (int i = 0; i < 256; ++i) {
+      if (std::fabs(xb[i]) > amax) {
+        amax = std::fabs(xb[i]);
+        max = xb[i];
+      }
+    }
+    out[b].d = 0;
+    for (int i = 0; i < 256; ++i) out[b].q[i] = 0;
+    if (amax == 0) continue;
+    const float iscale = -127.f / max;
+    for (int i = 0; i < 256; ++i) {
+      out[b].q[i] = std::min(127, static_cast<int32_t>(std::nearbyint(iscale * xb[i])));
+    }
+    out[b].d = 1.f / iscale;
+  }
+  return out;
+}
+
+// A K-quant super-block as integers: value i = scale[i / group] * q[i] - min[i / group] (before
+// the block's fp16 factors d and dmin), group 32 (Q4_K, Q5_K) or 16 (Q6_K, whose mins are 0 and
+// q is signed).
+struct KLevels {
+  float d = 0, dmin = 0;
+  int group = 32;
+  int32_t scale[16] = {}, min[16] = {};
+  int32_t q[256] = {};
+};
+
+KLevels UnpackK(DType t, const uint8_t* block) {
+  KLevels k;
+  if (t == DType::kQ6_K) {
+    const BlockQ6_K& b = *reinterpret_cast<const BlockQ6_K*>(block);
+    k.d = Fp16ToFp32(b.d);
+    k.group = 16;
+    for (int g = 0; g < 16; ++g) k.scale[g] = b.scales[g];
+    for (int i = 0; i < 256; ++i) {
+      const int half = i / 128, l = i % 32, quarter = (i % 128) / 32;
+      const uint8_t low_byte = b.ql[64 * half + l + (quarter % 2 == 1 ? 32 : 0)];
+      const int low = quarter < 2 ? low_byte % 16 : low_byte / 16;
+      const int high = (b.qh[32 * half + l] >> (2 * quarter)) % 4;
+      k.q[i] = low + 16 * high - 32;
+    }
+    return k;
+  }
+  const bool q5 = t == DType::kQ5_K;
+  const uint8_t* scales = q5 ? reinterpret_cast<const BlockQ5_K*>(block)->scales
+                             : reinterpret_cast<const BlockQ4_K*>(block)->scales;
+  const uint8_t* qs = q5 ? reinterpret_cast<const BlockQ5_K*>(block)->qs
+                         : reinterpret_cast<const BlockQ4_K*>(block)->qs;
+  uint16_t d, dmin;
+  std::memcpy(&d, block, 2);
+  std::memcpy(&dmin, block + 2, 2);
+  k.d = Fp16ToFp32(d);
+  k.dmin = Fp16ToFp32(dmin);
+  for (int j = 0; j < 8; ++j) KScaleMin(scales, j, &k.scale[j], &k.min[j]);
+  for (int i = 0; i < 256; ++i) {
+    const int sub = i / 32, l = i % 32;
+    const uint8_t byte = qs[32 * (sub / 2) + l];
+    k.q[i] = sub % 2 == 0 ? byte % 16 : byte / 16;
+    if (q5) k.q[i] += 16 * ((reinterpret_cast<const BlockQ5_K*>(block)->qh[l] >> sub) & 1);
+  }
+  return k;
+}
+
+// One K-quant row against x quantized to Q8_K, ggml's ggml_vec_dot_q*_K_q8_K: per super-block
+// d * d_x * sum_i scale * q_i * x_i - dmin * d_x * sum_i min * x_i, both integer sums exact.
+float KRowDot(DType t, const uint8_t* row, const std::vector<Q8KBlock>& xq) {
+  const size_t block_bytes = RowBytes(t, 256);
+  float sum = 0;
+  for (size_t b = 0; b < xq.size(); ++b) {
+    const KLevels k = UnpackK(t, row + b * block_bytes);
+    int64_t scaled = 0, mins = 0;
+    for (int i = 0; i < 256; ++i) {
+      scaled += int64_t{k.scale[i / k.group]} * k.q[i] * xq[b].q[i];
+      mins += int64_t{k.min[i / k.group]} * xq[b].q[i];
+    }
+    sum += k.d * xq[b].d * static_cast<float>(scaled) - k.dmin * xq[b].d * static_cast<float>(mins);
+  }
+  return sum;
+}
+
 // y[t * n_rows + i] = w.row(row_ids[i]) . x[t]. Q8_0 and Q4_0 rows multiply x quantized to Q8_0
 // with exact integer dots per block, sum_b d_w * d_x * sum_i w_i q_i (llama.cpp's definition);
-// other dtypes multiply fp32 x.
+// Q4_K, Q5_K and Q6_K rows x quantized to Q8_K (KRowDot); other dtypes multiply fp32 x.
 void RowsTimesVectors(const TensorView& w, const std::vector<int64_t>& row_ids, const float* x,
                       int n, float* y) {
   const int64_t cols = w.cols(), n_rows = static_cast<int64_t>(row_ids.size());
+  if (IsKQuant(w.dtype)) {
+    std::vector<std::vector<Q8KBlock>> xq;
+    for (int t = 0; t < n; ++t) xq.push_back(QuantizeToQ8K(x + t * cols, cols));
+    for (int64_t i = 0; i < n_rows; ++i) {
+      for (int t = 0; t < n; ++t) y[t * n_rows + i] = KRowDot(w.dtype, w.row(row_ids[i]), xq[t]);
+    }
+    return;
+  }
   if (IsQuantized(w.dtype)) {
     std::vector<std::vector<Q8Block>> xq;
     for (int t = 0; t < n; ++t) xq.push_back(QuantizeToQ8(x + t * cols, cols));

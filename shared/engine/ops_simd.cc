@@ -26,16 +26,22 @@ class SimdOps : public CpuOps {
       // Batched Q8_0 / Q4_0: the same products as the integer path (weights d_w * w_i, x rounded
       // to Q8_0, d_x * q_i), formed in fp32 by the tiled kernel below: equal to the definition up
       // to fp32 rounding, and the tiles reuse each converted row for every token.
+      // (K-quant rows: x rounded to Q8_K instead.)
       thread_local std::vector<float> xr;
       xr.resize(static_cast<size_t>(n) * cols);
       Q8Scratch& qx = ThreadQ8Scratch();
-      const int64_t nb = cols / 32;
+      const int64_t block = BlockElems(w.dtype), nb = cols / block;
       qx.q.resize(cols);
       qx.d.resize(nb);
-      qx.s8.resize(nb * 8);
+      qx.s8.resize(cols / 4);
+      qx.bsums.resize(cols / 16);
       for (int t = 0; t < n; ++t) {
-        k_->quantize_q8x(x + t * cols, cols, qx.q.data(), qx.d.data(), qx.s8.data());
-        for (int64_t c = 0; c < cols; ++c) xr[t * cols + c] = qx.d[c / 32] * qx.q[c];
+        if (IsKQuant(w.dtype)) {
+          k_->quantize_q8k(x + t * cols, cols, qx.q.data(), qx.d.data(), qx.bsums.data());
+        } else {
+          k_->quantize_q8x(x + t * cols, cols, qx.q.data(), qx.d.data(), qx.s8.data());
+        }
+        for (int64_t c = 0; c < cols; ++c) xr[t * cols + c] = qx.d[c / block] * qx.q[c];
       }
       x = xr.data();
     }
@@ -78,13 +84,16 @@ class SimdOps : public CpuOps {
   void AccumulateRows(const TensorView& w, const int32_t* rows, int n_rows, const float* a, int n,
                       float* y) const override {
     // Threads split the output columns (not the rows), so no two threads ever add into the same
-    // element: deterministic and race-free. Columns are split on 32-element block boundaries.
+    // element: deterministic and race-free. Columns are split on 32-element boundaries (256 for
+    // the K-quants' super-blocks).
     const int64_t cols = w.cols();
-    const int64_t blocks = (cols + 31) / 32;
+    const int64_t span = std::max(32, BlockElems(w.dtype));
+    const int64_t blocks = (cols + span - 1) / span;
+    const int64_t grain = std::max<int64_t>(1, 4 * 32 / span);
     if (n > 1) {  // batches: each row segment once, for every token
       const size_t di = static_cast<size_t>(w.dtype);
-      For(blocks, 4, [&](int64_t b, int64_t e) {
-        const int64_t c0 = b * 32, c1 = std::min(cols, e * 32);
+      For(blocks, grain, [&](int64_t b, int64_t e) {
+        const int64_t c0 = b * span, c1 = std::min(cols, e * span);
         const size_t off = RowBytes(w.dtype, c0);
         for (int i = 0; i < n_rows; ++i) {
           const uint8_t* row = w.row(rows[i]) + off;
@@ -97,8 +106,8 @@ class SimdOps : public CpuOps {
       return;
     }
     // One token: kGroup rows at a time, read interleaved (see AxpyRows).
-    For(blocks, 4, [&](int64_t b, int64_t e) {
-      const int64_t c0 = b * 32, c1 = std::min(cols, e * 32);
+    For(blocks, grain, [&](int64_t b, int64_t e) {
+      const int64_t c0 = b * span, c1 = std::min(cols, e * span);
       const uint8_t* group[kGroup];
       float coef[kGroup];
       int k = 0;
@@ -142,19 +151,29 @@ class SimdOps : public CpuOps {
                      const float* gate_values, float* a, float* out, float* parts, int max_parts,
                      int* n_parts) const {
     const int64_t cols = up.cols(), hidden = down_t.cols();
-    const bool quantized = IsQuantized(gate.dtype) || IsQuantized(up.dtype);
-    // x quantized for Q8_0 / Q4_0 rows by the thread that reads it, once per part: a copy in each
-    // thread's own cache instead of one that every thread reads from the caller's (H200 host:
-    // a Q4_0 layer of 295 neurons took 80 us with one copy, 58 with one per thread).
+    auto q8_0_rows = [](DType t) { return IsQuantized(t) && !IsKQuant(t); };
+    const bool needs_q8 = q8_0_rows(gate.dtype) || q8_0_rows(up.dtype);
+    const bool needs_q8k = IsKQuant(gate.dtype) || IsKQuant(up.dtype);
+    // x quantized for Q8_0 / Q4_0 rows (Q8_K for K-quant rows) by the thread that reads it, once
+    // per part: a copy in each thread's own cache instead of one that every thread reads from the
+    // caller's (H200 host: a Q4_0 layer of 295 neurons took 80 us with one copy, 58 with one per
+    // thread).
     auto quantize_x = [&] {
       Q8Scratch& qx = ThreadQ8Scratch();
-      if (quantized) {
+      if (needs_q8) {
         qx.q.resize(cols);
         qx.d.resize(cols / 32);
         qx.s8.resize(cols / 4);
         k_->quantize_q8x(x, cols, qx.q.data(), qx.d.data(), qx.s8.data());
       }
-      return Q8Vector{qx.q.data(), qx.d.data(), qx.s8.data()};
+      if (needs_q8k) {
+        qx.qk.resize(cols);
+        qx.dk.resize(cols / 256);
+        qx.bsums.resize(cols / 16);
+        k_->quantize_q8k(x, cols, qx.qk.data(), qx.dk.data(), qx.bsums.data());
+      }
+      return XQuant{Q8Vector{qx.q.data(), qx.d.data(), qx.s8.data()},
+                    Q8KVector{qx.qk.data(), qx.dk.data(), qx.bsums.data()}};
     };
     const bool gate_decides = act != Activation::kSilu;
     // The list in equal parts, one per pool thread (and at least kGroup neurons each), each part
@@ -176,7 +195,7 @@ class SimdOps : public CpuOps {
     ups_buffer.assign(std::max(chunks, 1), 0);
     int* ups = ups_buffer.data();
     auto run_chunk = [&](int c, float* acc) {
-      const Q8Vector v = quantize_x();
+      const XQuant v = quantize_x();
       const int end = part_begin(c + 1);
       int up_rows = 0;  // counted here and stored once: ups[] shares a cache line between parts
       for (int i0 = part_begin(c); i0 < end; i0 += kGroup) {
@@ -363,6 +382,10 @@ class SimdOps : public CpuOps {
   // same whichever rows it is computed with (dense, sparse and batched paths agree bit for bit).
   void RowsTimesVectors(const TensorView& w, const int32_t* ids, int64_t n_rows, const float* x,
                         int n, float* y) const {
+    if (IsKQuant(w.dtype)) {
+      KRowsTimesVectors(w, ids, n_rows, x, n, y);
+      return;
+    }
     const int64_t cols = w.cols();
     const size_t di = static_cast<size_t>(w.dtype);
     const bool quantized = IsQuantized(w.dtype);
@@ -412,6 +435,34 @@ class SimdOps : public CpuOps {
     });
   }
 
+  // RowsTimesVectors for Q4_K / Q5_K / Q6_K rows: x quantized to Q8_K, each token once.
+  void KRowsTimesVectors(const TensorView& w, const int32_t* ids, int64_t n_rows, const float* x,
+                         int n, float* y) const {
+    const int64_t cols = w.cols(), nb = cols / 256;
+    Q8Scratch& qx = ThreadQ8Scratch();
+    qx.qk.resize(static_cast<size_t>(n) * cols);
+    qx.dk.resize(static_cast<size_t>(n) * nb);
+    qx.bsums.resize(static_cast<size_t>(n) * nb * 16);
+    for (int t = 0; t < n; ++t) {
+      k_->quantize_q8k(x + t * cols, cols, &qx.qk[t * cols], &qx.dk[t * nb],
+                       &qx.bsums[t * nb * 16]);
+    }
+    const int8_t* xq = qx.qk.data();
+    const float* xd = qx.dk.data();
+    const int16_t* xs = qx.bsums.data();
+    const uint8_t* data = static_cast<const uint8_t*>(w.data);
+    const size_t stride = w.row_stride != 0 ? w.row_stride : w.row_bytes();
+    auto dot = k_->dot_q8k[static_cast<size_t>(w.dtype)];
+    For(n_rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const uint8_t* row = data + (ids != nullptr ? ids[i] : i) * stride;
+        for (int t = 0; t < n; ++t) {
+          y[t * n_rows + i] = dot(row, Q8KVector{xq + t * cols, xd + t * nb, xs + t * nb * 16}, cols);
+        }
+      }
+    });
+  }
+
   // A single core reads a random 4-8 KB row at well under half its sequential bandwidth (the
   // hardware prefetchers restart at every row; measured 8-9 GB/s against 20-22 GB/s here), but
   // several scattered rows read at once keep several streams in flight (4 rows: 14-17 GB/s). So
@@ -423,13 +474,22 @@ class SimdOps : public CpuOps {
   // one row after the other would; a row's dot does not depend on the rows it is grouped with.
   static constexpr int kGroup = 8;
 
-  // out[j] = rows[j] . x for j < k (Q8_0 / Q4_0 rows against the quantized v), the rows read
-  // together by one kernel.
-  void DotRows(DType dt, const uint8_t* const* rows, int k, const float* x, const Q8Vector& v,
+  // x in the forms quantized rows multiply it.
+  struct XQuant {
+    Q8Vector q8;
+    Q8KVector q8k;
+  };
+
+  // out[j] = rows[j] . x for j < k (Q8_0 / Q4_0 rows against the quantized v.q8, K-quant rows
+  // against v.q8k), the rows read together by one kernel.
+
+  void DotRows(DType dt, const uint8_t* const* rows, int k, const float* x, const XQuant& v,
                int64_t cols, float* out) const {
     const size_t di = static_cast<size_t>(dt);
-    if (IsQuantized(dt)) {
-      k_->dot_rows_q8x[di](rows, k, v, cols, out);
+    if (IsKQuant(dt)) {
+      k_->dot_rows_q8k[di](rows, k, v.q8k, cols, out);
+    } else if (IsQuantized(dt)) {
+      k_->dot_rows_q8x[di](rows, k, v.q8, cols, out);
     } else {
       k_->dot_rows[di](rows, k, x, cols, out);
     }
@@ -450,6 +510,9 @@ class SimdOps : public CpuOps {
     std::vector<int8_t> q;
     std::vector<float> d;
     std::vector<int32_t> s8;
+    std::vector<int8_t> qk;  // Q8_K
+    std::vector<float> dk;
+    std::vector<int16_t> bsums;
   };
   // Per calling thread, so that one SimdOps may serve several threads and decode allocates
   // nothing once warm.

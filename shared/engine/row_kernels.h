@@ -18,12 +18,21 @@ struct Q8Vector {
   const int32_t* s8;  // [n / 32 * 8]: -8 * (q[4k] + ... + q[4k + 3]), Q4_0's offset of 8
 };
 
+// An activation vector x: [n] quantized to Q8_K blocks of 256 as ggml's quantize_row_q8_K does
+// it, the form in which Q4_K, Q5_K and Q6_K rows multiply it.
+struct Q8KVector {
+  const int8_t* q;       // [n]: min(127, round-half-even(x * (-127 / m))), m the block's value of
+                         // largest magnitude
+  const float* d;        // [n / 256]: 1 / (-127 / m), fp32 (0 for an all-zero block)
+  const int16_t* bsums;  // [n / 16]: sums of 16 consecutive q
+};
+
 struct RowKernels {
   const char* name;
   // Returns sum_i row[i] * x[i].
-  float (*dot[5])(const void* row, const float* x, int64_t n);
+  float (*dot[kNumDTypes])(const void* row, const float* x, int64_t n);
   // y[i] += a * row[i].
-  void (*axpy[5])(float a, const void* row, float* y, int64_t n);
+  void (*axpy[kNumDTypes])(float a, const void* row, float* y, int64_t n);
   // Four fp32 rows against one x at once (shares the loads of x): out[j] = rows[j] . x.
   void (*dot4_f32)(const float* r0, const float* r1, const float* r2, const float* r3,
                    const float* x, int64_t n, float* out);
@@ -33,7 +42,7 @@ struct RowKernels {
   void (*axpy_f32)(float a, const float* x, float* y, int64_t n);
   // A Q8_0 or Q4_0 row (null for the other dtypes) against a Q8Vector:
   // sum_b d_row[b] * d_x[b] * (exact integer dot of block b).
-  float (*dot_q8x[5])(const void* row, const Q8Vector& x, int64_t n);
+  float (*dot_q8x[kNumDTypes])(const void* row, const Q8Vector& x, int64_t n);
   // Quantizes x: [n] (n a multiple of 32) into the arrays of a Q8Vector.
   void (*quantize_q8x)(const float* x, int64_t n, int8_t* q, float* d, int32_t* s8);
   // gate[i] = silu(gate[i]) * up[i]; x[i] = exp(x[i] - m) returning the sum (softmax). Vector exp
@@ -42,13 +51,22 @@ struct RowKernels {
   float (*exp_sub_sum)(float* x, int64_t n, float m);
   // y[i] += sum_{j < k} a[j] * rows[j][i], each element's terms in row order: the same result as
   // k axpy calls, with y read and written once and the rows read together.
-  void (*axpy_rows[5])(const float* a, const uint8_t* const* rows, int k, float* y, int64_t n);
+  void (*axpy_rows[kNumDTypes])(const float* a, const uint8_t* const* rows, int k, float* y, int64_t n);
   // out[j] = rows[j] . x for j < k, the rows read together: F32/F16/BF16 rows against x (null
   // for the block types), Q8_0 / Q4_0 rows against x quantized (null for the others; each sum
   // formed exactly as dot_q8x forms it, the plain types' may round differently from dot's).
-  void (*dot_rows[5])(const uint8_t* const* rows, int k, const float* x, int64_t n, float* out);
-  void (*dot_rows_q8x[5])(const uint8_t* const* rows, int k, const Q8Vector& x, int64_t n,
-                          float* out);
+  void (*dot_rows[kNumDTypes])(const uint8_t* const* rows, int k, const float* x, int64_t n, float* out);
+  void (*dot_rows_q8x[kNumDTypes])(const uint8_t* const* rows, int k, const Q8Vector& x,
+                                   int64_t n, float* out);
+  // A Q4_K / Q5_K / Q6_K row (null for the other dtypes) against a Q8KVector, ggml's
+  // ggml_vec_dot_q*_K_q8_K: per super-block d_row * d_x * (exact integer dot with the sub-block
+  // scales) - dmin_row * d_x * (exact integer dot of the mins with the 16-value sums of x).
+  float (*dot_q8k[kNumDTypes])(const void* row, const Q8KVector& x, int64_t n);
+  // dot_q8k for k rows (each sum formed exactly as dot_q8k forms it).
+  void (*dot_rows_q8k[kNumDTypes])(const uint8_t* const* rows, int k, const Q8KVector& x,
+                                   int64_t n, float* out);
+  // Quantizes x: [n] (n a multiple of 256) into the arrays of a Q8KVector.
+  void (*quantize_q8k)(const float* x, int64_t n, int8_t* q, float* d, int16_t* bsums);
 };
 
 const RowKernels* RowKernelsScalar();

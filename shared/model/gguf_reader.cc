@@ -348,6 +348,12 @@ absl::StatusOr<GgmlType> GgmlTypeFromDType(DType t) {
       return GgmlType::kQ8_0;
     case DType::kQ4_0:
       return GgmlType::kQ4_0;
+    case DType::kQ4_K:
+      return GgmlType::kQ4_K;
+    case DType::kQ5_K:
+      return GgmlType::kQ5_K;
+    case DType::kQ6_K:
+      return GgmlType::kQ6_K;
   }
   return absl::InvalidArgumentError("dtype has no ggml equivalent");
 }
@@ -364,12 +370,18 @@ absl::StatusOr<DType> DTypeFromGgmlType(uint32_t type) {
       return DType::kQ8_0;
     case GgmlType::kQ4_0:
       return DType::kQ4_0;
+    case GgmlType::kQ4_K:
+      return DType::kQ4_K;
+    case GgmlType::kQ5_K:
+      return DType::kQ5_K;
+    case GgmlType::kQ6_K:
+      return DType::kQ6_K;
     default:
       break;
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unsupported tensor type ", GgmlTypeName(type),
-                   " (pinfer computes with F32, F16, BF16, Q8_0 and Q4_0)"));
+                   " (pinfer computes with F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K and Q6_K)"));
 }
 
 bool GgufValue::is_integer() const { return IsIntegerType(type); }

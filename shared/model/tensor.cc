@@ -20,18 +20,29 @@ absl::string_view DTypeName(DType t) {
     case DType::kBF16: return "BF16";
     case DType::kQ8_0: return "Q8_0";
     case DType::kQ4_0: return "Q4_0";
+    case DType::kQ4_K: return "Q4_K";
+    case DType::kQ5_K: return "Q5_K";
+    case DType::kQ6_K: return "Q6_K";
   }
   return "?";
 }
 
 absl::StatusOr<DType> DTypeFromName(absl::string_view name) {
-  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ4_0}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ4_0, DType::kQ4_K,
+                  DType::kQ5_K, DType::kQ6_K}) {
     if (absl::EqualsIgnoreCase(name, DTypeName(t))) return t;
   }
   return absl::InvalidArgumentError(absl::StrCat("unknown dtype '", name, "'"));
 }
 
-bool IsQuantized(DType t) { return t == DType::kQ8_0 || t == DType::kQ4_0; }
+bool IsQuantized(DType t) { return t == DType::kQ8_0 || t == DType::kQ4_0 || IsKQuant(t); }
+
+bool IsKQuant(DType t) { return t == DType::kQ4_K || t == DType::kQ5_K || t == DType::kQ6_K; }
+
+int BlockElems(DType t) {
+  if (IsKQuant(t)) return kSuperBlock;
+  return IsQuantized(t) ? kQuantBlock : 1;
+}
 
 size_t RowBytes(DType t, int64_t n) {
   switch (t) {
@@ -40,9 +51,136 @@ size_t RowBytes(DType t, int64_t n) {
     case DType::kBF16: return 2 * static_cast<size_t>(n);
     case DType::kQ8_0: return sizeof(BlockQ8_0) * static_cast<size_t>(n / kQuantBlock);
     case DType::kQ4_0: return sizeof(BlockQ4_0) * static_cast<size_t>(n / kQuantBlock);
+    case DType::kQ4_K: return sizeof(BlockQ4_K) * static_cast<size_t>(n / kSuperBlock);
+    case DType::kQ5_K: return sizeof(BlockQ5_K) * static_cast<size_t>(n / kSuperBlock);
+    case DType::kQ6_K: return sizeof(BlockQ6_K) * static_cast<size_t>(n / kSuperBlock);
   }
   return 0;
 }
+
+namespace {
+
+// ggml's dequantize_row_q4_K / q5_K: d * scale_j as one fp32 factor, then factor * q - dmin * min_j.
+// Q4_K passes qh == null.
+void DequantQ4Q5K(uint16_t d16, uint16_t dmin16, const uint8_t* scales, const uint8_t* qh,
+                  const uint8_t* qs, float* y) {
+  const float d = Fp16ToFp32(d16), dmin = Fp16ToFp32(dmin16);
+  for (int i = 0; i < 4; ++i) {  // 64 values: sub-blocks 2i (low nibbles) and 2i + 1 (high)
+    int sc0, m0, sc1, m1;
+    KScaleMin(scales, 2 * i, &sc0, &m0);
+    KScaleMin(scales, 2 * i + 1, &sc1, &m1);
+    const float d0 = d * sc0, d1 = d * sc1, min0 = dmin * m0, min1 = dmin * m1;
+    for (int l = 0; l < 32; ++l) {
+      int q0 = qs[32 * i + l] & 0x0f, q1 = qs[32 * i + l] >> 4;
+      if (qh != nullptr) {
+        q0 += ((qh[l] >> (2 * i)) & 1) << 4;
+        q1 += ((qh[l] >> (2 * i + 1)) & 1) << 4;
+      }
+      y[64 * i + l] = d0 * q0 - min0;
+      y[64 * i + 32 + l] = d1 * q1 - min1;
+    }
+  }
+}
+
+// Q6_K value v (0..255) of a block, q - 32.
+int Q6KValue(const BlockQ6_K& b, int v) {
+  const int h = v / 128, l = v % 32, k = (v % 128) / 32;
+  const uint8_t low = b.ql[64 * h + l + 32 * (k & 1)];
+  const int lo = k < 2 ? (low & 0x0f) : (low >> 4);
+  return (lo | (((b.qh[32 * h + l] >> (2 * k)) & 3) << 4)) - 32;
+}
+
+// The plain K quantizers: per sub-block the scale (and for Q4_K / Q5_K the min, stored as a
+// non-negative offset) that spans its values, the sub-block scales rounded to 6 bits (Q6_K:
+// 8 bits) against one fp16 super-scale, and each value rounded to the nearest level of its
+// rounded scale.
+void QuantizeQ4Q5K(const float* x, int levels, uint16_t* d_out, uint16_t* dmin_out,
+                   uint8_t* scales, uint8_t* qh, uint8_t* qs) {
+  float scale[8], offset[8];
+  float max_scale = 0, max_offset = 0;
+  for (int j = 0; j < 8; ++j) {
+    float lo = 0, hi = 0;
+    for (int l = 0; l < 32; ++l) {
+      lo = std::min(lo, x[32 * j + l]);
+      hi = std::max(hi, x[32 * j + l]);
+    }
+    scale[j] = (hi - lo) / static_cast<float>(levels);
+    offset[j] = -lo;
+    max_scale = std::max(max_scale, scale[j]);
+    max_offset = std::max(max_offset, offset[j]);
+  }
+  const float d = max_scale / 63.f, dmin = max_offset / 63.f;
+  *d_out = Fp32ToFp16(d);
+  *dmin_out = Fp32ToFp16(dmin);
+  const float d_stored = Fp16ToFp32(*d_out), dmin_stored = Fp16ToFp32(*dmin_out);
+  std::memset(scales, 0, 12);
+  int ls[8], lm[8];
+  for (int j = 0; j < 8; ++j) {
+    ls[j] = d_stored > 0 ? std::clamp(static_cast<int>(std::lround(scale[j] / d_stored)), 0, 63) : 0;
+    lm[j] = dmin_stored > 0
+                ? std::clamp(static_cast<int>(std::lround(offset[j] / dmin_stored)), 0, 63)
+                : 0;
+    if (j < 4) {
+      scales[j] |= static_cast<uint8_t>(ls[j]);
+      scales[j + 4] |= static_cast<uint8_t>(lm[j]);
+    } else {
+      scales[j + 4] = static_cast<uint8_t>((ls[j] & 0x0f) | ((lm[j] & 0x0f) << 4));
+      scales[j - 4] |= static_cast<uint8_t>((ls[j] >> 4) << 6);
+      scales[j] |= static_cast<uint8_t>((lm[j] >> 4) << 6);
+    }
+  }
+  if (qh != nullptr) std::memset(qh, 0, 32);
+  std::memset(qs, 0, 128);
+  for (int j = 0; j < 8; ++j) {
+    const float step = d_stored * ls[j], off = dmin_stored * lm[j];
+    for (int l = 0; l < 32; ++l) {
+      const int q = step > 0 ? std::clamp(static_cast<int>(std::lround((x[32 * j + l] + off) / step)),
+                                          0, levels)
+                             : 0;
+      const int i = j / 2, byte = 32 * i + l;
+      qs[byte] |= static_cast<uint8_t>((q & 0x0f) << (j % 2 == 0 ? 0 : 4));
+      if (qh != nullptr) qh[l] |= static_cast<uint8_t>((q >> 4) << j);
+    }
+  }
+}
+
+void QuantizeQ6K(const float* x, BlockQ6_K* b) {
+  float scale[16];
+  float max_abs_scale = 0;
+  for (int g = 0; g < 16; ++g) {
+    float amax = 0, max = 0;  // the value of largest magnitude maps to -32, as Q4_0 does it
+    for (int l = 0; l < 16; ++l) {
+      if (std::fabs(x[16 * g + l]) > amax) {
+        amax = std::fabs(x[16 * g + l]);
+        max = x[16 * g + l];
+      }
+    }
+    scale[g] = max / -32.f;
+    max_abs_scale = std::max(max_abs_scale, std::fabs(scale[g]));
+  }
+  const float d = max_abs_scale / 127.f;
+  b->d = Fp32ToFp16(d);
+  const float d_stored = Fp16ToFp32(b->d);
+  std::memset(b->ql, 0, sizeof(b->ql));
+  std::memset(b->qh, 0, sizeof(b->qh));
+  for (int g = 0; g < 16; ++g) {
+    const int sc = d_stored > 0
+                       ? std::clamp(static_cast<int>(std::lround(scale[g] / d_stored)), -127, 127)
+                       : 0;
+    b->scales[g] = static_cast<int8_t>(sc);
+    const float step = d_stored * sc;
+    for (int l = 0; l < 16; ++l) {
+      const int v = 16 * g + l;
+      const int q =
+          step != 0 ? std::clamp(static_cast<int>(std::lround(x[v] / step)) + 32, 0, 63) : 32;
+      const int h = v / 128, ll = v % 32, k = (v % 128) / 32;
+      b->ql[64 * h + ll + 32 * (k & 1)] |= static_cast<uint8_t>((q & 0x0f) << (k < 2 ? 0 : 4));
+      b->qh[32 * h + ll] |= static_cast<uint8_t>((q >> 4) << (2 * k));
+    }
+  }
+}
+
+}  // namespace
 
 void DequantizeRow(DType t, const void* src, float* dst, int64_t n) {
   switch (t) {
@@ -74,6 +212,30 @@ void DequantizeRow(DType t, const void* src, float* dst, int64_t n) {
         for (int j = 0; j < 16; ++j) {
           dst[i * 32 + j] = d * ((b[i].qs[j] & 0x0f) - 8);
           dst[i * 32 + j + 16] = d * ((b[i].qs[j] >> 4) - 8);
+        }
+      }
+      return;
+    }
+    case DType::kQ4_K: {
+      const BlockQ4_K* b = static_cast<const BlockQ4_K*>(src);
+      for (int64_t i = 0; i < n / kSuperBlock; ++i) {
+        DequantQ4Q5K(b[i].d, b[i].dmin, b[i].scales, nullptr, b[i].qs, dst + i * kSuperBlock);
+      }
+      return;
+    }
+    case DType::kQ5_K: {
+      const BlockQ5_K* b = static_cast<const BlockQ5_K*>(src);
+      for (int64_t i = 0; i < n / kSuperBlock; ++i) {
+        DequantQ4Q5K(b[i].d, b[i].dmin, b[i].scales, b[i].qh, b[i].qs, dst + i * kSuperBlock);
+      }
+      return;
+    }
+    case DType::kQ6_K: {
+      const BlockQ6_K* b = static_cast<const BlockQ6_K*>(src);
+      for (int64_t i = 0; i < n / kSuperBlock; ++i) {
+        const float d = Fp16ToFp32(b[i].d);
+        for (int v = 0; v < kSuperBlock; ++v) {
+          dst[i * kSuperBlock + v] = d * b[i].scales[v / 16] * Q6KValue(b[i], v);
         }
       }
       return;
@@ -130,6 +292,27 @@ void QuantizeRow(DType t, const float* src, void* dst, int64_t n) {
           b[i].qs[j] = static_cast<uint8_t>(q0 | (q1 << 4));
         }
       }
+      return;
+    }
+    case DType::kQ4_K: {
+      BlockQ4_K* b = static_cast<BlockQ4_K*>(dst);
+      for (int64_t i = 0; i < n / kSuperBlock; ++i) {
+        QuantizeQ4Q5K(src + i * kSuperBlock, 15, &b[i].d, &b[i].dmin, b[i].scales, nullptr,
+                      b[i].qs);
+      }
+      return;
+    }
+    case DType::kQ5_K: {
+      BlockQ5_K* b = static_cast<BlockQ5_K*>(dst);
+      for (int64_t i = 0; i < n / kSuperBlock; ++i) {
+        QuantizeQ4Q5K(src + i * kSuperBlock, 31, &b[i].d, &b[i].dmin, b[i].scales, b[i].qh,
+                      b[i].qs);
+      }
+      return;
+    }
+    case DType::kQ6_K: {
+      BlockQ6_K* b = static_cast<BlockQ6_K*>(dst);
+      for (int64_t i = 0; i < n / kSuperBlock; ++i) QuantizeQ6K(src + i * kSuperBlock, &b[i]);
       return;
     }
   }

@@ -17,7 +17,9 @@
 
 namespace pinfer {
 
-enum class DType : uint8_t { kF32, kF16, kBF16, kQ8_0, kQ4_0 };
+enum class DType : uint8_t { kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_K, kQ5_K, kQ6_K };
+// How many dtypes there are (tables indexed by dtype).
+inline constexpr int kNumDTypes = 8;
 
 // Quantized formats, bit-compatible with ggml: blocks of 32 values along a row.
 inline constexpr int kQuantBlock = 32;
@@ -33,13 +35,65 @@ struct BlockQ4_0 {
 static_assert(sizeof(BlockQ8_0) == 34);
 static_assert(sizeof(BlockQ4_0) == 18);
 
+// ggml's K-quants: super-blocks of 256 values along a row (ggml-common.h's block_q4_K etc.).
+inline constexpr int kSuperBlock = 256;
+// Q4_K: eight sub-blocks of 32, each with a 6-bit scale and a 6-bit min packed in `scales`
+// (sub-block j < 4: scales[j] & 63, scales[j + 4] & 63; j >= 4: the low nibbles of scales[j + 4]
+// with the top two bits of scales[j - 4] as bits 4-5, and for the min the high nibble of
+// scales[j + 4] with the top bits of scales[j]). Value d * scale_j * q - dmin * min_j, q the
+// nibbles of qs: each 32 bytes hold sub-blocks 2i (low nibbles) and 2i + 1 (high nibbles).
+struct BlockQ4_K {
+  uint16_t d;     // fp16 scale of the scales
+  uint16_t dmin;  // fp16 scale of the mins
+  uint8_t scales[12];
+  uint8_t qs[128];
+};
+// Q5_K: Q4_K plus a fifth bit: bit 2i of qh[l] is the high bit of value l of sub-block 2i, bit
+// 2i + 1 that of value l of sub-block 2i + 1 (q in 0..31).
+struct BlockQ5_K {
+  uint16_t d;
+  uint16_t dmin;
+  uint8_t scales[12];
+  uint8_t qh[32];
+  uint8_t qs[128];
+};
+// Q6_K: sixteen sub-blocks of 16 with int8 scales; value d * scale * (q - 32), q in 0..63 from
+// the four low bits in ql and two high bits in qh. Each half of 128 values: value l + 32k
+// (l < 32, k < 4) takes ql[l + 32 (k & 1)] (low nibble for k < 2, high for k >= 2) and bits
+// 2k..2k+1 of qh[l].
+struct BlockQ6_K {
+  uint8_t ql[128];
+  uint8_t qh[64];
+  int8_t scales[16];
+  uint16_t d;
+};
+// Sub-block j's (0..7) 6-bit scale and min from a Q4_K / Q5_K `scales` array (ggml's
+// get_scale_min_k4).
+inline void KScaleMin(const uint8_t* scales, int j, int* scale, int* min) {
+  if (j < 4) {
+    *scale = scales[j] & 63;
+    *min = scales[j + 4] & 63;
+  } else {
+    *scale = (scales[j + 4] & 0x0f) | ((scales[j - 4] >> 6) << 4);
+    *min = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4);
+  }
+}
+static_assert(sizeof(BlockQ4_K) == 144);
+static_assert(sizeof(BlockQ5_K) == 176);
+static_assert(sizeof(BlockQ6_K) == 210);
+
 absl::string_view DTypeName(DType t);
-// name: "F32", "F16", "BF16", "Q8_0", "Q4_0".
+// name: "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K".
 absl::StatusOr<DType> DTypeFromName(absl::string_view name);
 
-// Bytes used by `n` consecutive elements (n must be a multiple of 32 for quantized types).
+// Bytes used by `n` consecutive elements (n must be a multiple of BlockElems(t)).
 size_t RowBytes(DType t, int64_t n);
+// Block types (Q8_0, Q4_0 and the K-quants): their rows multiply quantized activations.
 bool IsQuantized(DType t);
+// Q4_K, Q5_K, Q6_K: rows multiply activations quantized to Q8_K (256-value blocks).
+bool IsKQuant(DType t);
+// Elements per block: 1 for F32/F16/BF16, 32 for Q8_0/Q4_0, 256 for the K-quants.
+int BlockElems(DType t);
 
 struct TensorView {
   std::string name;
@@ -69,8 +123,9 @@ struct TensorView {
 
 // Converts `n` elements of one row in any dtype to fp32.
 void DequantizeRow(DType t, const void* src, float* dst, int64_t n);
-// Quantizes/converts `n` fp32 values to dtype t (n a multiple of 32 for quantized types), ggml's
-// reference rounding.
+// Quantizes/converts `n` fp32 values to dtype t (n a multiple of BlockElems(t)): ggml's reference
+// rounding for Q8_0/Q4_0; for the K-quants a plain min/max quantizer (not ggml's iterative scale
+// search, which only lowers the rounding error: any valid blocks compute the same way).
 void QuantizeRow(DType t, const float* src, void* dst, int64_t n);
 
 }  // namespace pinfer

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -542,6 +543,130 @@ TEST_P(OpsTest, GatedActivations) {
   }
 }
 
+// ---- K-quants: Q4_K, Q5_K, Q6_K (rows of whole 256-value super-blocks) ----
+
+const DType kKDTypes[] = {DType::kQ4_K, DType::kQ5_K, DType::kQ6_K};
+
+// K-quant rows with every bit random (scales up to 63 with their packed high bits, Q5_K's fifth
+// bits, negative Q6_K scales), only the fp16 factors kept finite and small. QuantizeRow's blocks
+// (MakeWeight) use a narrower part of the format.
+Weight MakeRandomKWeight(DType dtype, int64_t rows, int64_t cols, std::mt19937& rng) {
+  Weight w;
+  w.bytes.resize(RowBytes(dtype, cols) * rows);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (auto& b : w.bytes) b = static_cast<uint8_t>(byte(rng));
+  std::uniform_real_distribution<float> factor(1e-4f, 2e-3f);
+  const size_t block = RowBytes(dtype, kSuperBlock);
+  for (size_t off = 0; off < w.bytes.size(); off += block) {
+    const uint16_t d = Fp32ToFp16(factor(rng)), dmin = Fp32ToFp16(factor(rng));
+    if (dtype == DType::kQ6_K) {
+      std::memcpy(&w.bytes[off + offsetof(BlockQ6_K, d)], &d, 2);
+    } else {
+      std::memcpy(&w.bytes[off], &d, 2);
+      std::memcpy(&w.bytes[off + 2], &dmin, 2);
+    }
+  }
+  w.view.name = "w";
+  w.view.dtype = dtype;
+  w.view.shape = {rows, cols};
+  w.view.data = w.bytes.data();
+  return w;
+}
+
+TEST_P(OpsTest, KQuantMatMulEveryBatch) {
+  for (DType dt : kKDTypes) {
+    for (bool random_bits : {false, true}) {
+      for (int n : {1, 2, 7}) {
+        for (auto [rows, cols] : {std::pair<int, int>{37, 256}, {20, 512}, {9, 2304}}) {
+          SCOPED_TRACE(testing::Message() << DTypeName(dt) << " random " << random_bits
+                                          << " n=" << n << " " << rows << "x" << cols);
+          Weight w = random_bits ? MakeRandomKWeight(dt, rows, cols, rng_)
+                                 : MakeWeight(dt, rows, cols, rng_);
+          auto x = Random(n * cols, rng_);
+          Guarded got(n * rows), want(n * rows);
+          ops_->MatMul(w.view, x.data(), n, got.data());
+          ref_->MatMul(w.view, x.data(), n, want.data());
+          ExpectClose(got, want, 1e-10);
+        }
+      }
+    }
+  }
+}
+
+TEST_P(OpsTest, KQuantRowsAreBitIdenticalToMatMulAndAccumulate) {
+  for (DType dt : kKDTypes) {
+    SCOPED_TRACE(DTypeName(dt));
+    const int rows = 45, cols = 768, n = 3;
+    Weight w = MakeRandomKWeight(dt, rows, cols, rng_);
+    auto x = Random(cols, rng_);
+    std::vector<float> all(rows);
+    ops_->MatMul(w.view, x.data(), 1, all.data());
+    std::vector<int32_t> idx = {44, 3, 0, 17, 18, 19, 2, 30, 31};
+    std::vector<float> some(idx.size());
+    ops_->MatMulRows(w.view, idx.data(), idx.size(), x.data(), 1, some.data());
+    for (size_t i = 0; i < idx.size(); ++i) EXPECT_EQ(some[i], all[idx[i]]) << "row " << idx[i];
+
+    auto xn = Random(n * cols, rng_);
+    Guarded got(n * idx.size()), want(n * idx.size());
+    ops_->MatMulRows(w.view, idx.data(), idx.size(), xn.data(), n, got.data());
+    ref_->MatMulRows(w.view, idx.data(), idx.size(), xn.data(), n, want.data());
+    ExpectClose(got, want, 1e-10);
+    for (int tokens : {1, n}) {
+      auto a = Random(tokens * idx.size(), rng_);
+      a[2] = 0;
+      auto y0 = Random(tokens * cols, rng_);
+      Guarded acc(tokens * cols), acc_ref(tokens * cols);
+      std::copy(y0.begin(), y0.end(), acc.data());
+      std::copy(y0.begin(), y0.end(), acc_ref.data());
+      ops_->AccumulateRows(w.view, idx.data(), idx.size(), a.data(), tokens, acc.data());
+      ref_->AccumulateRows(w.view, idx.data(), idx.size(), a.data(), tokens, acc_ref.data());
+      ExpectClose(acc, acc_ref, 1e-10);
+    }
+    // The grouped axpy adds exactly what one axpy per row adds.
+    const RowKernels* k = GetParam().kernels;
+    std::vector<const uint8_t*> rp;
+    for (int j = 0; j < 10; ++j) rp.push_back(w.view.row(j));
+    auto coef = Random(10, rng_), start = Random(cols, rng_);
+    std::vector<float> one_by_one = start, grouped = start;
+    for (int j = 0; j < 10; ++j) {
+      k->axpy[static_cast<size_t>(dt)](coef[j], rp[j], one_by_one.data(), cols);
+    }
+    k->axpy_rows[static_cast<size_t>(dt)](coef.data(), rp.data(), 10, grouped.data(), cols);
+    EXPECT_EQ(grouped, one_by_one);
+  }
+}
+
+// The fused FFN on K-quant rows, with a file's typical mix: gate and up in one K type, the
+// transposed down rows in Q6_K, Q8_0 or the same type.
+TEST_P(OpsTest, KQuantSparseFfnToken) {
+  for (DType dt : kKDTypes) {
+    for (DType down_type : {DType::kQ6_K, DType::kQ8_0, dt}) {
+      for (Activation act : {Activation::kSilu, Activation::kRelu}) {
+        SCOPED_TRACE(::testing::Message() << DTypeName(dt) << " down " << DTypeName(down_type)
+                                          << " act " << static_cast<int>(act));
+        const int ffn = 120, hidden = 512, n_rows = 70;
+        Weight gate = MakeRandomKWeight(dt, ffn, hidden, rng_);
+        Weight up = MakeWeight(dt, ffn, hidden, rng_);
+        Weight down_t = MakeWeight(down_type, ffn, hidden, rng_);
+        std::vector<int32_t> idx(ffn);
+        for (int i = 0; i < ffn; ++i) idx[i] = i;
+        std::shuffle(idx.begin(), idx.end(), rng_);
+        idx.resize(n_rows);
+        auto x = Random(hidden, rng_);
+        Guarded got(hidden), want(hidden), a(n_rows), a_ref(n_rows);
+        const int ups = ops_->SparseFfnToken(gate.view, up.view, down_t.view, idx.data(), n_rows,
+                                             act, x.data(), nullptr, a.data(), got.data());
+        const int ups_ref = ref_->SparseFfnToken(gate.view, up.view, down_t.view, idx.data(),
+                                                 n_rows, act, x.data(), nullptr, a_ref.data(),
+                                                 want.data());
+        EXPECT_EQ(ups, ups_ref);
+        ExpectClose(a, a_ref, 1e-10);
+        ExpectClose(got, want, 1e-10);
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllKernels, OpsTest, ::testing::ValuesIn(Implementations()),
                          [](const auto& info) {
                            std::string name = info.param.kernels->name;
@@ -657,6 +782,214 @@ TEST(QuantizeTest, Q4_0MatchesGgmlLayout) {
   DequantizeRow(DType::kQ4_0, &b, back.data(), 32);
   EXPECT_FLOAT_EQ(back[0], -8.f);
   EXPECT_NEAR(back[16], 0.f, 1e-6);
+}
+
+// ggml's dequantize_row_q4_K / q5_K / q6_K, written here from ggml-quants.c's loops (pointers
+// walking the block, get_scale_min_k4 on the packed scales) as an independent check of the
+// engine's layouts.
+void GgmlScaleMin(int j, const uint8_t* q, uint8_t* d, uint8_t* m) {
+  if (j < 4) {
+    *d = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4);
+  }
+}
+
+void GgmlDequantize(DType t, const uint8_t* row, int64_t n, float* y) {
+  for (int64_t i = 0; i < n / 256; ++i) {
+    const uint8_t* blk = row + i * RowBytes(t, 256);
+    if (t == DType::kQ6_K) {
+      const uint8_t* ql = blk;
+      const uint8_t* qh = blk + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      uint16_t dh;
+      std::memcpy(&dh, blk + 208, 2);
+      const float d = Fp16ToFp32(dh);
+      for (int n128 = 0; n128 < 256; n128 += 128) {
+        for (int l = 0; l < 32; ++l) {
+          const int is = l / 16;
+          const int8_t q1 = static_cast<int8_t>((ql[l + 0] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+          const int8_t q2 = static_cast<int8_t>((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+          const int8_t q3 = static_cast<int8_t>((ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+          const int8_t q4 = static_cast<int8_t>((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+          y[l + 0] = d * sc[is + 0] * q1;
+          y[l + 32] = d * sc[is + 2] * q2;
+          y[l + 64] = d * sc[is + 4] * q3;
+          y[l + 96] = d * sc[is + 6] * q4;
+        }
+        y += 128;
+        ql += 64;
+        qh += 32;
+        sc += 8;
+      }
+      continue;
+    }
+    const bool q5 = t == DType::kQ5_K;
+    uint16_t dh, mh;
+    std::memcpy(&dh, blk, 2);
+    std::memcpy(&mh, blk + 2, 2);
+    const float d = Fp16ToFp32(dh), min = Fp16ToFp32(mh);
+    const uint8_t* scales = blk + 4;
+    const uint8_t* qh = blk + 16;
+    const uint8_t* ql = blk + (q5 ? 48 : 16);
+    int is = 0;
+    uint8_t u1 = 1, u2 = 2, sc, m;
+    for (int j = 0; j < 256; j += 64) {
+      GgmlScaleMin(is + 0, scales, &sc, &m);
+      const float d1 = d * sc, m1 = min * m;
+      GgmlScaleMin(is + 1, scales, &sc, &m);
+      const float d2 = d * sc, m2 = min * m;
+      for (int l = 0; l < 32; ++l) {
+        *y++ = d1 * ((ql[l] & 0xF) + (q5 && (qh[l] & u1) ? 16 : 0)) - m1;
+      }
+      for (int l = 0; l < 32; ++l) {
+        *y++ = d2 * ((ql[l] >> 4) + (q5 && (qh[l] & u2) ? 16 : 0)) - m2;
+      }
+      ql += 32;
+      is += 2;
+      u1 <<= 2;
+      u2 <<= 2;
+    }
+  }
+}
+
+// x as ggml's quantize_row_q8_K rounds it, back in fp32: d * q per 256 values.
+std::vector<float> GgmlQ8KRounded(const float* x, int64_t n) {
+  std::vector<float> out(n);
+  for (int64_t b = 0; b < n / 256; ++b) {
+    float max = 0, amax = 0;
+    for (int j = 0; j < 256; ++j) {
+      if (std::fabs(x[b * 256 + j]) > amax) {
+        amax = std::fabs(x[b * 256 + j]);
+        max = x[b * 256 + j];
+      }
+    }
+    const float iscale = amax == 0 ? 0 : -127.f / max;
+    for (int j = 0; j < 256; ++j) {
+      // nearest_int: ggml's float trick, round half to even.
+      float v = iscale * x[b * 256 + j] + 12582912.f;
+      int32_t i;
+      std::memcpy(&i, &v, 4);
+      const int q = std::min(127, (i & 0x007fffff) - 0x00400000);
+      out[b * 256 + j] = amax == 0 ? 0.f : q * (1 / iscale);
+    }
+  }
+  return out;
+}
+
+TEST(KQuantTest, EngineDequantizationIsGgmlsBitForBit) {
+  std::mt19937 rng(11);
+  for (DType dt : kKDTypes) {
+    Weight w = MakeRandomKWeight(dt, 3, 768, rng);
+    std::vector<float> engine(768), ggml(768);
+    for (int r = 0; r < 3; ++r) {
+      DequantizeRow(dt, w.view.row(r), engine.data(), 768);
+      GgmlDequantize(dt, w.view.row(r), 768, ggml.data());
+      EXPECT_EQ(engine, ggml) << DTypeName(dt) << " row " << r;
+    }
+  }
+}
+
+// Every kernel set (and the reference) against an F32 product on the weights dequantized by
+// ggml's formulas: with x rounded as Q8_K rounds it the two differ only by fp32 summation order;
+// with x in fp32 by at most Q8_K's rounding of x (relative error ~ 1 / 254 per value).
+TEST(KQuantTest, ProductsMatchAnF32ProductOnGgmlDequantizedWeights) {
+  std::mt19937 rng(12);
+  const int rows = 24, cols = 1024;
+  for (DType dt : kKDTypes) {
+    for (bool random_bits : {false, true}) {
+      Weight w = random_bits ? MakeRandomKWeight(dt, rows, cols, rng)
+                             : MakeWeight(dt, rows, cols, rng);
+      auto x = Random(cols, rng);
+      x[5] = 0.f;  // exercises a zero in a block, not a zero block
+      const std::vector<float> xr = GgmlQ8KRounded(x.data(), cols);
+      std::vector<float> want_rounded(rows), want_fp32(rows), deq(cols);
+      for (int r = 0; r < rows; ++r) {
+        GgmlDequantize(dt, w.view.row(r), cols, deq.data());
+        double s = 0, s32 = 0;
+        for (int c = 0; c < cols; ++c) {
+          s += double(deq[c]) * xr[c];
+          s32 += double(deq[c]) * x[c];
+        }
+        want_rounded[r] = static_cast<float>(s);
+        want_fp32[r] = static_cast<float>(s32);
+      }
+      std::vector<std::unique_ptr<CpuOps>> all;
+      all.push_back(NewReferenceOps());
+      for (const Impl& impl : Implementations()) {
+        if (impl.threads == 1) all.push_back(NewSimdOpsWithKernels(nullptr, impl.kernels));
+      }
+      for (const auto& ops : all) {
+        SCOPED_TRACE(testing::Message() << DTypeName(dt) << " " << ops->name() << " random "
+                                        << random_bits);
+        std::vector<float> got(rows);
+        ops->MatMul(w.view, x.data(), 1, got.data());
+        EXPECT_FALSE(AnyNan(got.data(), rows));
+        EXPECT_LT(Nmse(got.data(), want_rounded.data(), rows), 1e-10);
+        EXPECT_LT(Nmse(got.data(), want_fp32.data(), rows), 1e-4);
+        EXPECT_GT(Nmse(got.data(), want_fp32.data(), rows), 0) << "x was not quantized";
+      }
+    }
+  }
+}
+
+// quantize_row_q8_K by hand: the value of largest magnitude (here negative) maps to -127, the
+// others to round(x * 127 / |max|) with ties to even, capped at 127; bsums add 16 values.
+TEST(KQuantTest, ActivationsQuantizeToQ8KAsGgmlDoes) {
+  std::vector<float> x(512, 0.f);
+  x[0] = -2.f;           // iscale = -127 / -2 = 63.5, q = -127
+  x[1] = 2.f;            // q = 127
+  x[2] = 0.5f;           // 31.75 -> 32
+  x[3] = 1.f / 127.f;    // 0.5 -> 0 (ties to even)
+  x[4] = 3.f / 127.f;    // 1.5 -> 2
+  x[17] = -0.25f;        // -15.875 -> -16
+  // block 1 stays zero: d = 0, q = 0
+  for (const Impl& impl : Implementations()) {
+    if (impl.threads != 1) continue;
+    SCOPED_TRACE(impl.kernels->name);
+    std::vector<int8_t> q(512, 99);
+    std::vector<float> d(2, 99.f);
+    std::vector<int16_t> bsums(32, 99);
+    impl.kernels->quantize_q8k(x.data(), 512, q.data(), d.data(), bsums.data());
+    EXPECT_EQ(q[0], -127);
+    EXPECT_EQ(q[1], 127);
+    EXPECT_EQ(q[2], 32);
+    EXPECT_EQ(q[3], 0);
+    EXPECT_EQ(q[4], 2);
+    EXPECT_EQ(q[17], -16);
+    EXPECT_EQ(q[300], 0);
+    EXPECT_FLOAT_EQ(d[0], 1.f / 63.5f);
+    EXPECT_EQ(d[1], 0.f);
+    EXPECT_EQ(bsums[0], -127 + 127 + 32 + 0 + 2);
+    EXPECT_EQ(bsums[1], -16);
+    EXPECT_EQ(bsums[16], 0);
+  }
+}
+
+TEST(KQuantTest, BlockSizesAndRoundTrip) {
+  EXPECT_EQ(RowBytes(DType::kQ4_K, 4096), 16u * 144);
+  EXPECT_EQ(RowBytes(DType::kQ5_K, 4096), 16u * 176);
+  EXPECT_EQ(RowBytes(DType::kQ6_K, 4096), 16u * 210);
+  for (DType dt : kKDTypes) EXPECT_EQ(BlockElems(dt), 256) << DTypeName(dt);
+  std::mt19937 rng(13);
+  auto x = Random(1024, rng);
+  // Nmse of a uniform quantizer with 16 / 32 / 64 levels over a block's spread.
+  const std::pair<DType, double> limits[] = {
+      {DType::kQ4_K, 1.5e-2}, {DType::kQ5_K, 4e-3}, {DType::kQ6_K, 1.5e-3}};
+  for (auto [dt, limit] : limits) {
+    std::vector<uint8_t> q(RowBytes(dt, 1024));
+    std::vector<float> back(1024);
+    QuantizeRow(dt, x.data(), q.data(), 1024);
+    DequantizeRow(dt, q.data(), back.data(), 1024);
+    EXPECT_LE(Nmse(back.data(), x.data(), 1024), limit) << DTypeName(dt);
+    std::vector<float> ggml(1024);
+    GgmlDequantize(dt, q.data(), 1024, ggml.data());
+    EXPECT_EQ(back, ggml) << DTypeName(dt);
+  }
+  EXPECT_EQ(*DTypeFromName("q4_k"), DType::kQ4_K);
+  EXPECT_EQ(DTypeName(DType::kQ6_K), "Q6_K");
 }
 
 }  // namespace
