@@ -49,32 +49,6 @@ void DequantQ5_1(const uint8_t* b, float* y) {
   }
 }
 
-// Q6_K, 256 values: {ql[128] low 4 bits, qh[64] high 2 bits, scales[16] int8, d}; value
-// d * scale * (q - 32), each half of 128 values in four interleaved groups of 32.
-void DequantQ6_K(const uint8_t* b, float* y) {
-  const uint8_t* ql = b;
-  const uint8_t* qh = b + 128;
-  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-  const float d = Fp16ToFp32(U16(b + 208));
-  for (int half = 0; half < 2; ++half) {
-    for (int l = 0; l < 32; ++l) {
-      const int is = l / 16;
-      const int q1 = ((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32;
-      const int q2 = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32;
-      const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-      const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-      y[l] = d * sc[is] * q1;
-      y[l + 32] = d * sc[is + 2] * q2;
-      y[l + 64] = d * sc[is + 4] * q3;
-      y[l + 96] = d * sc[is + 6] * q4;
-    }
-    y += 128;
-    ql += 64;
-    qh += 32;
-    sc += 8;
-  }
-}
-
 }  // namespace
 
 bool IsDequantizableGgmlType(uint32_t type) {
@@ -82,7 +56,6 @@ bool IsDequantizableGgmlType(uint32_t type) {
     case GgmlType::kQ4_1:
     case GgmlType::kQ5_0:
     case GgmlType::kQ5_1:
-    case GgmlType::kQ6_K:
       return true;
     default:
       return false;
@@ -112,11 +85,8 @@ absl::Status DequantizeGgmlRow(uint32_t type, const void* src, float* dst, int64
       case GgmlType::kQ5_0:
         DequantQ5_0(b, y);
         break;
-      case GgmlType::kQ5_1:
-        DequantQ5_1(b, y);
-        break;
       default:
-        DequantQ6_K(b, y);
+        DequantQ5_1(b, y);
         break;
     }
   }

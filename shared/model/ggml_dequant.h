@@ -1,10 +1,11 @@
 // Reading GGUF tensors whose ggml type the engine does not compute with.
 //
-// The kernels compute with F32, F16, BF16, Q8_0 and Q4_0. Files made by llama.cpp-era tools carry
-// a few more types in places where pinfer still has to load them: PowerInfer's `quantize` stores
-// the predictors fc1/fc2 as Q5_0 (every file type but Q4_0) and the output head as Q6_K, and its
-// other file types store weights as Q4_1/Q5_0/Q5_1. Such tensors are dequantized once at load into
-// F32 memory the model owns: exact (the values ggml itself computes with), at four bytes a weight.
+// The kernels compute with F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K and Q6_K (PowerInfer's Q6_K
+// output head included). Files made by llama.cpp-era tools carry a few more types in places where
+// pinfer still has to load them: PowerInfer's `quantize` stores the predictors fc1/fc2 as Q5_0
+// (every file type but Q4_0), and its other file types store weights as Q4_1/Q5_0/Q5_1. Such
+// tensors are dequantized once at load into F32 memory the model owns: exact (the values ggml
+// itself computes with), at four bytes a weight.
 #pragma once
 
 #include <cstdint>
@@ -18,8 +19,7 @@
 
 namespace pinfer {
 
-// True for the ggml types DequantizeGgmlRow handles beyond the engine dtypes (Q4_1, Q5_0, Q5_1,
-// Q6_K).
+// True for the ggml types DequantizeGgmlRow handles beyond the engine dtypes (Q4_1, Q5_0, Q5_1).
 bool IsDequantizableGgmlType(uint32_t type);
 
 // Dequantizes `n` values (a whole number of the type's blocks) of ggml type `type` at `src`,

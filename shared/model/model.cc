@@ -31,9 +31,10 @@ absl::Status ValidateModelShapes(const Model& m) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor '", t.name, "' has shape [", g, "], expected [", w, "]"));
     }
-    if (IsQuantized(t.dtype) && t.cols() % kQuantBlock != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor '", t.name, "': row length not a multiple of 32"));
+    if (t.cols() % BlockElems(t.dtype) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name,
+                                                     "': row length not a multiple of ",
+                                                     BlockElems(t.dtype)));
     }
     return absl::OkStatus();
   };

@@ -210,7 +210,7 @@ absl::Status WritePreparedModel(const GgufFile& src, const PreparedContents& con
         return absl::InvalidArgumentError(
             absl::StrCat(info.name, " does not have ", ffn, " columns"));
       }
-      if (IsQuantized(t.dtype) && t.rows() % kQuantBlock != 0) {
+      if (t.rows() % BlockElems(t.dtype) != 0) {
         return absl::InvalidArgumentError(absl::StrCat(info.name, ": hidden size ", t.rows(),
                                                        " cannot be quantized after the transpose"));
       }

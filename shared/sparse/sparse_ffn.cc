@@ -53,10 +53,11 @@ absl::StatusOr<TensorView> TransposeMatrix(const TensorView& w, DType dtype,
                                            std::vector<uint8_t>* storage) {
   if (w.shape.size() != 2) return absl::InvalidArgumentError(w.name + ": not a matrix");
   const int64_t rows = w.rows(), cols = w.cols();
-  if (IsQuantized(dtype) && rows % kQuantBlock != 0) {
+  if (rows % BlockElems(dtype) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(w.name, ": cannot store the transpose as ",
                                                    DTypeName(dtype), " (", rows,
-                                                   " is not a multiple of 32)"));
+                                                   " is not a multiple of ", BlockElems(dtype),
+                                                   ")"));
   }
   // dense: [rows, cols] in fp32; one pass over the source, then one output row at a time.
   std::vector<float> dense(static_cast<size_t>(rows) * cols);

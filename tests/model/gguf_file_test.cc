@@ -463,6 +463,17 @@ absl::StatusOr<std::string> WriteTinyLlama(const std::string& name, const TinyLl
     std::string data = type == GgmlType::kF32
                            ? FloatBytes(n, rng)
                            : std::string(n / traits->block_size * traits->type_size, '\0');
+    // Types the engine computes with get real blocks of random weights.
+    auto dtype = DTypeFromGgmlType(static_cast<uint32_t>(type));
+    if (type != GgmlType::kF32 && dtype.ok()) {
+      const std::string f = FloatBytes(n, rng);
+      const int64_t cols = shape.back();
+      const size_t rb = RowBytes(*dtype, cols);
+      for (int64_t r = 0; r < n / cols; ++r) {
+        QuantizeRow(*dtype, reinterpret_cast<const float*>(f.data()) + r * cols, &data[r * rb],
+                    cols);
+      }
+    }
     absl::Status st = w.AddTensor(tname, type, shape, data);
     if (!st.ok()) return st;
   }
@@ -652,13 +663,94 @@ TEST(GgufModelErrorsTest, WrongShape) {
                   "tensor 'output_norm.weight' has shape [31], expected [32]");
 }
 
+// Q2_K, Q3_K and the IQ types are not computed: the error names the tensor, its type and the
+// types pinfer computes.
 TEST(GgufModelErrorsTest, UnsupportedTensorType) {
+  for (GgmlType type : {GgmlType::kQ2_K, GgmlType::kQ3_K, GgmlType::kIQ4_XS}) {
+    TinyLlama m;
+    m.hidden = 256;
+    m.heads = 4;
+    m.type_override = {{"blk.0.ffn_gate.weight", type}};
+    ExpectLoadError("unsupported.gguf", m, absl::StatusCode::kInvalidArgument,
+                    "tensor 'blk.0.ffn_gate.weight': unsupported tensor type " +
+                        GgmlTypeName(static_cast<uint32_t>(type)) +
+                        " (pinfer computes with F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K and Q6_K)");
+  }
+}
+
+// A K-quant mix as llama.cpp's Q4_K_M writes one (gate and up Q4_K, down and the output head
+// Q6_K, one layer's up Q5_K) loads with every tensor in its type, pointing at the file's bytes,
+// and computes what an F32 file holding the dequantized weights computes, up to the Q8_K
+// rounding of the activations.
+TEST(GgufModelErrorsTest, KQuantTensorsStayInTheirType) {
   TinyLlama m;
   m.hidden = 256;
   m.heads = 4;
-  m.type_override = {{"blk.0.ffn_gate.weight", GgmlType::kQ4_K}};
-  ExpectLoadError("q4k.gguf", m, absl::StatusCode::kInvalidArgument,
-                  "tensor 'blk.0.ffn_gate.weight': unsupported tensor type Q4_K");
+  m.ffn = 512;
+  m.type_override = {{"output.weight", GgmlType::kQ6_K},
+                     {"blk.0.ffn_gate.weight", GgmlType::kQ4_K},
+                     {"blk.0.ffn_up.weight", GgmlType::kQ4_K},
+                     {"blk.0.ffn_down.weight", GgmlType::kQ6_K},
+                     {"blk.1.ffn_up.weight", GgmlType::kQ5_K},
+                     {"blk.1.attn_v.weight", GgmlType::kQ6_K}};
+  auto path = WriteTinyLlama("kquant.gguf", m);
+  ASSERT_TRUE(path.ok()) << path.status();
+  auto model = LoadModel(*path);
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto file = GgufFile::Open(*path);
+  ASSERT_TRUE(file.ok());
+  const Model& k = **model;
+  EXPECT_EQ(k.output.dtype, DType::kQ6_K);
+  EXPECT_EQ(k.layers[0].gate.dtype, DType::kQ4_K);
+  EXPECT_EQ(k.layers[0].down.dtype, DType::kQ6_K);
+  EXPECT_EQ(k.layers[1].up.dtype, DType::kQ5_K);
+  EXPECT_EQ(k.layers[1].wv.dtype, DType::kQ6_K);
+  EXPECT_EQ(k.layers[0].gate.nbytes(), 512u / 256 * 144 * 256);
+  EXPECT_EQ(k.layers[0].gate.nbytes(), (*file)->FindTensor("blk.0.ffn_gate.weight")->nbytes);
+
+  // The twin: every tensor as F32 values dequantized from the file.
+  GgufWriter twin;
+  twin.SetString("general.architecture", "llama");
+  for (const char* key : {"llama.embedding_length", "llama.block_count",
+                          "llama.feed_forward_length", "llama.attention.head_count",
+                          "llama.attention.head_count_kv"}) {
+    auto v = (*file)->GetU32(key);
+    ASSERT_TRUE(v.ok()) << key;
+    twin.SetU32(key, *v);
+  }
+  twin.SetF32("llama.attention.layer_norm_rms_epsilon", 1e-5f);
+  for (const GgufTensorInfo& info : (*file)->tensors()) {
+    auto view = GgufFile::ToTensorView(info);
+    ASSERT_TRUE(view.ok());
+    std::string bytes(info.numel() * 4, '\0');
+    const int64_t cols = view->cols();
+    for (int64_t r = 0; r < info.numel() / cols; ++r) {
+      DequantizeRow(view->dtype, view->row(r), reinterpret_cast<float*>(bytes.data()) + r * cols,
+                    cols);
+    }
+    ASSERT_TRUE(twin.AddTensor(info.name, GgmlType::kF32, info.shape(), bytes).ok());
+  }
+  const std::string twin_path = TempPath("kquant_twin.gguf");
+  ASSERT_TRUE(twin.WriteFile(twin_path).ok());
+  auto reference = LoadModel(twin_path);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  auto logits = [](const Model& model) {
+    auto ops = NewReferenceOps();
+    Transformer t(model, *ops);
+    KvCache cache(model.config, 4);
+    std::vector<float> out(model.config.vocab_size);
+    std::vector<int32_t> ids = {3, 1, 4};
+    EXPECT_TRUE(t.Forward(ids, 0, &cache, LogitsMode::kLast, out.data()).ok());
+    return out;
+  };
+  const std::vector<float> got = logits(k), want = logits(**reference);
+  double err = 0, ref = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    err += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+    ref += double(want[i]) * want[i];
+  }
+  EXPECT_GT(err, 0) << "the K-quant products must round x to Q8_K";
+  EXPECT_LT(err / ref, 1e-3);
 }
 
 TEST(GgufModelErrorsTest, UnsupportedArchitectureAndSettings) {
