@@ -40,10 +40,10 @@ done
 # Prompt processing, cold rows on the CPU vs streamed vs the cost model's choice (opt-in:
 # PREFILL_DTYPES="F16 Q4_0"; PREFILL_FLAGS are appended).
 for dtype in ${PREFILL_DTYPES:-}; do
-  timeout "${BENCH_TIMEOUT:-240}" "$bundle/bin/cuda_decode_bench" --dtype=$dtype --modes=prefill ${PREFILL_FLAGS:-} 2>&1 | tee "$out/prefill_$dtype.log" || rc=1
+  timeout "${BENCH_TIMEOUT:-240}" "$bundle/bin/cuda_prefill_bench" --dtype=$dtype ${PREFILL_FLAGS:-} 2>&1 | tee "$out/prefill_$dtype.log" || rc=1
 done
 # Adaptive hot set against the static placement (opt-in: ADAPTIVE_DTYPES="F16"; ADAPTIVE_FLAGS).
 for dtype in ${ADAPTIVE_DTYPES:-}; do
-  timeout "${BENCH_TIMEOUT:-240}" "$bundle/bin/cuda_decode_bench" --dtype=$dtype --modes=adaptive ${ADAPTIVE_FLAGS:-} 2>&1 | tee "$out/adaptive_$dtype.log" || rc=1
+  timeout "${BENCH_TIMEOUT:-240}" "$bundle/bin/cuda_adaptive_bench" --dtype=$dtype ${ADAPTIVE_FLAGS:-} 2>&1 | tee "$out/adaptive_$dtype.log" || rc=1
 done
 exit $rc

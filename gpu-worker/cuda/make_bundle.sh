@@ -1,8 +1,8 @@
 #!/bin/bash
-# Packs the CUDA module, its op tests, backend test and decode benchmark, with every shared library
-# they need that a bare GPU machine (CUDA toolkit and driver only: no Abseil, gRPC, sentencepiece
-# or GoogleTest) lacks, into one folder that device_run.sh runs from. cuBLAS and the driver are
-# taken from the GPU machine; glibc and libstdc++ there must be at least as new as here.
+# Packs the CUDA module, its op tests, backend test and benchmarks (bench/cuda), with every shared
+# library they need that a bare GPU machine (CUDA toolkit and driver only: no Abseil, gRPC,
+# sentencepiece or GoogleTest) lacks, into one folder that device_run.sh runs from. cuBLAS and the
+# driver are taken from the GPU machine; glibc and libstdc++ there must be at least as new as here.
 #
 #   gpu-worker/cuda/make_bundle.sh BUILD_DIR OUT_DIR
 set -euo pipefail
@@ -17,6 +17,9 @@ bins=(
   "$build/tests/cuda/cuda_ops_test"
   "$build/tests/cuda/cuda_backend_test"
   "$build/bench/cuda/cuda_decode_bench"
+  "$build/bench/cuda/cuda_prefill_bench"
+  "$build/bench/cuda/cuda_adaptive_bench"
+  "$build/bench/cuda/cuda_kernel_bench"
   "$build/gpu-worker/cuda/libpinfer_cuda.so"
 )
 for b in "${bins[@]}"; do
