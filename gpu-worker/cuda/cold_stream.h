@@ -10,7 +10,8 @@
 // copy and the next copy into a slot after the products that read it, so with two slots the copy
 // engine never waits for the tensor cores unless the products are the slower part.
 //
-// Kept out of backend.cc so that the backend only holds a ColdStreamer and calls Run.
+// Kept out of the backend's files (backend_*.cc) so that the backend only holds a ColdStreamer and
+// calls Run.
 #pragma once
 
 #include <cublas_v2.h>
