@@ -36,7 +36,7 @@ absl::StatusOr<ColdPrefill> ParseColdPrefill(absl::string_view text);
 const char* ColdPrefillName(ColdPrefill mode);
 
 // Batches up to this many tokens take the module's matrix-vector path, which has no streamed
-// variant (kSmallBatch in gpu-worker/cuda/backend.cc); decode steps are single tokens.
+// variant (kSmallBatch in gpu-worker/cuda/backend_internal.h); decode steps are single tokens.
 inline constexpr int kMaxMatvecTokens = 8;
 
 // One layer's cold neurons as placed: what streaming would move.
