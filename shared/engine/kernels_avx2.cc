@@ -111,11 +111,26 @@ inline int32_t hsum_i32(__m256i v) {
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
   return _mm_cvtsi128_si32(s);
 }
-// One Q4_K / Q5_K super-block against 256 Q8_K values: sum_j scale_j * (sub-block j's integer
-// dot). Per 32 bytes of qs two sub-blocks (low and high nibbles); maddubs pairs the unsigned
-// values (<= 31) with x (|x| <= 127) without saturating, madd applies the scale.
+// One Q4_K / Q5_K super-block against 256 Q8_K values: *isum = sum_j scale_j * (sub-block j's
+// integer dot), *imin = sum_j min_j * (x's sum over sub-block j). Per 32 bytes of qs two
+// sub-blocks (low and high nibbles); maddubs pairs the unsigned values (<= 31) with x
+// (|x| <= 127) without saturating, madd applies the scale, which a byte shuffle broadcasts from
+// the unpacked scales (no scalar-to-vector moves).
 template <bool kHigh>
-inline int32_t q45k_dot(const uint8_t* qs, const uint8_t* qh, const int* sc, const int8_t* q8) {
+inline void q45k_block(const uint8_t* scales, const uint8_t* qs, const uint8_t* qh,
+                       const int8_t* q8, const int16_t* bsums, int32_t* isum, int32_t* imin) {
+  uint32_t words[4];
+  KScalesAndMins(scales, words);
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words));
+  const __m256i scale16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(packed));
+  const __m128i min16 = _mm_cvtepu8_epi16(_mm_srli_si128(packed, 8));
+  const __m128i pair_sums =
+      _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bsums)),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(bsums + 8)));
+  __m128i m = _mm_madd_epi16(min16, pair_sums);
+  m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0x4e));
+  m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0xb1));
+  *imin = _mm_cvtsi128_si32(m);
   const __m256i mask = _mm256_set1_epi8(0x0f);
   __m256i high = _mm256_setzero_si256();
   if constexpr (kHigh) high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
@@ -127,23 +142,29 @@ inline int32_t q45k_dot(const uint8_t* qs, const uint8_t* qh, const int* sc, con
     if constexpr (kHigh) {
       const __m256i one = _mm256_set1_epi8(1);
       lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(high, one), 4));
-      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 1), one), 4));
+      hi = _mm256_or_si256(
+          hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 1), one), 4));
       high = _mm256_srli_epi16(high, 2);  // the next pair of sub-blocks' bits to bits 0 and 1
     }
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 64 * i));
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 64 * i + 32));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0),
-                                                  _mm256_set1_epi16(static_cast<int16_t>(sc[2 * i]))));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1),
-                                                  _mm256_set1_epi16(static_cast<int16_t>(sc[2 * i + 1]))));
+    // 16-bit lane 2i (then 2i + 1) of scale16 in every lane.
+    const __m256i s0 = _mm256_shuffle_epi8(scale16, _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0404 * i)));
+    const __m256i s1 = _mm256_shuffle_epi8(scale16, _mm256_set1_epi16(static_cast<int16_t>(0x0302 + 0x0404 * i)));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), s0));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), s1));
   }
-  return hsum_i32(acc);
+  *isum = hsum_i32(acc);
 }
 // One Q6_K super-block with the unsigned values q in 0..63: sum_g scale_g * (group g's dot).
 // Each 32-value vector spans two groups of 16: the low 128-bit lane takes one scale, the high
 // lane the next (maddubs cannot saturate: 2 * 63 * 127 < 32768).
 inline int32_t q6k_dot(const BlockQ6_K& b, const int8_t* q8) {
   const __m256i mask = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3);
+  const __m256i scale16 =
+      _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales)));
+  const __m256i lane_halves = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2,
+                                               3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
   __m256i acc = _mm256_setzero_si256();
   for (int h = 0; h < 2; ++h) {
     const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h));
@@ -157,9 +178,10 @@ inline int32_t q6k_dot(const BlockQ6_K& b, const int8_t* q8) {
           _mm256_or_si256(low[k], _mm256_slli_epi16(_mm256_and_si256(qh, three), 4));
       qh = _mm256_srli_epi16(qh, 2);
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 128 * h + 32 * k));
-      const __m256i scale = _mm256_inserti128_si256(
-          _mm256_castsi128_si256(_mm_set1_epi16(b.scales[8 * h + 2 * k])),
-          _mm_set1_epi16(b.scales[8 * h + 2 * k + 1]), 1);
+      // Groups 8h + 2k and 8h + 2k + 1 share 32-bit word 4h + k of scale16: broadcast it, then
+      // its first half to the low lane and its second to the high lane.
+      const __m256i scale = _mm256_shuffle_epi8(
+          _mm256_permutevar8x32_epi32(scale16, _mm256_set1_epi32(4 * h + k)), lane_halves);
       acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scale));
     }
   }

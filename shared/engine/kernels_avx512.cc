@@ -106,12 +106,30 @@ inline F8 q4q8_block(const uint8_t* qs, const int8_t* x, const int32_t* s8) {
       _mm256_dpbusd_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s8)), nib, xv);
   return _mm256_cvtepi32_ps(p);
 }
-// One Q4_K / Q5_K super-block against 256 Q8_K values, sum_j scale_j * (sub-block j's integer
-// dot): a 512-bit vector holds the two sub-blocks that share 32 bytes of qs (low nibbles, then
-// high), which are also 64 consecutive values of x; maddubs pairs them (no saturation: values
-// <= 31, |x| <= 127) and VNNI's dpwssd applies each half's scale and accumulates.
+// One Q4_K / Q5_K super-block against 256 Q8_K values: *isum = sum_j scale_j * (sub-block j's
+// integer dot), *imin = sum_j min_j * (x's sum over sub-block j). A 512-bit vector holds the
+// two sub-blocks that share 32 bytes of qs (low nibbles, then high), which are also 64
+// consecutive values of x; maddubs pairs them (no saturation: values <= 31, |x| <= 127) and
+// VNNI's dpwssd applies each half's scale (one permute of the unpacked scales) and accumulates.
 template <bool kHigh>
-inline int32_t q45k_dot(const uint8_t* qs, const uint8_t* qh, const int* sc, const int8_t* q8) {
+inline void q45k_block(const uint8_t* scales, const uint8_t* qs, const uint8_t* qh,
+                       const int8_t* q8, const int16_t* bsums, int32_t* isum, int32_t* imin) {
+  alignas(32) static constexpr uint8_t kHalf[32] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+  uint32_t words[4];
+  KScalesAndMins(scales, words);
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words));
+  const __m512i scale16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(packed));
+  const __m128i min16 = _mm_cvtepu8_epi16(_mm_srli_si128(packed, 8));
+  const __m128i pair_sums =
+      _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bsums)),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(bsums + 8)));
+  __m128i m = _mm_madd_epi16(min16, pair_sums);
+  m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0x4e));
+  m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0xb1));
+  *imin = _mm_cvtsi128_si32(m);
+  const __m512i half =
+      _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(kHalf)));
   const __m512i mask = _mm512_set1_epi8(0x0f);
   __m256i high = _mm256_setzero_si256();
   if constexpr (kHigh) high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
@@ -121,17 +139,17 @@ inline int32_t q45k_dot(const uint8_t* qs, const uint8_t* qh, const int* sc, con
     __m512i q = _mm512_and_si512(
         _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), mask);
     if constexpr (kHigh) {
-      const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(high), _mm256_srli_epi16(high, 1), 1);
+      const __m512i h =
+          _mm512_inserti64x4(_mm512_castsi256_si512(high), _mm256_srli_epi16(high, 1), 1);
       q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(1)), 4));
       high = _mm256_srli_epi16(high, 2);
     }
     const __m512i x = _mm512_loadu_si512(q8 + 64 * i);
-    const __m512i scale =
-        _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(sc[2 * i])),
-                           _mm256_set1_epi16(static_cast<int16_t>(sc[2 * i + 1])), 1);
+    const __m512i scale = _mm512_permutexvar_epi16(
+        _mm512_add_epi16(half, _mm512_set1_epi16(static_cast<int16_t>(2 * i))), scale16);
     acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q, x), scale);
   }
-  return _mm512_reduce_add_epi32(acc);
+  *isum = _mm512_reduce_add_epi32(acc);
 }
 // One Q6_K super-block with the unsigned values q in 0..63: sum_g scale_g * (group g's dot).
 // A 512-bit vector holds 64 consecutive values, four groups of 16; their scales reach the four

@@ -82,6 +82,16 @@ inline int32_t q45k_dot(const uint8_t* qs, const uint8_t* qh, const int* sc, con
   }
   return sum;
 }
+// q45k_dot with the scales unpacked, and the mins' dot with x's 16-value sums.
+template <bool kHigh>
+inline void q45k_block(const uint8_t* scales, const uint8_t* qs, const uint8_t* qh,
+                       const int8_t* q8, const int16_t* bsums, int32_t* isum, int32_t* imin) {
+  int sc[8], m[8];
+  for (int j = 0; j < 8; ++j) KScaleMin(scales, j, &sc[j], &m[j]);
+  *isum = q45k_dot<kHigh>(qs, qh, sc, q8);
+  *imin = 0;
+  for (int j = 0; j < 8; ++j) *imin += m[j] * (bsums[2 * j] + bsums[2 * j + 1]);
+}
 // One Q6_K super-block against 256 Q8_K values with the unsigned values q in 0..63:
 // sum_g scale_g * (group g's integer dot), the groups of 16.
 inline int32_t q6k_dot(const BlockQ6_K& b, const int8_t* q8) {

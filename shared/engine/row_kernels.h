@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 
 #include "shared/model/tensor.h"
@@ -68,6 +69,19 @@ struct RowKernels {
   // Quantizes x: [n] (n a multiple of 256) into the arrays of a Q8KVector.
   void (*quantize_q8k)(const float* x, int64_t n, int8_t* q, float* d, int16_t* bsums);
 };
+
+// A Q4_K / Q5_K block's packed 12 bytes of scales and mins (tensor.h's KScaleMin) rearranged on
+// 32-bit words, branch-free as the SIMD kernels want them: bytes 0-7 of `out` are sub-blocks
+// 0-7's scales, bytes 8-15 their mins.
+inline void KScalesAndMins(const uint8_t* packed, uint32_t out[4]) {
+  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+  uint32_t w[3];
+  std::memcpy(w, packed, 12);
+  out[0] = w[0] & kLow6;                                         // scales 0-3
+  out[1] = (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4);        // scales 4-7
+  out[2] = w[1] & kLow6;                                         // mins 0-3
+  out[3] = ((w[2] >> 4) & kLow4) | (((w[1] >> 6) & kLow2) << 4);  // mins 4-7
+}
 
 const RowKernels* RowKernelsScalar();
 const RowKernels* RowKernelsAvx2();    // null when not compiled in
