@@ -1,38 +1,28 @@
-// Study: how well can a layer's FFN active set be predicted from the layer's INPUT, i.e. the
-// residual stream before the layer's attention ("lookahead", as in Deja Vu, Liu et al. 2023),
-// instead of from the FFN's own input (PowerInfer's predictors, pinfer's default)? A lookahead
-// prediction would be known before attention runs, so a GPU could start copying the predicted
-// cold rows over PCIe while it computes attention. The price is accuracy: attention moves the
-// residual between the two points. This program measures that price on held-out tokens, per
-// layer, for predictors of the same shape (fc1 -> ReLU -> fc2, one rank) trained the same way:
-//   (a) standard: features = the FFN input (RmsNorm(residual after attention) * ffn_norm);
-//   (b) lookahead: features = the layer input (RmsNorm(residual before attention) * attn_norm);
-//   (c) reuse: (a)'s own predictor on the layer input re-weighted from attn_norm to ffn_norm
-//       (what a GPU can compute with the weights it already holds, no second predictor);
-//   and, as the simplest baseline, the previous token's active set in the same layer.
-// Targets are always the true activations: relu(gate . ffn_input) > 0, weighted by the
-// contribution relu(g) * |up| * |down column| exactly as predictor_training.cc weighs them.
+// Study: how well the module's guess (pinfer-gpu-worker --cold-guess) predicts a layer's FFN
+// active set before the layer's attention, so that the cold side can load the guessed cold rows
+// meanwhile (pinfer-cpu-worker --prefetch-guess). The guess is (d): layer l's own predictor
+// applied to layer l - 1's FFN input (its residual after its attention), re-weighted to layer
+// l's ffn_norm, which the GPU computes beside layer l - 1's FFN; it is compared with (a), the
+// same predictor on layer l's FFN input, where it runs in the product. Per layer, on held-out
+// tokens of relu-llama-tiny: (a)'s recall and selection, (d) at (a)'s magnitude recall, the guess's
+// size by the module's rule (one shift on (a)'s thresholds) at 90% and 95% of (a)'s neurons, what
+// a load window shorter than the guess holds by load order (ascending, first tier, ranked), what
+// the first tier holds (the 13B-shape bench's COLD_AHEAD_TIER=A:B), and how far attention turns
+// the residual (the cosine before / after). Prints Markdown tables and the command.
 //
-// Training runs TrainPredictors' own steps (shared/sparse/predictor_fit.h) on either feature
-// set; TrainPredictors itself derives its targets from its features through the gate, so it
-// cannot train on other features:
-//  1. closed-form start: the reduced-rank regression of the contribution-weighted gate g on the
-//     features u. For (a) the gate is exactly linear in u (coefficients = Wg, no residual), which
-//     is the library's start; for (b) the coefficients are the least-squares fit
-//     C = E[g u^T] (E[u u^T] + eps I)^-1 and each neuron's logit scale also counts the fit's
-//     residual variance E[(g - C u)^2] on top of the rank truncation's;
-//  2. the same Adam fine-tuning on the same contribution-weighted BCE (PredictorTrainingOptions'
-//     defaults), weights rounded to F16 as stored;
-//  3. the same per-neuron threshold rule: one cut lambda on log(sigmoid(score)) + log(m_j) that
-//     keeps `target` (0.96) of the activation magnitude on held-back pairs (the last 10% of the
-//     training tokens), neuron j's threshold on the score being logit(exp(lambda) / m_j)
-//     (applied per neuron here, not folded into fc2's rows; both select the same neurons).
-// (a) is also trained with the library's TrainPredictors as a check on this program's use of the
-// steps.
-// Evaluation is on heldout-tokens.u32, disjoint from the calibration text trained on; (b) is
-// reported twice: at its own calibrated threshold (the same rule as (a)), and with lambda set on
-// the evaluation tokens so that its magnitude recall equals (a)'s there, so that the predicted-
-// active fractions compare the two at equal recall.
+// (a) is trained with TrainPredictors' own steps (shared/sparse/predictor_fit.h): the closed-form
+// start (the reduced-rank regression of the contribution-weighted gate, exactly linear in the FFN
+// input), the same Adam fine-tuning on the same contribution-weighted BCE
+// (PredictorTrainingOptions' defaults), weights rounded to F16 as stored, and the same
+// per-neuron threshold rule: one cut lambda on log(sigmoid(score)) + log(m_j) that keeps
+// `target` (0.96) of the activation magnitude on held-back pairs (the last 10% of the training
+// tokens), neuron j's threshold on the score being logit(exp(lambda) / m_j). It is also trained
+// with the library's TrainPredictors as a check on this program's use of the steps
+// (library_check=1). Targets are always the true activations: relu(gate . ffn_input) > 0,
+// weighted by the contribution relu(g) * |up| * |down column| as predictor_training.cc weighs
+// them. (A lookahead predictor trained on the layer input, (a)'s predictor on the layer input
+// and the previous token's active set were measured here and dropped: git show
+// 3f81f74:bench/sparse/lookahead_study.cc.)
 //
 // usage: lookahead_study MODEL_DIR [key=value ...]
 //   calibration=PATH (MODEL_DIR/calibration.txt) heldout=PATH (MODEL_DIR/heldout-tokens.u32)
@@ -151,11 +141,11 @@ absl::StatusOr<Recorded> Record(const Model& m, const CpuOps& ops,
   return rec;
 }
 
-// ---- Training: predictor_fit.h's steps (the library's own) on either feature set. ----
+// ---- Training: predictor_fit.h's steps (the library's own). ----
 
-// The targets of one layer (from the FFN input through the real gate/up/down), shared by both
-// feature sets. Rows: the n_cal calibration tokens (the first n_train trained on, the rest held
-// back for the threshold), then the evaluation tokens.
+// The targets of one layer (from the FFN input through the real gate/up/down). Rows: the n_cal
+// calibration tokens (the first n_train trained on, the rest held back for the threshold), then the
+// evaluation tokens.
 struct Targets : FfnTargets {
   int64_t n_train = 0, n_cal = 0, n_all = 0;
 };
@@ -169,72 +159,6 @@ Targets ComputeTargets(const Model& model, const CpuOps& ops, int layer, const f
   d.n_cal = n_cal;
   d.n_all = n_all;
   return d;
-}
-
-// The least-squares linear predictor of the gate from features u (training rows):
-// coef: [F, H] = E[g u^T] (E[u u^T] + eps I)^-1; resid_var[j] = E[(g_j - coef_j u)^2].
-void FitGateRegression(const CpuOps& ops, const Targets& d, const float* u,
-                       const std::vector<float>& s2, int H, int F, std::vector<float>* coef,
-                       std::vector<float>* resid_var) {
-  constexpr int kChunk = 512;
-  std::vector<double> cross(static_cast<size_t>(F) * H, 0.0), g2(F, 0.0);
-  std::vector<float> ut(static_cast<size_t>(kChunk) * H), gt(static_cast<size_t>(kChunk) * F);
-  std::vector<float> part(static_cast<size_t>(F) * H);
-  for (int64_t b0 = 0; b0 < d.n_train; b0 += kChunk) {
-    const int nb = static_cast<int>(std::min<int64_t>(kChunk, d.n_train - b0));
-    const float* g = d.gate.data() + b0 * F;
-    Transpose(u + b0 * H, nb, H, ut.data());                      // [H, nb]
-    Transpose(g, nb, F, gt.data());                               // [F, nb]
-    MatMulF32(ops, ut.data(), H, nb, gt.data(), F, part.data());  // [F, H] = g^T u
-    for (size_t i = 0; i < part.size(); ++i) cross[i] += part[i];
-    for (int t = 0; t < nb; ++t) {
-      for (int j = 0; j < F; ++j) g2[j] += static_cast<double>(g[t * F + j]) * g[t * F + j];
-    }
-  }
-  for (double& v : cross) v /= d.n_train;
-  for (double& v : g2) v /= d.n_train;
-  // Cholesky of A = s2 + eps I (eps: 1e-4 of the mean diagonal).
-  std::vector<double> a(static_cast<size_t>(H) * H);
-  double tr = 0;
-  for (int i = 0; i < H; ++i) tr += s2[static_cast<size_t>(i) * H + i];
-  const double eps = 1e-4 * tr / H;
-  for (int i = 0; i < H; ++i) {
-    for (int j = 0; j < H; ++j) a[i * H + j] = s2[static_cast<size_t>(i) * H + j] + (i == j) * eps;
-  }
-  std::vector<double> l(a.size(), 0.0);
-  for (int i = 0; i < H; ++i) {
-    for (int j = 0; j <= i; ++j) {
-      double s = a[i * H + j];
-      for (int k = 0; k < j; ++k) s -= l[i * H + k] * l[j * H + k];
-      l[i * H + j] = i == j ? std::sqrt(std::max(s, 1e-30)) : s / l[j * H + j];
-    }
-  }
-  coef->assign(static_cast<size_t>(F) * H, 0.f);
-  resid_var->assign(F, 0.f);
-  std::vector<double> y(H), c(H), sc(H);
-  for (int j = 0; j < F; ++j) {
-    const double* b = cross.data() + static_cast<size_t>(j) * H;
-    for (int i = 0; i < H; ++i) {  // L y = b
-      double s = b[i];
-      for (int k = 0; k < i; ++k) s -= l[i * H + k] * y[k];
-      y[i] = s / l[i * H + i];
-    }
-    for (int i = H - 1; i >= 0; --i) {  // L^T c = y
-      double s = y[i];
-      for (int k = i + 1; k < H; ++k) s -= l[k * H + i] * c[k];
-      c[i] = s / l[i * H + i];
-    }
-    // E[(g - c u)^2] = E[g^2] - 2 c . E[g u] + c^T s2 c.
-    double quad = 0, lin = 0;
-    for (int p = 0; p < H; ++p) {
-      double s = 0;
-      for (int q = 0; q < H; ++q) s += s2[static_cast<size_t>(p) * H + q] * c[q];
-      quad += s * c[p];
-      lin += c[p] * b[p];
-    }
-    (*resid_var)[j] = static_cast<float>(std::max(g2[j] - 2 * lin + quad, 0.0));
-    for (int i = 0; i < H; ++i) (*coef)[static_cast<size_t>(j) * H + i] = static_cast<float>(c[i]);
-  }
 }
 
 struct Mlp {
@@ -303,19 +227,16 @@ struct Metrics {
   double recall = 0, magnitude_recall = 0, precision = 0, predicted = 0, active = 0;
 };
 
-// Recall, precision and selected fraction over rows [begin, end) for a selection rule:
-// selects(t, j) says whether neuron j is predicted active at row t. Rows the rule skips
-// (skip(t)) are not counted.
-template <typename Selects, typename Skip>
-Metrics Tally(const Targets& d, int64_t begin, int64_t end, int F, Selects selects, Skip skip) {
-  int64_t selected = 0, hits = 0, n_active = 0, rows = 0;
+// Recall, precision and selected fraction over the evaluation rows [begin, end) for the
+// selection s >= thr[j] (scores s over those rows).
+Metrics Measure(const Targets& d, const std::vector<float>& s, int64_t begin, int64_t end, int F,
+                const std::vector<float>& thr) {
+  int64_t selected = 0, hits = 0, n_active = 0;
   double mag_total = 0, mag_hit = 0;
   for (int64_t t = begin; t < end; ++t) {
-    if (skip(t)) continue;
-    ++rows;
     const float* imp = d.importance.data() + t * F;
     for (int j = 0; j < F; ++j) {
-      const bool sel = selects(t, j);
+      const bool sel = s[(t - begin) * F + j] >= thr[j];
       selected += sel;
       if (imp[j] > 0) {
         ++n_active;
@@ -327,7 +248,7 @@ Metrics Tally(const Targets& d, int64_t begin, int64_t end, int F, Selects selec
       }
     }
   }
-  const double pairs = static_cast<double>(rows) * F;
+  const double pairs = static_cast<double>(end - begin) * F;
   Metrics m;
   m.recall = n_active ? static_cast<double>(hits) / n_active : 1.0;
   m.magnitude_recall = mag_total > 0 ? mag_hit / mag_total : 1.0;
@@ -335,21 +256,6 @@ Metrics Tally(const Targets& d, int64_t begin, int64_t end, int F, Selects selec
   m.predicted = selected / pairs;
   m.active = n_active / pairs;
   return m;
-}
-
-// Selection: s >= thr[j], over the evaluation rows [begin, end).
-Metrics Measure(const Targets& d, const std::vector<float>& s, int64_t begin, int64_t end, int F,
-                const std::vector<float>& thr) {
-  return Tally(
-      d, begin, end, F, [&](int64_t t, int j) { return s[(t - begin) * F + j] >= thr[j]; },
-      [](int64_t) { return false; });
-}
-
-// The previous token's active set (same layer, same window) as the prediction of this one's.
-Metrics PreviousToken(const Targets& d, int64_t begin, int64_t end, int F) {
-  return Tally(
-      d, begin, end, F, [&](int64_t t, int j) { return d.importance[(t - 1) * F + j] > 0; },
-      [&](int64_t t) { return (t - begin) % kWindow == 0; });  // no previous token in the window
 }
 
 // The module's rule (gpu-worker/cuda ModelUpload::cold_guess): a guess scored sg holds neuron j
@@ -472,10 +378,10 @@ double CutForMagnitudeRecall(const Targets& d, const std::vector<float>& s, int6
   return lo;
 }
 
-// (a)'s predictor on other features: at (a)'s thresholds, at (a)'s magnitude recall, and the
-// guess sizes by the module's rule.
-struct Reused {
-  Metrics same, matched;
+// (a)'s predictor on the guess's features: at (a)'s magnitude recall, and the guess sizes by the
+// module's rule.
+struct Guess {
+  Metrics matched;
   double size90 = 0, size95 = 0;
   LoadShares loads_half, loads_one;  // at the 95% shift, windows of 0.5x and 1x (a)'s selection
 };
@@ -485,15 +391,13 @@ struct Trained {
   double lambda = 0;  // calibrated on the held-back calibration rows
 };
 
+// (a): the gate wg is exactly linear in the FFN input x, so the closed-form start has no residual.
 Trained Train(const CpuOps& ops, const Targets& d, const float* x, const std::vector<float>& wg,
-              const std::vector<float>& resid_var, int H, int F, int layer,
-              const PredictorTrainingOptions& o, int rank) {
+              int H, int F, int layer, const PredictorTrainingOptions& o, int rank) {
   const std::vector<float> s2 = SecondMoment(ops, x, d.n_train, H);
-  std::vector<float> coef = wg, rv = resid_var;
-  if (coef.empty()) FitGateRegression(ops, d, x, s2, H, F, &coef, &rv);
   Trained t;
   t.mlp.r = 2 * (rank / 2);
-  ClosedFormPredictor(coef, &d.unit_contribution, s2, rv.empty() ? nullptr : &rv, H, F, rank,
+  ClosedFormPredictor(wg, &d.unit_contribution, s2, nullptr, H, F, rank,
                       o.seed + 7919 * layer + rank, &t.mlp.w1, &t.mlp.w2);
   if (o.epochs > 0) {
     FineTunePredictor(ops, x, d.importance.data(), d.mean_positive_importance, d.n_train, H, F,
@@ -513,10 +417,9 @@ std::vector<float> ToF32(const std::vector<uint16_t>& h) {
 }
 
 struct LayerResult {
-  Metrics std_pred, lib_pred, look_matched, look_same, prev;
-  Reused reuse;  // (c): (a)'s predictor on the layer input
-  Reused early;  // (d): on the previous layer's FFN input (layers > 0)
-  double look_lambda_shift = 0, seconds = 0;
+  Metrics std_pred, lib_pred;
+  Guess early;  // (d): on the previous layer's FFN input (layers > 0)
+  double seconds = 0;
   double cosine = 0;  // mean cos(residual before attention, residual after), evaluation tokens
   bool has_lib = false;
 };
@@ -605,7 +508,7 @@ int main(int argc, char** argv) {
   for (int l = 0; l < c.n_layers; ++l) {
     const auto tl = std::chrono::steady_clock::now();
     LayerResult res;
-    // Rows: calibration then evaluation, per feature set.
+    // Rows: calibration then evaluation; the layer input for the cosine only.
     std::vector<float> ffn_x = ToF32(cal->ffn_in[l]), lay_x = ToF32(cal->layer_in[l]);
     {
       const std::vector<float> a = ToF32(ev->ffn_in[l]), b = ToF32(ev->layer_in[l]);
@@ -616,27 +519,15 @@ int main(int argc, char** argv) {
 
     // (a) standard: the gate is exactly linear in the FFN input.
     const std::vector<float> wg = ToFloat(m.layers[l].gate);
-    const Trained a = Train(*ops, d, ffn_x.data(), wg, {}, H, F, l, o, rank);
+    const Trained a = Train(*ops, d, ffn_x.data(), wg, H, F, l, o, rank);
     const std::vector<float> sa = Scores(*ops, a.mlp, H, F, ffn_x.data(), n_cal, n_all);
     const std::vector<float> thr_a = NeuronThresholds(d, a.lambda);
     res.std_pred = Measure(d, sa, n_cal, n_all, F, thr_a);
 
-    // (b) lookahead: regression of the gate on the layer input.
-    const Trained b = Train(*ops, d, lay_x.data(), {}, {}, H, F, l, o, rank);
-    const std::vector<float> sb = Scores(*ops, b.mlp, H, F, lay_x.data(), n_cal, n_all);
-    res.look_same = Measure(d, sb, n_cal, n_all, F, NeuronThresholds(d, b.lambda));
-    // Matched: the largest cut at which (b)'s magnitude recall reaches (a)'s.
-    {
-      const double cut =
-          CutForMagnitudeRecall(d, sb, n_cal, n_all, F, res.std_pred.magnitude_recall);
-      res.look_matched = Measure(d, sb, n_cal, n_all, F, NeuronThresholds(d, cut));
-      res.look_lambda_shift = cut - b.lambda;
-    }
     // (a)'s predictor on the evaluation rows of other features x: [n_all - n_cal, H].
-    auto reuse = [&](const std::vector<float>& x) {
-      Reused r;
+    auto guess = [&](const std::vector<float>& x) {
+      Guess r;
       const std::vector<float> sc = Scores(*ops, a.mlp, H, F, x.data(), 0, n_all - n_cal);
-      r.same = Measure(d, sc, n_cal, n_all, F, thr_a);
       const double cut =
           CutForMagnitudeRecall(d, sc, n_cal, n_all, F, res.std_pred.magnitude_recall);
       r.matched = Measure(d, sc, n_cal, n_all, F, NeuronThresholds(d, cut));
@@ -647,20 +538,7 @@ int main(int argc, char** argv) {
       r.loads_one = LoadsInWindow(sa, sc, thr_a, n_all - n_cal, F, shift95, 1.0);
       return r;
     };
-    // (c) reuse: (a)'s own predictor on the layer input, re-weighted from attn_norm to
-    // ffn_norm, so no second predictor is needed: at (a)'s thresholds, and matched as (b).
-    {
-      const std::vector<float> wa = ToFloat(m.layers[l].attn_norm);
-      const std::vector<float> wf = ToFloat(m.layers[l].ffn_norm);
-      std::vector<float> reuse_x(static_cast<size_t>(n_all - n_cal) * H);
-      for (int64_t t = n_cal; t < n_all; ++t) {
-        for (int h = 0; h < H; ++h) {
-          reuse_x[(t - n_cal) * H + h] = wa[h] == 0 ? 0 : lay_x[t * H + h] / wa[h] * wf[h];
-        }
-      }
-      res.reuse = reuse(reuse_x);
-    }
-    // (d) earlier still: (a)'s predictor on the previous layer's FFN input (its residual after
+    // (d): (a)'s predictor on the previous layer's FFN input (its residual after
     // its attention, before its FFN), re-weighted to this layer's ffn_norm: what a GPU can
     // compute beside the previous layer's FFN.
     if (l > 0) {
@@ -670,11 +548,10 @@ int main(int argc, char** argv) {
         const size_t h = i % H;
         early_x[i] = prev_wf[h] == 0 ? 0 : prev_eval[i] / prev_wf[h] * wf[h];
       }
-      res.early = reuse(early_x);
+      res.early = guess(early_x);
     }
     prev_eval = ToF32(ev->ffn_in[l]);
     prev_wf = ToFloat(m.layers[l].ffn_norm);
-    res.prev = PreviousToken(d, n_cal, n_all, F);
     {
       // How far attention turns the residual: undo the two norms' weights (both vectors then
       // have unit RMS up to the norm's own scale) and average the cosine over tokens.
@@ -728,100 +605,36 @@ int main(int argc, char** argv) {
     };
     line("(a) standard", res.std_pred);
     if (res.has_lib) line("(a) library check", res.lib_pred);
-    line("(b) lookahead matched", res.look_matched);
-    line("(b) lookahead same rule", res.look_same);
-    line("(c) reuse (a)'s thresh.", res.reuse.same);
-    line("(c) reuse matched", res.reuse.matched);
-    line("(d) prev. FFN input, thresh.", res.early.same);
-    line("(d) prev. FFN input matched", res.early.matched);
-    line("previous token", res.prev);
+    if (l > 0) line("(d) prev. FFN input matched", res.early.matched);
     std::fprintf(stderr, "layer %d: cos(residual before, after attention) %.3f; done in %.1f s\n",
                  l, res.cosine, res.seconds);
     results.push_back(res);
   }
 
-  // Markdown tables: per layer, then the mean over layers.
-  auto mean = [&](auto get) {
-    double s = 0;
-    for (const LayerResult& r : results) s += get(r);
-    return s / results.size();
-  };
+  // Markdown tables, per layer.
+  std::printf("command:");
+  for (int i = 0; i < argc; ++i) std::printf(" %s", argv[i]);
   std::printf(
-      "Eval: %lld held-out tokens; train: %lld calibration tokens (%lld held back for the "
+      "\n\nEval: %lld held-out tokens; train: %lld calibration tokens (%lld held back for the "
       "threshold); rank %d, %d epochs, target %.2f.\n\n",
       static_cast<long long>(ev->n), static_cast<long long>(n_cal), static_cast<long long>(n_hold),
       rank, o.epochs, o.target_recall);
   std::printf(
-      "| layer | active | (a) recall / mag. recall / precision / predicted | (b) same mag. recall: "
-      "recall / mag. recall / precision / predicted | (b) / (a) predicted | (b) own threshold: "
-      "recall / mag. "
-      "recall / precision / predicted | prev. token: recall / mag. recall / precision / "
-      "predicted |\n|---|---|---|---|---|---|---|\n");
-  auto row = [&](const std::string& name, auto get) {
-    const Metrics a = get([](const LayerResult& r) { return r.std_pred; });
-    const Metrics bm = get([](const LayerResult& r) { return r.look_matched; });
-    const Metrics bs = get([](const LayerResult& r) { return r.look_same; });
-    const Metrics p = get([](const LayerResult& r) { return r.prev; });
-    std::printf(
-        "| %s | %.3f | %.3f / %.3f / %.3f / %.3f | %.3f / %.3f / %.3f / %.3f | %.2fx | %.3f / %.3f "
-        "/ "
-        "%.3f / %.3f | %.3f / %.3f / %.3f / %.3f |\n",
-        name.c_str(), a.active, a.recall, a.magnitude_recall, a.precision, a.predicted, bm.recall,
-        bm.magnitude_recall, bm.precision, bm.predicted, bm.predicted / a.predicted, bs.recall,
-        bs.magnitude_recall, bs.precision, bs.predicted, p.recall, p.magnitude_recall, p.precision,
-        p.predicted);
-  };
-  for (size_t i = 0; i < results.size(); ++i) {
-    row(std::to_string(i), [&](auto pick) { return pick(results[i]); });
-  }
-  row("mean", [&](auto pick) {
-    Metrics out;
-    out.active = mean([&](const LayerResult& r) { return pick(r).active; });
-    out.recall = mean([&](const LayerResult& r) { return pick(r).recall; });
-    out.magnitude_recall = mean([&](const LayerResult& r) { return pick(r).magnitude_recall; });
-    out.precision = mean([&](const LayerResult& r) { return pick(r).precision; });
-    out.predicted = mean([&](const LayerResult& r) { return pick(r).predicted; });
-    return out;
-  });
-  std::printf(
-      "\n| layer | cos(residual before, after attention) | (a) neurons / token | (b) at (a)'s "
-      "mag. recall: neurons / token | extra |\n|---|---|---|---|---|\n");
-  for (size_t i = 0; i < results.size(); ++i) {
-    const double na = results[i].std_pred.predicted * F, nb = results[i].look_matched.predicted * F;
-    std::printf("| %zu | %.3f | %.0f | %.0f | %+.0f (%+.0f%%) |\n", i, results[i].cosine, na, nb,
-                nb - na, 100 * (nb / na - 1));
-  }
-  std::printf(
-      "\n(c) (a)'s own predictor on the layer input (features re-weighted from attn_norm to "
-      "ffn_norm):\n\n| layer | at (a)'s thresholds: recall / mag. recall / precision / predicted "
-      "| same mag. recall as (a): recall / mag. recall / precision / predicted | (c) / (a) "
-      "predicted | (b) / (a) predicted | (d) on the previous layer's FFN input, same mag. recall: "
-      "recall / mag. recall / precision / predicted | (d) / (a) predicted |\n"
-      "|---|---|---|---|---|---|---|\n");
+      "| layer | active | cos(residual before, after attention) | (a) recall / mag. recall / "
+      "precision / predicted | (d) at (a)'s mag. recall: recall / mag. recall / precision / "
+      "predicted | (d) / (a) predicted | guess holding 90%% / 95%% of (a)'s neurons: size over "
+      "(a)'s |\n|---|---|---|---|---|---|---|\n");
   for (size_t i = 0; i < results.size(); ++i) {
     const LayerResult& r = results[i];
-    const Metrics &s = r.reuse.same, &m = r.reuse.matched;
-    const Metrics& e = r.early.matched;
-    char d[128] = "- | -";  // layer 0 has no previous layer
+    const Metrics &a = r.std_pred, &e = r.early.matched;
+    char d[160] = "- | - | -";  // layer 0 has no previous layer
     if (i > 0) {
-      std::snprintf(d, sizeof(d), "%.3f / %.3f / %.3f / %.3f | %.2fx", e.recall, e.magnitude_recall,
-                    e.precision, e.predicted, e.predicted / r.std_pred.predicted);
+      std::snprintf(d, sizeof(d), "%.3f / %.3f / %.3f / %.3f | %.2fx | %.2fx / %.2fx", e.recall,
+                    e.magnitude_recall, e.precision, e.predicted, e.predicted / a.predicted,
+                    r.early.size90, r.early.size95);
     }
-    std::printf(
-        "| %zu | %.3f / %.3f / %.3f / %.3f | %.3f / %.3f / %.3f / %.3f | %.2fx | %.2fx | %s |\n", i,
-        s.recall, s.magnitude_recall, s.precision, s.predicted, m.recall, m.magnitude_recall,
-        m.precision, m.predicted, m.predicted / r.std_pred.predicted,
-        r.look_matched.predicted / r.std_pred.predicted, d);
-  }
-  std::printf(
-      "\nGuesses by the module's rule (one shift on (a)'s thresholds): their size over (a)'s "
-      "selection when they hold 90%% / 95%% of the neurons (a) selects:\n\n| layer | (c) on the "
-      "layer input | (d) on the previous layer's FFN input |\n|---|---|---|\n");
-  for (size_t i = 0; i < results.size(); ++i) {
-    const LayerResult& r = results[i];
-    char d[64] = "-";
-    if (i > 0) std::snprintf(d, sizeof(d), "%.2fx / %.2fx", r.early.size90, r.early.size95);
-    std::printf("| %zu | %.2fx / %.2fx | %s |\n", i, r.reuse.size90, r.reuse.size95, d);
+    std::printf("| %zu | %.3f | %.3f | %.3f / %.3f / %.3f / %.3f | %s |\n", i, a.active, r.cosine,
+                a.recall, a.magnitude_recall, a.precision, a.predicted, d);
   }
   std::printf(
       "\nLoads in a window shorter than the guess ((d), the guess holding 95%% of (a)'s neurons): "
@@ -832,7 +645,7 @@ int main(int argc, char** argv) {
       "tiers / ranked | 1x: ascending / tiers / ranked | first tier: selected / other "
       "|\n|---|---|---|---|---|\n");
   for (size_t i = 1; i < results.size(); ++i) {
-    const Reused& r = results[i].early;
+    const Guess& r = results[i].early;
     std::printf("| %zu | %.2fx | %.3f / %.3f / %.3f | %.3f / %.3f / %.3f | %.3f / %.3f |\n", i,
                 r.size95, r.loads_half.ascending, r.loads_half.tiers, r.loads_half.ranked,
                 r.loads_one.ascending, r.loads_one.tiers, r.loads_one.ranked,
