@@ -11,6 +11,12 @@ if command -v npm >/dev/null && [ ! -d bench/llama_cpp/node_modules/node-llama-c
   (cd bench/llama_cpp && npm ci --omit=optional --no-audit --no-fund --ignore-scripts >/dev/null) ||
     echo "warning: could not install node-llama-cpp; the llama.cpp compatibility test will skip"
 fi
+# @huggingface/jinja (pinned in tests/chat), the reference renderer the chat template golden
+# outputs come from; its live re-check is left out of ctest when npm cannot provide it.
+if command -v npm >/dev/null && [ ! -d tests/chat/node_modules/@huggingface/jinja ]; then
+  (cd tests/chat && npm ci --no-audit --no-fund --ignore-scripts >/dev/null) ||
+    echo "warning: could not install @huggingface/jinja; the live chat template reference check will skip"
+fi
 scripts/build.sh
 
 echo "== full test suite"
