@@ -227,15 +227,15 @@ TensorView View(DType t, int64_t rows, int64_t cols, const Buffer& b) {
 std::unique_ptr<SynthModel> BuildModel(const BenchOptions& o, ThreadPool& pool) {
   auto m = std::make_unique<SynthModel>();
   m->dtype = o.dtype == "Q4_0" ? DType::kQ4_0 : DType::kF16;
-  ModelConfig& c = m->config;
-  c.vocab_size = o.vocab;
-  c.hidden_size = o.hidden;
-  c.n_layers = o.layers;
-  c.n_heads = o.heads;
-  c.n_kv_heads = o.heads;
-  c.head_dim = o.hidden / o.heads;
-  c.ffn_size = o.ffn;
-  c.activation = Activation::kSilu;
+  m->config = ModelConfig{.vocab_size = o.vocab,
+                          .hidden_size = o.hidden,
+                          .n_layers = o.layers,
+                          .n_heads = o.heads,
+                          .n_kv_heads = o.heads,
+                          .head_dim = o.hidden / o.heads,
+                          .ffn_size = o.ffn,
+                          .activation = Activation::kSilu};
+  const ModelConfig& c = m->config;
   m->pred_rank = o.pred_rank;
   const int H = c.hidden_size, F = c.ffn_size;
   uint64_t seed = 1;

@@ -633,28 +633,29 @@ int Main(int argc, char** argv) {
                                  c.n_layers * (m.AttnBytes() + m.PredBytes() + kv_read) +
                                  hot_rows * 3 * rb;
         auto result = [&](const char* mode, double tok_s, const Sums& x, double actual) {
-          Result r;
-          r.mode = mode;
-          r.skew = skew;
-          r.tok_s = tok_s;
-          r.placement = pl;
-          r.gpu_bytes = gpu_bytes;
-          r.cpu_bytes = cold_rows * 3 * rb;
-          r.gpu_cold_share =
-              x.gpu_cold + x.cpu_cold > 0 ? x.gpu_cold / (x.gpu_cold + x.cpu_cold) : 0;
-          r.plan_bytes = plan;
-          r.actual_bytes = actual;
-          r.cold_s = x.cold_s / o.steps;
-          r.wait_s = x.wait_s / o.steps;
-          r.gpu_hot_s = x.hot_s / o.steps;
-          r.gpu_attn_s = x.attn_s / o.steps;
-          r.launch_s = x.launch_s / o.steps;
-          r.ahead_s = x.ahead_s / o.steps;
-          r.guess_wait_s = x.guess_wait_s / o.steps;
-          r.guess_rows = x.guess_rows / o.steps;
-          r.gpu_gap_s = x.gap_s / o.steps;
-          r.gpu_in_s = x.in_s / o.steps;
-          results.push_back(r);
+          const double n = o.steps;
+          results.push_back(Result{
+              .mode = mode,
+              .skew = skew,
+              .placement = pl,
+              .tok_s = tok_s,
+              .gpu_bytes = gpu_bytes,
+              .cpu_bytes = cold_rows * 3 * rb,
+              .plan_bytes = plan,
+              .actual_bytes = actual,
+              .cold_s = x.cold_s / n,
+              .wait_s = x.wait_s / n,
+              .gpu_hot_s = x.hot_s / n,
+              .gpu_attn_s = x.attn_s / n,
+              .launch_s = x.launch_s / n,
+              .gpu_gap_s = x.gap_s / n,
+              .gpu_in_s = x.in_s / n,
+              .ahead_s = x.ahead_s / n,
+              .guess_wait_s = x.guess_wait_s / n,
+              .guess_rows = x.guess_rows / n,
+              .gpu_cold_share =
+                  x.gpu_cold + x.cpu_cold > 0 ? x.gpu_cold / (x.gpu_cold + x.cpu_cold) : 0,
+          });
         };
         std::printf("pinfer skew %.0f%%: %.1f hot + %.1f cold active rows per layer per token\n",
                     skew * 100, hot_rows / c.n_layers, cold_rows / c.n_layers);
