@@ -387,6 +387,51 @@ bool Stepped(const cuda::BackendStatus& st, const char* mode) {
   return st.ok();
 }
 
+// The knobs a variant may set: the module's PINFER_CUDA_* names, the bench cold side's COLD_AHEAD
+// family, and the bench's own.
+bool KnownKnob(const std::string& name) {
+  static const char* const kKnobs[] = {"PDL",
+                                       "REPACK",
+                                       "STEP_GRAPH",
+                                       "GRAPHS",
+                                       "PRODUCER_QX",
+                                       "PRELAUNCH",
+                                       "NORM_VEC8",
+                                       "QX_REGS",
+                                       "QX_EARLY",
+                                       "ATTN_ONLINE",
+                                       "ATTN_QX",
+                                       "ATTN_EARLY",
+                                       "QX_PIPE",
+                                       "FUSED_NORM",
+                                       "ROPE_IN_PRODUCT",
+                                       "ACT_IN_PRODUCT",
+                                       "LATE_X_FIRST",
+                                       "PREFETCH",
+                                       "ATTN_LATE_TRIGGER",
+                                       "Q8X",
+                                       "ZERO_COPY_COLD",
+                                       "QX_WARPS",
+                                       "QX_ROWS",
+                                       "QX_SHAPE",
+                                       "NORM_LOOP",
+                                       "EARLY_PUBLISH",
+                                       "COLD_GPU_SHARE",
+                                       "COLD_PARTS",
+                                       "COLD_AHEAD",
+                                       "COLD_AHEAD_HINT",
+                                       "COLD_AHEAD_RANKED",
+                                       "COLD_AHEAD_TIER",
+                                       "COLD_AHEAD_PIN",
+                                       "COLD_GUESS",
+                                       "COLD_GUESS_SHIFT",
+                                       "COLD_GUESS_RECALL",
+                                       "LANES",
+                                       "LANES_POOL",
+                                       "TIMES"};
+  return std::find(std::begin(kKnobs), std::end(kKnobs), name) != std::end(kKnobs);
+}
+
 // Sets the module's knobs for one variant: every known knob back to its default, then the
 // variant's NAME=VALUE pairs as PINFER_CUDA_NAME (LANES=N, LANES_POOL=N and TIMES=0 are the
 // bench's own, above). The knobs are the module's (gpu-worker/cuda), but for COLD_AHEAD and its
@@ -468,6 +513,15 @@ int Main(int argc, char** argv) {
         // own (cuda_prefill_bench, cuda_adaptive_bench, cuda_kernel_bench --sections=coldop).
         std::fprintf(stderr, "--modes: %s is not one of pinfer, offload, gpu, lanes\n",
                      mode.c_str());
+        return 2;
+      }
+    }
+  }
+  for (const std::string& variant : o.variants) {
+    for (const std::string& kv : Split(variant, '+')) {
+      if (variant != "base" && !KnownKnob(kv.substr(0, kv.find('=')))) {
+        std::fprintf(stderr, "--variants: %s is not a knob the module or the bench reads\n",
+                     kv.c_str());
         return 2;
       }
     }
