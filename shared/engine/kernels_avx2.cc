@@ -142,15 +142,17 @@ inline void q45k_block(const uint8_t* scales, const uint8_t* qs, const uint8_t* 
     if constexpr (kHigh) {
       const __m256i one = _mm256_set1_epi8(1);
       lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(high, one), 4));
-      hi = _mm256_or_si256(
-          hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 1), one), 4));
+      hi = _mm256_or_si256(hi,
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 1), one), 4));
       high = _mm256_srli_epi16(high, 2);  // the next pair of sub-blocks' bits to bits 0 and 1
     }
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 64 * i));
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 64 * i + 32));
     // 16-bit lane 2i (then 2i + 1) of scale16 in every lane.
-    const __m256i s0 = _mm256_shuffle_epi8(scale16, _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0404 * i)));
-    const __m256i s1 = _mm256_shuffle_epi8(scale16, _mm256_set1_epi16(static_cast<int16_t>(0x0302 + 0x0404 * i)));
+    const __m256i s0 =
+        _mm256_shuffle_epi8(scale16, _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0404 * i)));
+    const __m256i s1 =
+        _mm256_shuffle_epi8(scale16, _mm256_set1_epi16(static_cast<int16_t>(0x0302 + 0x0404 * i)));
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), s0));
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), s1));
   }
@@ -163,8 +165,8 @@ inline int32_t q6k_dot(const BlockQ6_K& b, const int8_t* q8) {
   const __m256i mask = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3);
   const __m256i scale16 =
       _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales)));
-  const __m256i lane_halves = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2,
-                                               3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+  const __m256i lane_halves = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3,
+                                               2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
   __m256i acc = _mm256_setzero_si256();
   for (int h = 0; h < 2; ++h) {
     const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h));
@@ -174,8 +176,7 @@ inline int32_t q6k_dot(const BlockQ6_K& b, const int8_t* q8) {
                             _mm256_and_si256(_mm256_srli_epi16(ql0, 4), mask),
                             _mm256_and_si256(_mm256_srli_epi16(ql1, 4), mask)};
     for (int k = 0; k < 4; ++k) {
-      const __m256i q =
-          _mm256_or_si256(low[k], _mm256_slli_epi16(_mm256_and_si256(qh, three), 4));
+      const __m256i q = _mm256_or_si256(low[k], _mm256_slli_epi16(_mm256_and_si256(qh, three), 4));
       qh = _mm256_srli_epi16(qh, 2);
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 128 * h + 32 * k));
       // Groups 8h + 2k and 8h + 2k + 1 share 32-bit word 4h + k of scale16: broadcast it, then

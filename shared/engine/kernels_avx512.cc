@@ -155,9 +155,11 @@ inline void q45k_block(const uint8_t* scales, const uint8_t* qs, const uint8_t* 
 // A 512-bit vector holds 64 consecutive values, four groups of 16; their scales reach the four
 // 128-bit quarters by one permute of the block's sixteen scales.
 inline int32_t q6k_dot(const BlockQ6_K& b, const int8_t* q8) {
-  alignas(32) static constexpr uint8_t kQuarter[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                                       2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
-  const __m512i quarter = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(kQuarter)));
+  alignas(32) static constexpr uint8_t kQuarter[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1,
+                                                       1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2,
+                                                       2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+  const __m512i quarter =
+      _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(kQuarter)));
   const __m512i scales16 = _mm512_castsi256_si512(
       _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales))));
   const __m512i mask = _mm512_set1_epi8(0x0f), three = _mm512_set1_epi8(3);
@@ -168,11 +170,13 @@ inline int32_t q6k_dot(const BlockQ6_K& b, const int8_t* q8) {
     for (int p = 0; p < 2; ++p) {  // values 64p..64p+63 of the half: k = 2p, 2p + 1
       const __m512i low = _mm512_and_si512(p == 0 ? ql : _mm512_srli_epi16(ql, 4), mask);
       const __m256i h0 = _mm256_srli_epi16(qh, 4 * p);
-      const __m512i hz = _mm512_inserti64x4(_mm512_castsi256_si512(h0), _mm256_srli_epi16(h0, 2), 1);
+      const __m512i hz =
+          _mm512_inserti64x4(_mm512_castsi256_si512(h0), _mm256_srli_epi16(h0, 2), 1);
       const __m512i q = _mm512_or_si512(low, _mm512_slli_epi16(_mm512_and_si512(hz, three), 4));
       const __m512i x = _mm512_loadu_si512(q8 + 128 * h + 64 * p);
       const __m512i scale = _mm512_permutexvar_epi16(
-          _mm512_add_epi16(quarter, _mm512_set1_epi16(static_cast<int16_t>(8 * h + 4 * p))), scales16);
+          _mm512_add_epi16(quarter, _mm512_set1_epi16(static_cast<int16_t>(8 * h + 4 * p))),
+          scales16);
       acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q, x), scale);
     }
   }

@@ -102,7 +102,8 @@ inline int32_t q6k_dot(const BlockQ6_K& b, const int8_t* q8) {
         int32_t s = 0;
         for (int l = 16 * half16; l < 16 * half16 + 16; ++l) {
           const uint8_t low = b.ql[64 * h + l + 32 * (k & 1)];
-          const int q = (k < 2 ? (low & 0x0f) : (low >> 4)) | (((b.qh[32 * h + l] >> (2 * k)) & 3) << 4);
+          const int q =
+              (k < 2 ? (low & 0x0f) : (low >> 4)) | (((b.qh[32 * h + l] >> (2 * k)) & 3) << 4);
           s += q * q8[128 * h + 32 * k + l];
         }
         sum += b.scales[8 * h + 2 * k + half16] * s;

@@ -7,7 +7,12 @@
 // converted to fp32 on the fly. Q8_0 and Q4_0 rows are multiplied as llama.cpp multiplies them:
 // each activation vector is quantized to Q8_0 blocks (d = max|x| / 127 as fp16, q = round(x / d))
 // and every block contributes d_w * d_x * (exact integer dot), so quantized models compute what
-// llama.cpp computes, with integer SIMD. (AccumulateRows keeps fp32 coefficients.)
+// llama.cpp computes, with integer SIMD. Q4_K, Q5_K and Q6_K rows (ggml's super-blocks of 256)
+// multiply x quantized to Q8_K as ggml's quantize_row_q8_K does it (per 256 values d = max / -127
+// in fp32, q = round(x / d), with the 16-value sums of q), each super-block contributing
+// d_w * d_x * (exact integer dot with its sub-block scales) - dmin_w * d_x * (exact integer dot
+// of its sub-block mins with those sums), as ggml_vec_dot_q*_K_q8_K does. (AccumulateRows keeps
+// fp32 coefficients and converts K rows to fp32 a super-block at a time.)
 #pragma once
 
 #include <algorithm>

@@ -457,7 +457,8 @@ class SimdOps : public CpuOps {
       for (int64_t i = b; i < e; ++i) {
         const uint8_t* row = data + (ids != nullptr ? ids[i] : i) * stride;
         for (int t = 0; t < n; ++t) {
-          y[t * n_rows + i] = dot(row, Q8KVector{xq + t * cols, xd + t * nb, xs + t * nb * 16}, cols);
+          y[t * n_rows + i] =
+              dot(row, Q8KVector{xq + t * cols, xd + t * nb, xs + t * nb * 16}, cols);
         }
       }
     });

@@ -52,20 +52,22 @@ struct RowKernels {
   float (*exp_sub_sum)(float* x, int64_t n, float m);
   // y[i] += sum_{j < k} a[j] * rows[j][i], each element's terms in row order: the same result as
   // k axpy calls, with y read and written once and the rows read together.
-  void (*axpy_rows[kNumDTypes])(const float* a, const uint8_t* const* rows, int k, float* y, int64_t n);
+  void (*axpy_rows[kNumDTypes])(const float* a, const uint8_t* const* rows, int k, float* y,
+                                int64_t n);
   // out[j] = rows[j] . x for j < k, the rows read together: F32/F16/BF16 rows against x (null
   // for the block types), Q8_0 / Q4_0 rows against x quantized (null for the others; each sum
   // formed exactly as dot_q8x forms it, the plain types' may round differently from dot's).
-  void (*dot_rows[kNumDTypes])(const uint8_t* const* rows, int k, const float* x, int64_t n, float* out);
-  void (*dot_rows_q8x[kNumDTypes])(const uint8_t* const* rows, int k, const Q8Vector& x,
-                                   int64_t n, float* out);
+  void (*dot_rows[kNumDTypes])(const uint8_t* const* rows, int k, const float* x, int64_t n,
+                               float* out);
+  void (*dot_rows_q8x[kNumDTypes])(const uint8_t* const* rows, int k, const Q8Vector& x, int64_t n,
+                                   float* out);
   // A Q4_K / Q5_K / Q6_K row (null for the other dtypes) against a Q8KVector, ggml's
   // ggml_vec_dot_q*_K_q8_K: per super-block d_row * d_x * (exact integer dot with the sub-block
   // scales) - dmin_row * d_x * (exact integer dot of the mins with the 16-value sums of x).
   float (*dot_q8k[kNumDTypes])(const void* row, const Q8KVector& x, int64_t n);
   // dot_q8k for k rows (each sum formed exactly as dot_q8k forms it).
-  void (*dot_rows_q8k[kNumDTypes])(const uint8_t* const* rows, int k, const Q8KVector& x,
-                                   int64_t n, float* out);
+  void (*dot_rows_q8k[kNumDTypes])(const uint8_t* const* rows, int k, const Q8KVector& x, int64_t n,
+                                   float* out);
   // Quantizes x: [n] (n a multiple of 256) into the arrays of a Q8KVector.
   void (*quantize_q8k)(const float* x, int64_t n, int8_t* q, float* d, int16_t* bsums);
 };
@@ -77,9 +79,9 @@ inline void KScalesAndMins(const uint8_t* packed, uint32_t out[4]) {
   constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
   uint32_t w[3];
   std::memcpy(w, packed, 12);
-  out[0] = w[0] & kLow6;                                         // scales 0-3
-  out[1] = (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4);        // scales 4-7
-  out[2] = w[1] & kLow6;                                         // mins 0-3
+  out[0] = w[0] & kLow6;                                          // scales 0-3
+  out[1] = (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4);         // scales 4-7
+  out[2] = w[1] & kLow6;                                          // mins 0-3
   out[3] = ((w[2] >> 4) & kLow4) | (((w[1] >> 6) & kLow2) << 4);  // mins 4-7
 }
 

@@ -60,8 +60,8 @@ size_t RowBytes(DType t, int64_t n) {
 
 namespace {
 
-// ggml's dequantize_row_q4_K / q5_K: d * scale_j as one fp32 factor, then factor * q - dmin * min_j.
-// Q4_K passes qh == null.
+// ggml's dequantize_row_q4_K / q5_K: d * scale_j as one fp32 factor, then factor * q - dmin *
+// min_j. Q4_K passes qh == null.
 void DequantQ4Q5K(uint16_t d16, uint16_t dmin16, const uint8_t* scales, const uint8_t* qh,
                   const uint8_t* qs, float* y) {
   const float d = Fp16ToFp32(d16), dmin = Fp16ToFp32(dmin16);
@@ -94,8 +94,8 @@ int Q6KValue(const BlockQ6_K& b, int v) {
 // non-negative offset) that spans its values, the sub-block scales rounded to 6 bits (Q6_K:
 // 8 bits) against one fp16 super-scale, and each value rounded to the nearest level of its
 // rounded scale.
-void QuantizeQ4Q5K(const float* x, int levels, uint16_t* d_out, uint16_t* dmin_out,
-                   uint8_t* scales, uint8_t* qh, uint8_t* qs) {
+void QuantizeQ4Q5K(const float* x, int levels, uint16_t* d_out, uint16_t* dmin_out, uint8_t* scales,
+                   uint8_t* qh, uint8_t* qs) {
   float scale[8], offset[8];
   float max_scale = 0, max_offset = 0;
   for (int j = 0; j < 8; ++j) {
@@ -116,7 +116,8 @@ void QuantizeQ4Q5K(const float* x, int levels, uint16_t* d_out, uint16_t* dmin_o
   std::memset(scales, 0, 12);
   int ls[8], lm[8];
   for (int j = 0; j < 8; ++j) {
-    ls[j] = d_stored > 0 ? std::clamp(static_cast<int>(std::lround(scale[j] / d_stored)), 0, 63) : 0;
+    ls[j] =
+        d_stored > 0 ? std::clamp(static_cast<int>(std::lround(scale[j] / d_stored)), 0, 63) : 0;
     lm[j] = dmin_stored > 0
                 ? std::clamp(static_cast<int>(std::lround(offset[j] / dmin_stored)), 0, 63)
                 : 0;
@@ -134,9 +135,10 @@ void QuantizeQ4Q5K(const float* x, int levels, uint16_t* d_out, uint16_t* dmin_o
   for (int j = 0; j < 8; ++j) {
     const float step = d_stored * ls[j], off = dmin_stored * lm[j];
     for (int l = 0; l < 32; ++l) {
-      const int q = step > 0 ? std::clamp(static_cast<int>(std::lround((x[32 * j + l] + off) / step)),
-                                          0, levels)
-                             : 0;
+      const int q =
+          step > 0
+              ? std::clamp(static_cast<int>(std::lround((x[32 * j + l] + off) / step)), 0, levels)
+              : 0;
       const int i = j / 2, byte = 32 * i + l;
       qs[byte] |= static_cast<uint8_t>((q & 0x0f) << (j % 2 == 0 ? 0 : 4));
       if (qh != nullptr) qh[l] |= static_cast<uint8_t>((q >> 4) << j);

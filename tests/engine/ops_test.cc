@@ -656,9 +656,9 @@ TEST_P(OpsTest, KQuantSparseFfnToken) {
         Guarded got(hidden), want(hidden), a(n_rows), a_ref(n_rows);
         const int ups = ops_->SparseFfnToken(gate.view, up.view, down_t.view, idx.data(), n_rows,
                                              act, x.data(), nullptr, a.data(), got.data());
-        const int ups_ref = ref_->SparseFfnToken(gate.view, up.view, down_t.view, idx.data(),
-                                                 n_rows, act, x.data(), nullptr, a_ref.data(),
-                                                 want.data());
+        const int ups_ref =
+            ref_->SparseFfnToken(gate.view, up.view, down_t.view, idx.data(), n_rows, act, x.data(),
+                                 nullptr, a_ref.data(), want.data());
         EXPECT_EQ(ups, ups_ref);
         ExpectClose(a, a_ref, 1e-10);
         ExpectClose(got, want, 1e-10);
@@ -811,7 +811,8 @@ void GgmlDequantize(DType t, const uint8_t* row, int64_t n, float* y) {
         for (int l = 0; l < 32; ++l) {
           const int is = l / 16;
           const int8_t q1 = static_cast<int8_t>((ql[l + 0] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-          const int8_t q2 = static_cast<int8_t>((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+          const int8_t q2 =
+              static_cast<int8_t>((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
           const int8_t q3 = static_cast<int8_t>((ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
           const int8_t q4 = static_cast<int8_t>((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
           y[l + 0] = d * sc[is + 0] * q1;
@@ -900,8 +901,8 @@ TEST(KQuantTest, ProductsMatchAnF32ProductOnGgmlDequantizedWeights) {
   const int rows = 24, cols = 1024;
   for (DType dt : kKDTypes) {
     for (bool random_bits : {false, true}) {
-      Weight w = random_bits ? MakeRandomKWeight(dt, rows, cols, rng)
-                             : MakeWeight(dt, rows, cols, rng);
+      Weight w =
+          random_bits ? MakeRandomKWeight(dt, rows, cols, rng) : MakeWeight(dt, rows, cols, rng);
       auto x = Random(cols, rng);
       x[5] = 0.f;  // exercises a zero in a block, not a zero block
       const std::vector<float> xr = GgmlQ8KRounded(x.data(), cols);
@@ -922,8 +923,8 @@ TEST(KQuantTest, ProductsMatchAnF32ProductOnGgmlDequantizedWeights) {
         if (impl.threads == 1) all.push_back(NewSimdOpsWithKernels(nullptr, impl.kernels));
       }
       for (const auto& ops : all) {
-        SCOPED_TRACE(testing::Message() << DTypeName(dt) << " " << ops->name() << " random "
-                                        << random_bits);
+        SCOPED_TRACE(testing::Message()
+                     << DTypeName(dt) << " " << ops->name() << " random " << random_bits);
         std::vector<float> got(rows);
         ops->MatMul(w.view, x.data(), 1, got.data());
         EXPECT_FALSE(AnyNan(got.data(), rows));
@@ -939,12 +940,12 @@ TEST(KQuantTest, ProductsMatchAnF32ProductOnGgmlDequantizedWeights) {
 // others to round(x * 127 / |max|) with ties to even, capped at 127; bsums add 16 values.
 TEST(KQuantTest, ActivationsQuantizeToQ8KAsGgmlDoes) {
   std::vector<float> x(512, 0.f);
-  x[0] = -2.f;           // iscale = -127 / -2 = 63.5, q = -127
-  x[1] = 2.f;            // q = 127
-  x[2] = 0.5f;           // 31.75 -> 32
-  x[3] = 1.f / 127.f;    // 0.5 -> 0 (ties to even)
-  x[4] = 3.f / 127.f;    // 1.5 -> 2
-  x[17] = -0.25f;        // -15.875 -> -16
+  x[0] = -2.f;         // iscale = -127 / -2 = 63.5, q = -127
+  x[1] = 2.f;          // q = 127
+  x[2] = 0.5f;         // 31.75 -> 32
+  x[3] = 1.f / 127.f;  // 0.5 -> 0 (ties to even)
+  x[4] = 3.f / 127.f;  // 1.5 -> 2
+  x[17] = -0.25f;      // -15.875 -> -16
   // block 1 stays zero: d = 0, q = 0
   for (const Impl& impl : Implementations()) {
     if (impl.threads != 1) continue;

@@ -687,12 +687,10 @@ TEST(GgufModelErrorsTest, KQuantTensorsStayInTheirType) {
   m.hidden = 256;
   m.heads = 4;
   m.ffn = 512;
-  m.type_override = {{"output.weight", GgmlType::kQ6_K},
-                     {"blk.0.ffn_gate.weight", GgmlType::kQ4_K},
-                     {"blk.0.ffn_up.weight", GgmlType::kQ4_K},
-                     {"blk.0.ffn_down.weight", GgmlType::kQ6_K},
-                     {"blk.1.ffn_up.weight", GgmlType::kQ5_K},
-                     {"blk.1.attn_v.weight", GgmlType::kQ6_K}};
+  m.type_override = {
+      {"output.weight", GgmlType::kQ6_K},       {"blk.0.ffn_gate.weight", GgmlType::kQ4_K},
+      {"blk.0.ffn_up.weight", GgmlType::kQ4_K}, {"blk.0.ffn_down.weight", GgmlType::kQ6_K},
+      {"blk.1.ffn_up.weight", GgmlType::kQ5_K}, {"blk.1.attn_v.weight", GgmlType::kQ6_K}};
   auto path = WriteTinyLlama("kquant.gguf", m);
   ASSERT_TRUE(path.ok()) << path.status();
   auto model = LoadModel(*path);
@@ -711,9 +709,9 @@ TEST(GgufModelErrorsTest, KQuantTensorsStayInTheirType) {
   // The twin: every tensor as F32 values dequantized from the file.
   GgufWriter twin;
   twin.SetString("general.architecture", "llama");
-  for (const char* key : {"llama.embedding_length", "llama.block_count",
-                          "llama.feed_forward_length", "llama.attention.head_count",
-                          "llama.attention.head_count_kv"}) {
+  for (const char* key :
+       {"llama.embedding_length", "llama.block_count", "llama.feed_forward_length",
+        "llama.attention.head_count", "llama.attention.head_count_kv"}) {
     auto v = (*file)->GetU32(key);
     ASSERT_TRUE(v.ok()) << key;
     twin.SetU32(key, *v);
