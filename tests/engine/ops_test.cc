@@ -622,8 +622,24 @@ TEST_P(OpsTest, KQuantRowsAreBitIdenticalToMatMulAndAccumulate) {
       ref_->AccumulateRows(w.view, idx.data(), idx.size(), a.data(), tokens, acc_ref.data());
       ExpectClose(acc, acc_ref, 1e-10);
     }
-    // The grouped axpy adds exactly what one axpy per row adds.
+    // The grouped kernels compute exactly what one call per row computes.
     const RowKernels* k = GetParam().kernels;
+    {
+      std::vector<int8_t> q(cols);
+      std::vector<float> d(cols / 256);
+      std::vector<int16_t> bsums(cols / 16);
+      k->quantize_q8k(x.data(), cols, q.data(), d.data(), bsums.data());
+      const Q8KVector v{q.data(), d.data(), bsums.data()};
+      std::vector<const uint8_t*> group;
+      for (int32_t i : idx) group.push_back(w.view.row(i));
+      std::vector<float> grouped(idx.size());
+      k->dot_rows_q8k[static_cast<size_t>(dt)](group.data(), static_cast<int>(group.size()), v,
+                                               cols, grouped.data());
+      for (size_t i = 0; i < idx.size(); ++i) {
+        EXPECT_EQ(grouped[i], k->dot_q8k[static_cast<size_t>(dt)](group[i], v, cols));
+        EXPECT_EQ(grouped[i], all[idx[i]]);
+      }
+    }
     std::vector<const uint8_t*> rp;
     for (int j = 0; j < 10; ++j) rp.push_back(w.view.row(j));
     auto coef = Random(10, rng_), start = Random(cols, rng_);
