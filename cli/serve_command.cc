@@ -50,7 +50,10 @@ constexpr char kUsage[] =
     "         [--stream-chunk-rows N] [--stream-slots N] [--adaptive-cache-rows N]\n"
     "         [--adaptive-cache-thread] [--cold-gpu-share auto|off|F] [--decode-lanes N] "
     "[--cpu-spin-us US] [--cold-guess]\n"
+    "         [--http-port P] [--http-port-file FILE] [--api-key KEY | --api-key-file FILE]\n"
     "  --port: public gRPC port of the gateway (default 50051; 0 picks one, see --port-file)\n"
+    "  --http-port: the gateway's OpenAI-compatible HTTP API and chat page (off unless given;\n"
+    "            0 picks one, see --http-port-file); --api-key(-file) makes /v1/ ask for it\n"
     "  --metrics-port: the gateway's /metrics (off unless given); the workers default to M+1\n"
     "                  and M+2 (or 0 = any free port, when M is 0)\n"
     "  --threads / --cpu-threads: compute threads of the gpu-worker / cpu-worker (default 1)\n"
@@ -188,7 +191,11 @@ int ServeCommand(const std::vector<std::string>& args) {
                               "adaptive-cache-rows",
                               "cold-gpu-share",
                               "decode-lanes",
-                              "cpu-spin-us"},
+                              "cpu-spin-us",
+                              "http-port",
+                              "http-port-file",
+                              "api-key",
+                              "api-key-file"},
                              {"sparse", "cold-guess", "adaptive-cache-thread"});
   if (!parsed.ok()) return UsageError(kUsage, parsed.status());
   const Flags& f = *parsed;
@@ -353,6 +360,10 @@ int ServeCommand(const std::vector<std::string>& args) {
   pass(&gw.argv, "metrics-port");
   pass(&gw.argv, "port-file");
   pass(&gw.argv, "metrics-port-file");
+  pass(&gw.argv, "http-port");
+  pass(&gw.argv, "http-port-file");
+  pass(&gw.argv, "api-key");
+  pass(&gw.argv, "api-key-file");
   pass(&gw.argv, "max-running");
   pass(&gw.argv, "max-queue");
   pass(&gw.argv, "max-new-tokens-limit");

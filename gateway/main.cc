@@ -22,7 +22,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "cli/flags.h"
+#include "gateway/http/openai_http.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -34,6 +36,7 @@
 #include "shared/metrics/metrics.h"
 #include "shared/service/grpc_convert.h"
 #include "shared/service/log.h"
+#include "shared/util/mapped_file.h"
 #include "shared/util/status_macros.h"
 
 namespace pinfer::gateway {
@@ -46,10 +49,13 @@ constexpr char kUsage[] =
     "usage: pinfer-gateway --workers ADDR[,ADDR...] [--listen ADDR] [--port-file FILE]\n"
     "         [--metrics-port P] [--metrics-port-file FILE] [--max-running N] [--max-queue N]\n"
     "         [--max-new-tokens-limit N] [--default-max-new-tokens N] [--drain-timeout-ms MS]\n"
-    "         [--health-interval-ms MS]\n"
+    "         [--health-interval-ms MS] [--http-port P] [--http-port-file FILE]\n"
+    "         [--api-key KEY | --api-key-file FILE]\n"
     "  --workers: gpu-worker control addresses (host:port or unix:/path), one per worker pair\n"
     "  --listen: public address (default 0.0.0.0:50051; port 0 picks one, see --port-file)\n"
     "  --max-running: requests forwarded to each worker pair at once (default 16)\n"
+    "  --http-port: the OpenAI-compatible HTTP API and chat page (off unless given; 0 picks one,\n"
+    "               see --http-port-file); --api-key(-file): /v1/ asks for it as a Bearer token\n"
     "  --max-queue: requests allowed to wait beyond that; more get RESOURCE_EXHAUSTED (64)\n";
 
 struct Options {
@@ -58,6 +64,8 @@ struct Options {
   int max_running = 16, max_queue = 64;
   int max_new_tokens_limit = 4096, default_max_new_tokens = 128;
   int64_t drain_timeout_ms = 30000, health_interval_ms = 200;
+  int http_port = -1;  // -1: no HTTP API
+  std::string http_port_file, api_key;
 };
 
 absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
@@ -66,7 +74,8 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
       cli::Flags::Parse(args,
                         {"workers", "listen", "port-file", "metrics-port", "metrics-port-file",
                          "max-running", "max-queue", "max-new-tokens-limit",
-                         "default-max-new-tokens", "drain-timeout-ms", "health-interval-ms"},
+                         "default-max-new-tokens", "drain-timeout-ms", "health-interval-ms", "http-port", "http-port-file", "api-key",
+                         "api-key-file"},
                         {}));
   Options o;
   ASSIGN_OR_RETURN(std::string workers, f.Required("workers"));
@@ -84,6 +93,19 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(int64_t def, f.Int("default-max-new-tokens", 128));
   ASSIGN_OR_RETURN(o.drain_timeout_ms, f.Int("drain-timeout-ms", 30000));
   ASSIGN_OR_RETURN(o.health_interval_ms, f.Int("health-interval-ms", 200));
+  ASSIGN_OR_RETURN(int64_t http_port, f.Int("http-port", -1));
+  if (http_port < -1 || http_port > 65535) {
+    return absl::InvalidArgumentError("--http-port must be in [0, 65535]");
+  }
+  o.http_port = static_cast<int>(http_port);
+  if (auto v = f.Get("http-port-file")) o.http_port_file = *v;
+  if (auto v = f.Get("api-key")) o.api_key = *v;
+  if (auto v = f.Get("api-key-file")) {
+    // A file keeps the key out of the process list; surrounding white space is not part of it.
+    ASSIGN_OR_RETURN(std::string key, ReadFileToString(*v));
+    o.api_key = std::string(absl::StripAsciiWhitespace(key));
+    if (o.api_key.empty()) return absl::InvalidArgumentError("--api-key-file holds no key");
+  }
   if (mr < 1 || mr > 100000) return absl::InvalidArgumentError("--max-running out of range");
   if (mq < 0 || mq > 1000000) return absl::InvalidArgumentError("--max-queue out of range");
   if (lim < 1 || lim > (1 << 24))
@@ -690,6 +712,25 @@ int Main(const std::vector<std::string>& args) {
   Log("serving pinfer.v1.Inference on %s (port %d) for %zu worker pair(s)", o.listen.c_str(), port,
       o.workers.size());
   if (!o.port_file.empty()) (void)WriteFileAtomically(o.port_file, absl::StrCat(port, "\n"));
+  // The HTTP API calls this server in-process, so it shares the queue, limits and metrics.
+  std::unique_ptr<OpenAiHttpServer> http;
+  if (o.http_port >= 0) {
+    HttpOptions ho;
+    ho.port = o.http_port;
+    ho.api_key = o.api_key;
+    auto started =
+        OpenAiHttpServer::Start(ho, server->InProcessChannel(grpc::ChannelArguments()), registry.get());
+    if (!started.ok()) {
+      Log("%s", std::string(started.status().message()).c_str());
+      return 1;
+    }
+    http = *std::move(started);
+    Log("OpenAI-compatible HTTP API on port %d%s", http->port(),
+        o.api_key.empty() ? "" : " (API key required)");
+    if (!o.http_port_file.empty()) {
+      (void)WriteFileAtomically(o.http_port_file, absl::StrCat(http->port(), "\n"));
+    }
+  }
 
   std::atomic<bool> stop_health{false};
   std::thread health_thread([&] {
@@ -716,6 +757,7 @@ int Main(const std::vector<std::string>& args) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   if (pool.running() > 0) Log("drain timeout: cancelling %d request(s)", pool.running());
+  if (http != nullptr) http->Stop();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   Log("stopped");
   return 0;
