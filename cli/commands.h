@@ -14,6 +14,7 @@ int PerplexityCommand(const std::vector<std::string>& args);
 int PrepareCommand(const std::vector<std::string>& args);
 int ConvertCommand(const std::vector<std::string>& args);
 int ServeCommand(const std::vector<std::string>& args);
+int ChatTemplateCommand(const std::vector<std::string>& args);
 
 // Prints a usage error (exit code 2) or a runtime error (exit code 1).
 int UsageError(const std::string& usage, const absl::Status& st);

@@ -22,7 +22,9 @@ constexpr char kUsage[] =
     "              [--context N] [--target-recall R] [--report FILE.svg] (predictors, placement)\n"
     "  convert     --model HF_DIR|FILE.gguf --out FILE.gguf [--type f16|q8_0|q4_0|f32] [--name N]\n"
     "  serve       --model PATH [--port P] [--metrics-port M] [--threads N] [--cpu-threads N]\n"
-    "              [--hot-fraction F] (gateway + gpu-worker + cpu-worker; --help for more)\n";
+    "              [--hot-fraction F] (gateway + gpu-worker + cpu-worker; --help for more)\n"
+    "  chat-template --model PATH --messages FILE.json [--template FILE]\n"
+    "              [--no-generation-prompt] (prints the chat's rendered prompt)\n";
 
 }  // namespace
 
@@ -34,6 +36,7 @@ int main(int argc, char** argv) {
       {"prepare", pinfer::cli::PrepareCommand},
       {"convert", pinfer::cli::ConvertCommand},
       {"serve", pinfer::cli::ServeCommand},
+      {"chat-template", pinfer::cli::ChatTemplateCommand},
   };
   if (argc < 2) {
     std::fputs(kUsage, stderr);
