@@ -156,6 +156,14 @@ TEST_F(PlacementTest, PredictorsAreCountedAndQuantizedRowsAreSmaller) {
   EXPECT_EQ(HotNeuronBytes(*RandomModel(q), 1), 3u * 68);
   q.dtype = DType::kQ4_0;  // 2 blocks of 18 bytes
   EXPECT_EQ(HotNeuronBytes(*RandomModel(q), 1), 3u * 36);
+  // K-quants: hidden 512 = 2 super-blocks of 144 / 176 / 210 bytes per row.
+  q.hidden = 512;
+  q.dtype = DType::kQ4_K;
+  EXPECT_EQ(HotNeuronBytes(*RandomModel(q), 1), 3u * 288);
+  q.dtype = DType::kQ5_K;
+  EXPECT_EQ(HotNeuronBytes(*RandomModel(q), 1), 3u * 352);
+  q.dtype = DType::kQ6_K;
+  EXPECT_EQ(HotNeuronBytes(*RandomModel(q), 1), 3u * 420);
 }
 
 TEST_F(PlacementTest, MismatchedProfileIsRejected) {

@@ -67,6 +67,7 @@ struct Case {
   DType dtype;
   Activation act;
   bool simd;
+  int hidden = 64;  // 256 for the K-quants' super-blocks
 };
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
@@ -81,6 +82,7 @@ TEST_P(GateSparseFfnTest, EqualsDenseFfn) {
   RandomModelOptions o;
   o.dtype = p.dtype;
   o.activation = p.act;
+  o.hidden = p.hidden;
   auto model = RandomModel(o);
   ThreadPool pool(2);
   auto ops = p.simd ? NewSimdOps(&pool) : NewReferenceOps();
@@ -126,7 +128,11 @@ INSTANTIATE_TEST_SUITE_P(AllDtypes, GateSparseFfnTest,
                                            Case{DType::kQ8_0, Activation::kRelu, true},
                                            Case{DType::kQ4_0, Activation::kRelu, true},
                                            Case{DType::kQ4_0, Activation::kRelu, false},
-                                           Case{DType::kF16, Activation::kDRelu, true}),
+                                           Case{DType::kF16, Activation::kDRelu, true},
+                                           Case{DType::kQ4_K, Activation::kRelu, true, 256},
+                                           Case{DType::kQ5_K, Activation::kRelu, true, 256},
+                                           Case{DType::kQ6_K, Activation::kRelu, true, 256},
+                                           Case{DType::kQ4_K, Activation::kRelu, false, 256}),
                          CaseName);
 
 TEST(GateSparseFfnErrors, SiluNeedsThresholdsAndShapesAreChecked) {
