@@ -11,6 +11,8 @@ PACKAGES=(
   libgtest-dev libgmock-dev
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy python3-yaml
   clang libclang-rt-14-dev
+  # the chat page's browser test (tests/http; headless, driven by npm puppeteer-core)
+  chromium
   # monitoring and containerised end-to-end tests (deploy/)
   prometheus podman runc catatonit debootstrap docker-compose containernetworking-plugins
   golang-github-containernetworking-plugin-dnsname iptables

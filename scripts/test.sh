@@ -17,6 +17,12 @@ if command -v npm >/dev/null && [ ! -d tests/chat/node_modules/@huggingface/jinj
   (cd tests/chat && npm ci --no-audit --no-fund --ignore-scripts >/dev/null) ||
     echo "warning: could not install @huggingface/jinja; the live chat template reference check will skip"
 fi
+# The official OpenAI client and puppeteer-core (pinned in tests/http) for the HTTP API and chat
+# page tests, which skip without them.
+if command -v npm >/dev/null && [ ! -d tests/http/node_modules/openai ]; then
+  (cd tests/http && npm ci --no-audit --no-fund --ignore-scripts >/dev/null) ||
+    echo "warning: could not install the HTTP tests' npm packages; those tests will skip"
+fi
 scripts/build.sh
 
 echo "== full test suite"

@@ -52,6 +52,13 @@ ROWS = [
          "Requests being generated on a worker pair, and requests queued in the gateway.",
          [("running", "sum(pinfer_requests_running)"),
           ("waiting", "sum(pinfer_requests_waiting)")]),
+        ("HTTP API requests by route and status", "reqps",
+         "Requests to the OpenAI-compatible HTTP API (`--http-port`) per second, by route and HTTP "
+         "status code. They run through the same queue as gRPC calls, so they count above too.",
+         [("{{path}} {{code}}", f"sum by (path, code) (rate(pinfer_http_requests_total[{RATE}]))")]),
+        ("HTTP API request duration", "s",
+         "From a request's arrival at the HTTP port to the end of its response (the whole stream).",
+         quantiles("pinfer_http_request_duration_seconds")),
         ("Tokens per second", "short",
          "Generated tokens (decode throughput) and prompt tokens (prefill) per second.",
          [("generated", f"sum(rate(pinfer_generation_tokens_total[{RATE}]))"),

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <ctime>
 #include <utility>
 #include <vector>
@@ -106,6 +107,7 @@ struct Common {
   v1::SamplingParams sampling;
   std::vector<std::string> stop;
   bool stream = false, include_usage = false, logprobs = false;
+  bool ignore_eos = false;  // vLLM's extension, for benchmarks that need a fixed length
 };
 
 // Reads an optional number field; a wrong type is a 400 naming it.
@@ -176,6 +178,10 @@ std::optional<HttpError> ParseCommon(const json& body, bool chat, Common* c) {
   if (auto it = body.find("stream"); it != body.end() && !it->is_null()) {
     if (!it->is_boolean()) return BadRequest("'stream' must be a boolean", "stream");
     c->stream = it->get<bool>();
+  }
+  if (auto it = body.find("ignore_eos"); it != body.end() && !it->is_null()) {
+    if (!it->is_boolean()) return BadRequest("'ignore_eos' must be a boolean", "ignore_eos");
+    c->ignore_eos = it->get<bool>();
   }
   if (auto it = body.find("stream_options"); it != body.end() && !it->is_null()) {
     if (!it->is_object()) return BadRequest("'stream_options' must be an object", "stream_options");
@@ -260,7 +266,11 @@ std::string PathLabel(const std::string& path) {
   return "other";
 }
 
-thread_local Clock::time_point request_start;
+// When the request being handled on this thread arrived; unset for requests httplib rejects
+// before routing (oversized or malformed), which are counted without a latency.
+thread_local std::optional<Clock::time_point> request_start;
+
+constexpr int kHttpThreads = 96;
 
 }  // namespace
 
@@ -434,6 +444,7 @@ struct OpenAiHttpServer::Impl {
       creq.set_max_new_tokens(c.max_tokens);
       *creq.mutable_sampling() = c.sampling;
       for (const std::string& s : c.stop) creq.add_stop(s);
+      creq.set_ignore_eos(c.ignore_eos);
     } else {
       auto it = body.find("prompt");
       if (it == body.end() || it->is_null()) {
@@ -462,6 +473,7 @@ struct OpenAiHttpServer::Impl {
       greq.set_max_new_tokens(c.max_tokens);
       *greq.mutable_sampling() = c.sampling;
       for (const std::string& s : c.stop) greq.add_stop(s);
+      greq.set_ignore_eos(c.ignore_eos);
     }
     std::string model_id;
     if (auto e = CheckModel(body, &model_id)) return SendError(res, *e);
@@ -637,8 +649,12 @@ absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
   s->server_ = std::make_unique<httplib::Server>();
   httplib::Server& srv = *s->server_;
   srv.set_payload_max_length(options.max_body_bytes);
-  // Generations stream for as long as they take; httplib's 5 s write timeout is per write.
-  srv.set_read_timeout(60, 0);
+  // Generations stream for as long as they take; httplib's 5 s write timeout is per write. A
+  // client that sends its request slowly holds a thread for at most the read timeout.
+  srv.set_read_timeout(10, 0);
+  // Each streaming response holds a thread for its whole generation, so there must be at least
+  // as many as the gateway runs and queues (httplib's default is about the core count).
+  srv.new_task_queue = [] { return new httplib::ThreadPool(kHttpThreads); };
   srv.set_pre_routing_handler([impl](const httplib::Request& req, httplib::Response& res) {
     request_start = Clock::now();
     if (req.path.rfind("/v1/", 0) == 0 && !impl->Authorized(req)) {
@@ -680,8 +696,11 @@ absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
     if (impl->requests == nullptr) return;
     const std::string path = PathLabel(req.path);
     impl->requests->Add({{"path", path}, {"code", std::to_string(res.status)}}).Increment();
-    impl->latency->Add({{"path", path}}, metrics::LatencyBuckets())
-        .Observe(std::chrono::duration<double>(Clock::now() - request_start).count());
+    if (request_start.has_value()) {
+      impl->latency->Add({{"path", path}}, metrics::LatencyBuckets())
+          .Observe(std::chrono::duration<double>(Clock::now() - *request_start).count());
+      request_start.reset();
+    }
   });
 
   srv.Get("/", [](const httplib::Request&, httplib::Response& res) {

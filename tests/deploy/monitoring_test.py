@@ -23,6 +23,7 @@ usage: monitoring_test.py BIN_DIR   (BIN_DIR holds pinfer-gateway, pinfer-gpu-wo
                                       pinfer-cpu-worker, pinfer-health-probe)
 """
 
+import json
 import os
 import pathlib
 import shutil
@@ -33,6 +34,7 @@ import tempfile
 import threading
 import time
 import unittest
+import urllib.request
 
 import grpc
 import yaml
@@ -108,8 +110,11 @@ class MonitoringTest(unittest.TestCase):
             "--metrics-port", "127.0.0.1:0",
             "--metrics-port-file", str(cls.tmp / "gateway.metrics"),
             # At most one stream per pair at a time, so that two concurrent clients must use both.
-            "--max-running", "1"])
+            "--max-running", "1",
+            # The HTTP API too, so that the dashboard's HTTP panels have data.
+            "--http-port", "0", "--http-port-file", str(cls.tmp / "gateway.http")])
         cls.gateway = cls.read_port("gateway.port")
+        cls.gateway_http = cls.read_port("gateway.http")
         cls.gateway_metrics = cls.read_port("gateway.metrics")
 
         # Prometheus with the shipped rules and the shipped job names.
@@ -169,6 +174,14 @@ class MonitoringTest(unittest.TestCase):
                         cls.invalid_codes.append(grpc.StatusCode.OK)
                     except grpc.RpcError as e:
                         cls.invalid_codes.append(e.code())
+                    # One OpenAI-style completion over HTTP (same queue, so it counts above too).
+                    body = json.dumps({"prompt": prompt, "max_tokens": 2}).encode()
+                    try:
+                        urllib.request.urlopen(urllib.request.Request(
+                            f"http://127.0.0.1:{cls.gateway_http}/v1/completions", data=body,
+                            headers={"Content-Type": "application/json"}), timeout=60).read()
+                    except OSError as e:
+                        cls.errors.append((prompt, "http", str(e)))
 
         cls.threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(2)]
         for t in cls.threads:
