@@ -51,6 +51,10 @@ constexpr char kUsage[] =
     "         [--adaptive-cache-thread] [--cold-gpu-share auto|off|F] [--decode-lanes N] "
     "[--cpu-spin-us US] [--cold-guess]\n"
     "         [--http-port P] [--http-port-file FILE] [--api-key KEY | --api-key-file FILE]\n"
+    "         [--chat-template FILE]\n"
+    "  --chat-template: the Jinja chat template Chat renders messages with, instead of the\n"
+    "            model's own (GGUF tokenizer.chat_template, chat_template.jinja or\n"
+    "            tokenizer_config.json)\n"
     "  --port: public gRPC port of the gateway (default 50051; 0 picks one, see --port-file)\n"
     "  --http-port: the gateway's OpenAI-compatible HTTP API and chat page (off unless given;\n"
     "            0 picks one, see --http-port-file); --api-key(-file) makes /v1/ ask for it\n"
@@ -195,7 +199,8 @@ int ServeCommand(const std::vector<std::string>& args) {
                               "http-port",
                               "http-port-file",
                               "api-key",
-                              "api-key-file"},
+                              "api-key-file",
+                              "chat-template"},
                              {"sparse", "cold-guess", "adaptive-cache-thread"});
   if (!parsed.ok()) return UsageError(kUsage, parsed.status());
   const Flags& f = *parsed;
@@ -332,6 +337,7 @@ int ServeCommand(const std::vector<std::string>& args) {
   pass(&gpu.argv, "adaptive-cache-rows");
   pass(&gpu.argv, "cold-gpu-share");
   pass(&gpu.argv, "decode-lanes");
+  pass(&gpu.argv, "chat-template");
   if (f.Has("sparse")) gpu.argv.push_back("--sparse");
   if (f.Has("cold-guess")) gpu.argv.push_back("--cold-guess");
   if (f.Has("adaptive-cache-thread")) gpu.argv.push_back("--adaptive-cache-thread");

@@ -20,7 +20,10 @@ extern const char kUsage[] =
     "         [--drain-timeout-ms MS] [--cold-prefill auto|cpu|stream]\n"
     "         [--stream-chunk-rows N] [--stream-slots N] [--adaptive-cache-rows N]\n"
     "         [--adaptive-cache-thread] [--cold-gpu-share auto|off|F] [--decode-lanes N]\n"
-    "         [--cold-guess]\n"
+    "         [--cold-guess] [--chat-template FILE]\n"
+    "  --chat-template: the Jinja chat template the Chat RPC renders messages with, instead of\n"
+    "               the model's own (GGUF tokenizer.chat_template, chat_template.jinja or\n"
+    "               tokenizer_config.json); a model with neither answers Chat FAILED_PRECONDITION\n"
     "  --listen: host:port (port 0 picks one; see --port-file) or unix:/path\n"
     "  --segment: POSIX shared-memory name for the activation exchange (default: a fresh\n"
     "             unique name, printed in the log); give the cpu-worker the same name\n"
@@ -76,6 +79,7 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
                                                     "liveness-ms",
                                                     "backend",
                                                     "cuda-module",
+                                                    "chat-template",
                                                     "drain-timeout-ms",
                                                     "gpu-slots",
                                                     "max-context",
@@ -99,6 +103,7 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   if (auto v = f.Get("metrics-port-file")) o.metrics_port_file = *v;
   if (auto v = f.Get("backend")) o.backend = *v;
   if (auto v = f.Get("cuda-module")) o.cuda_module = *v;
+  if (auto v = f.Get("chat-template")) o.chat_template = *v;
   if (auto v = f.Get("placement")) o.placement = *v;
   o.hot_fraction_given = f.Has("hot-fraction");
   if (f.Has("vram-budget")) {

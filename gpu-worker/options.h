@@ -21,6 +21,7 @@ extern const char kUsage[];
 struct Options {
   std::string model, listen = "127.0.0.1:0", port_file, segment, metrics_port, metrics_port_file;
   std::string backend = "auto", cuda_module, placement;
+  std::string chat_template;  // --chat-template FILE; empty: the model's own template
   uint64_t vram_budget = 0;  // 0: not given
   bool hot_fraction_given = false;
   int threads = 1;

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "shared/chat/model_chat.h"
 #include "shared/service/ffn_split.h"
 #include "shared/service/log.h"
 #include "shared/sparse/auto_prepare.h"
@@ -217,7 +218,33 @@ bool CreateExchange(State& s) {
   return true;
 }
 
+namespace {
+
+// Reads the Chat RPC's template (--chat-template, else the model's own) and the tokenizer's
+// special tokens. A template that does not parse only warns: the worker still serves Generate,
+// and each Chat answers the parse error.
+void LoadChat(State& s) {
+  auto chat = chat::LoadModelChat(*s.model, s.options.chat_template);
+  if (!chat.ok()) {
+    s.chat.template_error = chat.status();
+    Log("warning: Chat is unavailable: %s", chat.status().ToString().c_str());
+    return;
+  }
+  s.chat = std::move(*chat);
+  if (!s.chat.template_error.ok()) {
+    Log("warning: the chat template does not parse, Chat requests will fail: %s",
+        s.chat.template_error.ToString().c_str());
+  } else if (s.chat.chat_template) {
+    Log("chat template from %s", s.chat.template_origin.c_str());
+  } else {
+    Log("the model has no chat template: Chat needs --chat-template FILE");
+  }
+}
+
+}  // namespace
+
 bool CreateBackend(State& s) {
+  LoadChat(s);  // start-up's last step before serving, with the model's files still at hand
   const Options& o = s.options;
   const ModelConfig& c = s.model->config;
   if (s.gpu.available) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "shared/chat/model_chat.h"
 #include "shared/service/grpc_convert.h"
 #include "shared/service/log.h"
 
@@ -93,6 +94,19 @@ grpc::Status GpuWorkerService::Run(grpc::ServerContext* ctx, const wv1::RunReque
   const ModelConfig& c = s_->model->config;
   if (req->has_token_ids()) {
     opts.prompt.assign(req->token_ids().ids().begin(), req->token_ids().ids().end());
+  } else if (req->has_chat()) {
+    // The chat's prompt is the model's template rendered, with the special tokens it writes
+    // (<|im_start|>, <s>...) tokenized as those tokens rather than as text.
+    std::vector<chat::ChatMessage> messages;
+    for (const auto& m : req->chat().messages()) messages.push_back({m.role(), m.content()});
+    if (messages.empty()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a chat needs at least one message");
+    }
+    auto prompt = chat::RenderChatPrompt(s_->chat, messages, req->chat().add_generation_prompt());
+    if (!prompt.ok()) return ToGrpcStatus(prompt.status());
+    auto ids = chat::EncodeChatPrompt(s_->chat, *s_->model, *prompt);
+    if (!ids.ok()) return ToGrpcStatus(ids.status());
+    opts.prompt = std::move(*ids);
   } else {
     if (req->prompt().empty()) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty prompt");

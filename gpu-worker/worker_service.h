@@ -16,6 +16,7 @@
 #include "gpu-worker/options.h"
 #include "gpu-worker/scheduler.h"
 #include "pinfer/worker/v1/worker.grpc.pb.h"
+#include "shared/chat/model_chat.h"
 #include "shared/engine/ops.h"
 #include "shared/model/model.h"
 #include "shared/service/service_model.h"
@@ -47,6 +48,7 @@ struct State {
   uint64_t cold_bytes_estimate = 0;
   std::optional<PlacementPlan> vram_plan;        // with --vram-budget
   ColdPrefill cold_prefill = ColdPrefill::kCpu;  // in effect on the CUDA backend
+  chat::ModelChat chat;  // the Chat RPC's template and special tokens (LoadChat in startup.cc)
 };
 // The model and placement as the public API describes them (ModelInfo).
 v1::ModelInfo BuildModelInfo(const State& s);

@@ -1,0 +1,124 @@
+// A model's chat setup: where the template is found (tokenizer_config.json's string and
+// list-of-named-templates forms, chat_template.jinja, the override file), the special tokens, and
+// how a rendered prompt becomes ids (special-token strings as their ids, BOS once).
+#include "shared/chat/model_chat.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace pinfer::chat {
+namespace {
+
+using ::testing::HasSubstr;
+
+const std::string kTiny = std::string(PINFER_MODELS_DIR) + "/relu-llama-tiny";
+
+std::unique_ptr<Model> Tiny() {
+  auto model = LoadModel(kTiny);
+  EXPECT_TRUE(model.ok()) << model.status();
+  return model.ok() ? std::move(*model) : nullptr;
+}
+
+TEST(ModelChat, BundledModelHasNoTemplateButKnowsItsSpecialTokens) {
+  auto model = Tiny();
+  ASSERT_NE(model, nullptr);
+  auto chat = LoadModelChat(*model, "");
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  EXPECT_FALSE(chat->chat_template.has_value());
+  EXPECT_EQ(chat->bos_token, "<s>");
+  EXPECT_EQ(chat->eos_token, "</s>");
+  auto prompt = RenderChatPrompt(*chat, {{"user", "hi"}}, true);
+  EXPECT_EQ(prompt.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(prompt.status().message()), HasSubstr("--chat-template FILE"));
+}
+
+TEST(ModelChat, SpecialTokenStringsBecomeTheirIdsAndBosIsNotDoubled) {
+  auto model = Tiny();
+  ASSERT_NE(model, nullptr);
+  auto chat = LoadModelChat(*model, "");
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  auto hello = model->tokenizer->Encode("Hello");
+  auto there = model->tokenizer->Encode(" there");
+  ASSERT_TRUE(hello.ok() && there.ok());
+  // Starts with BOS already: no second one; </s> in the middle is the EOS token, not text.
+  auto ids = EncodeChatPrompt(*chat, *model, "<s>Hello</s> there");
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  std::vector<int32_t> want = {model->config.bos_id};
+  want.insert(want.end(), hello->begin(), hello->end());
+  want.push_back(model->config.eos_id);
+  want.insert(want.end(), there->begin(), there->end());
+  EXPECT_EQ(*ids, want);
+  // Plain text: BOS prepended, as Generate does.
+  auto plain = EncodeChatPrompt(*chat, *model, "Hello");
+  ASSERT_TRUE(plain.ok());
+  std::vector<int32_t> want_plain = {model->config.bos_id};
+  want_plain.insert(want_plain.end(), hello->begin(), hello->end());
+  EXPECT_EQ(*plain, want_plain);
+}
+
+class TemplateFolder : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::path(::testing::TempDir()) /
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::filesystem::create_directories(dir_);
+    model_.source_path = dir_.string();
+    model_.format = "huggingface";
+  }
+  void Write(const std::string& name, const std::string& text) {
+    std::ofstream(dir_ / name) << text;
+  }
+  std::string Render(const std::string& override_file = "") {
+    auto chat = LoadModelChat(model_, override_file);
+    EXPECT_TRUE(chat.ok()) << chat.status();
+    if (!chat.ok()) return "";
+    auto prompt = RenderChatPrompt(*chat, {{"user", "hi"}}, false);
+    EXPECT_TRUE(prompt.ok()) << prompt.status();
+    return prompt.ok() ? *prompt : "";
+  }
+  std::filesystem::path dir_;
+  Model model_;
+};
+
+TEST_F(TemplateFolder, TokenizerConfigStringTemplateWithItsTokens) {
+  Write("tokenizer_config.json",
+        R"({"bos_token": {"content": "<B>"}, "eos_token": "<E>",
+            "chat_template": "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"})");
+  EXPECT_EQ(Render(), "<B>hi<E>");
+}
+
+TEST_F(TemplateFolder, NamedTemplateListTakesDefault) {
+  Write("tokenizer_config.json",
+        R"({"chat_template": [{"name": "tool_use", "template": "tools"},
+                              {"name": "default", "template": "default:{{ messages[0].content }}"}]})");
+  EXPECT_EQ(Render(), "default:hi");
+}
+
+TEST_F(TemplateFolder, ChatTemplateJinjaBeatsConfigAndFileBeatsBoth) {
+  Write("tokenizer_config.json", R"({"chat_template": "config"})");
+  Write("chat_template.jinja", "jinja file");
+  EXPECT_EQ(Render(), "jinja file");
+  Write("override.jinja", "override");
+  EXPECT_EQ(Render((dir_ / "override.jinja").string()), "override");
+}
+
+TEST_F(TemplateFolder, UnparsableTemplateIsKeptAsTheError) {
+  Write("chat_template.jinja", "{% if x %}never closed");
+  auto chat = LoadModelChat(model_, "");
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  auto prompt = RenderChatPrompt(*chat, {{"user", "hi"}}, false);
+  EXPECT_EQ(prompt.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(prompt.status().message()),
+              HasSubstr("chat_template.jinja: chat template line 1: {% if %} is never closed"));
+}
+
+TEST_F(TemplateFolder, MissingOverrideFileIsAnError) {
+  auto chat = LoadModelChat(model_, (dir_ / "absent.jinja").string());
+  EXPECT_EQ(chat.status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace pinfer::chat
