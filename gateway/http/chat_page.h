@@ -14,6 +14,7 @@ inline constexpr char kChatPageHtml[] = R"PINFER_HTML(<!doctype html>
 body{font-family:system-ui,sans-serif;margin:0;background:#f4f5f7;color:#222;display:flex;flex-direction:column;height:100vh}
 header{background:#1f2937;color:#fff;padding:8px 16px;display:flex;gap:16px;align-items:center;flex-wrap:wrap}
 header b{font-size:18px} header span{font-size:13px;opacity:.85}
+#temperature{width:56px;font-size:13px}
 #key{margin-left:auto;font-size:13px;padding:3px 6px;width:180px}
 #log{flex:1;overflow-y:auto;padding:16px}
 .msg{max-width:760px;margin:0 auto 12px;padding:10px 14px;border-radius:8px;white-space:pre-wrap;line-height:1.4}
@@ -25,6 +26,7 @@ button{font:inherit;padding:0 18px}
 </style></head><body>
 <header><b>pinfer</b><span id="model">model: ?</span><span id="split">GPU/CPU neurons: ?</span>
 <span id="speed">tokens/s: -</span>
+<label><span>temperature</span> <input id="temperature" type="number" min="0" max="2" step="0.1" value="0.7"></label>
 <label><input id="key" type="password" placeholder="API key (optional)"></label></header>
 <div id="log"></div>
 <form id="form"><textarea id="input" placeholder="Say something (Enter sends, Shift+Enter: new line)"></textarea>
@@ -65,7 +67,8 @@ async function send(text) {
   const start = performance.now();
   try {
     const r = await fetch("/v1/chat/completions", {method: "POST", headers: headers(),
-      body: JSON.stringify({messages: history, stream: true, stream_options: {include_usage: true}})});
+      body: JSON.stringify({messages: history, stream: true, stream_options: {include_usage: true},
+                           temperature: parseFloat($("temperature").value) || 0})});
     if (!r.ok) { const j = await r.json().catch(() => ({})); throw new Error(j.error ? j.error.message : "HTTP " + r.status); }
     const reader = r.body.getReader(), dec = new TextDecoder();
     let buf = "";
