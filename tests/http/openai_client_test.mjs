@@ -7,7 +7,11 @@
 //
 //   node tests/http/openai_client_test.mjs --pinfer build/cli/pinfer --model models/relu-llama-tiny
 import assert from "node:assert/strict";
+import { execFileSync } from "node:child_process";
+import fs from "node:fs";
 import net from "node:net";
+import path from "node:path";
+import { fileURLToPath } from "node:url";
 import { test, after, before } from "node:test";
 
 import { generateReference, importOrSkip, parseArgs, scrape, startService } from "./service.mjs";
@@ -17,10 +21,14 @@ const args = parseArgs(process.argv.slice(2));
 const KEY = "sk-test-" + Math.random().toString(36).slice(2);
 const PROMPT = "Once upon a time";
 const MAX_TOKENS = 12;
+const REPO = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "../..");
+const TEMPLATE = path.join(REPO, "examples/chat-templates/chatml.jinja");
+const MESSAGES = [{ role: "system", content: "You are a storyteller." },
+                  { role: "user", content: "Tell me about a dog." }];
 
 let service, client, modelId;
 before(async () => {
-  service = await startService({ ...args, apiKey: KEY });
+  service = await startService({ ...args, apiKey: KEY, extra: ["--chat-template", TEMPLATE] });
   client = new OpenAI({ baseURL: `${service.url}/v1`, apiKey: KEY, maxRetries: 0 });
 });
 after(async () => {
@@ -118,6 +126,49 @@ test("stop strings and seeds", async () => {
   assert.equal(await sampled(), await sampled());
 });
 
+// The chat's reference: `pinfer chat-template` renders the messages, `pinfer generate` continues.
+function chatReference() {
+  const file = path.join(service.dir, "messages.json");
+  fs.writeFileSync(file, JSON.stringify(MESSAGES));
+  const prompt = execFileSync(args.pinfer, ["chat-template", "--model", args.model, "--template",
+                                            TEMPLATE, "--messages", file], { encoding: "utf8" });
+  return generateReference(args.pinfer, args.model, prompt, MAX_TOKENS);
+}
+
+test("chat completion at temperature 0 equals pinfer generate on the rendered prompt", async () => {
+  const ref = chatReference();
+  const c = await client.chat.completions.create({
+    model: modelId, messages: MESSAGES, max_tokens: MAX_TOKENS, temperature: 0, logprobs: true });
+  assert.equal(c.object, "chat.completion");
+  assert.equal(c.choices[0].message.role, "assistant");
+  assert.equal(c.choices[0].message.content, ref.text);
+  assert.equal(c.usage.prompt_tokens, ref.prompt_ids.length);
+  assert.equal(c.usage.completion_tokens, ref.generated_ids.length);
+  assert.equal(c.choices[0].logprobs.content.map((t) => t.token).join(""), ref.text);
+
+  const stream = await client.chat.completions.create({
+    messages: MESSAGES, max_completion_tokens: MAX_TOKENS, temperature: 0, stream: true,
+    stream_options: { include_usage: true } });
+  let text = "", role = null, usage = null, finish = null, chunks = 0;
+  for await (const chunk of stream) {
+    assert.equal(chunk.object, "chat.completion.chunk");
+    if (chunk.usage) usage = chunk.usage;
+    for (const ch of chunk.choices) {
+      if (ch.delta.role) role = ch.delta.role;
+      if (ch.delta.content) {
+        text += ch.delta.content;
+        chunks += 1;
+      }
+      if (ch.finish_reason) finish = ch.finish_reason;
+    }
+  }
+  assert.equal(role, "assistant");
+  assert.equal(text, ref.text);
+  assert.ok(chunks > 1);
+  assert.equal(finish, ref.finish_reason === "length" ? "length" : "stop");
+  assert.equal(usage.completion_tokens, ref.generated_ids.length);
+});
+
 test("bad input gets its status and an error object", async () => {
   assertError(await post("/v1/completions", "{not json"), 400);
   assertError(await post("/v1/completions", "[1, 2]"), 400);
@@ -132,6 +183,11 @@ test("bad input gets its status and an error object", async () => {
               "presence_penalty");
   assertError(await post("/v1/completions", { prompt: PROMPT, n: 2 }), 400, "n");
   assertError(await post("/v1/chat/completions", { messages: "hi" }), 400, "messages");
+  assertError(await post("/v1/chat/completions",
+                         { messages: [{ role: "wizard", content: "hi" }] }), 400);
+  assertError(await post("/v1/chat/completions",
+                         { messages: MESSAGES, top_logprobs: 3, logprobs: true }), 400,
+              "top_logprobs");
   assertError(await post("/v1/completions", { prompt: PROMPT, max_tokens: 100000 }), 400);
   assertError(await post("/v1/completions", { model: "gpt-4", prompt: PROMPT }), 404, "model");
   assertError(await post("/v1/nothing-here", {}), 404);
