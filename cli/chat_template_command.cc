@@ -32,8 +32,8 @@ absl::StatusOr<std::vector<chat::ChatMessage>> ReadMessages(const std::string& p
   if (!json.is_array()) return absl::InvalidArgumentError(path + ": expected a list of messages");
   std::vector<chat::ChatMessage> messages;
   for (const auto& m : json) {
-    if (!m.is_object() || !m.contains("role") || !m["role"].is_string() ||
-        !m.contains("content") || !m["content"].is_string()) {
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content") ||
+        !m["content"].is_string()) {
       return absl::InvalidArgumentError(path + ": each message needs string role and content");
     }
     messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});

@@ -5,9 +5,8 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "shared/model/gguf.h"
@@ -60,7 +59,8 @@ absl::Status LoadGguf(const Model& model, ModelChat& chat, std::optional<std::st
   if (c.bos_id >= 0 && c.bos_id < n) chat.bos_token = tokens[c.bos_id];
   if (c.eos_id >= 0 && c.eos_id < n) chat.eos_token = tokens[c.eos_id];
   for (int32_t id = 0; id < n && id < static_cast<int32_t>(types.size()); ++id) {
-    if (types[id] == 3 || types[id] == 4) AddSpecial(chat, tokens[id], id);  // control, user-defined
+    if (types[id] == 3 || types[id] == 4)
+      AddSpecial(chat, tokens[id], id);  // control, user-defined
   }
   return absl::OkStatus();
 }
@@ -73,7 +73,8 @@ absl::Status LoadHuggingFace(const Model& model, ModelChat& chat,
     ASSIGN_OR_RETURN(std::string text, ReadText(dir / "tokenizer_config.json"));
     config = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (config.is_discarded()) {
-      return absl::InvalidArgumentError(absl::StrCat(dir.string(), "/tokenizer_config.json is not JSON"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(dir.string(), "/tokenizer_config.json is not JSON"));
     }
   }
   if (fs::exists(dir / "chat_template.jinja")) {
@@ -161,7 +162,8 @@ absl::StatusOr<std::string> RenderChatPrompt(const ModelChat& chat,
 
 absl::StatusOr<std::vector<int32_t>> EncodeChatPrompt(const ModelChat& chat, const Model& model,
                                                       const std::string& prompt) {
-  if (model.tokenizer == nullptr) return absl::FailedPreconditionError("the model has no tokenizer");
+  if (model.tokenizer == nullptr)
+    return absl::FailedPreconditionError("the model has no tokenizer");
   std::vector<int32_t> ids;
   size_t text_start = 0;
   auto flush = [&](size_t end) -> absl::Status {

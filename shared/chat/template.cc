@@ -33,8 +33,18 @@ struct Arguments {
 using Function = std::function<absl::StatusOr<Value>(const Arguments&, int line)>;
 
 struct Value {
-  enum class Type { kUndefined, kNull, kBool, kInt, kFloat, kString, kArray, kObject, kNamespace,
-                    kFunction };
+  enum class Type {
+    kUndefined,
+    kNull,
+    kBool,
+    kInt,
+    kFloat,
+    kString,
+    kArray,
+    kObject,
+    kNamespace,
+    kFunction
+  };
   Type type = Type::kUndefined;
   bool boolean = false;
   int64_t integer = 0;
@@ -45,10 +55,26 @@ struct Value {
   std::shared_ptr<Function> function;
 
   static Value Null() { return Of(Type::kNull); }
-  static Value Bool(bool b) { Value v = Of(Type::kBool); v.boolean = b; return v; }
-  static Value Int(int64_t i) { Value v = Of(Type::kInt); v.integer = i; return v; }
-  static Value Float(double d) { Value v = Of(Type::kFloat); v.number = d; return v; }
-  static Value String(std::string s) { Value v = Of(Type::kString); v.string = std::move(s); return v; }
+  static Value Bool(bool b) {
+    Value v = Of(Type::kBool);
+    v.boolean = b;
+    return v;
+  }
+  static Value Int(int64_t i) {
+    Value v = Of(Type::kInt);
+    v.integer = i;
+    return v;
+  }
+  static Value Float(double d) {
+    Value v = Of(Type::kFloat);
+    v.number = d;
+    return v;
+  }
+  static Value String(std::string s) {
+    Value v = Of(Type::kString);
+    v.string = std::move(s);
+    return v;
+  }
   static Value List(Array items) {
     Value v = Of(Type::kArray);
     v.array = std::make_shared<Array>(std::move(items));
@@ -64,7 +90,11 @@ struct Value {
     v.function = std::make_shared<Function>(std::move(f));
     return v;
   }
-  static Value Of(Type t) { Value v; v.type = t; return v; }
+  static Value Of(Type t) {
+    Value v;
+    v.type = t;
+    return v;
+  }
 
   bool Is(Type t) const { return type == t; }
   bool IsNumber() const { return type == Type::kInt || type == Type::kFloat; }
@@ -82,29 +112,44 @@ using Type = Value::Type;
 
 absl::string_view TypeName(const Value& v) {
   switch (v.type) {
-    case Type::kUndefined: return "undefined";
-    case Type::kNull: return "none";
-    case Type::kBool: return "boolean";
-    case Type::kInt: return "integer";
-    case Type::kFloat: return "float";
-    case Type::kString: return "string";
-    case Type::kArray: return "list";
-    case Type::kObject: return "dict";
-    case Type::kNamespace: return "namespace";
-    case Type::kFunction: return "function";
+    case Type::kUndefined:
+      return "undefined";
+    case Type::kNull:
+      return "none";
+    case Type::kBool:
+      return "boolean";
+    case Type::kInt:
+      return "integer";
+    case Type::kFloat:
+      return "float";
+    case Type::kString:
+      return "string";
+    case Type::kArray:
+      return "list";
+    case Type::kObject:
+      return "dict";
+    case Type::kNamespace:
+      return "namespace";
+    case Type::kFunction:
+      return "function";
   }
   return "?";
 }
 
 Value FromJson(const nlohmann::ordered_json& json) {
   switch (json.type()) {
-    case nlohmann::json::value_t::null: return Value::Null();
-    case nlohmann::json::value_t::boolean: return Value::Bool(json.get<bool>());
-    case nlohmann::json::value_t::number_integer: return Value::Int(json.get<int64_t>());
+    case nlohmann::json::value_t::null:
+      return Value::Null();
+    case nlohmann::json::value_t::boolean:
+      return Value::Bool(json.get<bool>());
+    case nlohmann::json::value_t::number_integer:
+      return Value::Int(json.get<int64_t>());
     case nlohmann::json::value_t::number_unsigned:
       return Value::Int(static_cast<int64_t>(json.get<uint64_t>()));
-    case nlohmann::json::value_t::number_float: return Value::Float(json.get<double>());
-    case nlohmann::json::value_t::string: return Value::String(json.get<std::string>());
+    case nlohmann::json::value_t::number_float:
+      return Value::Float(json.get<double>());
+    case nlohmann::json::value_t::string:
+      return Value::String(json.get<std::string>());
     case nlohmann::json::value_t::array: {
       Array items;
       for (const auto& item : json) items.push_back(FromJson(item));
@@ -115,7 +160,8 @@ Value FromJson(const nlohmann::ordered_json& json) {
       for (const auto& [key, item] : json.items()) entries.emplace_back(key, FromJson(item));
       return Value::Object(std::move(entries));
     }
-    default: return Value();
+    default:
+      return Value();
   }
 }
 
@@ -134,13 +180,27 @@ std::string JsonQuote(absl::string_view s) {
   std::string out = "\"";
   for (unsigned char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (c < 0x20) {
           char hex[8];
@@ -156,12 +216,18 @@ std::string JsonQuote(absl::string_view s) {
 
 absl::StatusOr<std::string> ToJson(const Value& v, int indent, int depth, bool undefined_as_null) {
   switch (v.type) {
-    case Type::kUndefined: return std::string(undefined_as_null ? "null" : "undefined");
-    case Type::kNull: return std::string("null");
-    case Type::kBool: return std::string(v.boolean ? "true" : "false");
-    case Type::kInt: return absl::StrCat(v.integer);
-    case Type::kFloat: return std::isfinite(v.number) ? JsNumber(v.number) : "null";
-    case Type::kString: return JsonQuote(v.string);
+    case Type::kUndefined:
+      return std::string(undefined_as_null ? "null" : "undefined");
+    case Type::kNull:
+      return std::string("null");
+    case Type::kBool:
+      return std::string(v.boolean ? "true" : "false");
+    case Type::kInt:
+      return absl::StrCat(v.integer);
+    case Type::kFloat:
+      return std::isfinite(v.number) ? JsNumber(v.number) : "null";
+    case Type::kString:
+      return JsonQuote(v.string);
     case Type::kArray:
     case Type::kObject:
     case Type::kNamespace: {
@@ -189,7 +255,8 @@ absl::StatusOr<std::string> ToJson(const Value& v, int indent, int depth, bool u
       }
       return absl::StrCat("{", absl::StrJoin(core, item_separator), "}");
     }
-    case Type::kFunction: return absl::InvalidArgumentError("cannot convert a function to JSON");
+    case Type::kFunction:
+      return absl::InvalidArgumentError("cannot convert a function to JSON");
   }
   return std::string();
 }
@@ -197,25 +264,36 @@ absl::StatusOr<std::string> ToJson(const Value& v, int indent, int depth, bool u
 // The text a value prints as in {{ }} (the reference's toString()).
 absl::StatusOr<std::string> Print(const Value& v) {
   switch (v.type) {
-    case Type::kUndefined: return std::string();
-    case Type::kNull: return std::string("null");
-    case Type::kBool: return std::string(v.boolean ? "true" : "false");
-    case Type::kInt: return absl::StrCat(v.integer);
+    case Type::kUndefined:
+      return std::string();
+    case Type::kNull:
+      return std::string("null");
+    case Type::kBool:
+      return std::string(v.boolean ? "true" : "false");
+    case Type::kInt:
+      return absl::StrCat(v.integer);
     case Type::kFloat:
       if (v.number == std::floor(v.number) && std::isfinite(v.number)) {
         return absl::StrCat(JsNumber(v.number), ".0");
       }
       return JsNumber(v.number);
-    case Type::kString: return v.string;
-    default: return ToJson(v, 0, 0, false);
+    case Type::kString:
+      return v.string;
+    default:
+      return ToJson(v, 0, 0, false);
   }
 }
 
 // The text a value contributes to + and ~ (the reference concatenates raw JavaScript values).
 absl::StatusOr<std::string> Concatenable(const Value& v) {
   switch (v.type) {
-    case Type::kFloat: return JsNumber(v.number);
-    case Type::kString: case Type::kInt: case Type::kBool: case Type::kNull: return Print(v);
+    case Type::kFloat:
+      return JsNumber(v.number);
+    case Type::kString:
+    case Type::kInt:
+    case Type::kBool:
+    case Type::kNull:
+      return Print(v);
     default:
       return absl::InvalidArgumentError(absl::StrCat("cannot concatenate a ", TypeName(v)));
   }
@@ -223,14 +301,23 @@ absl::StatusOr<std::string> Concatenable(const Value& v) {
 
 bool Truthy(const Value& v) {
   switch (v.type) {
-    case Type::kUndefined: case Type::kNull: return false;
-    case Type::kBool: return v.boolean;
-    case Type::kInt: return v.integer != 0;
-    case Type::kFloat: return v.number != 0 && !std::isnan(v.number);
-    case Type::kString: return !v.string.empty();
-    case Type::kArray: return !v.array->empty();
-    case Type::kObject: return !v.object->empty();
-    default: return true;
+    case Type::kUndefined:
+    case Type::kNull:
+      return false;
+    case Type::kBool:
+      return v.boolean;
+    case Type::kInt:
+      return v.integer != 0;
+    case Type::kFloat:
+      return v.number != 0 && !std::isnan(v.number);
+    case Type::kString:
+      return !v.string.empty();
+    case Type::kArray:
+      return !v.array->empty();
+    case Type::kObject:
+      return !v.object->empty();
+    default:
+      return true;
   }
 }
 
@@ -240,9 +327,12 @@ bool LooseEquals(const Value& a, const Value& b) {
   const bool b_nullish = b.Is(Type::kNull) || b.Is(Type::kUndefined);
   if (a_nullish || b_nullish) return a_nullish && b_nullish;
   auto numeric = [](const Value& v, double* out) {
-    if (v.IsNumber()) *out = v.AsDouble();
-    else if (v.Is(Type::kBool)) *out = v.boolean ? 1 : 0;
-    else return false;
+    if (v.IsNumber())
+      *out = v.AsDouble();
+    else if (v.Is(Type::kBool))
+      *out = v.boolean ? 1 : 0;
+    else
+      return false;
     return true;
   };
   double x, y;
@@ -258,10 +348,14 @@ bool LooseEquals(const Value& a, const Value& b) {
     return false;
   }
   switch (a.type) {
-    case Type::kString: return a.string == b.string;
-    case Type::kArray: return a.array == b.array;
-    case Type::kFunction: return a.function == b.function;
-    default: return a.object == b.object;
+    case Type::kString:
+      return a.string == b.string;
+    case Type::kArray:
+      return a.array == b.array;
+    case Type::kFunction:
+      return a.function == b.function;
+    default:
+      return a.object == b.object;
   }
 }
 
@@ -270,27 +364,36 @@ bool StrictEquals(const Value& a, const Value& b) {
   if (a.IsNumber() && b.IsNumber()) return a.AsDouble() == b.AsDouble();
   if (a.type != b.type) return false;
   switch (a.type) {
-    case Type::kUndefined: case Type::kNull: return true;
-    case Type::kBool: return a.boolean == b.boolean;
-    case Type::kString: return a.string == b.string;
-    default: return LooseEquals(a, b);
+    case Type::kUndefined:
+    case Type::kNull:
+      return true;
+    case Type::kBool:
+      return a.boolean == b.boolean;
+    case Type::kString:
+      return a.string == b.string;
+    default:
+      return LooseEquals(a, b);
   }
 }
 
 std::string AsciiUpper(std::string s) {
-  for (char& c : s) if (c >= 'a' && c <= 'z') c = static_cast<char>(c - 'a' + 'A');
+  for (char& c : s)
+    if (c >= 'a' && c <= 'z') c = static_cast<char>(c - 'a' + 'A');
   return s;
 }
 std::string AsciiLower(std::string s) {
-  for (char& c : s) if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+  for (char& c : s)
+    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
   return s;
 }
 bool IsJsSpace(char c) { return c == ' ' || (c >= '\t' && c <= '\r'); }
 std::string Strip(absl::string_view s, bool left, bool right, const std::string* chars = nullptr) {
   auto strip = [&](char c) { return chars ? chars->find(c) != std::string::npos : IsJsSpace(c); };
   size_t begin = 0, end = s.size();
-  if (left) while (begin < end && strip(s[begin])) ++begin;
-  if (right) while (end > begin && strip(s[end - 1])) --end;
+  if (left)
+    while (begin < end && strip(s[begin])) ++begin;
+  if (right)
+    while (end > begin && strip(s[end - 1])) --end;
   return std::string(s.substr(begin, end - begin));
 }
 // /\b\w/g -> upper case: the first word character after a non-word one.
@@ -312,7 +415,10 @@ std::string Replace(const std::string& s, const std::string& from, const std::st
   std::string out;
   if (from.empty()) {
     for (size_t i = 0; i <= s.size(); ++i) {
-      if (count > 0) { out += to; --count; }
+      if (count > 0) {
+        out += to;
+        --count;
+      }
       if (i < s.size()) out.push_back(s[i]);
     }
     return out;
@@ -393,15 +499,21 @@ class Interpreter {
                            std::string& out, Flow& flow) {
     for (const NodePtr& node : block) {
       switch (node->kind) {
-        case Kind::kText: out += node->value; break;
-        case Kind::kComment: break;
+        case Kind::kText:
+          out += node->value;
+          break;
+        case Kind::kComment:
+          break;
         case Kind::kIf: {
           ASSIGN_OR_RETURN(Value test, Evaluate(*node->children[0], scope));
-          RETURN_IF_ERROR(RenderBlock(Truthy(test) ? node->body : node->alternate, scope, out, flow));
+          RETURN_IF_ERROR(
+              RenderBlock(Truthy(test) ? node->body : node->alternate, scope, out, flow));
           if (flow != Flow::kNormal) return absl::OkStatus();
           break;
         }
-        case Kind::kFor: RETURN_IF_ERROR(RenderFor(*node, scope, out)); break;
+        case Kind::kFor:
+          RETURN_IF_ERROR(RenderFor(*node, scope, out));
+          break;
         case Kind::kSet: {
           ASSIGN_OR_RETURN(Value value, Evaluate(*node->children[1], scope));
           RETURN_IF_ERROR(Assign(*node->children[0], std::move(value), scope));
@@ -414,9 +526,15 @@ class Interpreter {
           scope->variables[node->children[0]->value] = Value::String(std::move(text));
           break;
         }
-        case Kind::kMacro: DefineMacro(*node, scope); break;
-        case Kind::kBreak: flow = Flow::kBreak; return absl::OkStatus();
-        case Kind::kContinue: flow = Flow::kContinue; return absl::OkStatus();
+        case Kind::kMacro:
+          DefineMacro(*node, scope);
+          break;
+        case Kind::kBreak:
+          flow = Flow::kBreak;
+          return absl::OkStatus();
+        case Kind::kContinue:
+          flow = Flow::kContinue;
+          return absl::OkStatus();
         default: {
           ASSIGN_OR_RETURN(Value value, Evaluate(*node, scope));
           if (!value.Is(Type::kNull) && !value.Is(Type::kUndefined)) {
@@ -515,13 +633,15 @@ class Interpreter {
     bool iterated = false;
     const int64_t n = static_cast<int64_t>(items.size());
     for (int64_t i = 0; i < n; ++i) {
-      Entries loop = {
-          {"index", Value::Int(i + 1)},      {"index0", Value::Int(i)},
-          {"revindex", Value::Int(n - i)},   {"revindex0", Value::Int(n - i - 1)},
-          {"first", Value::Bool(i == 0)},    {"last", Value::Bool(i == n - 1)},
-          {"length", Value::Int(n)},
-          {"previtem", i > 0 ? items[i - 1] : Value()},
-          {"nextitem", i < n - 1 ? items[i + 1] : Value()}};
+      Entries loop = {{"index", Value::Int(i + 1)},
+                      {"index0", Value::Int(i)},
+                      {"revindex", Value::Int(n - i)},
+                      {"revindex0", Value::Int(n - i - 1)},
+                      {"first", Value::Bool(i == 0)},
+                      {"last", Value::Bool(i == n - 1)},
+                      {"length", Value::Int(n)},
+                      {"previtem", i > 0 ? items[i - 1] : Value()},
+                      {"nextitem", i < n - 1 ? items[i + 1] : Value()}};
       scope->variables["loop"] = Value::Object(std::move(loop));
       RETURN_IF_ERROR(Assign(loop_variable, items[i], scope));
       Flow flow = Flow::kNormal;
@@ -543,17 +663,22 @@ class Interpreter {
     for (size_t i = first; i < node.children.size(); ++i) {
       ASSIGN_OR_RETURN(Value value, Evaluate(*node.children[i], scope));
       const std::string& name = i < node.names.size() ? node.names[i] : std::string();
-      if (name.empty()) args.positional.push_back(std::move(value));
-      else args.keyword.emplace_back(name, std::move(value));
+      if (name.empty())
+        args.positional.push_back(std::move(value));
+      else
+        args.keyword.emplace_back(name, std::move(value));
     }
     return args;
   }
 
   absl::StatusOr<Value> Evaluate(const Node& node, const ScopePtr& scope) {
     switch (node.kind) {
-      case Kind::kString: return Value::String(node.value);
-      case Kind::kInteger: return Value::Int(node.integer);
-      case Kind::kFloat: return Value::Float(node.number);
+      case Kind::kString:
+        return Value::String(node.value);
+      case Kind::kInteger:
+        return Value::Int(node.integer);
+      case Kind::kFloat:
+        return Value::Float(node.number);
       case Kind::kIdentifier: {
         const Value* value = scope->Lookup(node.value);
         return value ? *value : Value();
@@ -580,8 +705,10 @@ class Interpreter {
       case Kind::kUnary: {
         ASSIGN_OR_RETURN(Value operand, Evaluate(*node.children[0], scope));
         if (node.value == "not") return Value::Bool(!Truthy(operand));
-        if (operand.Is(Type::kInt)) return Value::Int(node.value == "-" ? -operand.integer : operand.integer);
-        if (operand.Is(Type::kFloat)) return Value::Float(node.value == "-" ? -operand.number : operand.number);
+        if (operand.Is(Type::kInt))
+          return Value::Int(node.value == "-" ? -operand.integer : operand.integer);
+        if (operand.Is(Type::kFloat))
+          return Value::Float(node.value == "-" ? -operand.number : operand.number);
         return LineError(node.line, absl::StrCat("unary ", node.value, " needs a number, got a ",
                                                  TypeName(operand)));
       }
@@ -591,8 +718,10 @@ class Interpreter {
         if (node.children[2] == nullptr) return Value();
         return Evaluate(*node.children[2], scope);
       }
-      case Kind::kBinary: return EvaluateBinary(node, scope);
-      case Kind::kMember: return EvaluateMember(node, scope);
+      case Kind::kBinary:
+        return EvaluateBinary(node, scope);
+      case Kind::kMember:
+        return EvaluateMember(node, scope);
       case Kind::kSlice: {
         ASSIGN_OR_RETURN(Value object, Evaluate(*node.children[0], scope));
         std::optional<int64_t> part[3];
@@ -604,7 +733,8 @@ class Interpreter {
         }
         const int64_t step = part[2].value_or(1);
         if (step == 0) return LineError(node.line, "slice step cannot be zero");
-        if (object.Is(Type::kArray)) return Value::List(SliceOf<Value>(*object.array, part[0], part[1], step));
+        if (object.Is(Type::kArray))
+          return Value::List(SliceOf<Value>(*object.array, part[0], part[1], step));
         if (object.Is(Type::kString)) {
           std::vector<char> chars = SliceOf<char>(object.string, part[0], part[1], step);
           return Value::String(std::string(chars.begin(), chars.end()));
@@ -626,7 +756,8 @@ class Interpreter {
       case Kind::kFilter: {
         ASSIGN_OR_RETURN(Value operand, Evaluate(*node.children[0], scope));
         ASSIGN_OR_RETURN(Arguments args, EvaluateArguments(node, 1, scope));
-        auto result = ApplyFilter(node.value, operand, args, node.children.size() > 1 || !node.names.empty());
+        auto result =
+            ApplyFilter(node.value, operand, args, node.children.size() > 1 || !node.names.empty());
         if (!result.ok()) return LineError(node.line, result.status().message());
         return result;
       }
@@ -636,7 +767,8 @@ class Interpreter {
         if (!result.ok()) return LineError(node.line, result.status().message());
         return Value::Bool(*result != node.negate);
       }
-      default: return LineError(node.line, "statement used as an expression");
+      default:
+        return LineError(node.line, "statement used as an expression");
     }
   }
 
@@ -652,10 +784,15 @@ class Interpreter {
     if (left.IsNumber() && right.IsNumber() && op != "~" && op != "**") {
       const bool is_float = left.Is(Type::kFloat) || right.Is(Type::kFloat);
       const double a = left.AsDouble(), b = right.AsDouble();
-      auto number = [&](double r) { return is_float ? Value::Float(r) : Value::Int(static_cast<int64_t>(r)); };
-      if (op == "+") return is_float ? Value::Float(a + b) : Value::Int(left.integer + right.integer);
-      if (op == "-") return is_float ? Value::Float(a - b) : Value::Int(left.integer - right.integer);
-      if (op == "*") return is_float ? Value::Float(a * b) : Value::Int(left.integer * right.integer);
+      auto number = [&](double r) {
+        return is_float ? Value::Float(r) : Value::Int(static_cast<int64_t>(r));
+      };
+      if (op == "+")
+        return is_float ? Value::Float(a + b) : Value::Int(left.integer + right.integer);
+      if (op == "-")
+        return is_float ? Value::Float(a - b) : Value::Int(left.integer - right.integer);
+      if (op == "*")
+        return is_float ? Value::Float(a * b) : Value::Int(left.integer * right.integer);
       if (op == "/") return Value::Float(a / b);
       if (op == "//") {
         if (b == 0) return fail("integer division by zero");
@@ -671,7 +808,8 @@ class Interpreter {
       if (op == ">=") return Value::Bool(a >= b);
     }
     if (left.Is(Type::kUndefined) || right.Is(Type::kUndefined)) {
-      if (right.Is(Type::kUndefined) && (op == "in" || op == "not in")) return Value::Bool(op == "not in");
+      if (right.Is(Type::kUndefined) && (op == "in" || op == "not in"))
+        return Value::Bool(op == "not in");
       if (op == "~" && !left.Is(Type::kNull) && !right.Is(Type::kNull)) {
         std::string text;
         for (const Value* v : {&left, &right}) {
@@ -758,9 +896,12 @@ class Interpreter {
       return Value::Fn([entries, name](const Arguments&, int) -> absl::StatusOr<Value> {
         Array out;
         for (const auto& [k, v] : *entries) {
-          if (name == "items") out.push_back(Value::List({Value::String(k), v}));
-          else if (name == "keys") out.push_back(Value::String(k));
-          else out.push_back(v);
+          if (name == "items")
+            out.push_back(Value::List({Value::String(k), v}));
+          else if (name == "keys")
+            out.push_back(Value::String(k));
+          else
+            out.push_back(v);
         }
         return Value::List(std::move(out));
       });
@@ -781,8 +922,9 @@ class Interpreter {
 
   static Value StringMethod(const std::string& s, const std::string& name) {
     if (name == "length") return Value::Int(static_cast<int64_t>(s.size()));
-    static const char* kMethods[] = {"upper", "lower", "strip", "lstrip", "rstrip", "title",
-                                     "capitalize", "startswith", "endswith", "split", "replace"};
+    static const char* kMethods[] = {"upper",    "lower", "strip",      "lstrip",
+                                     "rstrip",   "title", "capitalize", "startswith",
+                                     "endswith", "split", "replace"};
     if (std::find(std::begin(kMethods), std::end(kMethods), name) == std::end(kMethods)) {
       return Value();
     }
@@ -803,9 +945,12 @@ class Interpreter {
       if (name == "startswith" || name == "endswith") {
         const Value* arg = Argument(args, 0, "prefix");
         Array options;
-        if (arg && arg->Is(Type::kString)) options.push_back(*arg);
-        else if (arg && arg->Is(Type::kArray)) options = *arg->array;
-        else return absl::InvalidArgumentError(absl::StrCat(name, "() needs a string"));
+        if (arg && arg->Is(Type::kString))
+          options.push_back(*arg);
+        else if (arg && arg->Is(Type::kArray))
+          options = *arg->array;
+        else
+          return absl::InvalidArgumentError(absl::StrCat(name, "() needs a string"));
         for (const Value& o : options) {
           if (!o.Is(Type::kString)) continue;
           const std::string& p = o.string;
@@ -882,7 +1027,8 @@ class Interpreter {
     }
     if (name == "callable") return v.Is(Type::kFunction);
     if (name == "odd" || name == "even") {
-      if (!v.Is(Type::kInt)) return absl::InvalidArgumentError(absl::StrCat("'", name, "' test needs an integer"));
+      if (!v.Is(Type::kInt))
+        return absl::InvalidArgumentError(absl::StrCat("'", name, "' test needs an integer"));
       return (v.integer % 2 != 0) == (name == "odd");
     }
     if (name == "lower") return v.Is(Type::kString) && v.string == AsciiLower(v.string);
@@ -896,15 +1042,18 @@ class Interpreter {
     if (name == "tojson") {
       const Value* indent = Keyword(args, "indent");
       if (indent == nullptr && !args.positional.empty()) indent = &args.positional[0];
-      ASSIGN_OR_RETURN(std::string json,
-                       ToJson(v, indent && indent->Is(Type::kInt) ? static_cast<int>(indent->integer) : 0, 0, true));
+      ASSIGN_OR_RETURN(
+          std::string json,
+          ToJson(v, indent && indent->Is(Type::kInt) ? static_cast<int>(indent->integer) : 0, 0,
+                 true));
       return Value::String(std::move(json));
     }
     if (name == "default" || name == "d") {
       const Value* fallback = Argument(args, 0, "default_value");
       const Value* boolean = Argument(args, 1, "boolean");
       const bool by_truth = boolean && Truthy(*boolean);
-      if (v.Is(Type::kUndefined) || (by_truth && !Truthy(v))) return fallback ? *fallback : Value::String("");
+      if (v.Is(Type::kUndefined) || (by_truth && !Truthy(v)))
+        return fallback ? *fallback : Value::String("");
       return v;
     }
     if (name == "string") {
@@ -920,7 +1069,8 @@ class Interpreter {
       if (name == "upper") return Value::String(AsciiUpper(v.string));
       if (name == "lower") return Value::String(AsciiLower(v.string));
       if (name == "title") return Value::String(TitleCase(v.string));
-      if (name == "capitalize") return StringMethod(v.string, "capitalize").function->operator()(args, 0);
+      if (name == "capitalize")
+        return StringMethod(v.string, "capitalize").function->operator()(args, 0);
       if (name == "trim") return Value::String(Strip(v.string, true, true));
       if (name == "replace") return StringMethod(v.string, "replace").function->operator()(args, 0);
       if (name == "int") {
@@ -1002,7 +1152,9 @@ class Interpreter {
     if (v.IsNumber()) {
       if (name == "int") return Value::Int(static_cast<int64_t>(std::trunc(v.AsDouble())));
       if (name == "float") return Value::Float(v.AsDouble());
-      if (name == "abs") return v.Is(Type::kInt) ? Value::Int(std::llabs(v.integer)) : Value::Float(std::fabs(v.number));
+      if (name == "abs")
+        return v.Is(Type::kInt) ? Value::Int(std::llabs(v.integer))
+                                : Value::Float(std::fabs(v.number));
     }
     (void)called;
     return absl::InvalidArgumentError(
@@ -1030,7 +1182,8 @@ ScopePtr Globals() {
       if (!a.Is(Type::kInt)) return absl::InvalidArgumentError("range() needs integers");
       n.push_back(a.integer);
     }
-    if (n.empty() || n.size() > 3) return absl::InvalidArgumentError("range() takes 1 to 3 integers");
+    if (n.empty() || n.size() > 3)
+      return absl::InvalidArgumentError("range() takes 1 to 3 integers");
     const int64_t start = n.size() == 1 ? 0 : n[0];
     const int64_t stop = n.size() == 1 ? n[0] : n[1];
     const int64_t step = n.size() == 3 ? n[2] : 1;
@@ -1067,7 +1220,8 @@ absl::StatusOr<ChatTemplate> ChatTemplate::Parse(absl::string_view source) {
 }
 
 absl::StatusOr<std::string> ChatTemplate::Render(const nlohmann::ordered_json& context) const {
-  if (!context.is_object()) return absl::InvalidArgumentError("the template context must be an object");
+  if (!context.is_object())
+    return absl::InvalidArgumentError("the template context must be an object");
   auto scope = std::make_shared<Scope>();
   scope->parent = Globals();
   for (const auto& [key, value] : context.items()) scope->variables[key] = FromJson(value);

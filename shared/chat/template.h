@@ -10,13 +10,12 @@
 #define PINFER_SHARED_CHAT_TEMPLATE_H_
 
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace pinfer::chat {
 
@@ -36,7 +35,8 @@ class ChatTemplate {
   absl::StatusOr<std::string> Render(const nlohmann::ordered_json& context) const;
 
  private:
-  explicit ChatTemplate(std::shared_ptr<const ProgramNode> program) : program_(std::move(program)) {}
+  explicit ChatTemplate(std::shared_ptr<const ProgramNode> program)
+      : program_(std::move(program)) {}
   std::shared_ptr<const ProgramNode> program_;
 };
 

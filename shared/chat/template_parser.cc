@@ -4,9 +4,6 @@
 // lstrip_blocks pass, its operator precedence (filters bind tighter than + and comparisons), its
 // lenient undefined (a missing key or attribute is undefined, not an error), and its JavaScript
 // value printing (true, not True). Every node keeps its template line so that errors can name it.
-#include "shared/chat/template_syntax.h"
-#include "shared/util/status_macros.h"
-
 #include <algorithm>
 #include <charconv>
 #include <cmath>
@@ -19,6 +16,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "shared/chat/template_syntax.h"
+#include "shared/util/status_macros.h"
 
 namespace pinfer::chat {
 namespace {
@@ -85,10 +84,31 @@ SourceText Preprocess(absl::string_view source) {
 // Lexer.
 
 enum class Tok {
-  kText, kNumber, kString, kIdentifier, kEquals, kOpenParen, kCloseParen, kOpenStatement,
-  kCloseStatement, kOpenExpression, kCloseExpression, kOpenSquare, kCloseSquare, kOpenCurly,
-  kCloseCurly, kComma, kDot, kColon, kPipe, kAdditive, kMultiplicative, kPower, kComparison,
-  kUnary, kComment
+  kText,
+  kNumber,
+  kString,
+  kIdentifier,
+  kEquals,
+  kOpenParen,
+  kCloseParen,
+  kOpenStatement,
+  kCloseStatement,
+  kOpenExpression,
+  kCloseExpression,
+  kOpenSquare,
+  kCloseSquare,
+  kOpenCurly,
+  kCloseCurly,
+  kComma,
+  kDot,
+  kColon,
+  kPipe,
+  kAdditive,
+  kMultiplicative,
+  kPower,
+  kComparison,
+  kUnary,
+  kComment
 };
 
 struct Token {
@@ -119,16 +139,21 @@ absl::StatusOr<std::vector<Token>> Tokenize(absl::string_view source) {
     while (pos < n && IsSpace(s[pos])) ++pos;
   };
   static const std::vector<std::pair<std::string, Tok>> kRules = {
-      {"{%", Tok::kOpenStatement}, {"%}", Tok::kCloseStatement}, {"{{", Tok::kOpenExpression},
-      {"}}", Tok::kCloseExpression}, {"(", Tok::kOpenParen},        {")", Tok::kCloseParen},
-      {"{", Tok::kOpenCurly},        {"}", Tok::kCloseCurly},       {"[", Tok::kOpenSquare},
-      {"]", Tok::kCloseSquare},      {",", Tok::kComma},            {".", Tok::kDot},
-      {":", Tok::kColon},            {"|", Tok::kPipe},             {"<=", Tok::kComparison},
-      {">=", Tok::kComparison},      {"==", Tok::kComparison},      {"!=", Tok::kComparison},
-      {"<", Tok::kComparison},       {">", Tok::kComparison},       {"+", Tok::kAdditive},
-      {"-", Tok::kAdditive},         {"~", Tok::kAdditive},         {"**", Tok::kPower},
-      {"*", Tok::kMultiplicative},   {"//", Tok::kMultiplicative},  {"/", Tok::kMultiplicative},
-      {"%", Tok::kMultiplicative},   {"=", Tok::kEquals}};
+      {"{%", Tok::kOpenStatement},  {"%}", Tok::kCloseStatement},
+      {"{{", Tok::kOpenExpression}, {"}}", Tok::kCloseExpression},
+      {"(", Tok::kOpenParen},       {")", Tok::kCloseParen},
+      {"{", Tok::kOpenCurly},       {"}", Tok::kCloseCurly},
+      {"[", Tok::kOpenSquare},      {"]", Tok::kCloseSquare},
+      {",", Tok::kComma},           {".", Tok::kDot},
+      {":", Tok::kColon},           {"|", Tok::kPipe},
+      {"<=", Tok::kComparison},     {">=", Tok::kComparison},
+      {"==", Tok::kComparison},     {"!=", Tok::kComparison},
+      {"<", Tok::kComparison},      {">", Tok::kComparison},
+      {"+", Tok::kAdditive},        {"-", Tok::kAdditive},
+      {"~", Tok::kAdditive},        {"**", Tok::kPower},
+      {"*", Tok::kMultiplicative},  {"//", Tok::kMultiplicative},
+      {"/", Tok::kMultiplicative},  {"%", Tok::kMultiplicative},
+      {"=", Tok::kEquals}};
   while (pos < n) {
     const std::optional<Tok> last =
         tokens.empty() ? std::nullopt : std::optional<Tok>(tokens.back().type);
@@ -158,7 +183,8 @@ absl::StatusOr<std::vector<Token>> Tokenize(absl::string_view source) {
         const bool strip_before = pos < n && s[pos] == '-';
         if (strip_before) ++pos;
         const size_t end = s.find("#}", pos);
-        if (end == std::string::npos) return LineError(line_at(start), "missing end of comment tag");
+        if (end == std::string::npos)
+          return LineError(line_at(start), "missing end of comment tag");
         const bool strip_after = end > pos && s[end - 1] == '-';
         if (strip_before) strip_trailing();
         push(Tok::kComment, "", start);
@@ -228,13 +254,29 @@ absl::StatusOr<std::vector<Token>> Tokenize(absl::string_view source) {
         if (pos >= n) return LineError(line_at(start), "unterminated string literal");
         const char e = s[pos++];
         switch (e) {
-          case 'n': value.push_back('\n'); break;
-          case 't': value.push_back('\t'); break;
-          case 'r': value.push_back('\r'); break;
-          case 'b': value.push_back('\b'); break;
-          case 'f': value.push_back('\f'); break;
-          case 'v': value.push_back('\v'); break;
-          case '\'': case '"': case '\\': value.push_back(e); break;
+          case 'n':
+            value.push_back('\n');
+            break;
+          case 't':
+            value.push_back('\t');
+            break;
+          case 'r':
+            value.push_back('\r');
+            break;
+          case 'b':
+            value.push_back('\b');
+            break;
+          case 'f':
+            value.push_back('\f');
+            break;
+          case 'v':
+            value.push_back('\v');
+            break;
+          case '\'':
+          case '"':
+          case '\\':
+            value.push_back(e);
+            break;
           default:
             return LineError(line_at(pos), absl::StrCat("unsupported escape '\\", std::string(1, e),
                                                         "' in a string literal"));
@@ -450,8 +492,10 @@ class Parser {
         ASSIGN_OR_RETURN(default_value, ParseExpression());
       }
       node->children.push_back(std::move(default_value));
-      if (Is(Tok::kComma)) ++current_;
-      else if (!Is(Tok::kCloseParen)) return LineError(Line(), "expected , or ) in the macro parameters");
+      if (Is(Tok::kComma))
+        ++current_;
+      else if (!Is(Tok::kCloseParen))
+        return LineError(Line(), "expected , or ) in the macro parameters");
     }
     ++current_;
     RETURN_IF_ERROR(Expect(Tok::kCloseStatement, "%} after the macro header"));
@@ -658,8 +702,10 @@ class Parser {
       ASSIGN_OR_RETURN(NodePtr value, ParseExpression());
       node.children.push_back(std::move(value));
       node.names.push_back(std::move(name));
-      if (Is(Tok::kComma)) ++current_;
-      else if (!Is(Tok::kCloseParen)) return LineError(Line(), "expected , or ) in the arguments");
+      if (Is(Tok::kComma))
+        ++current_;
+      else if (!Is(Tok::kCloseParen))
+        return LineError(Line(), "expected , or ) in the arguments");
     }
     ++current_;
     return absl::OkStatus();

@@ -6,12 +6,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace pinfer::chat {
 
@@ -25,14 +25,19 @@ inline absl::Status LineError(int line, absl::string_view reason) {
 // in a fixed order per kind (noted beside each kind).
 
 enum class Kind {
-  kText,        // value: the text
-  kIf,          // children: [test]; body, alternate
-  kFor,         // children: [loop variable, iterable, select test or null]; body, alternate
-  kSet,         // children: [target, value]
-  kSetBlock,    // children: [target]; body
-  kMacro,       // value: name; children: parameter defaults (null if none); names: parameters
-  kBreak, kContinue, kComment,
-  kString, kInteger, kFloat, kIdentifier,  // value / number
+  kText,      // value: the text
+  kIf,        // children: [test]; body, alternate
+  kFor,       // children: [loop variable, iterable, select test or null]; body, alternate
+  kSet,       // children: [target, value]
+  kSetBlock,  // children: [target]; body
+  kMacro,     // value: name; children: parameter defaults (null if none); names: parameters
+  kBreak,
+  kContinue,
+  kComment,
+  kString,
+  kInteger,
+  kFloat,
+  kIdentifier,  // value / number
   kBinary,      // value: operator; children: [left, right]
   kUnary,       // value: "not", "-", "+"; children: [operand]
   kTernary,     // children: [if true, test, if false or null]
@@ -41,8 +46,9 @@ enum class Kind {
   kCall,        // children: [callee, arguments...]; names: keyword per argument ("" positional)
   kFilter,      // value: filter name; children: [operand, arguments...]; names as for kCall
   kTest,        // value: test name; children: [operand]; negate
-  kList, kTuple,  // children: items
-  kDict,        // children: key, value, key, value...
+  kList,
+  kTuple,  // children: items
+  kDict,   // children: key, value, key, value...
 };
 
 struct Node {

@@ -1,21 +1,20 @@
 // `pinfer chat-template` end to end: the bundled model (no template of its own) with --template
 // prints exactly the prompt @huggingface/jinja rendered into expected.json (no added newline),
 // honours --no-generation-prompt, and without a template fails naming the flag.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <sys/wait.h>
 
 #include <cstdio>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
-
 namespace {
 
-using ::testing::HasSubstr;
 using nlohmann::ordered_json;
+using ::testing::HasSubstr;
 
 const std::string kDir = std::string(PINFER_SOURCE_DIR) + "/tests/chat/";
 const std::string kModel = std::string(PINFER_MODELS_DIR) + "/relu-llama-tiny";
@@ -59,7 +58,8 @@ TEST(ChatTemplateCli, PrintsTheReferencePromptExactly) {
                            "templates/" + name + " --messages " + messages;
   CliRun with = RunPinfer(base);
   ASSERT_EQ(with.exit_code, 0) << with.out;
-  EXPECT_EQ(with.out, expected[name]["multi-turn/with_generation_prompt"]["output"].get<std::string>());
+  EXPECT_EQ(with.out,
+            expected[name]["multi-turn/with_generation_prompt"]["output"].get<std::string>());
   CliRun without = RunPinfer(base + " --no-generation-prompt");
   ASSERT_EQ(without.exit_code, 0) << without.out;
   EXPECT_EQ(without.out,
@@ -68,7 +68,8 @@ TEST(ChatTemplateCli, PrintsTheReferencePromptExactly) {
 }
 
 TEST(ChatTemplateCli, ModelWithoutTemplateNamesTheFlag) {
-  CliRun run = RunPinfer("chat-template --model " + kModel + " --messages " + WriteMessages("single-user"));
+  CliRun run =
+      RunPinfer("chat-template --model " + kModel + " --messages " + WriteMessages("single-user"));
   EXPECT_EQ(run.exit_code, 1);
   EXPECT_THAT(run.out, HasSubstr("FAILED_PRECONDITION"));
   EXPECT_THAT(run.out, HasSubstr("--template FILE"));
@@ -78,9 +79,10 @@ TEST(ChatTemplateCli, TemplateErrorNamesLine) {
   const std::string bad = testing::TempDir() + "/bad.jinja";
   std::ofstream(bad) << "{{ bos_token }}\n{% include 'x' %}";
   CliRun run = RunPinfer("chat-template --model " + kModel + " --template " + bad + " --messages " +
-                      WriteMessages("single-user"));
+                         WriteMessages("single-user"));
   EXPECT_EQ(run.exit_code, 1);
-  EXPECT_THAT(run.out, HasSubstr("bad.jinja: chat template line 2: unsupported statement 'include'"));
+  EXPECT_THAT(run.out,
+              HasSubstr("bad.jinja: chat template line 2: unsupported statement 'include'"));
 }
 
 TEST(ChatTemplateCli, MissingMessagesIsAUsageError) {

@@ -3,21 +3,21 @@
 // byte, what @huggingface/jinja rendered into expected.json (render_reference.mjs); where the
 // reference raised, the engine must fail too, with the reference's raise_exception message. Then
 // the engine's own errors: unsupported constructs and syntax errors name the line and the reason.
-#include "shared/chat/template.h"
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
+#include "shared/chat/template.h"
 
 namespace pinfer::chat {
 namespace {
 
-using ::testing::HasSubstr;
 using nlohmann::ordered_json;
+using ::testing::HasSubstr;
 
 const std::string kDir = std::string(PINFER_SOURCE_DIR) + "/tests/chat/";
 

@@ -3,11 +3,13 @@
 // how a rendered prompt becomes ids (special-token strings as their ids, BOS once).
 #include "shared/chat/model_chat.h"
 
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
 #include <filesystem>
 #include <fstream>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
+#include "shared/model/gguf.h"
 
 namespace pinfer::chat {
 namespace {
@@ -57,6 +59,33 @@ TEST(ModelChat, SpecialTokenStringsBecomeTheirIdsAndBosIsNotDoubled) {
   std::vector<int32_t> want_plain = {model->config.bos_id};
   want_plain.insert(want_plain.end(), hello->begin(), hello->end());
   EXPECT_EQ(*plain, want_plain);
+}
+
+TEST(ModelChat, GgufTemplateAndControlTokens) {
+  GgufWriter writer;
+  writer.SetString("general.architecture", "llama");
+  writer.SetStringArray("tokenizer.ggml.tokens", {"<unk>", "<s>", "</s>", "<|im_start|>", "a"});
+  writer.SetI32Array("tokenizer.ggml.token_type", {2, 3, 3, 4, 1});
+  writer.SetString("tokenizer.chat_template",
+                   "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.content }}"
+                   "{{ eos_token }}{% endfor %}");
+  const std::string path = ::testing::TempDir() + "/chat-template.gguf";
+  ASSERT_TRUE(writer.WriteFile(path).ok());
+  Model model;
+  model.source_path = path;
+  model.format = "gguf";
+  model.config.bos_id = 1;
+  model.config.eos_id = 2;
+  auto chat = LoadModelChat(model, "");
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  EXPECT_EQ(chat->template_origin, path + " (tokenizer.chat_template)");
+  auto prompt = RenderChatPrompt(*chat, {{"user", "hi"}}, true);
+  ASSERT_TRUE(prompt.ok()) << prompt.status();
+  EXPECT_EQ(*prompt, "<s><|im_start|>hi</s>");
+  // Control (3) and user-defined (4) tokens are special, longest first; normal ones are not.
+  std::vector<std::pair<std::string, int32_t>> want = {
+      {"<|im_start|>", 3}, {"</s>", 2}, {"<s>", 1}};
+  EXPECT_EQ(chat->special_tokens, want);
 }
 
 class TemplateFolder : public ::testing::Test {

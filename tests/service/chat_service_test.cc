@@ -90,8 +90,8 @@ TEST(ChatServiceTest, ModelWithoutTemplateAnswersFailedPreconditionNamingTheFlag
   o.model = kTiny;
   Deployment d(o);
   ASSERT_TRUE(d.Start().ok()) << d.Logs();
-  GenerateResult chat =
-      RunChat(d.stub(), ChatOf(nlohmann::ordered_json::parse(R"([{"role":"user","content":"Hi"}])"), 4));
+  GenerateResult chat = RunChat(
+      d.stub(), ChatOf(nlohmann::ordered_json::parse(R"([{"role":"user","content":"Hi"}])"), 4));
   EXPECT_EQ(chat.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(chat.status.error_message(), HasSubstr("--chat-template FILE"));
   // Generate is unaffected.
@@ -109,10 +109,11 @@ TEST(ChatServiceTest, TemplateThatDoesNotParseAnswersInvalidArgument) {
   o.gpu_flags = {"--chat-template", bad};
   Deployment d(o);
   ASSERT_TRUE(d.Start().ok()) << d.Logs();
-  GenerateResult chat =
-      RunChat(d.stub(), ChatOf(nlohmann::ordered_json::parse(R"([{"role":"user","content":"Hi"}])"), 4));
+  GenerateResult chat = RunChat(
+      d.stub(), ChatOf(nlohmann::ordered_json::parse(R"([{"role":"user","content":"Hi"}])"), 4));
   EXPECT_EQ(chat.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_THAT(chat.status.error_message(), HasSubstr("chat template line 1: {% for %} is never closed"));
+  EXPECT_THAT(chat.status.error_message(),
+              HasSubstr("chat template line 1: {% for %} is never closed"));
 }
 
 }  // namespace
