@@ -387,13 +387,14 @@ std::string AsciiLower(std::string s) {
   return s;
 }
 bool IsJsSpace(char c) { return c == ' ' || (c >= '\t' && c <= '\r'); }
-std::string Strip(absl::string_view s, bool left, bool right, const std::string* chars = nullptr) {
-  auto strip = [&](char c) { return chars ? chars->find(c) != std::string::npos : IsJsSpace(c); };
+std::string Strip(absl::string_view s, bool left, bool right) {
   size_t begin = 0, end = s.size();
-  if (left)
-    while (begin < end && strip(s[begin])) ++begin;
-  if (right)
-    while (end > begin && strip(s[end - 1])) --end;
+  if (left) {
+    while (begin < end && IsJsSpace(s[begin])) ++begin;
+  }
+  if (right) {
+    while (end > begin && IsJsSpace(s[end - 1])) --end;
+  }
   return std::string(s.substr(begin, end - begin));
 }
 // /\b\w/g -> upper case: the first word character after a non-word one.
@@ -644,10 +645,13 @@ class Interpreter {
                       {"nextitem", i < n - 1 ? items[i + 1] : Value()}};
       scope->variables["loop"] = Value::Object(std::move(loop));
       RETURN_IF_ERROR(Assign(loop_variable, items[i], scope));
+      // As in the reference, break and continue drop what their iteration had rendered so far.
       Flow flow = Flow::kNormal;
-      RETURN_IF_ERROR(RenderBlock(node.body, scope, out, flow));
+      std::string body;
+      RETURN_IF_ERROR(RenderBlock(node.body, scope, body, flow));
       if (flow == Flow::kBreak) break;
       if (flow == Flow::kContinue) continue;
+      out += body;
       iterated = true;
     }
     if (!iterated) {
@@ -832,6 +836,16 @@ class Interpreter {
       if (!b.ok()) return fail(b.status().message());
       return Value::String(*a + *b);
     }
+    if (op == "**" && (left.IsNumber() || left.Is(Type::kBool)) &&
+        (right.IsNumber() || right.Is(Type::kBool))) {
+      const double a = left.Is(Type::kBool) ? (left.boolean ? 1 : 0) : left.AsDouble();
+      const double b = right.Is(Type::kBool) ? (right.boolean ? 1 : 0) : right.AsDouble();
+      if (a == 0 && b < 0) return fail("0.0 cannot be raised to a negative power");
+      const double result = std::pow(a, b);
+      if (!std::isfinite(result)) return fail("exponentiation result is not a finite real number");
+      if (left.Is(Type::kFloat) || right.Is(Type::kFloat) || b < 0) return Value::Float(result);
+      return Value::Int(static_cast<int64_t>(result));
+    }
     if (op == "+" && left.Is(Type::kArray) && right.Is(Type::kArray)) {
       Array joined = *left.array;
       joined.insert(joined.end(), right.array->begin(), right.array->end());
@@ -938,9 +952,8 @@ class Interpreter {
         return Value::String(out);
       }
       if (name == "strip" || name == "lstrip" || name == "rstrip") {
-        const Value* chars = Argument(args, 0, "chars");
-        const std::string* set = chars && chars->Is(Type::kString) ? &chars->string : nullptr;
-        return Value::String(Strip(s, name != "rstrip", name != "lstrip", set));
+        // The reference strips whitespace only and ignores a `chars` argument.
+        return Value::String(Strip(s, name != "rstrip", name != "lstrip"));
       }
       if (name == "startswith" || name == "endswith") {
         const Value* arg = Argument(args, 0, "prefix");

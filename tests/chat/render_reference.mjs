@@ -36,6 +36,12 @@ for (const [name, tokens] of Object.entries(cases.templates)) {
   expected[name] = results;
 }
 
+// Small templates for one construct each, rendered with the multi-turn messages.
+for (const [name, source] of Object.entries(cases.snippets)) {
+  const context = { ...cases.context, bos_token: "<s>", eos_token: "</s>", messages: cases.message_sets["multi-turn"] };
+  expected[`snippet:${name}`] = { "multi-turn/with_generation_prompt": render(source, { ...context, add_generation_prompt: true }) };
+}
+
 const text = JSON.stringify(expected, null, 1) + "\n";
 const path = join(here, "expected.json");
 if (process.argv.includes("--check")) {
