@@ -152,11 +152,16 @@ class Interpreter {
 
   void DefineMacro(const Node& node, const ScopePtr& scope) {
     const Node* macro = &node;
-    ScopePtr defined_in = scope;
+    // Weak: the scope holds the macro, so a strong pointer back would be a cycle that outlives
+    // the render.
+    std::weak_ptr<Scope> defined_in = scope;
     scope->variables[node.value] =
         Value::Fn([this, macro, defined_in](const Arguments& args, int) -> absl::StatusOr<Value> {
           auto local = std::make_shared<Scope>();
-          local->parent = defined_in;
+          local->parent = defined_in.lock();
+          if (local->parent == nullptr) {
+            return LineError(macro->line, "macro called after its scope ended");
+          }
           for (size_t i = 0; i < macro->names.size(); ++i) {
             const Value* given = Argument(args, i, macro->names[i]);
             if (given != nullptr) {
