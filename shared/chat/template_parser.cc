@@ -77,7 +77,50 @@ SourceText Preprocess(absl::string_view source) {
       ++i;
     }
   }
-  return out;
+  // transformers' {% generation %} / {% endgeneration %} (training masks) render as nothing:
+  // /{%(-?)\s*(?:end)?generation\s*(-?)%}(\s*)/gs, removed as the reference removes it.
+  const std::string& t = out.text;
+  SourceText result;
+  auto append = [&](size_t from, size_t to) {
+    result.text.append(t, from, to - from);
+    result.line.insert(result.line.end(), out.line.begin() + from, out.line.begin() + to);
+  };
+  size_t last = 0;
+  for (size_t i = 0; i + 1 < t.size();) {
+    if (t[i] != '{' || t[i + 1] != '%') {
+      ++i;
+      continue;
+    }
+    size_t j = i + 2;
+    const bool lstrip = j < t.size() && t[j] == '-';
+    if (lstrip) ++j;
+    while (j < t.size() && IsSpace(t[j])) ++j;
+    if (t.compare(j, 3, "end") == 0) j += 3;
+    if (t.compare(j, 10, "generation") != 0) {
+      ++i;
+      continue;
+    }
+    j += 10;
+    while (j < t.size() && IsSpace(t[j])) ++j;
+    const bool rstrip = j < t.size() && t[j] == '-';
+    if (rstrip) ++j;
+    if (t.compare(j, 2, "%}") != 0) {
+      ++i;
+      continue;
+    }
+    j += 2;
+    const size_t after = j;
+    while (j < t.size() && IsSpace(t[j])) ++j;
+    size_t end = i;
+    if (lstrip) {
+      while (end > last && IsSpace(t[end - 1])) --end;
+    }
+    append(last, end);
+    if (!rstrip) append(after, j);
+    last = i = j;
+  }
+  append(last, t.size());
+  return result;
 }
 
 // ---------------------------------------------------------------------------------------------
