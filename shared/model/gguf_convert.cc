@@ -337,8 +337,20 @@ absl::Status ConvertHuggingFaceToGguf(const std::string& hf_dir, const std::stri
         add_eos = j["add_eos_token"];
       if (j.contains("chat_template") && j["chat_template"].is_string())
         chat_template = j["chat_template"];
+      // The list form of named templates: the "default" one (as transformers picks it).
+      if (j.contains("chat_template") && j["chat_template"].is_array()) {
+        for (const auto& named : j["chat_template"]) {
+          if (named.is_object() && named.value("name", "") == "default" &&
+              named.contains("template") && named["template"].is_string())
+            chat_template = named["template"];
+        }
+      }
     }
   }
+  // A chat_template.jinja beside it is what transformers reads first.
+  if (auto jinja = ReadFileToString((fs::path(hf_dir) / "chat_template.jinja").string());
+      jinja.ok())
+    chat_template = *jinja;
 
   GgufWriter w;
   std::string name = opts.name;

@@ -88,6 +88,32 @@ TEST(ModelChat, GgufTemplateAndControlTokens) {
   EXPECT_EQ(chat->special_tokens, want);
 }
 
+// `pinfer convert` (and the prepared models serve --sparse makes) keep a Hugging Face folder's
+// chat_template.jinja as the GGUF's tokenizer.chat_template, which the gpu-worker then finds.
+TEST(ModelChat, ConvertedModelKeepsTheFoldersTemplate) {
+  const std::filesystem::path dir =
+      std::filesystem::path(::testing::TempDir()) / "tiny-with-template";
+  std::filesystem::create_directories(dir);
+  for (const auto& entry : std::filesystem::directory_iterator(kTiny)) {
+    std::filesystem::copy_file(entry.path(), dir / entry.path().filename(),
+                               std::filesystem::copy_options::overwrite_existing);
+  }
+  const std::string source = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}";
+  std::ofstream(dir / "chat_template.jinja") << source;
+  const std::string gguf = (dir / "converted.gguf").string();
+  GgufConvertOptions options;
+  ASSERT_TRUE(ConvertHuggingFaceToGguf(dir.string(), gguf, options).ok());
+  auto model = LoadModel(gguf);
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto chat = LoadModelChat(**model, "");
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  auto prompt = RenderChatPrompt(*chat, {{"user", "hi"}}, true);
+  ASSERT_TRUE(prompt.ok()) << prompt.status();
+  EXPECT_EQ(*prompt, "[user] hi\n");
+  EXPECT_EQ(chat->bos_token, "<s>");
+  EXPECT_EQ(chat->eos_token, "</s>");
+}
+
 class TemplateFolder : public ::testing::Test {
  protected:
   void SetUp() override {
