@@ -717,9 +717,15 @@ int Main(const std::vector<std::string>& args) {
   if (o.http_port >= 0) {
     HttpOptions ho;
     ho.port = o.http_port;
+    // The same interface as the gRPC port (--listen 127.0.0.1:P keeps HTTP local too).
+    if (const size_t colon = o.listen.rfind(':');
+        colon != std::string::npos && colon > 0 && o.listen.rfind("unix:", 0) != 0) {
+      const std::string host = o.listen.substr(0, colon);
+      ho.host = std::string(absl::StripSuffix(absl::StripPrefix(host, "["), "]"));
+    }
     ho.api_key = o.api_key;
-    auto started =
-        OpenAiHttpServer::Start(ho, server->InProcessChannel(grpc::ChannelArguments()), registry.get());
+    auto started = OpenAiHttpServer::Start(
+        ho, server->InProcessChannel(grpc::ChannelArguments()), registry.get());
     if (!started.ok()) {
       Log("%s", std::string(started.status().message()).c_str());
       return 1;
