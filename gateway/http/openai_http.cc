@@ -8,8 +8,8 @@
 
 #include <chrono>
 #include <cstdint>
-#include <optional>
 #include <ctime>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -148,9 +148,9 @@ std::optional<HttpError> ParseCommon(const json& body, bool chat, Common* c) {
   }
   if (GetNumber(body, "seed", &v, &err)) {
     if (!body["seed"].is_number_integer()) return BadRequest("'seed' must be an integer", "seed");
-    c->sampling.set_seed(body["seed"].is_number_unsigned() ? body["seed"].get<uint64_t>()
-                                                           : static_cast<uint64_t>(
-                                                                 body["seed"].get<int64_t>()));
+    c->sampling.set_seed(body["seed"].is_number_unsigned()
+                             ? body["seed"].get<uint64_t>()
+                             : static_cast<uint64_t>(body["seed"].get<int64_t>()));
   }
   if (err.status) return err;
   for (const char* key : {"presence_penalty", "frequency_penalty"}) {
@@ -168,7 +168,8 @@ std::optional<HttpError> ParseCommon(const json& body, bool chat, Common* c) {
       c->stop.push_back(it->get<std::string>());
     } else if (it->is_array() && it->size() <= 4) {
       for (const json& s : *it) {
-        if (!s.is_string()) return BadRequest("'stop' must be a string or a list of strings", "stop");
+        if (!s.is_string())
+          return BadRequest("'stop' must be a string or a list of strings", "stop");
         c->stop.push_back(s.get<std::string>());
       }
     } else {
@@ -211,12 +212,13 @@ std::optional<HttpError> ParseCommon(const json& body, bool chat, Common* c) {
     }
   }
   if (auto it = body.find("top_logprobs"); it != body.end() && !it->is_null()) {
-    if (!it->is_number_integer()) return BadRequest("'top_logprobs' must be an integer", "top_logprobs");
+    if (!it->is_number_integer())
+      return BadRequest("'top_logprobs' must be an integer", "top_logprobs");
     if (it->get<int64_t>() != 0) return Unsupported("top_logprobs", "no alternatives are kept");
   }
   for (const char* key : {"tools", "functions"}) {
-    if (auto it = body.find(key); it != body.end() && !it->is_null() &&
-                                  !(it->is_array() && it->empty())) {
+    if (auto it = body.find(key);
+        it != body.end() && !it->is_null() && !(it->is_array() && it->empty())) {
       return Unsupported(key, "no tool calling");
     }
   }
@@ -256,9 +258,8 @@ json TokenLogprobs(const v1::GenerateResponse& r, bool chat) {
 // Routes for the metrics' path label; anything else is "other" so that scanners probing random
 // paths cannot grow the label set.
 std::string PathLabel(const std::string& path) {
-  static const char* const kKnown[] = {"/",           "/health",        "/v1/models",
-                                       "/v1/completions", "/v1/chat/completions",
-                                       "/v1/pinfer/info"};
+  static const char* const kKnown[] = {
+      "/", "/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/pinfer/info"};
   for (const char* k : kKnown) {
     if (path == k) return k;
   }
@@ -324,10 +325,10 @@ struct OpenAiHttpServer::Impl {
     if (!it->is_string()) return BadRequest("'model' must be a string", "model");
     const std::string want = it->get<std::string>();
     if (!want.empty() && want != *id) {
-      return HttpError{404,
-                       absl::StrCat("The model '", want, "' does not exist; this server serves '",
-                                    *id, "'"),
-                       "invalid_request_error", "model", "model_not_found"};
+      return HttpError{
+          404,
+          absl::StrCat("The model '", want, "' does not exist; this server serves '", *id, "'"),
+          "invalid_request_error", "model", "model_not_found"};
     }
     return std::nullopt;
   }
@@ -357,9 +358,9 @@ struct OpenAiHttpServer::Impl {
     json model = {{"id", ModelId(mi)}, {"object", "model"}, {"created", 0}, {"owned_by", "pinfer"}};
     if (req.matches.size() > 1) {
       if (req.matches[1] != ModelId(mi)) {
-        return SendError(res, {404, absl::StrCat("The model '", req.matches[1].str(),
-                                                 "' does not exist"),
-                               "invalid_request_error", "model", "model_not_found"});
+        return SendError(
+            res, {404, absl::StrCat("The model '", req.matches[1].str(), "' does not exist"),
+                  "invalid_request_error", "model", "model_not_found"});
       }
       return res.set_content(model.dump(), "application/json");
     }
@@ -428,17 +429,17 @@ struct OpenAiHttpServer::Impl {
           // The parts form: text parts are concatenated; images are not understood.
           std::string text;
           for (const json& part : content) {
-            if (!part.is_object() || part.value("type", "") != "text" ||
-                !part.contains("text") || !part["text"].is_string()) {
+            if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+                !part["text"].is_string()) {
               return SendError(res, Unsupported("messages", "only text content parts"));
             }
             text += part["text"].get<std::string>();
           }
           cm->set_content(text);
         } else if (!content.is_null()) {
-          return SendError(res,
-                           BadRequest("a message's 'content' must be a string or a list of parts",
-                                      "messages"));
+          return SendError(
+              res,
+              BadRequest("a message's 'content' must be a string or a list of parts", "messages"));
         }
       }
       creq.set_max_new_tokens(c.max_tokens);
@@ -542,9 +543,12 @@ struct OpenAiHttpServer::Impl {
         choice["text"] = text;
         choice["logprobs"] = c.logprobs ? json{{"token_logprobs", logprobs}} : json(nullptr);
       }
-      json out = {{"id", id},           {"object", object},
-                  {"created", created}, {"model", model_id},
-                  {"choices", json::array({choice})}, {"usage", usage_json(usage)}};
+      json out = {{"id", id},
+                  {"object", object},
+                  {"created", created},
+                  {"model", model_id},
+                  {"choices", json::array({choice})},
+                  {"usage", usage_json(usage)}};
       return res.set_content(out.dump(), "application/json");
     }
 
@@ -554,14 +558,11 @@ struct OpenAiHttpServer::Impl {
     res.set_header("Cache-Control", "no-cache");
     res.set_header("X-Accel-Buffering", "no");  // proxies such as nginx must not buffer SSE
     res.set_chunked_content_provider(
-        "text/event-stream",
-        [call, c, chat, id, created, model_id, chunk_object, usage_json, stopped_flag](
-            size_t, httplib::DataSink& sink) {
+        "text/event-stream", [call, c, chat, id, created, model_id, chunk_object, usage_json,
+                              stopped_flag](size_t, httplib::DataSink& sink) {
           auto base = [&] {
-            return json{{"id", id},
-                        {"object", chunk_object},
-                        {"created", created},
-                        {"model", model_id}};
+            return json{
+                {"id", id}, {"object", chunk_object}, {"created", created}, {"model", model_id}};
           };
           auto write = [&](const std::string& s) {
             if (stopped_flag->load() || !sink.write(s.data(), s.size())) {
@@ -573,9 +574,10 @@ struct OpenAiHttpServer::Impl {
           if (chat) {
             // OpenAI's streams open with the role.
             json j = base();
-            j["choices"] = json::array(
-                {{{"index", 0}, {"delta", {{"role", "assistant"}, {"content", ""}}},
-                  {"logprobs", nullptr}, {"finish_reason", nullptr}}});
+            j["choices"] = json::array({{{"index", 0},
+                                         {"delta", {{"role", "assistant"}, {"content", ""}}},
+                                         {"logprobs", nullptr},
+                                         {"finish_reason", nullptr}}});
             if (c.include_usage) j["usage"] = nullptr;
             if (!write(Sse(j))) return false;
           }
@@ -611,7 +613,9 @@ struct OpenAiHttpServer::Impl {
             // Headers are gone already: the error travels as an event, as OpenAI's do.
             const HttpError e = FromGrpc(st);
             json err = {{"error",
-                         {{"message", e.message}, {"type", e.type}, {"param", nullptr},
+                         {{"message", e.message},
+                          {"type", e.type},
+                          {"param", nullptr},
                           {"code", e.code.empty() ? json(nullptr) : json(e.code)}}}};
             if (!write(Sse(err))) return false;
           } else if (c.include_usage) {
@@ -659,8 +663,9 @@ absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
     request_start = Clock::now();
     if (req.path.rfind("/v1/", 0) == 0 && !impl->Authorized(req)) {
       SendError(res, {401,
-                      impl->options.api_key.empty() ? "" :
-                      "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                      impl->options.api_key.empty()
+                          ? ""
+                          : "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                       "invalid_request_error", "", "invalid_api_key"});
       return httplib::Server::HandlerResponse::Handled;
     }
@@ -706,18 +711,16 @@ absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
   srv.Get("/", [](const httplib::Request&, httplib::Response& res) {
     res.set_content(kChatPageHtml, "text/html; charset=utf-8");
   });
-  srv.Get("/health", [impl](const httplib::Request&, httplib::Response& res) {
-    impl->HandleHealth(res);
-  });
+  srv.Get("/health",
+          [impl](const httplib::Request&, httplib::Response& res) { impl->HandleHealth(res); });
   srv.Get("/v1/models", [impl](const httplib::Request& req, httplib::Response& res) {
     impl->HandleModels(req, res);
   });
   srv.Get(R"(/v1/models/([^/]+))", [impl](const httplib::Request& req, httplib::Response& res) {
     impl->HandleModels(req, res);
   });
-  srv.Get("/v1/pinfer/info", [impl](const httplib::Request&, httplib::Response& res) {
-    impl->HandleInfo(res);
-  });
+  srv.Get("/v1/pinfer/info",
+          [impl](const httplib::Request&, httplib::Response& res) { impl->HandleInfo(res); });
   srv.Post("/v1/completions", [impl](const httplib::Request& req, httplib::Response& res) {
     impl->HandleGenerate(req, res, /*chat=*/false);
   });
@@ -725,10 +728,9 @@ absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
     impl->HandleGenerate(req, res, /*chat=*/true);
   });
 
-  const int port = options.port == 0 ? srv.bind_to_any_port(options.host)
-                                     : (srv.bind_to_port(options.host, options.port)
-                                            ? options.port
-                                            : -1);
+  const int port = options.port == 0
+                       ? srv.bind_to_any_port(options.host)
+                       : (srv.bind_to_port(options.host, options.port) ? options.port : -1);
   if (port <= 0) {
     return absl::UnavailableError(
         absl::StrCat("cannot listen for HTTP on ", options.host, ":", options.port));
