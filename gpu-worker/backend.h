@@ -173,6 +173,10 @@ absl::StatusOr<CudaFootprint> MeasureCudaFootprint(const Model& model, int max_b
                                                    const std::string& module_path,
                                                    const CudaBackendOptions& options);
 
+// Whether the CUDA module computes every tensor type of `model` (FAILED_PRECONDITION naming the
+// first tensor it does not: the K-quants are computed on the CPU only, for now).
+absl::Status CudaModuleComputes(const Model& model);
+
 // The CUDA implementation, from the module at `module_path` (gpu-worker/cuda). Fails with the
 // module's status (no device, out of memory) so that the caller can fall back to the CPU.
 absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& model,

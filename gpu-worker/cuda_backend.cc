@@ -390,6 +390,42 @@ absl::StatusOr<Module> OpenModule(const std::string& module_path) {
 }
 
 // Everything but the FFN rows: those depend on the placement.
+// The module computes the types of cuda::HostType, whose values equal DType's for those types.
+// K-quant tensors (which the CPU engine computes) have no CUDA kernels yet: refuse them by name
+// rather than hand the module a type value it does not know.
+absl::Status CheckModuleTypes(const Model& model) {
+  auto check = [](const TensorView& t, const std::string& name) -> absl::Status {
+    if (t.data == nullptr) return absl::OkStatus();
+    switch (t.dtype) {
+      case DType::kF32:
+      case DType::kF16:
+      case DType::kBF16:
+      case DType::kQ8_0:
+      case DType::kQ4_0:
+        return absl::OkStatus();
+      default:
+        return absl::FailedPreconditionError(absl::StrCat(
+            "tensor '", name, "' is ", DTypeName(t.dtype),
+            ", which the CUDA module does not compute (it computes F32, F16, BF16, Q8_0 and "
+            "Q4_0); run the gpu-worker with --backend cpu or convert the model to one of those"));
+    }
+  };
+  RETURN_IF_ERROR(check(model.tok_embeddings, "token_embd"));
+  RETURN_IF_ERROR(check(model.output_norm, "output_norm"));
+  RETURN_IF_ERROR(check(model.output, "output"));
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    const LayerWeights& L = model.layers[l];
+    const std::pair<const TensorView*, const char*> tensors[] = {
+        {&L.attn_norm, "attn_norm"}, {&L.wq, "attn_q"},      {&L.wk, "attn_k"},
+        {&L.wv, "attn_v"},           {&L.wo, "attn_output"}, {&L.ffn_norm, "ffn_norm"},
+        {&L.gate, "ffn_gate"},       {&L.up, "ffn_up"},      {&L.down, "ffn_down"}};
+    for (const auto& [t, name] : tensors) {
+      RETURN_IF_ERROR(check(*t, absl::StrCat("blk.", l, ".", name)));
+    }
+  }
+  return absl::OkStatus();
+}
+
 cuda::ModelUpload BaseUpload(const Model& model, int max_batch, const CudaBackendOptions& o) {
   const ModelConfig& c = model.config;
   cuda::ModelUpload u;
@@ -485,6 +521,8 @@ void CalibrateStream(cuda::Backend* b, int max_batch, ColdPrefillPlanner* planne
 
 }  // namespace
 
+absl::Status CudaModuleComputes(const Model& model) { return CheckModuleTypes(model); }
+
 std::string ColdStreamingProblem(const Model& model) {
   for (int l = 0; l < model.config.n_layers; ++l) {
     const LayerWeights& L = model.layers[l];
@@ -501,6 +539,7 @@ std::string ColdStreamingProblem(const Model& model) {
 absl::StatusOr<CudaFootprint> MeasureCudaFootprint(const Model& model, int max_batch,
                                                    const std::string& module_path,
                                                    const CudaBackendOptions& o) {
+  RETURN_IF_ERROR(CheckModuleTypes(model));
   ASSIGN_OR_RETURN(Module m, OpenModule(module_path));
   const ModelConfig& c = model.config;
   cuda::ModelUpload u = BaseUpload(model, max_batch, o);
@@ -536,6 +575,7 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
                                                                shm::ExchangeClient* exchange,
                                                                const std::string& module_path,
                                                                const CudaBackendOptions& o) {
+  RETURN_IF_ERROR(CheckModuleTypes(model));
   const ModelConfig& c = model.config;
   int cache_rows = o.adaptive_cache_rows;
   if (cache_rows > 0) {

@@ -158,6 +158,16 @@ bool DecideColdPrefill(State& s) {
 bool ChoosePlacement(State& s) {
   const Options& o = s.options;
   const ModelConfig& c = s.model->config;
+  if (s.gpu.available) {
+    if (absl::Status st = CudaModuleComputes(*s.model); !st.ok()) {
+      if (o.backend == "cuda") {
+        Log("cannot start the CUDA backend: %s", st.ToString().c_str());
+        return false;
+      }
+      s.gpu.available = false;
+      s.gpu.reason = std::string(st.message());
+    }
+  }
   // Placement: a PowerInfer GPU index (given, or beside the model as `pinfer prepare` and
   // PowerInfer write it), else a fixed fraction of every layer.
   std::string index_path = o.placement;
