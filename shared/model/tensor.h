@@ -112,7 +112,10 @@ struct TensorView {
     for (int64_t d : shape) n *= d;
     return n;
   }
-  size_t nbytes() const { return RowBytes(dtype, cols()) * static_cast<size_t>(numel() / cols()); }
+  // A shape with a zero extent (legal in safetensors) holds no bytes.
+  size_t nbytes() const {
+    return cols() == 0 ? 0 : RowBytes(dtype, cols()) * static_cast<size_t>(numel() / cols());
+  }
   size_t row_bytes() const { return RowBytes(dtype, cols()); }
   const uint8_t* row(int64_t r) const {
     return static_cast<const uint8_t*>(data) +

@@ -251,6 +251,27 @@ TEST(HuggingFaceLoaderTest, MalformedSafetensors) {
                   absl::StatusCode::kInvalidArgument, "tensor 't': bad data_offsets");
 }
 
+// A zero extent is legal in safetensors; such a tensor holds no bytes (the fuzzer found nbytes()
+// dividing by its zero column count).
+TEST(HuggingFaceLoaderTest, ZeroExtentTensorsHoldNoBytes) {
+  for (const json& shape : {json{4, 0}, json{0, 4}, json{0}}) {
+    const json header = {{"t", {{"dtype", "F16"}, {"shape", shape}, {"data_offsets", {0, 0}}}}};
+    std::string h = header.dump();
+    std::string bytes(8, '\0');
+    const uint64_t len = h.size();
+    std::memcpy(bytes.data(), &len, 8);
+    bytes += h;
+    std::map<std::string, TensorView> tensors;
+    ASSERT_TRUE(ParseSafetensorsBytes(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(),
+                                      "zero.safetensors", &tensors)
+                    .ok())
+        << shape.dump();
+    ASSERT_EQ(tensors.count("t"), 1u);
+    EXPECT_EQ(tensors["t"].numel(), 0);
+    EXPECT_EQ(tensors["t"].nbytes(), 0u) << shape.dump();
+  }
+}
+
 TEST(HuggingFaceLoaderTest, MissingOrMisshapenTensors) {
   auto tensors = TinyTensors();
   tensors.erase("model.layers.1.mlp.up_proj.weight");
