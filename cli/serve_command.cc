@@ -51,7 +51,10 @@ constexpr char kUsage[] =
     "         [--adaptive-cache-thread] [--cold-gpu-share auto|off|F] [--decode-lanes N] "
     "[--cpu-spin-us US] [--cold-guess]\n"
     "         [--http-port P] [--http-port-file FILE] [--api-key KEY | --api-key-file FILE]\n"
-    "         [--chat-template FILE]\n"
+    "         [--chat-template FILE] [--prefix-cache-entries N] [--prefix-cache-size SIZE]\n"
+    "  --prefix-cache-entries / --prefix-cache-size: finished sequences' KV caches kept so that\n"
+    "            a prompt starting with one's tokens (a chat's next turn) computes only the rest\n"
+    "            (default 8 caches, at most 1GiB on the CPU; 0 entries: off)\n"
     "  --chat-template: the Jinja chat template Chat renders messages with, instead of the\n"
     "            model's own (GGUF tokenizer.chat_template, chat_template.jinja or\n"
     "            tokenizer_config.json)\n"
@@ -200,7 +203,9 @@ int ServeCommand(const std::vector<std::string>& args) {
                               "http-port-file",
                               "api-key",
                               "api-key-file",
-                              "chat-template"},
+                              "chat-template",
+                              "prefix-cache-entries",
+                              "prefix-cache-size"},
                              {"sparse", "cold-guess", "adaptive-cache-thread"});
   if (!parsed.ok()) return UsageError(kUsage, parsed.status());
   const Flags& f = *parsed;
@@ -262,6 +267,13 @@ int ServeCommand(const std::vector<std::string>& args) {
       return UsageError(kUsage,
                         absl::InvalidArgumentError(absl::StrCat("--", flag, " must be positive")));
     }
+  }
+  if (auto v = f.Int("prefix-cache-entries", 8); !v.ok() || *v < 0 || *v > 4096) {
+    return UsageError(kUsage,
+                      absl::InvalidArgumentError("--prefix-cache-entries must be in [0, 4096]"));
+  }
+  if (auto v = f.Size("prefix-cache-size", 1ull << 30); !v.ok()) {
+    return UsageError(kUsage, v.status());
   }
   if (!drain.ok() || *drain < 0) {
     return UsageError(kUsage, absl::InvalidArgumentError("--drain-timeout-ms must be >= 0"));
@@ -338,6 +350,8 @@ int ServeCommand(const std::vector<std::string>& args) {
   pass(&gpu.argv, "cold-gpu-share");
   pass(&gpu.argv, "decode-lanes");
   pass(&gpu.argv, "chat-template");
+  pass(&gpu.argv, "prefix-cache-entries");
+  pass(&gpu.argv, "prefix-cache-size");
   if (f.Has("sparse")) gpu.argv.push_back("--sparse");
   if (f.Has("cold-guess")) gpu.argv.push_back("--cold-guess");
   if (f.Has("adaptive-cache-thread")) gpu.argv.push_back("--adaptive-cache-thread");

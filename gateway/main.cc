@@ -602,7 +602,7 @@ class InferenceService final : public v1::Inference::Service {
     wv1::RunEvent ev;
     Clock::time_point last_token, first_token;
     bool first = true;
-    uint32_t generated = 0, prompt_tokens = 0;
+    uint32_t generated = 0, prompt_tokens = 0, cached_prompt_tokens = 0;
     v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
     while (reader->Read(&ev)) {
       v1::GenerateResponse out;
@@ -625,11 +625,13 @@ class InferenceService final : public v1::Inference::Service {
       }
       generated = ev.generated_tokens();
       prompt_tokens = ev.prompt_tokens();
+      cached_prompt_tokens = ev.cached_prompt_tokens();
       if (ev.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
         finish = ev.finish_reason();
         out.set_finish_reason(finish);
         out.mutable_usage()->set_prompt_tokens(prompt_tokens);
         out.mutable_usage()->set_generated_tokens(generated);
+        out.mutable_usage()->set_cached_prompt_tokens(cached_prompt_tokens);
         v1::Timings* t = out.mutable_timings();
         t->set_queue_seconds(queue_seconds);
         t->set_time_to_first_token_seconds(

@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "gpu-worker/cold_prefill.h"
 #include "shared/engine/ops.h"
 #include "shared/model/model.h"
@@ -61,6 +62,19 @@ class ComputeBackend {
   // Reserves the state of one sequence (its KV cache) for up to max_ctx positions.
   virtual absl::StatusOr<int> AcquireSlot(int max_ctx) = 0;
   virtual void ReleaseSlot(int slot) = 0;
+  // Prefix caching (prefix_cache.h): readies a slot kept from a finished sequence for a new one
+  // of up to max_ctx positions whose first `keep` positions are the slot's (their KV is kept;
+  // the rest is overwritten). INVALID_ARGUMENT when the slot cannot hold max_ctx positions; the
+  // scheduler then releases it and acquires another. Backends that cannot keep slots leave this.
+  virtual absl::Status ReuseSlot(int slot, int max_ctx, int keep) {
+    (void)slot, (void)max_ctx, (void)keep;
+    return absl::UnimplementedError(absl::StrCat(name(), " backends do not reuse KV cache slots"));
+  }
+  // Memory that releasing `slot` would free (0 where the slots are allocated up front).
+  virtual uint64_t slot_bytes(int slot) const {
+    (void)slot;
+    return 0;
+  }
   // Runs tokens at positions pos0.. of the sequence in `slot`; logits: [vocab] of the last
   // token, or null when not needed (earlier prefill chunks).
   virtual absl::Status Forward(int slot, std::span<const int32_t> tokens, int pos0,

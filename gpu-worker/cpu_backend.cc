@@ -2,6 +2,7 @@
 // which publishes each layer's FFN input to the cpu-worker, computes the hot neurons meanwhile
 // (so both processes work on the layer at the same time), then adds the cold contribution.
 #include <chrono>
+#include <cstring>
 #include <map>
 
 #include "absl/strings/str_cat.h"
@@ -161,6 +162,34 @@ class CpuBackend : public ComputeBackend {
   }
 
   void ReleaseSlot(int slot) override { caches_.erase(slot); }
+
+  // A kept cache was sized for its first sequence; a longer one gets a larger cache with the
+  // kept positions copied over (a memcpy per layer, far cheaper than computing them again).
+  absl::Status ReuseSlot(int slot, int max_ctx, int keep) override {
+    auto it = caches_.find(slot);
+    if (it == caches_.end()) return absl::InternalError(absl::StrCat("no sequence slot ", slot));
+    KvCache& old = *it->second;
+    if (max_ctx <= 0 || max_ctx > model_.config.max_context || keep < 0 || keep > old.max_ctx) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot reuse a slot of ", old.max_ctx,
+                                                     " positions for ", max_ctx, " keeping ", keep));
+    }
+    if (max_ctx <= old.max_ctx) return absl::OkStatus();
+    auto grown = std::make_unique<KvCache>(model_.config, max_ctx);
+    const size_t row_bytes = static_cast<size_t>(keep) * old.kv_dim * sizeof(float);
+    for (int l = 0; l < model_.config.n_layers; ++l) {
+      std::memcpy(grown->k_at(l, 0), old.k_at(l, 0), row_bytes);
+      std::memcpy(grown->v_at(l, 0), old.v_at(l, 0), row_bytes);
+    }
+    it->second = std::move(grown);
+    return absl::OkStatus();
+  }
+
+  uint64_t slot_bytes(int slot) const override {
+    auto it = caches_.find(slot);
+    if (it == caches_.end()) return 0;
+    const ModelConfig& c = model_.config;
+    return 2ull * c.n_layers * it->second->max_ctx * c.kv_dim() * sizeof(float);
+  }
 
   absl::Status Forward(int slot, std::span<const int32_t> tokens, int pos0,
                        float* logits) override {

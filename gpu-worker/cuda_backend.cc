@@ -182,6 +182,19 @@ class CudaBackend : public ComputeBackend {
 
   void ReleaseSlot(int slot) override { free_[slot] = true; }
 
+  // Every slot holds max_ctx_ positions on the device, so a kept one serves any sequence that
+  // fits at all; its first `keep` positions stay as they are.
+  absl::Status ReuseSlot(int slot, int max_ctx, int keep) override {
+    if (slot < 0 || slot >= static_cast<int>(free_.size()) || free_[slot]) {
+      return absl::InternalError(absl::StrCat("slot ", slot, " is not held"));
+    }
+    if (max_ctx > max_ctx_ || keep < 0 || keep > max_ctx_) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "context of ", max_ctx, " positions; the gpu-worker's KV caches hold ", max_ctx_));
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status Forward(int slot, std::span<const int32_t> tokens, int pos0,
                        float* logits) override {
     return Run(slot, tokens, pos0, logits, nullptr, /*decode=*/false);

@@ -96,6 +96,9 @@ int Main(const std::vector<std::string>& args) {
   so.max_sequences = o.max_sequences;
   so.prefill_chunk = o.max_batch_tokens;
   so.max_new_tokens_limit = o.max_new_tokens_limit;
+  so.prefix_cache.max_entries = o.prefix_cache_entries;
+  so.prefix_cache.max_bytes = o.prefix_cache_bytes;
+  so.prefix_cache.min_tokens = o.prefix_cache_min_tokens;
   SchedulerHooks hooks = RegisterWorkerMetrics(s, *registry, endpoint.get());
   s.scheduler = std::make_unique<Scheduler>(
       s.backend.get(), *s.model, so, [&s] { return s.exchange->PeerProblem(); }, hooks);

@@ -20,7 +20,15 @@ extern const char kUsage[] =
     "         [--drain-timeout-ms MS] [--cold-prefill auto|cpu|stream]\n"
     "         [--stream-chunk-rows N] [--stream-slots N] [--adaptive-cache-rows N]\n"
     "         [--adaptive-cache-thread] [--cold-gpu-share auto|off|F] [--decode-lanes N]\n"
-    "         [--cold-guess] [--chat-template FILE]\n"
+    "         [--cold-guess] [--chat-template FILE] [--prefix-cache-entries N]\n"
+    "         [--prefix-cache-size SIZE] [--prefix-cache-min-tokens N]\n"
+    "  --prefix-cache-entries: finished sequences' KV caches kept so that a prompt starting with\n"
+    "               one's tokens (a chat's next turn) computes only the rest (default 8; 0: off);\n"
+    "               on the GPU a kept cache holds one of the --gpu-slots until a new sequence\n"
+    "               needs it, least recently used first\n"
+    "  --prefix-cache-size: the most memory the kept caches hold on the CPU backend (default\n"
+    "               1GiB; GPU slots are allocated up front)\n"
+    "  --prefix-cache-min-tokens: the shortest shared prefix worth reusing (default 16)\n"
     "  --chat-template: the Jinja chat template the Chat RPC renders messages with, instead of\n"
     "               the model's own (GGUF tokenizer.chat_template, chat_template.jinja or\n"
     "               tokenizer_config.json); a model with neither answers Chat FAILED_PRECONDITION\n"
@@ -91,7 +99,10 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
                                                     "stream-slots",
                                                     "adaptive-cache-rows",
                                                     "cold-gpu-share",
-                                                    "decode-lanes"},
+                                                    "decode-lanes",
+                                                    "prefix-cache-entries",
+                                                    "prefix-cache-size",
+                                                    "prefix-cache-min-tokens"},
                                                    {"sparse", "gpu-timing", "cold-guess",
                                                     "adaptive-cache-thread"}));
   Options o;
@@ -196,6 +207,17 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   }
   o.decode_lanes = static_cast<int>(lanes);
   o.decode_lanes_given = f.Has("decode-lanes");
+  ASSIGN_OR_RETURN(int64_t prefix_entries, f.Int("prefix-cache-entries", 8));
+  if (prefix_entries < 0 || prefix_entries > 4096) {
+    return absl::InvalidArgumentError("--prefix-cache-entries must be in [0, 4096]");
+  }
+  o.prefix_cache_entries = static_cast<int>(prefix_entries);
+  ASSIGN_OR_RETURN(o.prefix_cache_bytes, f.Size("prefix-cache-size", 1ull << 30));
+  ASSIGN_OR_RETURN(int64_t prefix_min, f.Int("prefix-cache-min-tokens", 16));
+  if (prefix_min < 1 || prefix_min > (1 << 24)) {
+    return absl::InvalidArgumentError("--prefix-cache-min-tokens must be positive");
+  }
+  o.prefix_cache_min_tokens = static_cast<int>(prefix_min);
   if (auto v = f.Get("cold-gpu-share")) {
     double share = 0;
     if (*v == "auto") {

@@ -43,6 +43,9 @@ struct Options {
   bool decode_lanes_given = false;
   bool cold_guess = false;
   bool adaptive_cache_thread = false;
+  int prefix_cache_entries = 8;               // 0: no prefix caching
+  uint64_t prefix_cache_bytes = 1ull << 30;  // CPU backend KV caches kept (GPU slots are fixed)
+  int prefix_cache_min_tokens = 16;
 };
 // Parses the arguments after the program name; an error names the offending flag.
 absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args);

@@ -2,6 +2,7 @@
 #include "gpu-worker/scheduler.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "shared/service/log.h"
@@ -35,7 +36,8 @@ Scheduler::Scheduler(ComputeBackend* backend, const Model& model, SchedulerOptio
       model_(model),
       options_(options),
       peer_problem_(std::move(peer_problem)),
-      hooks_(std::move(hooks)) {
+      hooks_(std::move(hooks)),
+      prefix_(options_.prefix_cache) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -47,6 +49,7 @@ Scheduler::~Scheduler() {
   }
   cv_.notify_all();
   thread_.join();
+  while (std::optional<int> slot = prefix_.EvictOldest()) backend_->ReleaseSlot(*slot);
 }
 
 absl::StatusOr<std::shared_ptr<Sequence>> Scheduler::Submit(SequenceOptions opts) {
@@ -142,20 +145,68 @@ void Scheduler::Loop() {
   }
 }
 
-void Scheduler::Finish(Sequence* s) {
-  if (s->slot_ >= 0) backend_->ReleaseSlot(s->slot_);
+absl::StatusOr<int> Scheduler::AcquireSlot(Sequence* s, int ctx) {
+  const std::vector<int32_t>& prompt = s->opts_.prompt;
+  int evicted = 0;
+  if (std::optional<PrefixCache::Hit> hit = prefix_.Take(prompt)) {
+    if (backend_->ReuseSlot(hit->slot, ctx, hit->tokens).ok()) {
+      s->cached_tokens_ = hit->tokens;
+      if (hooks_.on_prefix_lookup) hooks_.on_prefix_lookup(true, hit->tokens);
+      ReportPrefixCache(0);
+      return hit->slot;
+    }
+    backend_->ReleaseSlot(hit->slot);  // too small for this sequence: give it up
+    evicted += 1;
+  }
+  absl::StatusOr<int> slot = backend_->AcquireSlot(ctx);
+  while (absl::IsResourceExhausted(slot.status())) {
+    std::optional<int> victim = prefix_.EvictOldest();
+    if (!victim.has_value()) break;
+    backend_->ReleaseSlot(*victim);
+    evicted += 1;
+    slot = backend_->AcquireSlot(ctx);
+  }
+  // Counted once the sequence has its slot: one waiting for a free slot looks again next round.
+  if (slot.ok() && prefix_.enabled() && hooks_.on_prefix_lookup) hooks_.on_prefix_lookup(false, 0);
+  if (evicted > 0 || slot.ok()) ReportPrefixCache(evicted);
+  return slot;
+}
+
+void Scheduler::ReportPrefixCache(int evicted) {
+  if (prefix_.enabled() && hooks_.on_prefix_cache) {
+    hooks_.on_prefix_cache(evicted, prefix_.entries(), prefix_.bytes());
+  }
+}
+
+void Scheduler::Finish(Sequence* s, bool keep_cache) {
+  if (s->slot_ >= 0) {
+    // Positions whose KV is computed: the prompt so far, then every token fed back to decode
+    // (the last sampled token never was).
+    const size_t computed =
+        s->next_pos_ > 0 ? static_cast<size_t>(s->next_pos_) : s->prefilled_;
+    if (keep_cache && prefix_.enabled() && computed > 0 && computed <= s->history_.size()) {
+      std::vector<int32_t> tokens(s->history_.begin(), s->history_.begin() + computed);
+      const uint64_t bytes = backend_->slot_bytes(s->slot_);
+      std::vector<int> evicted = prefix_.Put(s->slot_, std::move(tokens), bytes);
+      for (int slot : evicted) backend_->ReleaseSlot(slot);
+      ReportPrefixCache(static_cast<int>(evicted.size()));
+    } else {
+      backend_->ReleaseSlot(s->slot_);
+    }
+  }
   s->slot_ = -1;
   s->done_ = true;
 }
 
-void Scheduler::Fail(Sequence* s, absl::Status st) {
+void Scheduler::Fail(Sequence* s, absl::Status st, bool keep_cache) {
   SequenceEvent e;
   e.final = true;
   e.status = std::move(st);
   e.prompt_tokens = static_cast<int>(s->opts_.prompt.size());
   e.generated_tokens = s->generated_;
+  e.cached_prompt_tokens = s->cached_tokens_;
   s->Push(std::move(e));
-  Finish(s);
+  Finish(s, keep_cache);
 }
 
 bool Scheduler::Step(Sequence* s) {
@@ -166,20 +217,22 @@ bool Scheduler::Step(Sequence* s) {
     return false;
   }
   if (Clock::now() > s->opts_.deadline) {
-    Fail(s, absl::DeadlineExceededError("deadline exceeded while generating"));
+    Fail(s, absl::DeadlineExceededError("deadline exceeded while generating"),
+         /*keep_cache=*/true);
     return false;
   }
   const ModelConfig& c = model_.config;
   const std::vector<int32_t>& prompt = s->opts_.prompt;
   if (s->slot_ < 0) {
     const int ctx = static_cast<int>(prompt.size()) + s->opts_.gen.max_new_tokens;
-    absl::StatusOr<int> slot = backend_->AcquireSlot(ctx);
+    absl::StatusOr<int> slot = AcquireSlot(s, ctx);
     if (absl::IsResourceExhausted(slot.status())) return false;  // every slot busy: next round
     if (!slot.ok()) {
       Fail(s, slot.status());
       return false;
     }
     s->slot_ = *slot;
+    s->prefilled_ = static_cast<size_t>(s->cached_tokens_);
     s->sampler_.emplace(s->opts_.gen.sampling);
     s->detok_.emplace(*model_.tokenizer);
     s->stops_.emplace(s->opts_.gen.stop);
@@ -211,6 +264,7 @@ bool Scheduler::Step(Sequence* s) {
       e.final = true;
       e.finish = FinishReason::kLength;
       e.prompt_tokens = static_cast<int>(prompt.size());
+      e.cached_prompt_tokens = s->cached_tokens_;
       e.prefill_seconds = prefill_seconds;
       s->Push(std::move(e));
       Finish(s);
@@ -261,6 +315,7 @@ void Scheduler::SampleAndEmit(Sequence* s, double prefill_seconds, bool picked) 
   if (!eos) tok.text = s->stops_->Push(s->detok_->Push(tok.id), &stopped);
   SequenceEvent e;
   e.prompt_tokens = static_cast<int>(s->opts_.prompt.size());
+  e.cached_prompt_tokens = s->cached_tokens_;
   e.prefill_seconds = prefill_seconds;
   if (eos || stopped || s->generated_ == gen.max_new_tokens) {
     if (!stopped) {

@@ -4,6 +4,8 @@
 // Each sequence has its own KV cache slot, sampler, detokenizer and stop-string matcher, so
 // streams cannot see each other's state. The per-sequence logic mirrors the engine's Generate
 // (shared/engine/generator.h) step for step, so that outputs equal the in-process engine's.
+// A finished sequence's slot is kept in the prefix cache (prefix_cache.h) while the budget allows,
+// so that a prompt that starts with its tokens (a chat's next turn) computes only the rest.
 //
 // gRPC handler threads talk to a sequence only through its event queue and its cancel flag.
 #pragma once
@@ -23,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "gpu-worker/backend.h"
+#include "gpu-worker/prefix_cache.h"
 #include "shared/engine/generator.h"
 #include "shared/engine/sampler.h"
 
@@ -44,6 +47,7 @@ struct SequenceEvent {
   absl::Status status;  // non-OK ends the sequence with this error
   int prompt_tokens = 0;
   int generated_tokens = 0;
+  int cached_prompt_tokens = 0;  // leading prompt tokens whose KV came from the prefix cache
   double prefill_seconds = -1;  // set on the event carrying the first token
 };
 
@@ -71,6 +75,7 @@ class Sequence {
   SequenceOptions opts_;
   int slot_ = -1;
   size_t prefilled_ = 0;
+  int cached_tokens_ = 0;  // of prefilled_, taken from a kept slot
   int next_pos_ = 0;
   int generated_ = 0;
   bool done_ = false;
@@ -89,6 +94,8 @@ struct SchedulerOptions {
   int max_sequences = 64;   // running + waiting; more is RESOURCE_EXHAUSTED
   int prefill_chunk = 128;  // prompt tokens per step
   int max_new_tokens_limit = 4096;
+  // Finished sequences' KV caches kept for later prompts that start with the same tokens.
+  PrefixCacheOptions prefix_cache;
 };
 
 // Hooks the scheduler calls from its thread after each step (metrics).
@@ -97,6 +104,10 @@ struct SchedulerHooks {
   std::function<void(int running)> on_running;
   std::function<void(int tokens)> on_tokens;
   std::function<void(int sequences)> on_decode_batch;
+  // Prefix cache: a sequence got its slot, with `tokens` prompt tokens reused (0: a miss).
+  std::function<void(bool hit, int tokens)> on_prefix_lookup;
+  // Prefix cache: after it changed, `evicted` slots given up since the last call.
+  std::function<void(int evicted, int entries, uint64_t bytes)> on_prefix_cache;
 };
 
 class Scheduler {
@@ -125,8 +136,14 @@ class Scheduler {
   // Emits the next token: the backend's greedy pick (picked) or the sampler's choice from the
   // logits.
   void SampleAndEmit(Sequence* s, double prefill_seconds, bool picked = false);
-  void Fail(Sequence* s, absl::Status st);
-  void Finish(Sequence* s);
+  // The slot for a new sequence: a kept one holding a prefix of its prompt (s->cached_tokens_
+  // set), else a fresh one, giving up kept slots while the backend has none free.
+  absl::StatusOr<int> AcquireSlot(Sequence* s, int ctx);
+  // keep_cache: the sequence's KV cache is intact (it was not failed by its backend) and may be
+  // kept for later prompts.
+  void Fail(Sequence* s, absl::Status st, bool keep_cache = false);
+  void Finish(Sequence* s, bool keep_cache = true);
+  void ReportPrefixCache(int evicted);
 
   ComputeBackend* backend_;
   const Model& model_;
@@ -142,6 +159,7 @@ class Scheduler {
   std::atomic<bool> draining_{false};
   std::atomic<int> running_{0};
   std::vector<std::shared_ptr<Sequence>> active_;  // scheduler thread only
+  PrefixCache prefix_;                             // scheduler thread only
   std::thread thread_;
 };
 

@@ -1,6 +1,6 @@
 // The gpu-worker's Prometheus metrics: the counters and histograms the scheduler's hooks feed
 // (compute time, exchange waits, neurons computed per side, prompt layers by cold path, adaptive
-// cache swaps, cold guesses, decode lanes, tokens, batch sizes), the gauges describing the backend
+// cache swaps, cold guesses, decode lanes, tokens, batch sizes, the prefix cache), the gauges describing the backend
 // and its VRAM plan, and the gauges computed at scrape time (resident memory, peer alive, FFN
 // sparsity). docs/operations.md lists them; this is the one place they are registered.
 #include "gpu-worker/worker_metrics.h"
@@ -92,6 +92,32 @@ SchedulerHooks RegisterWorkerMetrics(const State& s, prometheus::Registry& regis
                               "another sequence's (--decode-lanes; CUDA backend)")
                           .Register(registry)
                           .Add({});
+  auto* prefix_lookups = &prometheus::BuildCounter()
+                              .Name("pinfer_worker_prefix_cache_lookups_total")
+                              .Help(
+                                  "Sequences that found a kept KV cache holding a prefix of their "
+                                  "prompt (hit) or did not (miss)")
+                              .Register(registry);
+  auto* prefix_hits = &prefix_lookups->Add({{"result", "hit"}});
+  auto* prefix_misses = &prefix_lookups->Add({{"result", "miss"}});
+  auto* prefix_tokens = &prometheus::BuildCounter()
+                             .Name("pinfer_worker_prefix_cache_reused_tokens_total")
+                             .Help("Prompt tokens whose KV came from the prefix cache")
+                             .Register(registry)
+                             .Add({});
+  auto* prefix_evictions = &prometheus::BuildCounter()
+                                .Name("pinfer_worker_prefix_cache_evictions_total")
+                                .Help(
+                                    "Kept KV caches given up: over the budget, least recently "
+                                    "used first, or to free a slot for a new sequence")
+                                .Register(registry)
+                                .Add({});
+  auto* prefix_size = &prometheus::BuildGauge()
+                           .Name("pinfer_worker_prefix_cache_size")
+                           .Help("The prefix cache's kept KV caches (entries) and their bytes")
+                           .Register(registry);
+  auto* prefix_entries = &prefix_size->Add({{"unit", "entries"}});
+  auto* prefix_bytes = &prefix_size->Add({{"unit", "bytes"}});
   auto* running = &prometheus::BuildGauge()
                        .Name("pinfer_worker_sequences_running")
                        .Help("Sequences in the gpu-worker's schedule")
@@ -170,6 +196,15 @@ SchedulerHooks RegisterWorkerMetrics(const State& s, prometheus::Registry& regis
   hooks.on_running = [=](int n) { running->Set(n); };
   hooks.on_tokens = [=](int n) { tokens->Increment(n); };
   hooks.on_decode_batch = [=](int n) { batch_hist->Observe(n); };
+  hooks.on_prefix_lookup = [=](bool hit, int reused) {
+    (hit ? prefix_hits : prefix_misses)->Increment();
+    prefix_tokens->Increment(reused);
+  };
+  hooks.on_prefix_cache = [=](int evicted, int entries, uint64_t bytes) {
+    prefix_evictions->Increment(evicted);
+    prefix_entries->Set(entries);
+    prefix_bytes->Set(static_cast<double>(bytes));
+  };
   return hooks;
 }
 

@@ -151,6 +151,7 @@ grpc::Status GpuWorkerService::Run(grpc::ServerContext* ctx, const wv1::RunReque
       }
       if (e.prefill_seconds >= 0) out.set_prefill_seconds(e.prefill_seconds);
       out.set_prompt_tokens(e.prompt_tokens);
+      out.set_cached_prompt_tokens(e.cached_prompt_tokens);
       out.set_generated_tokens(e.generated_tokens);
       if (e.final) {
         final = true;

@@ -137,6 +137,16 @@ ROWS = [
          "why its first tier is loaded first.",
          [("guessed / actual", ratio(f'{GUESS}{{kind="guessed"}}', f'{GUESS}{{kind="actual"}}')),
           ("first tier / actual", ratio(f'{GUESS}{{kind="first"}}', f'{GUESS}{{kind="actual"}}'))]),
+        ("Prefix cache", "short",
+         "Share of new sequences whose prompt began with tokens a kept KV cache held (hit rate), "
+         "prompt tokens per second taken from the cache instead of computed, and the kept caches "
+         "(a chat's next turn re-sends its history; `--prefix-cache-entries`).",
+         [("hit rate",
+           ratio('pinfer_worker_prefix_cache_lookups_total{result="hit"}',
+                 "pinfer_worker_prefix_cache_lookups_total")),
+          ("reused tokens/s",
+           f"sum(rate(pinfer_worker_prefix_cache_reused_tokens_total[{RATE}]))"),
+          ("kept caches", 'sum(pinfer_worker_prefix_cache_size{unit="entries"})')]),
         ("Targets up", "short", "Scrape health of every pinfer process (1 = up).",
          [("{{job}} {{instance}}", "up{job=~\"pinfer-.*\"}")]),
     ]),

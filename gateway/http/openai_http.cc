@@ -508,7 +508,8 @@ struct OpenAiHttpServer::Impl {
     auto usage_json = [](const v1::Usage& u) {
       return json{{"prompt_tokens", u.prompt_tokens()},
                   {"completion_tokens", u.generated_tokens()},
-                  {"total_tokens", u.prompt_tokens() + u.generated_tokens()}};
+                  {"total_tokens", u.prompt_tokens() + u.generated_tokens()},
+                  {"prompt_tokens_details", {{"cached_tokens", u.cached_prompt_tokens()}}}};
     };
 
     if (!c.stream) {

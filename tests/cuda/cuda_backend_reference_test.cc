@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "shared/engine/generator.h"
 #include "tests/cuda/cuda_backend_test_fixture.h"
 
 namespace pinfer {
@@ -285,6 +286,62 @@ TEST_F(CudaBackendTest, LanesRunTwoSequencesAtOnce) {
   EXPECT_EQ(st.code, cuda::Code::kFailedPrecondition);
   EXPECT_NE(st.message.find("adaptive cache rows"), std::string::npos) << st.message;
   EXPECT_EQ(raw, nullptr);
+}
+
+// Prefix caching's premise on the GPU (the gpu-worker's ReuseSlot keeps a finished sequence's
+// slot as it is): a slot that decoded a first turn, fed only the second turn's new tokens from
+// the position after what it holds, gives the tokens of a fresh slot that computes the whole
+// second-turn prompt, and those of the CPU engine (reference ops) on that prompt.
+TEST_F(CudaBackendTest, KeptSlotContinuedFromItsPrefixGivesTheFreshSlotsTokens) {
+  auto backend = Create(Upload(/*hot=*/true));
+  ASSERT_NE(backend, nullptr);
+  CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
+  const std::vector<int32_t> turn1 =
+      (*reference_)["prompts"][2]["input_ids"].get<std::vector<int32_t>>();
+  const std::vector<int32_t> first =
+      Greedy(backend.get(), turn1, 24, cuda::FfnMode::kExact, &cold, /*gpu_pick=*/true, 0);
+  ASSERT_EQ(first.size(), 24u);
+  // Slot 0 now holds turn1 and the first 23 reply tokens (the last was never fed).
+  const int kept = static_cast<int>(turn1.size()) + 23;
+  std::vector<int32_t> turn2 = turn1;
+  turn2.insert(turn2.end(), first.begin(), first.end());
+  const std::vector<int32_t> more =
+      (*reference_)["prompts"][5]["input_ids"].get<std::vector<int32_t>>();
+  turn2.insert(turn2.end(), more.begin() + 1, more.end());  // without its BOS
+  ASSERT_LT(turn2.size() + 16, 256u);
+
+  std::vector<int32_t> reused;
+  cuda::GreedyResult pick;
+  cuda::ForwardArgs a;
+  a.seq = 0;
+  a.tokens = turn2.data() + kept;
+  a.n = static_cast<int>(turn2.size()) - kept;
+  a.pos0 = kept;
+  a.mode = cuda::FfnMode::kExact;
+  a.cold = &cold;
+  a.logits_mode = cuda::LogitsMode::kGreedy;
+  a.greedy = &pick;
+  int pos = static_cast<int>(turn2.size());
+  for (int s = 0; s < 16; ++s) {
+    cuda::BackendStatus st = backend->Forward(a);
+    ASSERT_TRUE(st.ok()) << st.message;
+    reused.push_back(pick.token);
+    a.tokens = &reused.back();
+    a.n = 1;
+    a.pos0 = pos++;
+  }
+  const std::vector<int32_t> fresh =
+      Greedy(backend.get(), turn2, 16, cuda::FfnMode::kExact, &cold, /*gpu_pick=*/true, 1);
+  EXPECT_EQ(reused, fresh);
+
+  std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
+  Transformer ref(*model_, *ref_ops);
+  GenerateOptions opts;
+  opts.max_new_tokens = 16;
+  opts.stop_at_eos = false;
+  auto want = Generate(ref, *model_->tokenizer, turn2, opts, nullptr);
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_EQ(reused, want->ids);
 }
 
 TEST_F(CudaBackendTest, RejectsBadRequestsWithSpecificErrors) {

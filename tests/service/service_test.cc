@@ -452,6 +452,74 @@ TEST_F(ServiceTest, CpuWorkerKeepsOnlyItsColdRowsResident) {
 
 // --- Tests with their own deployment -------------------------------------------------------
 
+// Prefix caching through the service (the CPU backend, half the neurons on the cpu-worker): a
+// second turn that re-sends the first turn's prompt and reply reuses the KV cache the first turn
+// computed (usage and the worker's metrics say how much) and gives the in-process engine's
+// tokens for the whole prompt computed from scratch; so does the same prompt sent again, and a
+// deployment with the cache turned off.
+TEST(ServicePrefixCacheTest, SecondTurnReusesTheFirstAndGivesTheEnginesTokens) {
+  auto model = LoadModel(kTiny);
+  ASSERT_TRUE(model.ok());
+  const nlohmann::json ref = ReadJson(kTiny + "/reference.json");
+  const std::vector<uint32_t> turn1 = U32(ref["prompts"][0]["input_ids"]);
+  for (const bool cache : {true, false}) {
+    SCOPED_TRACE(cache ? "cache on" : "cache off");
+    DeploymentOptions o;
+    o.model = kTiny;
+    o.hot_fraction = 0.5;
+    if (!cache) o.gpu_flags = {"--prefix-cache-entries", "0"};
+    Deployment d(o);
+    ASSERT_TRUE(d.Start().ok()) << d.Logs();
+    auto run = [&](const std::vector<uint32_t>& prompt, int n) {
+      v1::GenerateRequest req;
+      for (uint32_t id : prompt) req.mutable_token_ids()->add_ids(id);
+      req.set_max_new_tokens(n);
+      req.set_ignore_eos(true);
+      return RunGenerate(d.stub(), req);
+    };
+    auto engine = [&](const std::vector<uint32_t>& prompt, int n) {
+      return EngineGreedy(**model, std::vector<int32_t>(prompt.begin(), prompt.end()), n);
+    };
+    auto before = ScrapeMetrics(d.gpu_metrics_port());
+    ASSERT_TRUE(before.ok()) << before.status();
+    const GenerateResult a = run(turn1, 32);
+    ASSERT_TRUE(a.status.ok()) << a.status.error_message() << d.Logs();
+    EXPECT_EQ(a.ids, engine(turn1, 32));
+    EXPECT_EQ(a.last.usage().cached_prompt_tokens(), 0u);
+    // Turn 2: the history plus a new user line (tokenized without BOS).
+    grpc::ClientContext tctx;
+    v1::TokenizeRequest treq;
+    treq.set_text(" Then she asked the old man where the river began.");
+    v1::TokenizeResponse tresp;
+    ASSERT_TRUE(d.stub().Tokenize(&tctx, treq, &tresp).ok());
+    std::vector<uint32_t> turn2 = turn1;
+    turn2.insert(turn2.end(), a.ids.begin(), a.ids.end());
+    turn2.insert(turn2.end(), tresp.ids().begin(), tresp.ids().end());
+    const std::vector<uint32_t> want = engine(turn2, 24);
+    const GenerateResult b = run(turn2, 24);
+    ASSERT_TRUE(b.status.ok()) << b.status.error_message();
+    EXPECT_EQ(b.ids, want);
+    const uint32_t kept = static_cast<uint32_t>(turn1.size()) + 32 - 1;
+    EXPECT_EQ(b.last.usage().cached_prompt_tokens(), cache ? kept : 0u);
+    // The same prompt again: everything but its last token comes from the cache.
+    const GenerateResult c = run(turn2, 24);
+    ASSERT_TRUE(c.status.ok());
+    EXPECT_EQ(c.ids, want);
+    EXPECT_EQ(c.last.usage().cached_prompt_tokens(), cache ? turn2.size() - 1 : 0u);
+    auto after = ScrapeMetrics(d.gpu_metrics_port());
+    ASSERT_TRUE(after.ok()) << after.status();
+    auto delta = [&](const std::string& name, const std::string& filter = "") {
+      return MetricSum(*after, name, filter) - MetricSum(*before, name, filter);
+    };
+    EXPECT_EQ(delta("pinfer_worker_prefix_cache_lookups_total", "result=\"hit\""), cache ? 2 : 0);
+    EXPECT_EQ(delta("pinfer_worker_prefix_cache_lookups_total", "result=\"miss\""), cache ? 1 : 0);
+    EXPECT_EQ(delta("pinfer_worker_prefix_cache_reused_tokens_total"),
+              cache ? static_cast<double>(kept + turn2.size() - 1) : 0);
+    EXPECT_EQ(MetricSum(*after, "pinfer_worker_prefix_cache_size", "unit=\"entries\""),
+              cache ? 1 : 0);
+  }
+}
+
 TEST(ServiceFailureTest, KilledCpuWorkerFailsFastAndServiceRecovers) {
   DeploymentOptions o;
   o.model = kTiny;
