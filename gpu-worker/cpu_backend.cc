@@ -170,8 +170,8 @@ class CpuBackend : public ComputeBackend {
     if (it == caches_.end()) return absl::InternalError(absl::StrCat("no sequence slot ", slot));
     KvCache& old = *it->second;
     if (max_ctx <= 0 || max_ctx > model_.config.max_context || keep < 0 || keep > old.max_ctx) {
-      return absl::InvalidArgumentError(absl::StrCat("cannot reuse a slot of ", old.max_ctx,
-                                                     " positions for ", max_ctx, " keeping ", keep));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cannot reuse a slot of ", old.max_ctx, " positions for ", max_ctx, " keeping ", keep));
     }
     if (max_ctx <= old.max_ctx) return absl::OkStatus();
     auto grown = std::make_unique<KvCache>(model_.config, max_ctx);

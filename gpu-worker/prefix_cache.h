@@ -17,9 +17,9 @@
 namespace pinfer::gpuworker {
 
 struct PrefixCacheOptions {
-  int max_entries = 8;                 // kept slots; 0 turns prefix caching off
-  uint64_t max_bytes = 1ull << 30;     // what the kept slots may hold (ComputeBackend::slot_bytes)
-  int min_tokens = 16;                 // shorter shared prefixes are not worth a kept slot
+  int max_entries = 8;              // kept slots; 0 turns prefix caching off
+  uint64_t max_bytes = 1ull << 30;  // what the kept slots may hold (ComputeBackend::slot_bytes)
+  int min_tokens = 16;              // shorter shared prefixes are not worth a kept slot
 };
 
 class PrefixCache {

@@ -182,8 +182,7 @@ void Scheduler::Finish(Sequence* s, bool keep_cache) {
   if (s->slot_ >= 0) {
     // Positions whose KV is computed: the prompt so far, then every token fed back to decode
     // (the last sampled token never was).
-    const size_t computed =
-        s->next_pos_ > 0 ? static_cast<size_t>(s->next_pos_) : s->prefilled_;
+    const size_t computed = s->next_pos_ > 0 ? static_cast<size_t>(s->next_pos_) : s->prefilled_;
     if (keep_cache && prefix_.enabled() && computed > 0 && computed <= s->history_.size()) {
       std::vector<int32_t> tokens(s->history_.begin(), s->history_.begin() + computed);
       const uint64_t bytes = backend_->slot_bytes(s->slot_);

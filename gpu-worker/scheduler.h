@@ -48,7 +48,7 @@ struct SequenceEvent {
   int prompt_tokens = 0;
   int generated_tokens = 0;
   int cached_prompt_tokens = 0;  // leading prompt tokens whose KV came from the prefix cache
-  double prefill_seconds = -1;  // set on the event carrying the first token
+  double prefill_seconds = -1;   // set on the event carrying the first token
 };
 
 class Sequence {

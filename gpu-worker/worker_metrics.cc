@@ -1,8 +1,9 @@
 // The gpu-worker's Prometheus metrics: the counters and histograms the scheduler's hooks feed
 // (compute time, exchange waits, neurons computed per side, prompt layers by cold path, adaptive
-// cache swaps, cold guesses, decode lanes, tokens, batch sizes, the prefix cache), the gauges describing the backend
-// and its VRAM plan, and the gauges computed at scrape time (resident memory, peer alive, FFN
-// sparsity). docs/operations.md lists them; this is the one place they are registered.
+// cache swaps, cold guesses, decode lanes, tokens, batch sizes, the prefix cache), the gauges
+// describing the backend and its VRAM plan, and the gauges computed at scrape time (resident
+// memory, peer alive, FFN sparsity). docs/operations.md lists them; this is the one place they are
+// registered.
 #include "gpu-worker/worker_metrics.h"
 
 #include "prometheus/counter.h"

@@ -7,6 +7,8 @@
 // gives. The numbers are the scripted chain's, which depends only on the fed token and its
 // position; the real backends' tokens with the cache are compared with the in-process engine's
 // in service_test (CPU) and cuda_backend_test (the module reusing a slot).
+#include "gpu-worker/prefix_cache.h"
+
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -17,7 +19,6 @@
 #include <vector>
 
 #include "gpu-worker/backend.h"
-#include "gpu-worker/prefix_cache.h"
 #include "gpu-worker/scheduler.h"
 #include "gtest/gtest.h"
 #include "shared/model/model.h"
@@ -184,8 +185,8 @@ struct HookCounts {
 TEST_F(PrefixCacheTest, SecondTurnComputesOnlyTheTokensAfterTheKeptOnes) {
   RecordingBackend backend(model_->config.vocab_size, 4);
   HookCounts counts;
-  Scheduler scheduler(&backend, *model_, WithCache(4), [] { return std::string(); },
-                      counts.Hooks());
+  Scheduler scheduler(
+      &backend, *model_, WithCache(4), [] { return std::string(); }, counts.Hooks());
   const std::vector<int32_t> turn1 = Prompt(100, 20);
   const Outcome a = Run(scheduler, turn1, 6);
   ASSERT_TRUE(a.status.ok()) << a.status;
@@ -264,8 +265,8 @@ TEST_F(PrefixCacheTest, EntriesAndBytesAreBoundedLeastRecentlyUsedFirst) {
   RecordingBackend backend(model_->config.vocab_size, 8);
   backend.bytes_per_slot = 100;
   HookCounts counts;
-  Scheduler scheduler(&backend, *model_, WithCache(3, /*bytes=*/250), [] { return std::string(); },
-                      counts.Hooks());
+  Scheduler scheduler(
+      &backend, *model_, WithCache(3, /*bytes=*/250), [] { return std::string(); }, counts.Hooks());
   const std::vector<int32_t> a = Prompt(100, 20), b = Prompt(200, 20), c = Prompt(300, 20);
   ASSERT_TRUE(Run(scheduler, a, 2).status.ok());
   ASSERT_TRUE(Run(scheduler, b, 2).status.ok());
@@ -281,8 +282,8 @@ TEST_F(PrefixCacheTest, EntriesAndBytesAreBoundedLeastRecentlyUsedFirst) {
 TEST_F(PrefixCacheTest, KeptSlotsAreGivenUpWhenTheBackendHasNoneFree) {
   RecordingBackend backend(model_->config.vocab_size, 2);
   HookCounts counts;
-  Scheduler scheduler(&backend, *model_, WithCache(8), [] { return std::string(); },
-                      counts.Hooks());
+  Scheduler scheduler(
+      &backend, *model_, WithCache(8), [] { return std::string(); }, counts.Hooks());
   const std::vector<int32_t> a = Prompt(100, 20), b = Prompt(200, 20), c = Prompt(300, 20);
   ASSERT_TRUE(Run(scheduler, a, 2).status.ok());
   ASSERT_TRUE(Run(scheduler, b, 2).status.ok());
@@ -320,8 +321,8 @@ TEST_F(PrefixCacheTest, FailedSequencesAreNotKeptAndTooSmallSlotsAreGivenUp) {
 TEST_F(PrefixCacheTest, OffMeansEverySlotIsReleased) {
   RecordingBackend backend(model_->config.vocab_size, 4);
   HookCounts counts;
-  Scheduler scheduler(&backend, *model_, WithCache(0), [] { return std::string(); },
-                      counts.Hooks());
+  Scheduler scheduler(
+      &backend, *model_, WithCache(0), [] { return std::string(); }, counts.Hooks());
   const std::vector<int32_t> p = Prompt(100, 20);
   ASSERT_TRUE(Run(scheduler, p, 2).status.ok());
   EXPECT_EQ(Run(scheduler, p, 2).cached, 0);
