@@ -26,17 +26,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "examples", "python"))
 import pinfer_client  # noqa: E402
-
-
-def wait_for_file(path, timeout=60):
-    end = time.time() + timeout
-    while time.time() < end:
-        try:
-            with open(path) as f:
-                return int(f.read().strip())
-        except (OSError, ValueError):
-            time.sleep(0.05)
-    raise RuntimeError(f"timed out waiting for {path}")
+from bench_util import wait_for_file  # noqa: E402
 
 
 def grpc_stream(client, prompt, tokens):

@@ -26,22 +26,12 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "examples", "python"))
 import pinfer_client  # noqa: E402
+from bench_util import wait_for_file  # noqa: E402
 
 HISTORY_PROMPT = 448  # turn 1's prompt; with its 64-token reply the history is 512 tokens
 REPLY = 64
 NEW_TOKENS = 32
 TURN2_TOKENS = 16
-
-
-def wait_for_file(path, timeout=60):
-    end = time.time() + timeout
-    while time.time() < end:
-        try:
-            with open(path) as f:
-                return int(f.read().strip())
-        except (OSError, ValueError):
-            time.sleep(0.05)
-    raise RuntimeError(f"timed out waiting for {path}")
 
 
 def generate(client, ids, n):
