@@ -9,24 +9,20 @@ namespace pinfer::gpuworker {
 std::optional<PrefixCache::Hit> PrefixCache::Take(std::span<const int32_t> prompt) {
   if (!enabled() || prompt.size() < 2) return std::nullopt;
   const size_t usable = prompt.size() - 1;
-  size_t best = entries_.size();
-  size_t best_len = 0;
+  size_t best = 0, best_len = 0;
   for (size_t i = 0; i < entries_.size(); ++i) {
     const std::vector<int32_t>& t = entries_[i].tokens;
     const size_t n = std::min(usable, t.size());
     const size_t len = std::mismatch(t.begin(), t.begin() + n, prompt.begin()).first - t.begin();
-    if (len > best_len || (len == best_len && best < entries_.size() && len > 0 &&
-                           entries_[i].last_used > entries_[best].last_used)) {
+    if (len > best_len ||
+        (len == best_len && len > 0 && entries_[i].last_used > entries_[best].last_used)) {
       best = i;
       best_len = len;
     }
   }
-  if (best == entries_.size() || best_len < static_cast<size_t>(std::max(1, options_.min_tokens))) {
-    return std::nullopt;
-  }
-  Hit hit{entries_[best].slot, static_cast<int>(best_len)};
-  bytes_ -= entries_[best].bytes;
-  entries_.erase(entries_.begin() + best);
+  if (best_len == 0 || best_len < static_cast<size_t>(options_.min_tokens)) return std::nullopt;
+  const Hit hit{entries_[best].slot, static_cast<int>(best_len)};
+  EvictAt(best);
   return hit;
 }
 
