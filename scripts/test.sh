@@ -39,14 +39,14 @@ ASAN_OPTIONS=detect_leaks=1 ctest --test-dir build-asan --output-on-failure -j 2
 
 echo "== TSan (thread pool, sparse kernels, the gpu-worker's scheduler and decode lanes, the"
 echo "   shared-memory exchange and its guesses, the cold rows loaded ahead, the adaptive hot"
-echo "   set's counting thread)"
+echo "   set's counting thread, the HTTP hang-up watch)"
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPINFER_TSAN=ON \
   -DPINFER_SERVICE=OFF -DPINFER_CUDA=OFF >/dev/null
 cmake --build build-tsan -j "$(nproc)" --target thread_pool_test ops_test scheduler_test prefix_cache_test \
-  lane_threads_test shm_test ffn_split_test hot_cache_test
+  lane_threads_test shm_test ffn_split_test hot_cache_test hangup_watch_test
 # The exchange tests that fork a peer process are left out: TSan cannot fork a threaded process.
 ctest --test-dir build-tsan --output-on-failure -R \
-  "ThreadPool|OpsTest|SparseFfnTokenTest|SchedulerTest|PrefixCacheTest|LaneThreads|WaitTest|FfnSplitTest|AdaptiveHotSet|ExchangeTest\.(RoundTrips|HandlerErrors|Guesses|RestartedPeer|ServerLetsGo)"
+  "ThreadPool|OpsTest|SparseFfnTokenTest|SchedulerTest|PrefixCacheTest|LaneThreads|HangupWatch|WaitTest|FfnSplitTest|AdaptiveHotSet|ExchangeTest\.(RoundTrips|HandlerErrors|Guesses|RestartedPeer|ServerLetsGo)"
 
 echo "== fuzzers (libFuzzer + ASan/UBSan, 60 s each)"
 tests/fuzz/run_fuzzers.sh 60

@@ -2,8 +2,9 @@
 // unsupported options get a 400 that names the field, rather than being silently ignored, since
 // a client asking for n=3 or top_logprobs would otherwise get a different answer than it asked
 // for), turns it into a GenerateRequest or ChatRequest, and calls the gateway's own gRPC API.
-// Streams are forwarded as server-sent events; when a write to the client fails the gRPC call is
-// cancelled, so a client that goes away frees its worker slot at the next token.
+// Streams are forwarded as server-sent events. A client that goes away cancels its gRPC call,
+// freeing its worker slot: when a write to it fails, or when its socket reports the hang-up
+// (hangup_watch.h; this covers replies that are not streamed).
 #include "gateway/http/openai_http.h"
 
 #include <chrono>
@@ -16,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "gateway/http/chat_page.h"
+#include "gateway/http/hangup_watch.h"
 #include "grpcpp/grpcpp.h"
 #include "httplib.h"
 #include "nlohmann/json.hpp"
@@ -485,8 +487,15 @@ struct OpenAiHttpServer::Impl {
       std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader;
       v1::GenerateResponse first;
       bool have_first = false;
+      std::unique_ptr<HangupWatch> watch;  // last: it ends before `ctx`, which it cancels
     };
     auto call = std::make_shared<Call>();
+    // A client that hangs up while its request is queued, in prefill or (not streaming) being
+    // generated writes nothing that could fail, so its socket is watched for the hang-up.
+    if (std::optional<int> fd =
+            FindConnectedSocket(req.local_addr, req.local_port, req.remote_addr, req.remote_port)) {
+      call->watch = std::make_unique<HangupWatch>(*fd, [c = call.get()] { c->ctx.TryCancel(); });
+    }
     if (chat) {
       call->reader = stub->Chat(&call->ctx, creq);
     } else {

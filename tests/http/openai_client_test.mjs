@@ -3,7 +3,7 @@
 // code: `pinfer generate` (the engine in-process, no service) for the text and token counts, and
 // OpenAI's documented shapes and status codes for the rest. Bad input (malformed JSON, a body
 // over the limit, wrong types, unknown model, a bad key, a client that sends slowly, a client
-// that leaves mid-stream) must get its status with an error object and leave the service serving.
+// that leaves mid-stream or before its reply) must get its status with an error object and leave the service serving.
 //
 //   node tests/http/openai_client_test.mjs --pinfer build/cli/pinfer --model models/relu-llama-tiny
 import assert from "node:assert/strict";
@@ -238,6 +238,38 @@ test("a client that leaves mid-stream cancels its generation", async () => {
   assert.ok(m[cancelledKey] > before[cancelledKey], "the gateway saw no cancellation");
   assert.equal(m.pinfer_requests_running, 0);
   assert.ok(m.pinfer_generation_tokens_total - before.pinfer_generation_tokens_total < 2000);
+  await stillServes();
+});
+
+test("a client that leaves before a reply that is not streamed cancels its generation",
+     async () => {
+  const before = await scrape(service.metricsUrl);
+  const cancelledKey = 'pinfer_request_failures_total{code="CANCELLED"}';
+  const controller = new AbortController();
+  // Nothing is written to this client until the generation ends, so only the gateway's watch on
+  // its socket can notice that it left.
+  const pending = fetch(`${service.url}/v1/chat/completions`, {
+    method: "POST", headers: { Authorization: `Bearer ${KEY}` }, signal: controller.signal,
+    body: JSON.stringify({ messages: MESSAGES, max_tokens: 1900, ignore_eos: true }) })
+    .catch((e) => e);
+  let m;
+  const started = Date.now() + 5000;
+  do {  // wait until the generation runs
+    await new Promise((r) => setTimeout(r, 20));
+    m = await scrape(service.metricsUrl);
+  } while (Date.now() < started && !(m.pinfer_requests_running > 0));
+  assert.ok(m.pinfer_requests_running > 0, "the generation never started");
+  controller.abort();
+  assert.equal((await pending).name, "AbortError");
+  const deadline = Date.now() + 3000;
+  do {
+    await new Promise((r) => setTimeout(r, 50));
+    m = await scrape(service.metricsUrl);
+  } while (Date.now() < deadline &&
+           !(m[cancelledKey] > (before[cancelledKey] ?? 0) && m.pinfer_requests_running === 0));
+  assert.ok(m[cancelledKey] > (before[cancelledKey] ?? 0), "the gateway saw no cancellation");
+  assert.equal(m.pinfer_requests_running, 0);
+  assert.ok(m.pinfer_generation_tokens_total - before.pinfer_generation_tokens_total < 1900);
   await stillServes();
 });
 
