@@ -13,8 +13,9 @@ namespace pinfer::cli {
 namespace {
 
 constexpr char kUsage[] =
-    "usage: pinfer convert --model HF_DIR|FILE.gguf --out FILE.gguf [--type f16|q8_0|q4_0|f32]\n"
-    "         [--name NAME]\n";
+    "usage: pinfer convert --model HF_DIR|FILE.gguf --out FILE.gguf\n"
+    "         [--type f16|q8_0|q4_0|f32|q4_k_m|q4_k_s|q5_k_m|q5_k_s|q6_k] [--name NAME]\n"
+    "  The K types are llama.cpp's mixes: the per-tensor types and blocks of its `quantize`.\n";
 
 }  // namespace
 
@@ -28,17 +29,7 @@ int ConvertCommand(const std::vector<std::string>& args) {
   }
   GgufConvertOptions opts;
   const std::string type = flags->Get("type").value_or("f16");
-  if (type == "f32") {
-    opts.type = GgmlType::kF32;
-  } else if (type == "f16") {
-    opts.type = GgmlType::kF16;
-  } else if (type == "q8_0") {
-    opts.type = GgmlType::kQ8_0;
-  } else if (type == "q4_0") {
-    opts.type = GgmlType::kQ4_0;
-  } else {
-    return UsageError(kUsage, absl::InvalidArgumentError("--type must be f16, q8_0, q4_0 or f32"));
-  }
+  if (absl::Status st = ParseConvertType(type, &opts); !st.ok()) return UsageError(kUsage, st);
   opts.name = flags->Get("name").value_or("");
   const auto start = std::chrono::steady_clock::now();
   std::error_code ec;

@@ -1,6 +1,9 @@
 // See ggml_dequant.h. The block layouts are ggml's (ggml-common.h): little-endian, fp16 scales.
 #include "shared/model/ggml_dequant.h"
 
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -49,7 +52,87 @@ void DequantQ5_1(const uint8_t* b, float* y) {
   }
 }
 
+void PutU16(uint8_t* p, uint16_t v) {
+  p[0] = static_cast<uint8_t>(v);
+  p[1] = static_cast<uint8_t>(v >> 8);
+}
+void PutU32(uint8_t* p, uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+
+// ggml's quantize_row_q5_0_ref for one block: the value of largest magnitude maps to -16.
+void QuantQ5_0(const float* x, uint8_t* b) {
+  float amax = 0.0f, max = 0.0f;
+  for (int j = 0; j < 32; ++j) {
+    if (amax < std::fabs(x[j])) {
+      amax = std::fabs(x[j]);
+      max = x[j];
+    }
+  }
+  const float d = max / -16;
+  const float id = d ? 1.0f / d : 0.0f;
+  PutU16(b, Fp32ToFp16(d));
+  uint32_t qh = 0;
+  for (int j = 0; j < 16; ++j) {
+    const uint8_t xi0 = static_cast<uint8_t>(
+        std::min(31, static_cast<int>(static_cast<int8_t>(x[j] * id + 16.5f))));
+    const uint8_t xi1 = static_cast<uint8_t>(
+        std::min(31, static_cast<int>(static_cast<int8_t>(x[16 + j] * id + 16.5f))));
+    b[6 + j] = static_cast<uint8_t>((xi0 & 0x0F) | ((xi1 & 0x0F) << 4));
+    qh |= ((xi0 & 0x10u) >> 4) << j;
+    qh |= ((xi1 & 0x10u) >> 4) << (j + 16);
+  }
+  PutU32(b + 2, qh);
+}
+
+// ggml's quantize_row_q5_1_ref for one block: 32 levels from the block's min to its max.
+void QuantQ5_1(const float* x, uint8_t* b) {
+  float min = FLT_MAX, max = -FLT_MAX;
+  for (int j = 0; j < 32; ++j) {
+    if (x[j] < min) min = x[j];
+    if (x[j] > max) max = x[j];
+  }
+  const float d = (max - min) / ((1 << 5) - 1);
+  const float id = d ? 1.0f / d : 0.0f;
+  PutU16(b, Fp32ToFp16(d));
+  PutU16(b + 2, Fp32ToFp16(min));
+  uint32_t qh = 0;
+  for (int j = 0; j < 16; ++j) {
+    const uint8_t xi0 = static_cast<uint8_t>((x[j] - min) * id + 0.5f);
+    const uint8_t xi1 = static_cast<uint8_t>((x[16 + j] - min) * id + 0.5f);
+    b[8 + j] = static_cast<uint8_t>((xi0 & 0x0F) | ((xi1 & 0x0F) << 4));
+    qh |= ((xi0 & 0x10u) >> 4) << j;
+    qh |= ((xi1 & 0x10u) >> 4) << (j + 16);
+  }
+  PutU32(b + 4, qh);
+}
+
 }  // namespace
+
+absl::Status QuantizeGgmlRow(uint32_t type, const float* src, void* dst, int64_t n) {
+  const GgmlType t = static_cast<GgmlType>(type);
+  if (t == GgmlType::kQ5_0 || t == GgmlType::kQ5_1) {
+    if (n % 32 != 0) return absl::InvalidArgumentError("rows must be whole 32-value blocks");
+    uint8_t* out = static_cast<uint8_t*>(dst);
+    const int size = t == GgmlType::kQ5_0 ? 22 : 24;
+    for (int64_t i = 0; i < n / 32; ++i) {
+      if (t == GgmlType::kQ5_0) {
+        QuantQ5_0(src + 32 * i, out + size * i);
+      } else {
+        QuantQ5_1(src + 32 * i, out + size * i);
+      }
+    }
+    return absl::OkStatus();
+  }
+  absl::StatusOr<DType> dt = DTypeFromGgmlType(type);
+  if (!dt.ok()) return dt.status();
+  if (n % BlockElems(*dt) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rows of ", n, " are not whole ", DTypeName(*dt), " blocks"));
+  }
+  QuantizeRow(*dt, src, dst, n);
+  return absl::OkStatus();
+}
 
 bool IsDequantizableGgmlType(uint32_t type) {
   switch (static_cast<GgmlType>(type)) {

@@ -26,6 +26,11 @@ bool IsDequantizableGgmlType(uint32_t type);
 // following ggml's dequantize_row_* for that type. Engine dtypes work too.
 absl::Status DequantizeGgmlRow(uint32_t type, const void* src, float* dst, int64_t n);
 
+// Quantizes `n` fp32 values (a whole number of blocks) to ggml type `type`, following ggml's
+// quantize_row_*_ref: the engine dtypes through QuantizeRow, and Q5_0 / Q5_1, which llama.cpp's
+// K mixes use for rows that are not whole 256-value super-blocks. Other types: InvalidArgument.
+absl::Status QuantizeGgmlRow(uint32_t type, const float* src, void* dst, int64_t n);
+
 // The tensor `name` as the engine can compute with it: a view into the mapping for engine dtypes,
 // else (dequantizable types) an F32 copy appended to `owned`. Other types: InvalidArgument.
 absl::StatusOr<TensorView> GgufTensorForEngine(

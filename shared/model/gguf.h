@@ -267,10 +267,23 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const GgufFile& fil
 // themselves, read their extra tensors and reuse this). The model shares the file's mapping.
 absl::StatusOr<std::unique_ptr<Model>> LoadGgufModelFrom(const GgufFile& file);
 
+// llama.cpp's K-quant file types, as its `quantize` writes them: a base K type, some tensors at a
+// higher one (the output head Q6_K; for the _M mixes attn_v and ffn_down of a third of the
+// layers Q6_K), and fallbacks for rows that are not whole 256-value super-blocks.
+enum class KQuantMix { kNone, kQ4_K_S, kQ4_K_M, kQ5_K_S, kQ5_K_M, kQ6_K };
 struct GgufConvertOptions {
-  GgmlType type = GgmlType::kF16;  // kF32, kF16, kQ8_0 or kQ4_0
-  std::string name;                // general.name; the directory's name when empty
+  GgmlType type = GgmlType::kF16;  // kF32, kF16, kQ8_0 or kQ4_0; ignored when `mix` is set
+  KQuantMix mix = KQuantMix::kNone;
+  std::string name;  // general.name; the directory's name when empty
 };
+// `pinfer convert --type`: f32, f16, q8_0, q4_0, q4_k_s, q4_k_m, q5_k_s, q5_k_m or q6_k.
+absl::Status ParseConvertType(absl::string_view name, GgufConvertOptions* opts);
+// The type llama.cpp's llama_tensor_get_type (no importance matrix) gives the 2-D weight `name`
+// (a GGUF name such as blk.3.attn_v.weight) with rows of `cols` values, in a `n_layers`-layer
+// llama model (`is_70b`: 80 layers with grouped-query attention, llama.cpp's LLM_TYPE_70B);
+// `is_output` for output.weight, or token_embd.weight when the head is tied to it.
+GgmlType KMixTensorType(KQuantMix mix, const std::string& name, int64_t cols, int n_layers,
+                        bool is_output, bool is_70b);
 // Converts a Hugging Face LlamaForCausalLM directory with a sentencepiece tokenizer.model to a
 // GGUF v3 `llama` file in llama.cpp's conventions (`pinfer convert`; see gguf_convert.cc).
 absl::Status ConvertHuggingFaceToGguf(const std::string& hf_dir, const std::string& out_path,

@@ -15,12 +15,15 @@
 // pinfer adds one key of its own, `pinfer.hidden_act`, because GGUF has no standard way to say
 // that a `llama` model's FFN is ReLU- rather than SiLU-gated (llama.cpp ignores the key).
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <optional>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
+#include "shared/model/ggml_dequant.h"
 #include "shared/model/gguf.h"
 #include "shared/model/model.h"
 #include "shared/util/status_macros.h"
@@ -29,8 +32,22 @@ namespace pinfer {
 namespace {
 
 // llama.cpp's llama_ftype values for general.file_type.
-uint32_t FileType(GgmlType t) {
-  switch (t) {
+uint32_t FileType(const GgufConvertOptions& o) {
+  switch (o.mix) {
+    case KQuantMix::kQ4_K_S:
+      return 14;  // LLAMA_FTYPE_MOSTLY_Q4_K_S
+    case KQuantMix::kQ4_K_M:
+      return 15;
+    case KQuantMix::kQ5_K_S:
+      return 16;
+    case KQuantMix::kQ5_K_M:
+      return 17;
+    case KQuantMix::kQ6_K:
+      return 18;
+    case KQuantMix::kNone:
+      break;
+  }
+  switch (o.type) {
     case GgmlType::kF32:
       return 0;  // LLAMA_FTYPE_ALL_F32
     case GgmlType::kF16:
@@ -42,6 +59,13 @@ uint32_t FileType(GgmlType t) {
     default:
       return 0;
   }
+}
+
+// The layer of a blk.N.* tensor name; -1 for the others.
+int LayerOf(const std::string& name) {
+  int layer = -1;
+  if (std::sscanf(name.c_str(), "blk.%d.", &layer) != 1) return -1;
+  return layer;
 }
 
 struct SentencePieceVocab {
@@ -216,15 +240,18 @@ absl::StatusOr<BpeVocab> ReadByteLevelBpeVocab(const std::string& path, int voca
 }
 
 // Converts (and row-permutes) one tensor into `type` when the Producer runs.
-GgufWriter::Producer Converter(TensorView src, DType type, std::function<int64_t(int64_t)> row_of) {
+GgufWriter::Producer Converter(TensorView src, GgmlType type,
+                               std::function<int64_t(int64_t)> row_of) {
   return [src, type, row_of]() -> absl::StatusOr<std::string> {
     const int64_t rows = src.rows(), cols = src.cols();
-    const size_t out_row = RowBytes(type, cols);
+    const GgmlTypeTraits* tr = FindGgmlTypeTraits(static_cast<uint32_t>(type));
+    const size_t out_row = static_cast<size_t>(cols / tr->block_size) * tr->type_size;
     std::string out(static_cast<size_t>(rows) * out_row, '\0');
     std::vector<float> tmp(cols);
     for (int64_t r = 0; r < rows; ++r) {
       DequantizeRow(src.dtype, src.row(row_of ? row_of(r) : r), tmp.data(), cols);
-      QuantizeRow(type, tmp.data(), out.data() + r * out_row, cols);
+      RETURN_IF_ERROR(
+          QuantizeGgmlRow(static_cast<uint32_t>(type), tmp.data(), out.data() + r * out_row, cols));
     }
     return out;
   };
@@ -239,30 +266,105 @@ std::function<int64_t(int64_t)> RopePermutation(int head_dim) {
   };
 }
 
-// The storage type of a weight: norms (1-D) stay F32; with q4_0 the output matrix (token_embd
-// when tied) is Q8_0; rows that are not whole quantization blocks fall back to F16.
-GgmlType WeightType(GgmlType wanted, const std::vector<int64_t>& shape, bool is_output) {
+// The storage type of a weight: norms (1-D) stay F32; a K mix follows llama.cpp's choices; with
+// q4_0 the output matrix (token_embd when tied) is Q8_0 (llama.cpp: Q6_K, which pinfer's CUDA
+// module does not compute yet); rows that are not whole quantization blocks fall back to F16.
+GgmlType WeightType(const GgufConvertOptions& o, const std::string& name,
+                    const std::vector<int64_t>& shape, bool is_output, int n_layers, bool is_70b) {
   if (shape.size() == 1 || (shape.size() == 2 && shape[0] == 1)) return GgmlType::kF32;
-  GgmlType type = wanted;
-  if (is_output && wanted == GgmlType::kQ4_0) type = GgmlType::kQ8_0;
+  if (o.mix != KQuantMix::kNone) {
+    return KMixTensorType(o.mix, name, shape.back(), n_layers, is_output, is_70b);
+  }
+  GgmlType type = o.type;
+  if (is_output && o.type == GgmlType::kQ4_0) type = GgmlType::kQ8_0;
   if ((type == GgmlType::kQ8_0 || type == GgmlType::kQ4_0) && shape.back() % kQuantBlock != 0) {
     type = GgmlType::kF16;
   }
   return type;
 }
 
-absl::Status CheckOutputType(GgmlType t) {
-  if (t != GgmlType::kF32 && t != GgmlType::kF16 && t != GgmlType::kQ8_0 && t != GgmlType::kQ4_0) {
-    return absl::InvalidArgumentError("output type must be f32, f16, q8_0 or q4_0");
+absl::Status CheckOutputType(const GgufConvertOptions& o) {
+  if (o.mix == KQuantMix::kNone && o.type != GgmlType::kF32 && o.type != GgmlType::kF16 &&
+      o.type != GgmlType::kQ8_0 && o.type != GgmlType::kQ4_0) {
+    return absl::InvalidArgumentError(
+        "output type must be f32, f16, q8_0, q4_0 or a K mix (q4_k_s, q4_k_m, q5_k_s, q5_k_m, "
+        "q6_k)");
   }
   return absl::OkStatus();
 }
 
 }  // namespace
 
+GgmlType KMixTensorType(KQuantMix mix, const std::string& name, int64_t cols, int n_layers,
+                        bool is_output, bool is_70b) {
+  // llama.cpp's use_more_bits: the first and last eighth of the layers and every third between.
+  auto more_bits = [n_layers](int i) {
+    return i < n_layers / 8 || i >= 7 * n_layers / 8 || (i - n_layers / 8) % 3 == 2;
+  };
+  const bool medium = mix == KQuantMix::kQ4_K_M || mix == KQuantMix::kQ5_K_M;
+  const int layer = LayerOf(name);
+  GgmlType type = mix == KQuantMix::kQ6_K                                    ? GgmlType::kQ6_K
+                  : (mix == KQuantMix::kQ5_K_S || mix == KQuantMix::kQ5_K_M) ? GgmlType::kQ5_K
+                                                                             : GgmlType::kQ4_K;
+  if (is_output) {
+    type = cols % kSuperBlock != 0 ? GgmlType::kQ8_0 : GgmlType::kQ6_K;
+  } else if (name == "token_embd.weight") {
+    // the base type
+  } else if (absl::StrContains(name, "attn_v.weight")) {
+    if (medium && more_bits(layer)) {
+      type = GgmlType::kQ6_K;
+    } else if (mix == KQuantMix::kQ4_K_S && layer < 4) {
+      type = GgmlType::kQ5_K;
+    }
+    // GQA 8:1 makes attn_v an eighth of attn_q's size: more bits cost little there.
+    if (is_70b && type == GgmlType::kQ4_K) type = GgmlType::kQ5_K;
+  } else if (absl::StrContains(name, "ffn_down")) {
+    if (medium && more_bits(layer)) {
+      type = GgmlType::kQ6_K;
+    } else if (mix == KQuantMix::kQ4_K_S && layer < n_layers / 8) {
+      type = GgmlType::kQ5_K;
+    }
+  }
+  // Rows that are not whole blocks of the chosen type: llama.cpp's fallbacks.
+  const GgmlTypeTraits* tr = FindGgmlTypeTraits(static_cast<uint32_t>(type));
+  if (cols % tr->block_size != 0) {
+    type = type == GgmlType::kQ4_K   ? GgmlType::kQ5_0
+           : type == GgmlType::kQ5_K ? GgmlType::kQ5_1
+                                     : GgmlType::kQ8_0;
+    if (cols % kQuantBlock != 0) type = GgmlType::kF16;
+  }
+  return type;
+}
+
+absl::Status ParseConvertType(absl::string_view name, GgufConvertOptions* opts) {
+  static const struct {
+    absl::string_view name;
+    GgmlType type;
+    KQuantMix mix;
+  } kTypes[] = {{"f32", GgmlType::kF32, KQuantMix::kNone},
+                {"f16", GgmlType::kF16, KQuantMix::kNone},
+                {"q8_0", GgmlType::kQ8_0, KQuantMix::kNone},
+                {"q4_0", GgmlType::kQ4_0, KQuantMix::kNone},
+                {"q4_k_s", GgmlType::kQ4_K, KQuantMix::kQ4_K_S},
+                {"q4_k_m", GgmlType::kQ4_K, KQuantMix::kQ4_K_M},
+                {"q5_k_s", GgmlType::kQ5_K, KQuantMix::kQ5_K_S},
+                {"q5_k_m", GgmlType::kQ5_K, KQuantMix::kQ5_K_M},
+                {"q6_k", GgmlType::kQ6_K, KQuantMix::kQ6_K}};
+  for (const auto& t : kTypes) {
+    if (absl::EqualsIgnoreCase(name, t.name)) {
+      opts->type = t.type;
+      opts->mix = t.mix;
+      return absl::OkStatus();
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown type '", name,
+      "': --type must be f16, q8_0, q4_0, f32, q4_k_s, q4_k_m, q5_k_s, q5_k_m or q6_k"));
+}
+
 absl::Status ConvertGgufToGguf(const std::string& in_path, const std::string& out_path,
                                const GgufConvertOptions& opts) {
-  RETURN_IF_ERROR(CheckOutputType(opts.type));
+  RETURN_IF_ERROR(CheckOutputType(opts));
   ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> in,
                    GgufFile::Open(in_path, {kGgufMagic, kPowerInferMagic}));
   if (std::filesystem::weakly_canonical(in_path) == std::filesystem::weakly_canonical(out_path)) {
@@ -270,9 +372,18 @@ absl::Status ConvertGgufToGguf(const std::string& in_path, const std::string& ou
   }
   GgufWriter w(in->magic());
   for (const GgufKeyValue& kv : in->metadata()) w.SetValue(kv.key, kv.value);
-  w.SetU32("general.file_type", FileType(opts.type));
+  w.SetU32("general.file_type", FileType(opts));
   if (!opts.name.empty()) w.SetString("general.name", opts.name);
   const bool tied = in->FindTensor("output.weight") == nullptr;
+  // What llama.cpp's quantize counts to place a mix's higher-precision layers.
+  int n_layers = 0;
+  for (const GgufTensorInfo& t : in->tensors()) {
+    if (absl::StrContains(t.name, "attn_v.weight")) ++n_layers;
+  }
+  const std::string arch = in->GetString("general.architecture").value_or("");
+  const bool is_70b =
+      n_layers == 80 && in->GetU32(arch + ".attention.head_count").value_or(0) !=
+                            in->GetU32(arch + ".attention.head_count_kv").value_or(0);
   for (const GgufTensorInfo& t : in->tensors()) {
     auto view = GgufFile::ToTensorView(t);
     const bool is_matrix = t.ne.size() == 2 && t.ne[1] > 1;
@@ -283,9 +394,8 @@ absl::Status ConvertGgufToGguf(const std::string& in_path, const std::string& ou
       continue;
     }
     const bool is_output = t.name == "output.weight" || (tied && t.name == "token_embd.weight");
-    const GgmlType type = WeightType(opts.type, view->shape, is_output);
-    ASSIGN_OR_RETURN(DType dtype, DTypeFromGgmlType(static_cast<uint32_t>(type)));
-    RETURN_IF_ERROR(w.AddTensor(t.name, type, view->shape, Converter(*view, dtype, nullptr)));
+    const GgmlType type = WeightType(opts, t.name, view->shape, is_output, n_layers, is_70b);
+    RETURN_IF_ERROR(w.AddTensor(t.name, type, view->shape, Converter(*view, type, nullptr)));
   }
   return w.WriteFile(out_path);
 }
@@ -293,7 +403,7 @@ absl::Status ConvertGgufToGguf(const std::string& in_path, const std::string& ou
 absl::Status ConvertHuggingFaceToGguf(const std::string& hf_dir, const std::string& out_path,
                                       const GgufConvertOptions& opts) {
   namespace fs = std::filesystem;
-  RETURN_IF_ERROR(CheckOutputType(opts.type));
+  RETURN_IF_ERROR(CheckOutputType(opts));
   ASSIGN_OR_RETURN(std::unique_ptr<Model> model, LoadHuggingFaceModel(hf_dir));
   const ModelConfig& c = model->config;
   const fs::path spm_path = fs::path(hf_dir) / "tokenizer.model";
@@ -358,7 +468,7 @@ absl::Status ConvertHuggingFaceToGguf(const std::string& hf_dir, const std::stri
   if (name.empty()) name = fs::path(hf_dir).lexically_normal().parent_path().filename().string();
   w.SetString("general.architecture", "llama");
   w.SetString("general.name", name);
-  w.SetU32("general.file_type", FileType(opts.type));
+  w.SetU32("general.file_type", FileType(opts));
   w.SetU32("general.quantization_version", 2);  // GGML_QNT_VERSION
   w.SetU32("llama.vocab_size", static_cast<uint32_t>(c.vocab_size));
   w.SetU32("llama.context_length", static_cast<uint32_t>(c.max_context));
@@ -395,11 +505,11 @@ absl::Status ConvertHuggingFaceToGguf(const std::string& hf_dir, const std::stri
 
   auto add = [&](const std::string& gguf_name, const TensorView& t, bool is_output,
                  std::function<int64_t(int64_t)> row_of = nullptr) -> absl::Status {
-    const GgmlType type = WeightType(opts.type, t.shape, is_output);
-    ASSIGN_OR_RETURN(DType dtype, DTypeFromGgmlType(static_cast<uint32_t>(type)));
+    const bool is_70b = c.n_layers == 80 && c.n_heads != c.n_kv_heads;
+    const GgmlType type = WeightType(opts, gguf_name, t.shape, is_output, c.n_layers, is_70b);
     std::vector<int64_t> shape = t.shape;
     if (shape.size() == 2 && shape[0] == 1) shape.erase(shape.begin());
-    return w.AddTensor(gguf_name, type, shape, Converter(t, dtype, std::move(row_of)));
+    return w.AddTensor(gguf_name, type, shape, Converter(t, type, std::move(row_of)));
   };
   RETURN_IF_ERROR(add("token_embd.weight", model->tok_embeddings, c.tie_embeddings));
   if (c.rope_scaling.llama3) {

@@ -1,6 +1,5 @@
 // See tensor.h. These are the plain, scalar definitions of the storage formats; the optimised
 // kernels in shared/engine are tested against them.
-#include "absl/strings/string_view.h"
 #include "shared/model/tensor.h"
 
 #include <algorithm>
@@ -9,20 +8,30 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "shared/model/kquant_quantize.h"
 #include "shared/util/half.h"
 
 namespace pinfer {
 
 absl::string_view DTypeName(DType t) {
   switch (t) {
-    case DType::kF32: return "F32";
-    case DType::kF16: return "F16";
-    case DType::kBF16: return "BF16";
-    case DType::kQ8_0: return "Q8_0";
-    case DType::kQ4_0: return "Q4_0";
-    case DType::kQ4_K: return "Q4_K";
-    case DType::kQ5_K: return "Q5_K";
-    case DType::kQ6_K: return "Q6_K";
+    case DType::kF32:
+      return "F32";
+    case DType::kF16:
+      return "F16";
+    case DType::kBF16:
+      return "BF16";
+    case DType::kQ8_0:
+      return "Q8_0";
+    case DType::kQ4_0:
+      return "Q4_0";
+    case DType::kQ4_K:
+      return "Q4_K";
+    case DType::kQ5_K:
+      return "Q5_K";
+    case DType::kQ6_K:
+      return "Q6_K";
   }
   return "?";
 }
@@ -46,14 +55,21 @@ int BlockElems(DType t) {
 
 size_t RowBytes(DType t, int64_t n) {
   switch (t) {
-    case DType::kF32: return 4 * static_cast<size_t>(n);
+    case DType::kF32:
+      return 4 * static_cast<size_t>(n);
     case DType::kF16:
-    case DType::kBF16: return 2 * static_cast<size_t>(n);
-    case DType::kQ8_0: return sizeof(BlockQ8_0) * static_cast<size_t>(n / kQuantBlock);
-    case DType::kQ4_0: return sizeof(BlockQ4_0) * static_cast<size_t>(n / kQuantBlock);
-    case DType::kQ4_K: return sizeof(BlockQ4_K) * static_cast<size_t>(n / kSuperBlock);
-    case DType::kQ5_K: return sizeof(BlockQ5_K) * static_cast<size_t>(n / kSuperBlock);
-    case DType::kQ6_K: return sizeof(BlockQ6_K) * static_cast<size_t>(n / kSuperBlock);
+    case DType::kBF16:
+      return 2 * static_cast<size_t>(n);
+    case DType::kQ8_0:
+      return sizeof(BlockQ8_0) * static_cast<size_t>(n / kQuantBlock);
+    case DType::kQ4_0:
+      return sizeof(BlockQ4_0) * static_cast<size_t>(n / kQuantBlock);
+    case DType::kQ4_K:
+      return sizeof(BlockQ4_K) * static_cast<size_t>(n / kSuperBlock);
+    case DType::kQ5_K:
+      return sizeof(BlockQ5_K) * static_cast<size_t>(n / kSuperBlock);
+    case DType::kQ6_K:
+      return sizeof(BlockQ6_K) * static_cast<size_t>(n / kSuperBlock);
   }
   return 0;
 }
@@ -88,98 +104,6 @@ int Q6KValue(const BlockQ6_K& b, int v) {
   const uint8_t low = b.ql[64 * h + l + 32 * (k & 1)];
   const int lo = k < 2 ? (low & 0x0f) : (low >> 4);
   return (lo | (((b.qh[32 * h + l] >> (2 * k)) & 3) << 4)) - 32;
-}
-
-// The plain K quantizers: per sub-block the scale (and for Q4_K / Q5_K the min, stored as a
-// non-negative offset) that spans its values, the sub-block scales rounded to 6 bits (Q6_K:
-// 8 bits) against one fp16 super-scale, and each value rounded to the nearest level of its
-// rounded scale.
-void QuantizeQ4Q5K(const float* x, int levels, uint16_t* d_out, uint16_t* dmin_out, uint8_t* scales,
-                   uint8_t* qh, uint8_t* qs) {
-  float scale[8], offset[8];
-  float max_scale = 0, max_offset = 0;
-  for (int j = 0; j < 8; ++j) {
-    float lo = 0, hi = 0;
-    for (int l = 0; l < 32; ++l) {
-      lo = std::min(lo, x[32 * j + l]);
-      hi = std::max(hi, x[32 * j + l]);
-    }
-    scale[j] = (hi - lo) / static_cast<float>(levels);
-    offset[j] = -lo;
-    max_scale = std::max(max_scale, scale[j]);
-    max_offset = std::max(max_offset, offset[j]);
-  }
-  const float d = max_scale / 63.f, dmin = max_offset / 63.f;
-  *d_out = Fp32ToFp16(d);
-  *dmin_out = Fp32ToFp16(dmin);
-  const float d_stored = Fp16ToFp32(*d_out), dmin_stored = Fp16ToFp32(*dmin_out);
-  std::memset(scales, 0, 12);
-  int ls[8], lm[8];
-  for (int j = 0; j < 8; ++j) {
-    ls[j] =
-        d_stored > 0 ? std::clamp(static_cast<int>(std::lround(scale[j] / d_stored)), 0, 63) : 0;
-    lm[j] = dmin_stored > 0
-                ? std::clamp(static_cast<int>(std::lround(offset[j] / dmin_stored)), 0, 63)
-                : 0;
-    if (j < 4) {
-      scales[j] |= static_cast<uint8_t>(ls[j]);
-      scales[j + 4] |= static_cast<uint8_t>(lm[j]);
-    } else {
-      scales[j + 4] = static_cast<uint8_t>((ls[j] & 0x0f) | ((lm[j] & 0x0f) << 4));
-      scales[j - 4] |= static_cast<uint8_t>((ls[j] >> 4) << 6);
-      scales[j] |= static_cast<uint8_t>((lm[j] >> 4) << 6);
-    }
-  }
-  if (qh != nullptr) std::memset(qh, 0, 32);
-  std::memset(qs, 0, 128);
-  for (int j = 0; j < 8; ++j) {
-    const float step = d_stored * ls[j], off = dmin_stored * lm[j];
-    for (int l = 0; l < 32; ++l) {
-      const int q =
-          step > 0
-              ? std::clamp(static_cast<int>(std::lround((x[32 * j + l] + off) / step)), 0, levels)
-              : 0;
-      const int i = j / 2, byte = 32 * i + l;
-      qs[byte] |= static_cast<uint8_t>((q & 0x0f) << (j % 2 == 0 ? 0 : 4));
-      if (qh != nullptr) qh[l] |= static_cast<uint8_t>((q >> 4) << j);
-    }
-  }
-}
-
-void QuantizeQ6K(const float* x, BlockQ6_K* b) {
-  float scale[16];
-  float max_abs_scale = 0;
-  for (int g = 0; g < 16; ++g) {
-    float amax = 0, max = 0;  // the value of largest magnitude maps to -32, as Q4_0 does it
-    for (int l = 0; l < 16; ++l) {
-      if (std::fabs(x[16 * g + l]) > amax) {
-        amax = std::fabs(x[16 * g + l]);
-        max = x[16 * g + l];
-      }
-    }
-    scale[g] = max / -32.f;
-    max_abs_scale = std::max(max_abs_scale, std::fabs(scale[g]));
-  }
-  const float d = max_abs_scale / 127.f;
-  b->d = Fp32ToFp16(d);
-  const float d_stored = Fp16ToFp32(b->d);
-  std::memset(b->ql, 0, sizeof(b->ql));
-  std::memset(b->qh, 0, sizeof(b->qh));
-  for (int g = 0; g < 16; ++g) {
-    const int sc = d_stored > 0
-                       ? std::clamp(static_cast<int>(std::lround(scale[g] / d_stored)), -127, 127)
-                       : 0;
-    b->scales[g] = static_cast<int8_t>(sc);
-    const float step = d_stored * sc;
-    for (int l = 0; l < 16; ++l) {
-      const int v = 16 * g + l;
-      const int q =
-          step != 0 ? std::clamp(static_cast<int>(std::lround(x[v] / step)) + 32, 0, 63) : 32;
-      const int h = v / 128, ll = v % 32, k = (v % 128) / 32;
-      b->ql[64 * h + ll + 32 * (k & 1)] |= static_cast<uint8_t>((q & 0x0f) << (k < 2 ? 0 : 4));
-      b->qh[32 * h + ll] |= static_cast<uint8_t>((q >> 4) << (2 * k));
-    }
-  }
 }
 
 }  // namespace
@@ -296,27 +220,15 @@ void QuantizeRow(DType t, const float* src, void* dst, int64_t n) {
       }
       return;
     }
-    case DType::kQ4_K: {
-      BlockQ4_K* b = static_cast<BlockQ4_K*>(dst);
-      for (int64_t i = 0; i < n / kSuperBlock; ++i) {
-        QuantizeQ4Q5K(src + i * kSuperBlock, 15, &b[i].d, &b[i].dmin, b[i].scales, nullptr,
-                      b[i].qs);
-      }
+    case DType::kQ4_K:
+      QuantizeRowQ4K(src, static_cast<BlockQ4_K*>(dst), n);
       return;
-    }
-    case DType::kQ5_K: {
-      BlockQ5_K* b = static_cast<BlockQ5_K*>(dst);
-      for (int64_t i = 0; i < n / kSuperBlock; ++i) {
-        QuantizeQ4Q5K(src + i * kSuperBlock, 31, &b[i].d, &b[i].dmin, b[i].scales, b[i].qh,
-                      b[i].qs);
-      }
+    case DType::kQ5_K:
+      QuantizeRowQ5K(src, static_cast<BlockQ5_K*>(dst), n);
       return;
-    }
-    case DType::kQ6_K: {
-      BlockQ6_K* b = static_cast<BlockQ6_K*>(dst);
-      for (int64_t i = 0; i < n / kSuperBlock; ++i) QuantizeQ6K(src + i * kSuperBlock, &b[i]);
+    case DType::kQ6_K:
+      QuantizeRowQ6K(src, static_cast<BlockQ6_K*>(dst), n);
       return;
-    }
   }
 }
 

@@ -126,9 +126,8 @@ struct TensorView {
 
 // Converts `n` elements of one row in any dtype to fp32.
 void DequantizeRow(DType t, const void* src, float* dst, int64_t n);
-// Quantizes/converts `n` fp32 values to dtype t (n a multiple of BlockElems(t)): ggml's reference
-// rounding for Q8_0/Q4_0; for the K-quants a plain min/max quantizer (not ggml's iterative scale
-// search, which only lowers the rounding error: any valid blocks compute the same way).
+// Quantizes/converts `n` fp32 values to dtype t (n a multiple of BlockElems(t)) with ggml's
+// reference quantizers (for the K types, kquant_quantize.h), so the blocks equal llama.cpp's.
 void QuantizeRow(DType t, const float* src, void* dst, int64_t n);
 
 }  // namespace pinfer

@@ -465,7 +465,43 @@ TEST(ConvertTest, RejectsDirectoriesItCannotConvert) {
   GgufConvertOptions bf16;
   bf16.type = GgmlType::kBF16;
   EXPECT_THAT(std::string(ConvertHuggingFaceToGguf(kHfDir, TempDir() + "/x.gguf", bf16).message()),
-              HasSubstr("output type must be f32, f16, q8_0 or q4_0"));
+              HasSubstr("output type must be f32, f16, q8_0, q4_0 or a K mix"));
+}
+
+TEST(ConvertTest, ParsesTypesAndMixes) {
+  GgufConvertOptions o;
+  ASSERT_TRUE(ParseConvertType("Q4_K_M", &o).ok());
+  EXPECT_EQ(o.mix, KQuantMix::kQ4_K_M);
+  ASSERT_TRUE(ParseConvertType("q8_0", &o).ok());
+  EXPECT_EQ(o.mix, KQuantMix::kNone);
+  EXPECT_EQ(o.type, GgmlType::kQ8_0);
+  absl::Status st = ParseConvertType("q3_k_m", &o);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("unknown type 'q3_k_m'"));
+  EXPECT_THAT(std::string(st.message()), HasSubstr("q4_k_m"));
+}
+
+// llama.cpp's rules (llama_tensor_get_type) where the llama.cpp comparison in
+// llama_cpp_kquant_test.py has no file to show them: a 70B-shaped model's attn_v, and rows that
+// fit no quantization block.
+TEST(ConvertTest, KMixTypesOfShapesTooLargeToCompareWithLlamaCpp) {
+  // 80 layers: use_more_bits picks layers < 10, >= 70 and (i - 10) % 3 == 2.
+  EXPECT_EQ(KMixTensorType(KQuantMix::kQ4_K_M, "blk.11.attn_v.weight", 8192, 80, false, true),
+            GgmlType::kQ5_K);  // Q4_K raised for the 70B's 8:1 grouped attention
+  EXPECT_EQ(KMixTensorType(KQuantMix::kQ4_K_M, "blk.12.attn_v.weight", 8192, 80, false, true),
+            GgmlType::kQ6_K);
+  EXPECT_EQ(KMixTensorType(KQuantMix::kQ4_K_M, "blk.11.attn_v.weight", 8192, 80, false, false),
+            GgmlType::kQ4_K);
+  EXPECT_EQ(KMixTensorType(KQuantMix::kQ4_K_M, "blk.12.ffn_down.weight", 28672, 80, false, true),
+            GgmlType::kQ6_K);
+  EXPECT_EQ(KMixTensorType(KQuantMix::kQ4_K_M, "blk.11.ffn_down.weight", 28672, 80, false, true),
+            GgmlType::kQ4_K);
+  EXPECT_EQ(KMixTensorType(KQuantMix::kQ4_K_M, "output.weight", 8192, 80, true, true),
+            GgmlType::kQ6_K);
+  // Rows of 48 values: no K block and no 32-value block fits, so F16.
+  EXPECT_EQ(KMixTensorType(KQuantMix::kQ4_K_M, "blk.0.attn_q.weight", 48, 2, false, false),
+            GgmlType::kF16);
+  EXPECT_EQ(KMixTensorType(KQuantMix::kQ6_K, "output.weight", 48, 2, true, false), GgmlType::kF16);
 }
 
 }  // namespace
