@@ -4,8 +4,8 @@
 llama.cpp is the library node-llama-cpp ships (bench/llama_cpp installs it): its
 llama_model_quantize, called here through ctypes without an importance matrix, is what
 `llama-quantize F32.gguf OUT.gguf Q4_K_M` runs. For random-weight SiLU Llamas (hidden 512 with
-8 layers, so that the mixes' layer rules all show; and hidden 384, whose rows are not whole
-256-value super-blocks, so that llama.cpp's fallback types show) pinfer converts the Hugging Face
+8 layers, so that the mixes' layer rules all show; hidden 384, whose rows are not whole
+256-value super-blocks, so that llama.cpp's fallback types show; a BF16 checkpoint) pinfer converts the Hugging Face
 directory to F32 and to each mix, llama.cpp quantizes pinfer's F32 file to the same mix, and
   - every tensor must have the same type and the same bytes in both files (llama.cpp's per-tensor
     type choices and ggml's reference quantizers, block for block);
@@ -44,8 +44,14 @@ GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 6: ("Q5_0
               13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 
 
-def random_llama(out, hidden, ffn, layers, heads, kv_heads, seed, layer_gain=1.0):
-    """A random SiLU Llama in F16 safetensors with relu-llama-tiny's tokenizer (4,096 tokens)."""
+def to_bf16_bytes(vals):
+    """float32 -> bfloat16 (round to nearest even), little-endian bytes."""
+    u = np.ascontiguousarray(vals, dtype="<f4").view("<u4")
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2").tobytes()
+
+
+def random_llama(out, hidden, ffn, layers, heads, kv_heads, seed, layer_gain=1.0, dtype="F16"):
+    """A random SiLU Llama in F16 (or BF16) safetensors with relu-llama-tiny's tokenizer."""
     rng = np.random.default_rng(seed)
     V, hd = 4096, hidden // heads
     shapes = {"model.embed_tokens.weight": (V, hidden), "model.norm.weight": (hidden,),
@@ -70,8 +76,8 @@ def random_llama(out, hidden, ffn, layers, heads, kv_heads, seed, layer_gain=1.0
             vals = rng.normal(0, 0.5, shape)  # logits far apart: greedy choices are not near-ties
         else:
             vals = rng.normal(0, layer_gain / np.sqrt(shape[1]), shape)
-        raw = vals.astype("<f2").tobytes()
-        header[name] = {"dtype": "F16", "shape": list(shape), "data_offsets": [off, off + len(raw)]}
+        raw = vals.astype("<f2").tobytes() if dtype == "F16" else to_bf16_bytes(vals)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + len(raw)]}
         blobs.append(raw)
         off += len(raw)
     h = json.dumps(header).encode()
@@ -217,7 +223,10 @@ def main():
         # layer_gain 0.5: the layers add to the embedding rather than swamp it, as in trained models.
         models = [("h512", dict(hidden=512, ffn=1024, layers=8, heads=8, kv_heads=4, seed=1,
                                 layer_gain=0.5), True),
-                  ("h384", dict(hidden=384, ffn=768, layers=2, heads=6, kv_heads=2, seed=2), False)]
+                  ("h384", dict(hidden=384, ffn=768, layers=2, heads=6, kv_heads=2, seed=2), False),
+                  # BF16, the dtype most Hugging Face checkpoints ship.
+                  ("h256-bf16", dict(hidden=256, ffn=512, layers=2, heads=4, kv_heads=2, seed=3,
+                                     dtype="BF16"), False)]
         for label, shape, greedy in models:
             hf = os.path.join(tmp, label)
             random_llama(hf, **shape)
