@@ -5,7 +5,8 @@ llama.cpp (the npm package node-llama-cpp that bench/llama_cpp installs) and pin
 same GGUF files, tokenize the same prompt with BOS, and decode greedily; prompt ids and generated
 ids must be equal. Files: a random-weight SiLU Llama (grouped-query attention) converted from a
 Hugging Face directory to F32, F16 and Q8_0, and llama.cpp's own stories260K re-stored as Q8_0
-and Q4_0 by `pinfer convert`. Q4_0 of the random model is only loaded and tokenized: its top
+and Q4_0 by `pinfer convert`; and a Llama-3.1-style model (RoPE scaling of rope_type llama3, which
+llama.cpp reads as the rope_freqs tensor) in F16 and Q8_0. Q4_0 of the random model is only loaded and tokenized: its top
 logits are within llama.cpp's activation-quantization noise of each other, so greedy tokens may
 legitimately differ. Exits 77 (skipped) when node-llama-cpp is not installed.
 
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-PINFER, SOURCE = sys.argv[1], sys.argv[2]
+PINFER, SOURCE = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
 NODE_MODULES = os.path.join(SOURCE, "bench", "llama_cpp", "node_modules")
 PROMPTS = {"random": "The quick brown fox jumps over the lazy dog", "stories": "Once upon a time"}
 
@@ -91,6 +92,24 @@ def main():
             out = os.path.join(tmp, "random-%s.gguf" % t)
             run([PINFER, "convert", "--model", hf, "--out", out, "--type", t])
             cases.append((out, "random", n))
+        # Llama-3.1's RoPE scaling (rope_type llama3: factor 8 beyond wavelengths of
+        # original / low_freq_factor, blended down to original / high_freq_factor), with
+        # original_max_position_embeddings 32 rather than Meta's 8192 so that the scaling changes
+        # the greedy tokens within this short context (it does from the 12th on).
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from llama_cpp_kquant_test import random_llama as numpy_random_llama
+        llama31 = os.path.join(tmp, "llama31-hf")
+        numpy_random_llama(llama31, hidden=256, ffn=512, layers=2, heads=4, kv_heads=2, seed=4,
+                           layer_gain=0.5,
+                           config={"max_position_embeddings": 131072,
+                                   "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0,
+                                                       "factor": 8.0, "low_freq_factor": 1.0,
+                                                       "high_freq_factor": 4.0,
+                                                       "original_max_position_embeddings": 32}})
+        for t in ("f16", "q8_0"):
+            out = os.path.join(tmp, "llama31-%s.gguf" % t)
+            run([PINFER, "convert", "--model", llama31, "--out", out, "--type", t])
+            cases.append((out, "random", 32))
         for t in ("q8_0", "q4_0"):
             out = os.path.join(tmp, "stories-%s.gguf" % t)
             run([PINFER, "convert", "--model", os.path.join(SOURCE, "models", "stories260K", "stories260K.gguf"),

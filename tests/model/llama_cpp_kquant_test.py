@@ -51,7 +51,8 @@ def to_bf16_bytes(vals):
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2").tobytes()
 
 
-def random_llama(out, hidden, ffn, layers, heads, kv_heads, seed, layer_gain=1.0, dtype="F16"):
+def random_llama(out, hidden, ffn, layers, heads, kv_heads, seed, layer_gain=1.0, dtype="F16",
+                 config=None):
     """A random SiLU Llama in F16 (or BF16) safetensors with relu-llama-tiny's tokenizer."""
     rng = np.random.default_rng(seed)
     V, hd = 4096, hidden // heads
@@ -91,6 +92,7 @@ def random_llama(out, hidden, ffn, layers, heads, kv_heads, seed, layer_gain=1.0
         cfg = json.load(f)
     cfg.update(hidden_act="silu", hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hd)
+    cfg.update(config or {})
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f)
     shutil.copy(os.path.join(tiny, "tokenizer.model"), out)
