@@ -407,6 +407,11 @@ absl::StatusOr<Module> OpenModule(const std::string& module_path) {
 // K-quant tensors (which the CPU engine computes) have no CUDA kernels yet: refuse them by name
 // rather than hand the module a type value it does not know.
 absl::Status CheckModuleTypes(const Model& model) {
+  if (model.config.qkv_bias) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the model's attention has q/k/v biases (", model.config.architecture,
+        "), which the CUDA module does not compute; run the gpu-worker with --backend cpu"));
+  }
   auto check = [](const TensorView& t, const std::string& name) -> absl::Status {
     if (t.data == nullptr) return absl::OkStatus();
     switch (t.dtype) {

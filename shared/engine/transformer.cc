@@ -68,9 +68,18 @@ absl::Status DenseFfn::Forward(int layer, const float* x, int n, float* out) {
 
 namespace {
 std::vector<float> ToFloat(const TensorView& t) {
+  if (t.empty()) return {};
   std::vector<float> v(t.numel());
   DequantizeRow(t.dtype, t.data, v.data(), t.numel());
   return v;
+}
+
+// y: [n, dim] += bias: [dim], for every row; nothing when the model has no bias.
+void AddBias(const std::vector<float>& bias, int n, float* y) {
+  const size_t dim = bias.size();
+  for (int t = 0; t < n; ++t) {
+    for (size_t i = 0; i < dim; ++i) y[t * dim + i] += bias[i];
+  }
 }
 }  // namespace
 
@@ -80,6 +89,9 @@ Transformer::Transformer(const Model& model, const CpuOps& ops)
   for (const LayerWeights& L : model.layers) {
     attn_norm_.push_back(ToFloat(L.attn_norm));
     ffn_norm_.push_back(ToFloat(L.ffn_norm));
+    q_bias_.push_back(ToFloat(L.bq));
+    k_bias_.push_back(ToFloat(L.bk));
+    v_bias_.push_back(ToFloat(L.bv));
   }
   out_norm_ = ToFloat(model.output_norm);
 }
@@ -124,6 +136,9 @@ absl::Status Transformer::Forward(std::span<const int32_t> tokens, int pos0, KvC
     ops_.MatMul(L.wq, xb_.data(), n, q_.data());  // q: [n, q_dim]
     ops_.MatMul(L.wk, xb_.data(), n, k);
     ops_.MatMul(L.wv, xb_.data(), n, v);
+    AddBias(q_bias_[l], n, q_.data());
+    AddBias(k_bias_[l], n, k);
+    AddBias(v_bias_[l], n, v);
     ops_.Rope(q_.data(), n, c.n_heads, c.head_dim, positions.data(), inv_freq_.data(),
               c.rope_interleaved);
     ops_.Rope(k, n, c.n_kv_heads, c.head_dim, positions.data(), inv_freq_.data(),
@@ -197,6 +212,9 @@ absl::Status Transformer::ForwardDecodeBatch(std::span<const DecodeStep> steps) 
     ops_.MatMulRows(L.wq, rows, Q, xb_.data(), n, q_.data());   // q: [n, q_dim]
     ops_.MatMulRows(L.wk, rows, KV, xb_.data(), n, k_.data());  // k, v: [n, kv_dim]
     ops_.MatMulRows(L.wv, rows, KV, xb_.data(), n, v_.data());
+    AddBias(q_bias_[l], n, q_.data());
+    AddBias(k_bias_[l], n, k_.data());
+    AddBias(v_bias_[l], n, v_.data());
     ops_.Rope(q_.data(), n, c.n_heads, c.head_dim, positions.data(), inv_freq_.data(),
               c.rope_interleaved);
     ops_.Rope(k_.data(), n, c.n_kv_heads, c.head_dim, positions.data(), inv_freq_.data(),

@@ -113,8 +113,9 @@ class Transformer {
   const CpuOps& ops_;
   DenseFfn dense_ffn_;
   FfnBlock* ffn_;
-  std::vector<float> inv_freq_;                           // [head_dim / 2]
-  std::vector<std::vector<float>> attn_norm_, ffn_norm_;  // fp32 copies of the norm weights
+  std::vector<float> inv_freq_;                               // [head_dim / 2]
+  std::vector<std::vector<float>> attn_norm_, ffn_norm_;      // fp32 copies of the norm weights
+  std::vector<std::vector<float>> q_bias_, k_bias_, v_bias_;  // fp32 biases (Qwen2), else empty
   std::vector<float> out_norm_;
   bool keep_ffn_inputs_ = false;
   std::vector<std::vector<float>> ffn_inputs_;

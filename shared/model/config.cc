@@ -1,16 +1,19 @@
 // See config.h.
-#include "absl/strings/string_view.h"
 #include "shared/model/config.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace pinfer {
 
 std::string ActivationName(Activation a) {
   switch (a) {
-    case Activation::kSilu: return "silu";
-    case Activation::kRelu: return "relu";
-    case Activation::kDRelu: return "drelu";
+    case Activation::kSilu:
+      return "silu";
+    case Activation::kRelu:
+      return "relu";
+    case Activation::kDRelu:
+      return "drelu";
   }
   return "?";
 }

@@ -36,6 +36,8 @@ struct ModelConfig {
   // GGUF files store Q/K rows permuted so that RoPE rotates adjacent pairs (2i, 2i+1); Hugging
   // Face rotates halves (i, i + head_dim/2). Both layouts give identical results.
   bool rope_interleaved = false;
+  // Qwen2: the q, k and v projections add a bias (LayerWeights::bq, bk, bv).
+  bool qkv_bias = false;
   int bos_id = 1;
   int eos_id = 2;
   bool add_bos = true;

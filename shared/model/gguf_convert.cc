@@ -466,22 +466,24 @@ absl::Status ConvertHuggingFaceToGguf(const std::string& hf_dir, const std::stri
   std::string name = opts.name;
   if (name.empty()) name = fs::path(hf_dir).lexically_normal().filename().string();
   if (name.empty()) name = fs::path(hf_dir).lexically_normal().parent_path().filename().string();
-  w.SetString("general.architecture", "llama");
+  // qwen2 is llama.cpp's name for Qwen2/2.5; its keys are the llama ones under "qwen2.".
+  const std::string arch = c.architecture == "qwen2" ? "qwen2" : "llama";
+  w.SetString("general.architecture", arch);
   w.SetString("general.name", name);
   w.SetU32("general.file_type", FileType(opts));
   w.SetU32("general.quantization_version", 2);  // GGML_QNT_VERSION
-  w.SetU32("llama.vocab_size", static_cast<uint32_t>(c.vocab_size));
-  w.SetU32("llama.context_length", static_cast<uint32_t>(c.max_context));
-  w.SetU32("llama.embedding_length", static_cast<uint32_t>(c.hidden_size));
-  w.SetU32("llama.block_count", static_cast<uint32_t>(c.n_layers));
-  w.SetU32("llama.feed_forward_length", static_cast<uint32_t>(c.ffn_size));
-  w.SetU32("llama.rope.dimension_count", static_cast<uint32_t>(c.head_dim));
-  w.SetU32("llama.attention.head_count", static_cast<uint32_t>(c.n_heads));
-  w.SetU32("llama.attention.head_count_kv", static_cast<uint32_t>(c.n_kv_heads));
-  w.SetU32("llama.attention.key_length", static_cast<uint32_t>(c.head_dim));
-  w.SetU32("llama.attention.value_length", static_cast<uint32_t>(c.head_dim));
-  w.SetF32("llama.attention.layer_norm_rms_epsilon", c.norm_eps);
-  w.SetF32("llama.rope.freq_base", c.rope_theta);
+  w.SetU32(arch + ".vocab_size", static_cast<uint32_t>(c.vocab_size));
+  w.SetU32(arch + ".context_length", static_cast<uint32_t>(c.max_context));
+  w.SetU32(arch + ".embedding_length", static_cast<uint32_t>(c.hidden_size));
+  w.SetU32(arch + ".block_count", static_cast<uint32_t>(c.n_layers));
+  w.SetU32(arch + ".feed_forward_length", static_cast<uint32_t>(c.ffn_size));
+  w.SetU32(arch + ".rope.dimension_count", static_cast<uint32_t>(c.head_dim));
+  w.SetU32(arch + ".attention.head_count", static_cast<uint32_t>(c.n_heads));
+  w.SetU32(arch + ".attention.head_count_kv", static_cast<uint32_t>(c.n_kv_heads));
+  w.SetU32(arch + ".attention.key_length", static_cast<uint32_t>(c.head_dim));
+  w.SetU32(arch + ".attention.value_length", static_cast<uint32_t>(c.head_dim));
+  w.SetF32(arch + ".attention.layer_norm_rms_epsilon", c.norm_eps);
+  w.SetF32(arch + ".rope.freq_base", c.rope_theta);
   w.SetString("pinfer.hidden_act", ActivationName(c.activation));
   if (bpe) {
     w.SetString("tokenizer.ggml.model", "gpt2");
@@ -540,9 +542,17 @@ absl::Status ConvertHuggingFaceToGguf(const std::string& hf_dir, const std::stri
     const LayerWeights& L = model->layers[l];
     const std::string p = absl::StrCat("blk.", l, ".");
     RETURN_IF_ERROR(add(p + "attn_norm.weight", L.attn_norm, false));
-    RETURN_IF_ERROR(add(p + "attn_q.weight", L.wq, false, RopePermutation(c.head_dim)));
-    RETURN_IF_ERROR(add(p + "attn_k.weight", L.wk, false, RopePermutation(c.head_dim)));
+    // llama files rotate adjacent pairs (rows permuted); qwen2 files keep the rows and
+    // llama.cpp rotates halves, as transformers does.
+    auto rope_rows = arch == "llama" ? RopePermutation(c.head_dim) : nullptr;
+    RETURN_IF_ERROR(add(p + "attn_q.weight", L.wq, false, rope_rows));
+    RETURN_IF_ERROR(add(p + "attn_k.weight", L.wk, false, rope_rows));
     RETURN_IF_ERROR(add(p + "attn_v.weight", L.wv, false));
+    if (c.qkv_bias) {
+      RETURN_IF_ERROR(add(p + "attn_q.bias", L.bq, false));
+      RETURN_IF_ERROR(add(p + "attn_k.bias", L.bk, false));
+      RETURN_IF_ERROR(add(p + "attn_v.bias", L.bv, false));
+    }
     RETURN_IF_ERROR(add(p + "attn_output.weight", L.wo, false));
     RETURN_IF_ERROR(add(p + "ffn_norm.weight", L.ffn_norm, false));
     RETURN_IF_ERROR(add(p + "ffn_gate.weight", L.gate, false));

@@ -197,10 +197,10 @@ absl::StatusOr<Activation> ActivationOf(const GgufFile& f, const std::string& ar
 absl::StatusOr<ModelConfig> ConfigFromGguf(const GgufFile& f) {
   ModelConfig c;
   ASSIGN_OR_RETURN(c.architecture, f.GetString("general.architecture"));
-  if (c.architecture != "llama" && c.architecture != "bamboo") {
+  if (c.architecture != "llama" && c.architecture != "bamboo" && c.architecture != "qwen2") {
     return absl::InvalidArgumentError(absl::StrCat(f.name(), ": unsupported architecture '",
                                                    c.architecture,
-                                                   "' (pinfer loads llama and bamboo)"));
+                                                   "' (pinfer loads llama, qwen2 and bamboo)"));
   }
   const std::string a = c.architecture + ".";
   if (f.HasKey(a + "expert_count")) {
@@ -261,7 +261,10 @@ absl::StatusOr<ModelConfig> ConfigFromGguf(const GgufFile& f) {
     c.rope_scaling.high_freq_factor = 2;
   }
   ASSIGN_OR_RETURN(c.activation, ActivationOf(f, c.architecture));
-  c.rope_interleaved = true;
+  // llama.cpp's llama files carry Q/K rows permuted for pairwise RoPE; qwen2 files keep
+  // Hugging Face's rows and rotate halves (LLAMA_ROPE_TYPE_NEOX).
+  c.rope_interleaved = c.architecture != "qwen2";
+  c.qkv_bias = c.architecture == "qwen2";
 
   const std::string t = "tokenizer.ggml.";
   ASSIGN_OR_RETURN(c.bos_id, GetInt(f, t + "bos_token_id", c.bos_id));
@@ -384,6 +387,11 @@ absl::StatusOr<std::unique_ptr<Model>> LoadGgufModelFrom(const GgufFile& f) {
     ASSIGN_OR_RETURN(L.wk, Weight(f, p + "attn_k.weight", model.get()));
     ASSIGN_OR_RETURN(L.wv, Weight(f, p + "attn_v.weight", model.get()));
     ASSIGN_OR_RETURN(L.wo, Weight(f, p + "attn_output.weight", model.get()));
+    if (c.qkv_bias) {
+      ASSIGN_OR_RETURN(L.bq, Weight(f, p + "attn_q.bias", model.get()));
+      ASSIGN_OR_RETURN(L.bk, Weight(f, p + "attn_k.bias", model.get()));
+      ASSIGN_OR_RETURN(L.bv, Weight(f, p + "attn_v.bias", model.get()));
+    }
     ASSIGN_OR_RETURN(L.ffn_norm, Weight(f, p + "ffn_norm.weight", model.get()));
     ASSIGN_OR_RETURN(L.gate, Weight(f, p + "ffn_gate.weight", model.get()));
     ASSIGN_OR_RETURN(L.up, Weight(f, p + "ffn_up.weight", model.get()));

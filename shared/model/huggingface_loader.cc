@@ -1,15 +1,15 @@
 // Hugging Face LlamaForCausalLM directories: config.json plus model.safetensors or a sharded
 // model.safetensors.index.json. Safetensors files are mapped, never copied: a tensor view points
 // straight at its bytes in the mapping.
+#include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <optional>
 #include <set>
-#include <cmath>
-#include <cstring>
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "nlohmann/json.hpp"
 #include "shared/model/huggingface.h"
 #include "shared/model/model.h"
@@ -56,9 +56,28 @@ absl::StatusOr<ModelConfig> ParseHuggingFaceConfig(absl::string_view text) {
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return ConfigError("not a JSON object");
   ModelConfig c;
-  if (j.contains("model_type") && j["model_type"].is_string() && j["model_type"] != "llama") {
-    return ConfigError(absl::StrCat("unsupported model_type '", j["model_type"].get<std::string>(),
-                                    "' (expected llama)"));
+  const std::string model_type = j.contains("model_type") && j["model_type"].is_string()
+                                     ? j["model_type"].get<std::string>()
+                                     : "llama";
+  if (model_type != "llama" && model_type != "qwen2") {
+    return ConfigError(
+        absl::StrCat("unsupported model_type '", model_type, "' (pinfer loads llama and qwen2)"));
+  }
+  if (model_type == "qwen2") {
+    // Qwen2Attention always has q/k/v biases (and none on o_proj); its RoPE rotates halves, as
+    // transformers' Llama does.
+    c.architecture = "qwen2";
+    c.qkv_bias = true;
+    if (j.value("use_sliding_window", false)) {
+      return ConfigError("use_sliding_window (sliding-window attention) is not supported");
+    }
+  }
+  // Llama's optional biases (o_proj included, or the MLP's) are not computed: refuse them by name
+  // rather than ignore weights.
+  for (const char* key : {"attention_bias", "mlp_bias"}) {
+    if (model_type == "llama" && j.contains(key) && j[key].is_boolean() && j[key].get<bool>()) {
+      return ConfigError(absl::StrCat("'", key, "': true is not supported"));
+    }
   }
   ASSIGN_OR_RETURN(c.vocab_size, GetInt(j, "vocab_size"));
   ASSIGN_OR_RETURN(c.hidden_size, GetInt(j, "hidden_size"));
@@ -74,7 +93,8 @@ absl::StatusOr<ModelConfig> ParseHuggingFaceConfig(absl::string_view text) {
   // RoPE: `rope_theta` at top level (transformers < 5) or inside `rope_parameters` (>= 5); Llama-3
   // scaling in `rope_scaling` or `rope_parameters`.
   const json* rope = nullptr;
-  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) rope = &j["rope_parameters"];
+  if (j.contains("rope_parameters") && j["rope_parameters"].is_object())
+    rope = &j["rope_parameters"];
   ASSIGN_OR_RETURN(c.rope_theta, GetFloat(j, "rope_theta", 10000.f));
   if (rope != nullptr) {
     ASSIGN_OR_RETURN(c.rope_theta, GetFloat(*rope, "rope_theta", c.rope_theta));
@@ -122,7 +142,8 @@ absl::StatusOr<ModelConfig> ParseHuggingFaceConfig(absl::string_view text) {
   if (j.contains("tie_word_embeddings") && j["tie_word_embeddings"].is_boolean()) {
     c.tie_embeddings = j["tie_word_embeddings"];
   }
-  if (j.contains("bos_token_id") && j["bos_token_id"].is_number_integer()) c.bos_id = j["bos_token_id"];
+  if (j.contains("bos_token_id") && j["bos_token_id"].is_number_integer())
+    c.bos_id = j["bos_token_id"];
   if (j.contains("eos_token_id")) {
     if (j["eos_token_id"].is_number_integer()) c.eos_id = j["eos_token_id"];
     if (j["eos_token_id"].is_array() && !j["eos_token_id"].empty() &&
@@ -210,7 +231,8 @@ absl::StatusOr<std::unique_ptr<Model>> LoadHuggingFaceModel(const std::string& d
   auto model = std::make_unique<Model>();
   model->source_path = dir;
   model->format = "huggingface";
-  ASSIGN_OR_RETURN(std::string config_text, ReadFileToString((fs::path(dir) / "config.json").string()));
+  ASSIGN_OR_RETURN(std::string config_text,
+                   ReadFileToString((fs::path(dir) / "config.json").string()));
   ASSIGN_OR_RETURN(model->config, ParseHuggingFaceConfig(config_text));
 
   std::vector<std::string> shard_paths;
@@ -234,7 +256,8 @@ absl::StatusOr<std::unique_ptr<Model>> LoadHuggingFaceModel(const std::string& d
     }
     for (auto& s : shards) shard_paths.push_back((fs::path(dir) / s).string());
   } else {
-    return absl::NotFoundError(absl::StrCat(dir, ": no model.safetensors or model.safetensors.index.json"));
+    return absl::NotFoundError(
+        absl::StrCat(dir, ": no model.safetensors or model.safetensors.index.json"));
   }
   std::map<std::string, TensorView> tensors;
   for (auto& p : shard_paths) {
@@ -244,7 +267,8 @@ absl::StatusOr<std::unique_ptr<Model>> LoadHuggingFaceModel(const std::string& d
   }
   auto take = [&](const std::string& name, TensorView* dst) -> absl::Status {
     auto it = tensors.find(name);
-    if (it == tensors.end()) return absl::NotFoundError(absl::StrCat("missing tensor '", name, "'"));
+    if (it == tensors.end())
+      return absl::NotFoundError(absl::StrCat("missing tensor '", name, "'"));
     *dst = it->second;
     // safetensors does not promise alignment; the kernels read whole elements, so a tensor
     // whose data is not aligned to its element size gets an aligned copy.
@@ -275,6 +299,11 @@ absl::StatusOr<std::unique_ptr<Model>> LoadHuggingFaceModel(const std::string& d
     RETURN_IF_ERROR(take(p + "self_attn.k_proj.weight", &L.wk));
     RETURN_IF_ERROR(take(p + "self_attn.v_proj.weight", &L.wv));
     RETURN_IF_ERROR(take(p + "self_attn.o_proj.weight", &L.wo));
+    if (c.qkv_bias) {
+      RETURN_IF_ERROR(take(p + "self_attn.q_proj.bias", &L.bq));
+      RETURN_IF_ERROR(take(p + "self_attn.k_proj.bias", &L.bk));
+      RETURN_IF_ERROR(take(p + "self_attn.v_proj.bias", &L.bv));
+    }
     RETURN_IF_ERROR(take(p + "post_attention_layernorm.weight", &L.ffn_norm));
     RETURN_IF_ERROR(take(p + "mlp.gate_proj.weight", &L.gate));
     RETURN_IF_ERROR(take(p + "mlp.up_proj.weight", &L.up));
@@ -284,9 +313,9 @@ absl::StatusOr<std::unique_ptr<Model>> LoadHuggingFaceModel(const std::string& d
   auto tok = LoadHuggingFaceTokenizer(dir);
   if (tok.ok()) {
     if ((*tok)->vocab_size() > c.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat(dir, ": the tokenizer has ", (*tok)->vocab_size(),
-                                                     " tokens but the model only ", c.vocab_size,
-                                                     " embeddings"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(dir, ": the tokenizer has ", (*tok)->vocab_size(),
+                       " tokens but the model only ", c.vocab_size, " embeddings"));
     }
     model->tokenizer = std::move(*tok);
   } else if (!absl::IsNotFound(tok.status())) {

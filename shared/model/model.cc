@@ -1,8 +1,9 @@
 // Format dispatch and the shape checks every loader shares.
+#include "shared/model/model.h"
+
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
-#include "shared/model/model.h"
 #include "shared/util/status_macros.h"
 
 namespace pinfer {
@@ -20,7 +21,8 @@ absl::Status ValidateModelShapes(const Model& m) {
   const ModelConfig& c = m.config;
   RETURN_IF_ERROR(c.Validate());
   auto check = [](const TensorView& t, std::vector<int64_t> want) -> absl::Status {
-    if (t.data == nullptr) return absl::NotFoundError(absl::StrCat("missing tensor '", t.name, "'"));
+    if (t.data == nullptr)
+      return absl::NotFoundError(absl::StrCat("missing tensor '", t.name, "'"));
     // Norm vectors may be stored as [n] or [1, n].
     std::vector<int64_t> got = t.shape;
     while (got.size() > want.size() && got.front() == 1) got.erase(got.begin());
@@ -32,9 +34,8 @@ absl::Status ValidateModelShapes(const Model& m) {
           absl::StrCat("tensor '", t.name, "' has shape [", g, "], expected [", w, "]"));
     }
     if (t.cols() % BlockElems(t.dtype) != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name,
-                                                     "': row length not a multiple of ",
-                                                     BlockElems(t.dtype)));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", t.name, "': row length not a multiple of ", BlockElems(t.dtype)));
     }
     return absl::OkStatus();
   };
@@ -51,6 +52,11 @@ absl::Status ValidateModelShapes(const Model& m) {
     RETURN_IF_ERROR(check(L.wk, {c.kv_dim(), H}));
     RETURN_IF_ERROR(check(L.wv, {c.kv_dim(), H}));
     RETURN_IF_ERROR(check(L.wo, {H, c.q_dim()}));
+    if (c.qkv_bias) {
+      RETURN_IF_ERROR(check(L.bq, {c.q_dim()}));
+      RETURN_IF_ERROR(check(L.bk, {c.kv_dim()}));
+      RETURN_IF_ERROR(check(L.bv, {c.kv_dim()}));
+    }
     RETURN_IF_ERROR(check(L.ffn_norm, {H}));
     RETURN_IF_ERROR(check(L.gate, {F, H}));
     RETURN_IF_ERROR(check(L.up, {F, H}));

@@ -17,23 +17,24 @@
 namespace pinfer {
 
 struct LayerWeights {
-  TensorView attn_norm;  // [hidden]
-  TensorView wq;         // [q_dim, hidden]
-  TensorView wk;         // [kv_dim, hidden]
-  TensorView wv;         // [kv_dim, hidden]
-  TensorView wo;         // [hidden, q_dim]
-  TensorView ffn_norm;   // [hidden]
-  TensorView gate;       // [ffn, hidden]
-  TensorView up;         // [ffn, hidden]
-  TensorView down;       // [hidden, ffn]
+  TensorView attn_norm;   // [hidden]
+  TensorView wq;          // [q_dim, hidden]
+  TensorView wk;          // [kv_dim, hidden]
+  TensorView wv;          // [kv_dim, hidden]
+  TensorView wo;          // [hidden, q_dim]
+  TensorView bq, bk, bv;  // [q_dim], [kv_dim], [kv_dim]: Qwen2's biases; empty without qkv_bias
+  TensorView ffn_norm;    // [hidden]
+  TensorView gate;        // [ffn, hidden]
+  TensorView up;          // [ffn, hidden]
+  TensorView down;        // [hidden, ffn]
 };
 
 struct Model {
   ModelConfig config;
   TensorView tok_embeddings;  // [vocab, hidden]
   std::vector<LayerWeights> layers;
-  TensorView output_norm;  // [hidden]
-  TensorView output;       // [vocab, hidden]; same data as tok_embeddings when tied
+  TensorView output_norm;                // [hidden]
+  TensorView output;                     // [vocab, hidden]; same data as tok_embeddings when tied
   std::unique_ptr<Tokenizer> tokenizer;  // null for weight-only files
   std::string source_path;
   std::string format;  // "huggingface" or "gguf"

@@ -756,7 +756,7 @@ TEST(GgufModelErrorsTest, UnsupportedArchitectureAndSettings) {
   m.skip_keys = {"general.architecture"};
   m.extra = [](GgufWriter& w) { w.SetString("general.architecture", "gpt2"); };
   ExpectLoadError("gpt2.gguf", m, absl::StatusCode::kInvalidArgument,
-                  "unsupported architecture 'gpt2' (pinfer loads llama and bamboo)");
+                  "unsupported architecture 'gpt2' (pinfer loads llama, qwen2 and bamboo)");
   m = TinyLlama();
   m.extra = [](GgufWriter& w) { w.SetU32("llama.rope.dimension_count", 4); };
   ExpectLoadError("partial_rope.gguf", m, absl::StatusCode::kInvalidArgument,

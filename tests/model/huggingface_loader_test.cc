@@ -7,6 +7,7 @@
 #include <functional>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -137,6 +138,40 @@ TEST(HuggingFaceLoaderTest, MisalignedDataGivesTheSameModel) {
   EXPECT_EQ(Logits(**aligned), Logits(**odd));
 }
 
+// A Qwen2ForCausalLM directory: q/k/v biases, each one required by name and added to its
+// projection (the logits move when a bias does).
+TEST(HuggingFaceLoaderTest, Qwen2BiasesAreLoadedAndUsed) {
+  json config = TinyConfig();
+  config["model_type"] = "qwen2";
+  auto tensors = TinyTensors();
+  for (int l = 0; l < 2; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".self_attn.");
+    tensors[p + "q_proj.bias"] = {{32}};
+    tensors[p + "k_proj.bias"] = {{16}};
+    tensors[p + "v_proj.bias"] = {{16}};
+  }
+  auto m = LoadModel(MakeDir("qwen2", config, Safetensors(tensors)));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ((*m)->config.architecture, "qwen2");
+  EXPECT_TRUE((*m)->config.qkv_bias);
+  EXPECT_FALSE((*m)->config.rope_interleaved);
+  const std::vector<float> with = Logits(**m);
+  // The same weights with a zero k bias: the scores change, so the logits must.
+  std::vector<float> zeros(16, 0.f);
+  for (LayerWeights& L : (*m)->layers) {
+    L.bk.data = zeros.data();
+    L.bk.dtype = DType::kF32;
+  }
+  EXPECT_NE(Logits(**m), with);
+
+  tensors.erase("model.layers.1.self_attn.v_proj.bias");
+  ExpectLoadError(MakeDir("qwen2_no_bias", config, Safetensors(tensors)),
+                  absl::StatusCode::kNotFound, "model.layers.1.self_attn.v_proj.bias");
+  tensors["model.layers.1.self_attn.v_proj.bias"] = {{8}};
+  ExpectLoadError(MakeDir("qwen2_bad_bias", config, Safetensors(tensors)),
+                  absl::StatusCode::kInvalidArgument, "v_proj.bias");
+}
+
 TEST(HuggingFaceConfigTest, MalformedConfigs) {
   EXPECT_THAT(std::string(ParseHuggingFaceConfig("{not json").status().message()),
               HasSubstr("config.json: not a JSON object"));
@@ -159,7 +194,17 @@ TEST(HuggingFaceConfigTest, MalformedConfigs) {
   ExpectConfigError(c, "'rms_norm_eps' is not a number");
   c = TinyConfig();
   c["model_type"] = "mistral";
-  ExpectConfigError(c, "unsupported model_type 'mistral' (expected llama)");
+  ExpectConfigError(c, "unsupported model_type 'mistral' (pinfer loads llama and qwen2)");
+  c = TinyConfig();
+  c["model_type"] = "qwen2";
+  c["use_sliding_window"] = true;
+  ExpectConfigError(c, "use_sliding_window (sliding-window attention) is not supported");
+  c = TinyConfig();
+  c["attention_bias"] = true;
+  ExpectConfigError(c, "'attention_bias': true is not supported");
+  c = TinyConfig();
+  c["mlp_bias"] = true;
+  ExpectConfigError(c, "'mlp_bias': true is not supported");
   c = TinyConfig();
   c["hidden_act"] = "gelu";
   ExpectConfigError(c, "unsupported hidden_act 'gelu'");

@@ -6,7 +6,9 @@ same GGUF files, tokenize the same prompt with BOS, and decode greedily; prompt 
 ids must be equal. Files: a random-weight SiLU Llama (grouped-query attention) converted from a
 Hugging Face directory to F32, F16 and Q8_0, and llama.cpp's own stories260K re-stored as Q8_0
 and Q4_0 by `pinfer convert`; and a Llama-3.1-style model (RoPE scaling of rope_type llama3, which
-llama.cpp reads as the rope_freqs tensor) in F16 and Q8_0. Q4_0 of the random model is only loaded and tokenized: its top
+llama.cpp reads as the rope_freqs tensor) and a Qwen2 model (q/k/v biases, tied embeddings;
+llama.cpp's qwen2 architecture) in F16 and Q8_0; the Qwen2 directory itself must give pinfer the
+same tokens as its F16 file. Q4_0 of the random model is only loaded and tokenized: its top
 logits are within llama.cpp's activation-quantization noise of each other, so greedy tokens may
 legitimately differ. Exits 77 (skipped) when node-llama-cpp is not installed.
 
@@ -110,6 +112,16 @@ def main():
             out = os.path.join(tmp, "llama31-%s.gguf" % t)
             run([PINFER, "convert", "--model", llama31, "--out", out, "--type", t])
             cases.append((out, "random", 32))
+        # Qwen2 (q/k/v biases, tied embeddings, halves rotated): llama.cpp's qwen2 architecture.
+        qwen2 = os.path.join(tmp, "qwen2-hf")
+        # Small embeddings (a tied head would otherwise echo the last token), a large final norm
+        # for logits far apart, and biases large enough to change the greedy tokens.
+        numpy_random_llama(qwen2, hidden=256, ffn=512, layers=2, heads=4, kv_heads=2, seed=5,
+                           qwen2=True, embed_std=0.05, out_norm=20.0, bias_std=0.1)
+        for t in ("f16", "q8_0"):
+            out = os.path.join(tmp, "qwen2-%s.gguf" % t)
+            run([PINFER, "convert", "--model", qwen2, "--out", out, "--type", t])
+            cases.append((out, "random", 32))
         for t in ("q8_0", "q4_0"):
             out = os.path.join(tmp, "stories-%s.gguf" % t)
             run([PINFER, "convert", "--model", os.path.join(SOURCE, "models", "stories260K", "stories260K.gguf"),
@@ -130,6 +142,14 @@ def main():
                 print("  llama.cpp:", ref)
                 print("  pinfer:   ", {k: got[k] for k in ("prompt_ids", "generated_ids")})
                 failed = True
+        f16 = json.loads(run([PINFER, "generate", "--model", os.path.join(tmp, "qwen2-f16.gguf"),
+                              "--prompt", PROMPTS["random"], "--max-tokens", "32", "--json"]))
+        hf_direct = json.loads(run([PINFER, "generate", "--model", qwen2, "--prompt", PROMPTS["random"],
+                                    "--max-tokens", "32", "--json"]))
+        same = f16["generated_ids"] == hf_direct["generated_ids"]
+        print("%-4s qwen2-hf: the Hugging Face directory's greedy tokens %s the F16 file's" % (
+            "ok" if same else "FAIL", "equal" if same else "differ from"))
+        failed |= not same
         return 1 if failed else 0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -52,14 +52,20 @@ def to_bf16_bytes(vals):
 
 
 def random_llama(out, hidden, ffn, layers, heads, kv_heads, seed, layer_gain=1.0, dtype="F16",
-                 config=None):
-    """A random SiLU Llama in F16 (or BF16) safetensors with relu-llama-tiny's tokenizer."""
+                 config=None, qwen2=False, embed_std=1.0, out_norm=1.0, bias_std=0.5):
+    """A random SiLU Llama in F16 (or BF16) safetensors with relu-llama-tiny's tokenizer; with
+    `qwen2`, a Qwen2ForCausalLM instead: q/k/v biases and the output head tied to the embeddings."""
     rng = np.random.default_rng(seed)
     V, hd = 4096, hidden // heads
-    shapes = {"model.embed_tokens.weight": (V, hidden), "model.norm.weight": (hidden,),
-              "lm_head.weight": (V, hidden)}
+    shapes = {"model.embed_tokens.weight": (V, hidden), "model.norm.weight": (hidden,)}
+    if not qwen2:
+        shapes["lm_head.weight"] = (V, hidden)
     for l in range(layers):
         p = "model.layers.%d." % l
+        if qwen2:
+            shapes.update({p + "self_attn.q_proj.bias": (heads * hd,),
+                           p + "self_attn.k_proj.bias": (kv_heads * hd,),
+                           p + "self_attn.v_proj.bias": (kv_heads * hd,)})
         shapes.update({p + "input_layernorm.weight": (hidden,),
                        p + "post_attention_layernorm.weight": (hidden,),
                        p + "self_attn.q_proj.weight": (heads * hd, hidden),
@@ -70,10 +76,14 @@ def random_llama(out, hidden, ffn, layers, heads, kv_heads, seed, layer_gain=1.0
                        p + "mlp.down_proj.weight": (hidden, ffn)})
     header, blobs, off = {}, [], 0
     for name, shape in shapes.items():
-        if len(shape) == 1:
+        if name.endswith(".bias"):
+            vals = rng.normal(0, bias_std, shape)
+        elif name == "model.norm.weight":
+            vals = out_norm * (1.0 + rng.normal(0, 0.1, shape))
+        elif len(shape) == 1:
             vals = 1.0 + rng.normal(0, 0.1, shape)
         elif "embed" in name:
-            vals = rng.normal(0, 1.0, shape)
+            vals = rng.normal(0, embed_std, shape)
         elif "lm_head" in name:
             vals = rng.normal(0, 0.5, shape)  # logits far apart: greedy choices are not near-ties
         else:
@@ -92,6 +102,11 @@ def random_llama(out, hidden, ffn, layers, heads, kv_heads, seed, layer_gain=1.0
         cfg = json.load(f)
     cfg.update(hidden_act="silu", hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hd)
+    if qwen2:
+        cfg.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
+                   use_sliding_window=False)
+        cfg.pop("attention_bias", None)
+        cfg.pop("mlp_bias", None)
     cfg.update(config or {})
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f)
