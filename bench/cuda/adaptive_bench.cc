@@ -109,7 +109,7 @@ int AdaptiveBench(const Options& o, const SynthModel& m, ThreadPool& pool, int t
   const int H = c.hidden_size, F = c.ffn_size;
   const int max_ctx = o.warmup + o.steps + 8, total = o.warmup + o.steps;
   const size_t rb = m.Rb(H);
-  const double budget = o.budget_fraction * m.ModelBytes();
+  const double budget = o.Budget(m.ModelBytes());
   const double fixed = SplitFixedBytes(m, ScratchBytes(m, max_ctx, c.n_layers, 8));
   const double per_neuron = 3.0 * rb + 4;
   const int n_gpu = HotNeuronsInBudget(m, budget, fixed);

@@ -83,13 +83,16 @@ bool ParseSharedFlag(const std::string& a, BenchOptions* o) {
        {"--hidden=", &o->hidden},
        {"--ffn=", &o->ffn},
        {"--heads=", &o->heads},
+       {"--kv-heads=", &o->kv_heads},
        {"--vocab=", &o->vocab},
        {"--pred-rank=", &o->pred_rank},
        {"--steps=", &o->steps},
        {"--warmup=", &o->warmup},
        {"--threads=", &o->threads},
        {"--rounds=", &o->rounds}},
-      {{"--budget-fraction=", &o->budget_fraction}, {"--active=", &o->active}}};
+      {{"--budget-fraction=", &o->budget_fraction},
+       {"--budget-gb=", &o->budget_gb},
+       {"--active=", &o->active}}};
   if (ParseNumberFlag(a, numbers)) return true;
   if (const char* v = FlagValue(a, "--dtype=")) {
     o->dtype = v;
@@ -231,7 +234,7 @@ std::unique_ptr<SynthModel> BuildModel(const BenchOptions& o, ThreadPool& pool) 
                           .hidden_size = o.hidden,
                           .n_layers = o.layers,
                           .n_heads = o.heads,
-                          .n_kv_heads = o.heads,
+                          .n_kv_heads = o.kv_heads > 0 ? o.kv_heads : o.heads,
                           .head_dim = o.hidden / o.heads,
                           .ffn_size = o.ffn,
                           .activation = Activation::kSilu};
@@ -639,11 +642,12 @@ void AskForPick(cuda::ForwardArgs* a, cuda::GreedyResult* pick) {
 void PrintModel(const BenchOptions& o, const SynthModel& m, double build_s) {
   const ModelConfig& c = m.config;
   std::printf(
-      "model: %d layers, hidden %d, ffn %d, heads %d, vocab %d, %s: %.2f GB (+ predictors "
+      "model: %d layers, hidden %d, ffn %d, heads %d (kv %d), vocab %d, %s: %.2f GB (+ predictors "
       "rank %d: %.2f GB); VRAM budget %.2f GB; built in %.1f s\n",
-      c.n_layers, c.hidden_size, c.ffn_size, c.n_heads, c.vocab_size, DTypeName(m.dtype).data(),
+      c.n_layers, c.hidden_size, c.ffn_size, c.n_heads, c.n_kv_heads, c.vocab_size,
+      DTypeName(m.dtype).data(),
       m.ModelBytes() / 1e9, m.pred_rank, c.n_layers * m.PredBytes() / 1e9,
-      o.budget_fraction * m.ModelBytes() / 1e9, build_s);
+      o.Budget(m.ModelBytes()) / 1e9, build_s);
 }
 
 void PrintBandwidths(const char* when, DType dtype, int threads, const Bandwidths& bw) {

@@ -52,6 +52,13 @@ std::vector<std::string> Split(const std::string& s, char sep);
 struct BenchOptions {
   std::string dtype = "F16";
   int layers = 40, hidden = 5120, ffn = 13824, heads = 40, vocab = 32000;
+  int kv_heads = 0;  // --kv-heads=N: grouped-query attention (0: as many as heads, as 13B has)
+  // --budget-gb=G: the VRAM budget for the weights in GB (1e9 bytes), instead of a fraction of
+  // the model's bytes (70B at --budget-gb=22: a 24 GB card less its KV cache and buffers).
+  double budget_gb = 0;
+  double Budget(double model_bytes) const {
+    return budget_gb > 0 ? budget_gb * 1e9 : budget_fraction * model_bytes;
+  }
   int pred_rank = 256;
   double budget_fraction = 0.5;
   double active = 0.10;

@@ -541,7 +541,7 @@ int Main(int argc, char** argv) {
   const SynthModel& m = *model;
   const ModelConfig& c = m.config;
   const double model_bytes = m.ModelBytes();
-  const double budget = o.budget_fraction * model_bytes;
+  const double budget = o.Budget(model_bytes);
   PrintModel(o, m, Now() - t0);
 
   Bandwidths bw;

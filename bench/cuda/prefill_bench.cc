@@ -72,7 +72,7 @@ int PrefillBench(const Options& o, const SynthModel& m, ThreadPool& pool, int th
   for (int n : o.prefill_batches) max_n = std::max(max_n, n);
   const int B = std::max(max_n, 16), max_ctx = max_n + 8;
   const size_t rb = m.Rb(H);
-  const double budget = o.budget_fraction * m.ModelBytes();
+  const double budget = o.Budget(m.ModelBytes());
   // Fixed device bytes: as decode, plus the cuBLAS scratch of B-token batches (fp16 hi/lo
   // activations of the widest product; fp16 weights for block formats) and the stream slots.
   const int64_t widest =
