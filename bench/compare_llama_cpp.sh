@@ -2,17 +2,19 @@
 # Side-by-side single-thread speed of pinfer and llama.cpp on the same GGUF files.
 #
 # Makes a random-weight ~91M-parameter SiLU Llama (bench/make_random_llama.py), converts it with
-# `pinfer convert` to F16, Q8_0 and Q4_0, then for each format alternates pinfer's engine_bench and
+# `pinfer convert` to F16, Q8_0, Q4_0 and the K mixes Q4_K_M, Q5_K_M and Q6_K, then for each format alternates pinfer's engine_bench and
 # llama.cpp (node-llama-cpp 3.21.1's prebuilt CPU build, bench/llama_cpp/bench.mjs) over the same
 # prompt ids, ROUNDS times, and prints a Markdown table of medians and ratios.
 #
-# usage: bench/compare_llama_cpp.sh [BUILD_DIR] [ROUNDS]
+# usage: [FORMATS="f16 q4_k_m ..."] bench/compare_llama_cpp.sh [BUILD_DIR] [ROUNDS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
 ROUNDS=${2:-3}
 PROMPT=128
 DECODE=64
+# The K types are llama.cpp's quantize mixes, as `pinfer convert` writes them.
+FORMATS=${FORMATS:-"f16 q8_0 q4_0 q4_k_m q5_k_m q6_k"}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
@@ -21,7 +23,7 @@ if [ ! -d bench/llama_cpp/node_modules/node-llama-cpp ]; then
      node-llama-cpp@3.21.1 @node-llama-cpp/linux-x64@3.21.1 >/dev/null)
 fi
 /usr/bin/python3 bench/make_random_llama.py "$WORK/hf" >/dev/null
-for t in f16 q8_0 q4_0; do
+for t in $FORMATS; do
   "$BUILD/cli/pinfer" convert --model "$WORK/hf" --out "$WORK/model-$t.gguf" --type "$t" >/dev/null
 done
 
@@ -33,7 +35,7 @@ ratio_range() { /usr/bin/python3 -c 'import sys; a, b = (list(map(float, s.split
 
 echo "| format | pinfer prompt tok/s | llama.cpp prompt tok/s | ratio | pinfer decode tok/s | llama.cpp decode tok/s | ratio | per-round decode ratios |"
 echo "|---|---|---|---|---|---|---|---|"
-for t in f16 q8_0 q4_0; do
+for t in $FORMATS; do
   pp=() lp=() pd=() ld=()
   for r in $(seq "$ROUNDS"); do
     a=$("$BUILD/bench/engine_bench" "$WORK/model-$t.gguf" $PROMPT $DECODE 1 1)
