@@ -65,6 +65,50 @@ def q4_0(n, rng):
     return out
 
 
+def q4_k(n, rng):  # ggml's block_q4_K: d, dmin, 12 bytes of scales, 128 of nibbles
+    return b"".join(struct.pack("<ee", 0.01, 0.002) + bytes(rng.randrange(256) for _ in range(140))
+                    for _ in range(n // 256))
+
+
+def q5_k(n, rng):  # block_q5_K: d, dmin, scales[12], qh[32], qs[128]
+    return b"".join(struct.pack("<ee", 0.01, 0.002) + bytes(rng.randrange(256) for _ in range(172))
+                    for _ in range(n // 256))
+
+
+def q6_k(n, rng):  # block_q6_K: ql[128], qh[64], scales[16], d
+    return b"".join(bytes(rng.randrange(256) for _ in range(208)) + struct.pack("<e", 0.003)
+                    for _ in range(n // 256))
+
+
+def tiny_qwen2_kquant(rng, vocab_kvs, n_vocab):
+    """A qwen2 model (q/k/v biases) whose matrices are Q4_K / Q5_K / Q6_K, as a K mix stores them."""
+    H, F, heads, kv = 256, 256, 4, 2
+    hd = H // heads
+    kvs = [("general.architecture", 8, "qwen2"), ("general.name", 8, "seed"),
+           ("general.file_type", 4, 15), ("qwen2.context_length", 4, 64),
+           ("qwen2.embedding_length", 4, H), ("qwen2.block_count", 4, 1),
+           ("qwen2.feed_forward_length", 4, F), ("qwen2.attention.head_count", 4, heads),
+           ("qwen2.attention.head_count_kv", 4, kv),
+           ("qwen2.attention.layer_norm_rms_epsilon", 6, 1e-6), ("qwen2.rope.freq_base", 6, 1e6)]
+    kvs += vocab_kvs
+    p = "blk.0."
+    t = [("token_embd.weight", 12, [H, n_vocab], q4_k(H * n_vocab, rng)),
+         ("output_norm.weight", 0, [H], f32(H, rng)),
+         (p + "attn_norm.weight", 0, [H], f32(H, rng)),
+         (p + "attn_q.weight", 12, [H, heads * hd], q4_k(H * heads * hd, rng)),
+         (p + "attn_q.bias", 0, [heads * hd], f32(heads * hd, rng)),
+         (p + "attn_k.weight", 13, [H, kv * hd], q5_k(H * kv * hd, rng)),
+         (p + "attn_k.bias", 0, [kv * hd], f32(kv * hd, rng)),
+         (p + "attn_v.weight", 14, [H, kv * hd], q6_k(H * kv * hd, rng)),
+         (p + "attn_v.bias", 0, [kv * hd], f32(kv * hd, rng)),
+         (p + "attn_output.weight", 12, [heads * hd, H], q4_k(H * heads * hd, rng)),
+         (p + "ffn_norm.weight", 0, [H], f32(H, rng)),
+         (p + "ffn_gate.weight", 12, [H, F], q4_k(H * F, rng)),
+         (p + "ffn_up.weight", 13, [H, F], q5_k(H * F, rng)),
+         (p + "ffn_down.weight", 14, [F, H], q6_k(F * H, rng))]
+    return gguf(kvs, t)
+
+
 def tiny_llama(rng, vocab_kvs, n_vocab, activation="silu", magic=b"GGUF"):
     H, F, heads, kv, L = 32, 32, 4, 2, 1
     hd = H // heads
@@ -147,6 +191,7 @@ def main():
     put("gguf", "llama-spm", tiny_llama(rng, spm, n_spm))
     put("gguf", "llama-bpe-relu", tiny_llama(rng, bpe, n_bpe, "relu"))
     put("gguf", "powerinfer", tiny_llama(rng, [], 64, "drelu", magic=b"PWRI"))
+    put("gguf", "qwen2-kquant", tiny_qwen2_kquant(random.Random(2), spm, n_spm))
     put("gguf", "all-value-types", gguf(
         [("u8", 0, 1), ("i8", 1, -1), ("u16", 2, 2), ("i16", 3, -2), ("u32", 4, 3), ("i32", 5, -3),
          ("f32", 6, 0.5), ("bool", 7, True), ("str", 8, "x"), ("u64", 10, 4), ("i64", 11, -4),
