@@ -86,7 +86,7 @@ absl::Status LoadHuggingFace(const Model& model, ModelChat& chat,
       source = t.get<std::string>();
     } else if (t.is_array()) {
       for (const auto& named : t) {
-        if (named.value("name", "") == "default" && named.contains("template") &&
+        if (named.contains("name") && named["name"] == "default" && named.contains("template") &&
             named["template"].is_string()) {
           source = named["template"].get<std::string>();
         }

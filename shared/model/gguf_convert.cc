@@ -187,7 +187,7 @@ absl::StatusOr<BpeVocab> ReadByteLevelBpeVocab(const std::string& path, int voca
   };
   json j = json::parse(text, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return bad("not a JSON object");
-  if (!j.contains("model") || !j["model"].is_object() || j["model"].value("type", "") != "BPE" ||
+  if (!j.contains("model") || !j["model"].is_object() || j["model"]["type"] != "BPE" ||
       !j["model"].contains("vocab") || !j["model"]["vocab"].is_object() ||
       !j["model"].contains("merges") || !j["model"]["merges"].is_array()) {
     return absl::UnimplementedError(
@@ -196,7 +196,7 @@ absl::StatusOr<BpeVocab> ReadByteLevelBpeVocab(const std::string& path, int voca
   BpeVocab v;
   // Pre-tokenizer: LoadHuggingFaceModel has already accepted this file, whose pre-tokenizer is
   // then either Llama-3's (a Split with its regex, then ByteLevel) or GPT-2's (ByteLevel alone).
-  const std::string dump = j.value("pre_tokenizer", json()).dump();
+  const std::string dump = j.contains("pre_tokenizer") ? j["pre_tokenizer"].dump() : "null";
   v.pre = dump.find("\"Split\"") != std::string::npos ? "llama-bpe" : "gpt2";
   v.tokens.assign(vocab_size, "");
   v.types.assign(vocab_size, 1);
@@ -218,7 +218,8 @@ absl::StatusOr<BpeVocab> ReadByteLevelBpeVocab(const std::string& path, int voca
           !a.contains("id")) {
         return bad("malformed added_tokens entry");
       }
-      RETURN_IF_ERROR(put(a["content"], a["id"], a.value("special", false) ? 3 : 4));
+      RETURN_IF_ERROR(
+          put(a["content"], a["id"], a.contains("special") && a["special"] == true ? 3 : 4));
     }
   }
   for (int i = 0; i < vocab_size; ++i) {
@@ -450,7 +451,7 @@ absl::Status ConvertHuggingFaceToGguf(const std::string& hf_dir, const std::stri
       // The list form of named templates: the "default" one (as transformers picks it).
       if (j.contains("chat_template") && j["chat_template"].is_array()) {
         for (const auto& named : j["chat_template"]) {
-          if (named.is_object() && named.value("name", "") == "default" &&
+          if (named.is_object() && named.contains("name") && named["name"] == "default" &&
               named.contains("template") && named["template"].is_string())
             chat_template = named["template"];
         }

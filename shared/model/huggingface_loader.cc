@@ -59,23 +59,38 @@ absl::StatusOr<ModelConfig> ParseHuggingFaceConfig(absl::string_view text) {
   const std::string model_type = j.contains("model_type") && j["model_type"].is_string()
                                      ? j["model_type"].get<std::string>()
                                      : "llama";
-  if (model_type != "llama" && model_type != "qwen2") {
-    return ConfigError(
-        absl::StrCat("unsupported model_type '", model_type, "' (pinfer loads llama and qwen2)"));
+  if (model_type != "llama" && model_type != "mistral" && model_type != "qwen2") {
+    return ConfigError(absl::StrCat("unsupported model_type '", model_type,
+                                    "' (pinfer loads llama, mistral and qwen2)"));
   }
+  auto flag = [&](const char* key) {
+    auto it = j.find(key);
+    return it != j.end() && it->is_boolean() && it->get<bool>();
+  };
   if (model_type == "qwen2") {
     // Qwen2Attention always has q/k/v biases (and none on o_proj); its RoPE rotates halves, as
     // transformers' Llama does.
     c.architecture = "qwen2";
     c.qkv_bias = true;
-    if (j.value("use_sliding_window", false)) {
+    if (flag("use_sliding_window")) {
       return ConfigError("use_sliding_window (sliding-window attention) is not supported");
+    }
+  }
+  // MistralForCausalLM is Llama's network with an optional sliding window; a window that covers
+  // the whole context (or none, as from Mistral-7B-v0.2 on) changes nothing.
+  if (model_type == "mistral" && j.contains("sliding_window") && !j["sliding_window"].is_null()) {
+    ASSIGN_OR_RETURN(int window, GetInt(j, "sliding_window"));
+    ASSIGN_OR_RETURN(int context, GetInt(j, "max_position_embeddings", 2048));
+    if (window < context) {
+      return ConfigError(absl::StrCat("sliding_window ", window,
+                                      " (sliding-window attention over a context of ", context,
+                                      ") is not supported"));
     }
   }
   // Llama's optional biases (o_proj included, or the MLP's) are not computed: refuse them by name
   // rather than ignore weights.
   for (const char* key : {"attention_bias", "mlp_bias"}) {
-    if (model_type == "llama" && j.contains(key) && j[key].is_boolean() && j[key].get<bool>()) {
+    if (model_type != "qwen2" && flag(key)) {
       return ConfigError(absl::StrCat("'", key, "': true is not supported"));
     }
   }

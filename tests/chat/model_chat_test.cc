@@ -152,6 +152,14 @@ TEST_F(TemplateFolder, NamedTemplateListTakesDefault) {
   EXPECT_EQ(Render(), "default:hi");
 }
 
+// Entries of the wrong shape are skipped, not thrown on (nlohmann's value() would throw).
+TEST_F(TemplateFolder, NamedTemplateListSkipsMalformedEntries) {
+  Write("tokenizer_config.json",
+        R"({"chat_template": [7, {"name": 3, "template": "x"}, "s",
+                              {"name": "default", "template": "default:{{ messages[0].content }}"}]})");
+  EXPECT_EQ(Render(), "default:hi");
+}
+
 TEST_F(TemplateFolder, ChatTemplateJinjaBeatsConfigAndFileBeatsBoth) {
   Write("tokenizer_config.json", R"({"chat_template": "config"})");
   Write("chat_template.jinja", "jinja file");

@@ -193,8 +193,23 @@ TEST(HuggingFaceConfigTest, MalformedConfigs) {
   c["rms_norm_eps"] = "small";
   ExpectConfigError(c, "'rms_norm_eps' is not a number");
   c = TinyConfig();
+  c["model_type"] = "gpt_neox";
+  ExpectConfigError(c, "unsupported model_type 'gpt_neox' (pinfer loads llama, mistral and qwen2)");
+  c = TinyConfig();
   c["model_type"] = "mistral";
-  ExpectConfigError(c, "unsupported model_type 'mistral' (pinfer loads llama and qwen2)");
+  c["max_position_embeddings"] = 32768;
+  c["sliding_window"] = 4096;
+  ExpectConfigError(c, "sliding_window 4096 (sliding-window attention over a context of 32768)");
+  c["sliding_window"] = "wide";
+  ExpectConfigError(c, "'sliding_window' is not an integer");
+  c["sliding_window"] = nullptr;  // Mistral-7B-v0.2 and later: Llama's network
+  EXPECT_TRUE(ParseHuggingFaceConfig(c.dump()).ok());
+  c["sliding_window"] = 32768;
+  EXPECT_TRUE(ParseHuggingFaceConfig(c.dump()).ok());
+  c = TinyConfig();
+  c["model_type"] = "qwen2";
+  c["use_sliding_window"] = "yes";  // not a boolean: not a window either, and no exception
+  EXPECT_TRUE(ParseHuggingFaceConfig(c.dump()).ok());
   c = TinyConfig();
   c["model_type"] = "qwen2";
   c["use_sliding_window"] = true;
