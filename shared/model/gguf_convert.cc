@@ -197,7 +197,10 @@ absl::StatusOr<BpeVocab> ReadByteLevelBpeVocab(const std::string& path, int voca
   // Pre-tokenizer: LoadHuggingFaceModel has already accepted this file, whose pre-tokenizer is
   // then either Llama-3's (a Split with its regex, then ByteLevel) or GPT-2's (ByteLevel alone).
   const std::string dump = j.contains("pre_tokenizer") ? j["pre_tokenizer"].dump() : "null";
-  v.pre = dump.find("\"Split\"") != std::string::npos ? "llama-bpe" : "gpt2";
+  // Llama-3's split takes up to three digits at a time, Qwen2's one (llama.cpp's "qwen2").
+  v.pre = dump.find("\"Split\"") == std::string::npos   ? "gpt2"
+          : dump.find("p{N}{1,3}") != std::string::npos ? "llama-bpe"
+                                                        : "qwen2";
   v.tokens.assign(vocab_size, "");
   v.types.assign(vocab_size, 1);
   std::vector<bool> seen(vocab_size, false);

@@ -1,7 +1,7 @@
-// Byte-level BPE, the tokenizer of Llama-3 (and GPT-2): text is cut into pre-tokens by a regex,
-// each pre-token's bytes are written as GPT-2's printable "byte characters", and ranked merges
-// join adjacent symbols until no merge applies. The vocabulary comes from a GGUF `gpt2` vocab
-// (tokens, merges, types, `tokenizer.ggml.pre`) or from a Hugging Face tokenizer.json.
+// Byte-level BPE, the tokenizer of Llama-3, Qwen2 (and GPT-2): text is cut into pre-tokens by a
+// regex, each pre-token's bytes are written as GPT-2's printable "byte characters", and ranked
+// merges join adjacent symbols until no merge applies. The vocabulary comes from a GGUF `gpt2`
+// vocab (tokens, merges, types, `tokenizer.ggml.pre`) or from a Hugging Face tokenizer.json.
 //
 // The reference is llama.cpp (its tokenizer test vectors are bundled in models/llama3-vocab), so
 // the corner cases follow it:
@@ -172,7 +172,8 @@ class ByteMap {
 // ---------------------------------------------------------------------------------------------
 // Pre-tokenizers
 
-enum class PreTokenizerKind { kLlama3, kGpt2 };
+// kQwen2 is Llama-3's split with digits taken one at a time (`\p{N}` for `\p{N}{1,3}`).
+enum class PreTokenizerKind { kLlama3, kQwen2, kGpt2 };
 
 struct PreTokenizerSpec {
   PreTokenizerKind kind;
@@ -188,11 +189,12 @@ absl::StatusOr<PreTokenizerSpec> FindPreTokenizer(absl::string_view name) {
     if (name == n) return PreTokenizerSpec{PreTokenizerKind::kLlama3, /*ignore_merges=*/true};
   }
   if (name == "smaug-bpe") return PreTokenizerSpec{PreTokenizerKind::kLlama3, false};
+  if (name == "qwen2") return PreTokenizerSpec{PreTokenizerKind::kQwen2, false};
   for (absl::string_view n : kGpt2) {
     if (name == n) return PreTokenizerSpec{PreTokenizerKind::kGpt2, false};
   }
   return absl::InvalidArgumentError(absl::StrCat("unsupported byte-level BPE pre-tokenizer '", name,
-                                                 "' (supported: llama-bpe, gpt2)"));
+                                                 "' (supported: llama-bpe, qwen2, gpt2)"));
 }
 
 // Splits text into pre-tokens with one RE2 regex, matched anchored at each position in turn
@@ -210,6 +212,15 @@ class PreTokenizer {
         "|[" PINFER_WS
         "]*[\\r\\n]+"
         "|[" PINFER_WS "]+";
+    static constexpr char kQwen2Pattern[] =
+        "'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD]"
+        "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+"
+        "|\\p{N}"
+        "| ?[^" PINFER_WS
+        "\\p{L}\\p{N}]+[\\r\\n]*"
+        "|[" PINFER_WS
+        "]*[\\r\\n]+"
+        "|[" PINFER_WS "]+";
     static constexpr char kGpt2Pattern[] =
         "'s|'t|'re|'ve|'m|'ll|'d"
         "| ?\\p{L}+"
@@ -219,7 +230,9 @@ class PreTokenizer {
         "|[" PINFER_WS "]+";
     RE2::Options options;
     options.set_log_errors(false);
-    re_ = std::make_unique<RE2>(kind == PreTokenizerKind::kLlama3 ? kLlama3Pattern : kGpt2Pattern,
+    re_ = std::make_unique<RE2>(kind == PreTokenizerKind::kLlama3  ? kLlama3Pattern
+                                : kind == PreTokenizerKind::kQwen2 ? kQwen2Pattern
+                                                                   : kGpt2Pattern,
                                 options);
   }
 
@@ -258,7 +271,7 @@ class PreTokenizer {
       uint32_t cpt;
       const int len = DecodeUtf8(text, i, &cpt);
       if (len == 0 || !IsWhitespace(cpt)) return end;
-      if (kind_ == PreTokenizerKind::kLlama3 && (cpt == '\r' || cpt == '\n')) return end;
+      if (kind_ != PreTokenizerKind::kGpt2 && (cpt == '\r' || cpt == '\n')) return end;
       last_start = i;
       i += len;
       ++count;
@@ -524,6 +537,12 @@ class ParseErrorRecorder : public nlohmann::json_sax<Json> {
   }
 };
 
+// Qwen2's Split regex (Qwen2 / Qwen2.5 tokenizer.json): Llama-3's with single digits.
+constexpr absl::string_view kQwen2SplitRegexes[] = {
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| "
+    "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+};
+
 // The Llama-3 Split regex as tokenizer.json files spell it.
 constexpr absl::string_view kLlama3SplitRegexes[] = {
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| "
@@ -585,13 +604,17 @@ absl::StatusOr<PreTokenizerKind> PreTokenizerFromJson(const Json& p) {
     }
     const std::string regex = (*pattern)["Regex"].get<std::string>();
     if (std::find(std::begin(kLlama3SplitRegexes), std::end(kLlama3SplitRegexes),
-                  absl::string_view(regex)) == std::end(kLlama3SplitRegexes)) {
-      return unsupported("Split regex is not Llama-3's");
+                  absl::string_view(regex)) != std::end(kLlama3SplitRegexes)) {
+      kind = PreTokenizerKind::kLlama3;
+    } else if (std::find(std::begin(kQwen2SplitRegexes), std::end(kQwen2SplitRegexes),
+                         absl::string_view(regex)) != std::end(kQwen2SplitRegexes)) {
+      kind = PreTokenizerKind::kQwen2;
+    } else {
+      return unsupported("Split regex is neither Llama-3's nor Qwen2's");
     }
     if (!IsByteLevel((*it)[1], /*use_regex=*/false)) {
       return unsupported("expected ByteLevel with use_regex false after Split");
     }
-    kind = PreTokenizerKind::kLlama3;
     byte_level = &(*it)[1];
   } else {
     return unsupported("not byte-level");
@@ -629,7 +652,10 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseTokenizerJson(absl::string_view 
     }
   }
   auto normalizer = root.find("normalizer");
-  if (normalizer != root.end() && !normalizer->is_null()) {
+  // Qwen2's NFC normalizer is accepted and, as in llama.cpp (the reference here), not applied:
+  // text already in NFC, which is nearly all text, tokenizes the same either way.
+  if (normalizer != root.end() && !normalizer->is_null() &&
+      StringField(*normalizer, "type") != "NFC") {
     return error("normalizer ", Abbreviate(*normalizer), " is not supported");
   }
   auto pre_it = root.find("pre_tokenizer");

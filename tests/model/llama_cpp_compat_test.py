@@ -76,6 +76,58 @@ def run(cmd):
     return r.stdout
 
 
+# Qwen2's split regex as its tokenizer.json spells it: Llama-3's with digits one at a time.
+QWEN2_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+"
+               "[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+QWEN2_TEXTS = ["Order 12345 costs $678.90 on 2026-12-06.", "x1y22z333 and 4444!",
+               "  two spaces\n\nthen 3 newlines\n\n\n5", "It's 99% sure, isn't it?"]
+
+
+def qwen2_tokenizer_case(tmp, script):
+    """A Qwen2-style tokenizer.json (Llama-3's vocabulary and merges from llama.cpp's vocab file,
+    Qwen2's split regex and NFC normalizer) in a tiny qwen2 model: `pinfer convert` must write
+    pre-tokenizer "qwen2", and llama.cpp's tokenization of the converted file must equal pinfer's,
+    from the GGUF and from the Hugging Face directory."""
+    from llama_cpp_kquant_test import gguf_metadata, random_llama as numpy_random_llama
+    meta = gguf_metadata(os.path.join(SOURCE, "models", "llama3-vocab", "ggml-vocab-llama-bpe.gguf"))
+    tokens, merges, types = (meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.merges"],
+                             meta["tokenizer.ggml.token_type"])
+    hf = os.path.join(tmp, "qwen2-tok-hf")
+    numpy_random_llama(hf, hidden=64, ffn=256, layers=1, heads=1, kv_heads=1, seed=6, qwen2=True,
+                       embed_std=0.05, out_norm=20.0, bias_std=0.1,
+                       config={"vocab_size": len(tokens), "bos_token_id": meta["tokenizer.ggml.bos_token_id"],
+                               "eos_token_id": meta["tokenizer.ggml.eos_token_id"]}, vocab=len(tokens))
+    os.remove(os.path.join(hf, "tokenizer.model"))
+    vocab = {t: i for i, t in enumerate(tokens) if types[i] != 3}
+    added = [{"id": i, "content": t, "special": True} for i, t in enumerate(tokens) if types[i] == 3]
+    tj = {"version": "1.0", "added_tokens": added, "normalizer": {"type": "NFC"},
+          "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+              {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},
+              {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
+          "decoder": {"type": "ByteLevel"},
+          "model": {"type": "BPE", "vocab": vocab, "merges": merges}}
+    with open(os.path.join(hf, "tokenizer.json"), "w") as f:
+        json.dump(tj, f)
+    with open(os.path.join(hf, "tokenizer_config.json"), "w") as f:
+        json.dump({"add_bos_token": True}, f)
+    out = os.path.join(tmp, "qwen2-tok.gguf")
+    run([PINFER, "convert", "--model", hf, "--out", out, "--type", "f16"])
+    pre = gguf_metadata(out).get("tokenizer.ggml.pre")
+    ok = pre == "qwen2"
+    print("%-4s qwen2-tok.gguf: tokenizer.ggml.pre is %r" % ("ok" if ok else "FAIL", pre))
+    for text in QWEN2_TEXTS:
+        ref = json.loads(run(["node", script, out, text, "1"]).strip().splitlines()[-1])["prompt_ids"]
+        got = [json.loads(run([PINFER, "generate", "--model", m, "--prompt", text, "--max-tokens", "1",
+                               "--json"]))["prompt_ids"] for m in (out, hf)]
+        same = got[0] == ref and got[1] == ref
+        print("%-4s qwen2 tokens of %r: llama.cpp %s" % ("ok" if same else "FAIL", text,
+                                                          "= pinfer (GGUF and HF)" if same else ref))
+        if not same:
+            print("  pinfer GGUF:", got[0], "\n  pinfer HF:  ", got[1])
+        ok &= same
+    return ok
+
+
 def main():
     if not os.path.isfile(os.path.join(NODE_MODULES, "node-llama-cpp", "package.json")) or \
             shutil.which("node") is None:
@@ -142,6 +194,7 @@ def main():
                 print("  llama.cpp:", ref)
                 print("  pinfer:   ", {k: got[k] for k in ("prompt_ids", "generated_ids")})
                 failed = True
+        failed |= not qwen2_tokenizer_case(tmp, script)
         f16 = json.loads(run([PINFER, "generate", "--model", os.path.join(tmp, "qwen2-f16.gguf"),
                               "--prompt", PROMPTS["random"], "--max-tokens", "32", "--json"]))
         hf_direct = json.loads(run([PINFER, "generate", "--model", qwen2, "--prompt", PROMPTS["random"],

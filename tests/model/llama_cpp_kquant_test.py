@@ -52,11 +52,11 @@ def to_bf16_bytes(vals):
 
 
 def random_llama(out, hidden, ffn, layers, heads, kv_heads, seed, layer_gain=1.0, dtype="F16",
-                 config=None, qwen2=False, embed_std=1.0, out_norm=1.0, bias_std=0.5):
+                 config=None, qwen2=False, embed_std=1.0, out_norm=1.0, bias_std=0.5, vocab=4096):
     """A random SiLU Llama in F16 (or BF16) safetensors with relu-llama-tiny's tokenizer; with
     `qwen2`, a Qwen2ForCausalLM instead: q/k/v biases and the output head tied to the embeddings."""
     rng = np.random.default_rng(seed)
-    V, hd = 4096, hidden // heads
+    V, hd = vocab, hidden // heads
     shapes = {"model.embed_tokens.weight": (V, hidden), "model.norm.weight": (hidden,)}
     if not qwen2:
         shapes["lm_head.weight"] = (V, hidden)
@@ -113,8 +113,17 @@ def random_llama(out, hidden, ffn, layers, heads, kv_heads, seed, layer_gain=1.0
     shutil.copy(os.path.join(tiny, "tokenizer.model"), out)
 
 
+def gguf_metadata(path):
+    """{key: value} of a GGUF v3 file's metadata (arrays as lists)."""
+    return _read_gguf(path)[0]
+
+
 def gguf_tensors(path):
     """{name: (ggml type, raw bytes)} of a GGUF v3 file."""
+    return _read_gguf(path)[1]
+
+
+def _read_gguf(path):
     with open(path, "rb") as f:
         data = f.read()
     pos = 0
@@ -147,11 +156,12 @@ def gguf_tensors(path):
     take("I")
     n_tensors, n_kv = take("Q"), take("Q")
     alignment = 32
+    meta = {}
     for _ in range(n_kv):
         key = string()
-        v = value(take("I"))
+        meta[key] = value(take("I"))
         if key == "general.alignment":
-            alignment = v
+            alignment = meta[key]
     infos = []
     for _ in range(n_tensors):
         name = string()
@@ -163,7 +173,7 @@ def gguf_tensors(path):
         _, block, size = GGML_TYPES[t]
         n = int(np.prod(dims))
         out[name] = (t, data[base + offset:base + offset + n // block * size])
-    return out
+    return meta, out
 
 
 _quiet = None

@@ -326,9 +326,10 @@ TEST(BpeConstructionTest, Errors) {
   auto types = NewByteLevelBpeTokenizer({"a", "b"}, {}, {1}, "llama-bpe");
   EXPECT_EQ(types.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(types.status().message(), HasSubstr("1 token types for 2 tokens"));
-  auto pre = NewByteLevelBpeTokenizer({"a"}, {}, {1}, "qwen2");
+  auto pre = NewByteLevelBpeTokenizer({"a"}, {}, {1}, "deepseek-llm");
   EXPECT_EQ(pre.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(pre.status().message(), HasSubstr("'qwen2'"));
+  EXPECT_THAT(pre.status().message(),
+              HasSubstr("'deepseek-llm' (supported: llama-bpe, qwen2, gpt2)"));
 }
 
 // ----- tokenizer.json -----
@@ -463,7 +464,7 @@ TEST_F(TokenizerJsonTest, MalformedFiles) {
                   R"({"type": "Sequence", "pretokenizers": [{"type": "Split",
                       "pattern": {"Regex": "\\p{N}"}, "behavior": "Isolated", "invert": false},
                       {"type": "ByteLevel", "use_regex": false}]})"),
-       "Split regex is not Llama-3's"},
+       "Split regex is neither Llama-3's nor Qwen2's"},
       {Llama3Json(kSmallVocab, ok_merges, "[]", "", R"({"type": "Sequence"})"),
        "expected a Sequence of Split and ByteLevel"},
   };
@@ -472,12 +473,13 @@ TEST_F(TokenizerJsonTest, MalformedFiles) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.json;
     EXPECT_THAT(s.message(), HasSubstr(c.message)) << c.json;
   }
-  // A normalizer is not supported (Llama-3 has none).
+  // A normalizer is not supported (Llama-3 has none), but for Qwen2's NFC, which llama.cpp does
+  // not apply either.
   std::string with_normalizer = Llama3Json(kSmallVocab, ok_merges);
   with_normalizer.replace(with_normalizer.find(R"("normalizer": null)"), 18,
-                          R"("normalizer": {"type": "NFC"})");
+                          R"("normalizer": {"type": "NFKC"})");
   absl::Status s = LoadError(with_normalizer);
-  EXPECT_THAT(s.message(), HasSubstr(R"(normalizer {"type":"NFC"} is not supported)"));
+  EXPECT_THAT(s.message(), HasSubstr(R"(normalizer {"type":"NFKC"} is not supported)"));
 }
 
 TEST_F(TokenizerJsonTest, MissingFile) {
