@@ -114,7 +114,7 @@ absl::Status QuantizeGgmlRow(uint32_t type, const float* src, void* dst, int64_t
   if (t == GgmlType::kQ5_0 || t == GgmlType::kQ5_1) {
     if (n % 32 != 0) return absl::InvalidArgumentError("rows must be whole 32-value blocks");
     uint8_t* out = static_cast<uint8_t*>(dst);
-    const int size = t == GgmlType::kQ5_0 ? 22 : 24;
+    const int size = FindGgmlTypeTraits(type)->type_size;
     for (int64_t i = 0; i < n / 32; ++i) {
       if (t == GgmlType::kQ5_0) {
         QuantQ5_0(src + 32 * i, out + size * i);

@@ -61,6 +61,11 @@ uint32_t FileType(const GgufConvertOptions& o) {
   }
 }
 
+// llama.cpp's LLM_TYPE_70B, which raises a K mix's attn_v: 80 layers with grouped-query attention.
+bool IsSeventyB(int n_layers, int n_heads, int n_kv_heads) {
+  return n_layers == 80 && n_heads != n_kv_heads;
+}
+
 // The layer of a blk.N.* tensor name; -1 for the others.
 int LayerOf(const std::string& name) {
   int layer = -1;
@@ -385,9 +390,10 @@ absl::Status ConvertGgufToGguf(const std::string& in_path, const std::string& ou
     if (absl::StrContains(t.name, "attn_v.weight")) ++n_layers;
   }
   const std::string arch = in->GetString("general.architecture").value_or("");
+  const int n_heads = static_cast<int>(in->GetU32(arch + ".attention.head_count").value_or(0));
   const bool is_70b =
-      n_layers == 80 && in->GetU32(arch + ".attention.head_count").value_or(0) !=
-                            in->GetU32(arch + ".attention.head_count_kv").value_or(0);
+      IsSeventyB(n_layers, n_heads,
+                 static_cast<int>(in->GetU32(arch + ".attention.head_count_kv").value_or(n_heads)));
   for (const GgufTensorInfo& t : in->tensors()) {
     auto view = GgufFile::ToTensorView(t);
     const bool is_matrix = t.ne.size() == 2 && t.ne[1] > 1;
@@ -509,9 +515,9 @@ absl::Status ConvertHuggingFaceToGguf(const std::string& hf_dir, const std::stri
   if (!bpe) w.SetBool("tokenizer.ggml.add_space_prefix", vocab.add_dummy_prefix);
   if (!chat_template.empty()) w.SetString("tokenizer.chat_template", chat_template);
 
+  const bool is_70b = IsSeventyB(c.n_layers, c.n_heads, c.n_kv_heads);
   auto add = [&](const std::string& gguf_name, const TensorView& t, bool is_output,
                  std::function<int64_t(int64_t)> row_of = nullptr) -> absl::Status {
-    const bool is_70b = c.n_layers == 80 && c.n_heads != c.n_kv_heads;
     const GgmlType type = WeightType(opts, gguf_name, t.shape, is_output, c.n_layers, is_70b);
     std::vector<int64_t> shape = t.shape;
     if (shape.size() == 2 && shape[0] == 1) shape.erase(shape.begin());
