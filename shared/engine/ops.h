@@ -89,10 +89,17 @@ class CpuOps {
   // interleaved: pairs (2i, 2i+1) (GGUF layout); otherwise (i, i + head_dim/2) (Hugging Face).
   virtual void Rope(float* x, int n, int n_heads, int head_dim, const int32_t* positions,
                     const float* inv_freq, bool interleaved) const = 0;
-  // Causal attention of n new queries at positions pos0..pos0+n-1 over the cache rows 0..pos.
+  // Causal attention of n new queries at positions pos0..pos0+n-1 over the cache rows 0..pos,
+  // or with window > 0 (Mistral's sliding window) only the rows j with pos - window < j <= pos.
   // q: [n, n_heads, hd]; k, v: [ctx, n_kv_heads, hd] (ctx >= pos0 + n); out: [n, n_heads, hd].
   virtual void Attention(const float* q, const float* k, const float* v, int n, int pos0,
-                         int n_heads, int n_kv_heads, int head_dim, float* out) const = 0;
+                         int n_heads, int n_kv_heads, int head_dim, int window,
+                         float* out) const = 0;
+  // Attention over every earlier position (no window).
+  void Attention(const float* q, const float* k, const float* v, int n, int pos0, int n_heads,
+                 int n_kv_heads, int head_dim, float* out) const {
+    Attention(q, k, v, n, pos0, n_heads, n_kv_heads, head_dim, /*window=*/0, out);
+  }
   // gate[i] = act(gate[i]) * up[i] (dReLU: relu(gate) * relu(up)).
   virtual void GatedActivation(Activation act, float* gate, const float* up, int64_t n) const = 0;
 };

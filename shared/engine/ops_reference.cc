@@ -261,18 +261,19 @@ class ReferenceOps : public CpuOps {
   }
 
   void Attention(const float* q, const float* k, const float* v, int n, int pos0, int n_heads,
-                 int n_kv_heads, int head_dim, float* out) const override {
+                 int n_kv_heads, int head_dim, int window, float* out) const override {
     const int group = n_heads / n_kv_heads;
     const int kv_stride = n_kv_heads * head_dim;
     const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
     std::vector<float> scores(pos0 + n);
     for (int t = 0; t < n; ++t) {
-      const int len = pos0 + t + 1;  // causal: keys 0..pos
+      const int pos = pos0 + t;
+      const int first = window > 0 ? std::max(0, pos - window + 1) : 0;  // keys first..pos
       for (int h = 0; h < n_heads; ++h) {
         const float* qh = q + (static_cast<int64_t>(t) * n_heads + h) * head_dim;
         const int kvh = h / group;
         float max = -INFINITY;
-        for (int p = 0; p < len; ++p) {
+        for (int p = first; p <= pos; ++p) {
           const float* kp = k + static_cast<int64_t>(p) * kv_stride + kvh * head_dim;
           float dot = 0;
           for (int i = 0; i < head_dim; ++i) dot += qh[i] * kp[i];
@@ -280,13 +281,13 @@ class ReferenceOps : public CpuOps {
           max = std::max(max, scores[p]);
         }
         float sum = 0;
-        for (int p = 0; p < len; ++p) {
+        for (int p = first; p <= pos; ++p) {
           scores[p] = std::exp(scores[p] - max);
           sum += scores[p];
         }
         float* oh = out + (static_cast<int64_t>(t) * n_heads + h) * head_dim;
         for (int i = 0; i < head_dim; ++i) oh[i] = 0;
-        for (int p = 0; p < len; ++p) {
+        for (int p = first; p <= pos; ++p) {
           const float* vp = v + static_cast<int64_t>(p) * kv_stride + kvh * head_dim;
           float wgt = scores[p] / sum;
           for (int i = 0; i < head_dim; ++i) oh[i] += wgt * vp[i];

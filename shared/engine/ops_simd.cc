@@ -310,7 +310,7 @@ class SimdOps : public CpuOps {
   }
 
   void Attention(const float* q, const float* k, const float* v, int n, int pos0, int n_heads,
-                 int n_kv_heads, int head_dim, float* out) const override {
+                 int n_kv_heads, int head_dim, int window, float* out) const override {
     const int group = n_heads / n_kv_heads;
     const int kv_stride = n_kv_heads * head_dim;
     const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
@@ -322,13 +322,17 @@ class SimdOps : public CpuOps {
       for (int64_t t = b / n_heads; t * n_heads < e; ++t) {
         const int h0 = static_cast<int>(std::max<int64_t>(b, t * n_heads) - t * n_heads);
         const int h1 = static_cast<int>(std::min<int64_t>(e, (t + 1) * n_heads) - t * n_heads);
-        const int len = pos0 + static_cast<int>(t) + 1;  // causal: keys 0..pos
+        const int pos = pos0 + static_cast<int>(t);
+        const int first = window > 0 ? std::max(0, pos - window + 1) : 0;  // keys first..pos
+        const int len = pos - first + 1;
         const int nh = h1 - h0;
         if (scores.size() < static_cast<size_t>(nh) * len)
           scores.resize(static_cast<size_t>(nh) * len);
         const float* qt = q + (t * n_heads + h0) * head_dim;
+        const float* kt = k + static_cast<int64_t>(first) * kv_stride;
+        const float* vt = v + static_cast<int64_t>(first) * kv_stride;
         for (int p = 0; p < len; ++p) {
-          const float* kp = k + static_cast<int64_t>(p) * kv_stride;
+          const float* kp = kt + static_cast<int64_t>(p) * kv_stride;
           for (int h = 0; h < nh; ++h) {
             scores[h * len + p] =
                 k_->dot_f32(qt + h * head_dim, kp + ((h0 + h) / group) * head_dim, head_dim) *
@@ -344,7 +348,7 @@ class SimdOps : public CpuOps {
           for (int p = 0; p < len; ++p) sc[p] *= inv;
         }
         for (int p = 0; p < len; ++p) {
-          const float* vp = v + static_cast<int64_t>(p) * kv_stride;
+          const float* vp = vt + static_cast<int64_t>(p) * kv_stride;
           for (int h = 0; h < nh; ++h) {
             k_->axpy_f32(scores[h * len + p], vp + ((h0 + h) / group) * head_dim, ot + h * head_dim,
                          head_dim);

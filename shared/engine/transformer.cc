@@ -1,4 +1,7 @@
 // See transformer.h. The pass reads top to bottom like llama2.c's, batched over n tokens.
+// Mistral's sliding window only narrows the cache rows each query attends to (CpuOps::Attention):
+// the cache keeps every position, so prefill chunks, decode steps and reused prefix-cache slots
+// all see the same keys as one whole-sequence pass would.
 #include "shared/engine/transformer.h"
 
 #include <sys/mman.h>
@@ -144,8 +147,8 @@ absl::Status Transformer::Forward(std::span<const int32_t> tokens, int pos0, KvC
     ops_.Rope(k, n, c.n_kv_heads, c.head_dim, positions.data(), inv_freq_.data(),
               c.rope_interleaved);
     ops_.Attention(q_.data(), cache->k_at(l, 0), cache->v_at(l, 0), n, pos0, c.n_heads,
-                   c.n_kv_heads, c.head_dim, att_.data());  // att: [n, q_dim]
-    ops_.MatMul(L.wo, att_.data(), n, xb_.data());          // xb: [n, hidden]
+                   c.n_kv_heads, c.head_dim, c.sliding_window, att_.data());  // att: [n, q_dim]
+    ops_.MatMul(L.wo, att_.data(), n, xb_.data());                            // xb: [n, hidden]
     for (size_t i = 0; i < nh; ++i) x_[i] += xb_[i];
 
     // FFN block.
@@ -224,7 +227,7 @@ absl::Status Transformer::ForwardDecodeBatch(std::span<const DecodeStep> steps) 
       std::copy_n(&k_[static_cast<size_t>(b) * KV], KV, cache->k_at(l, steps[b].pos));
       std::copy_n(&v_[static_cast<size_t>(b) * KV], KV, cache->v_at(l, steps[b].pos));
       ops_.Attention(&q_[static_cast<size_t>(b) * Q], cache->k_at(l, 0), cache->v_at(l, 0), 1,
-                     steps[b].pos, c.n_heads, c.n_kv_heads, c.head_dim,
+                     steps[b].pos, c.n_heads, c.n_kv_heads, c.head_dim, c.sliding_window,
                      &att_[static_cast<size_t>(b) * Q]);  // att: [n, q_dim]
     }
     ops_.MatMulRows(L.wo, rows, H, att_.data(), n, xb_.data());  // xb: [n, hidden]

@@ -35,6 +35,7 @@ absl::Status ModelConfig::Validate() const {
   if (head_dim <= 0 || head_dim % 2 != 0 || head_dim > 1024) return bad("head_dim", head_dim);
   if (ffn_size <= 0 || ffn_size > (1 << 20)) return bad("intermediate_size", ffn_size);
   if (max_context <= 0) return bad("max_position_embeddings", max_context);
+  if (sliding_window < 0) return bad("sliding_window", sliding_window);
   if (!(norm_eps > 0) || !(rope_theta > 0)) {
     return absl::InvalidArgumentError("model config: rms_norm_eps and rope_theta must be > 0");
   }

@@ -38,6 +38,10 @@ struct ModelConfig {
   bool rope_interleaved = false;
   // Qwen2: the q, k and v projections add a bias (LayerWeights::bq, bk, bv).
   bool qkv_bias = false;
+  // Mistral's sliding-window attention: a query at position p attends only to the keys at
+  // positions j with p - sliding_window < j <= p. 0: none (every earlier position), which is also
+  // what a window covering the whole context is stored as.
+  int sliding_window = 0;
   int bos_id = 1;
   int eos_id = 2;
   bool add_bos = true;

@@ -530,6 +530,43 @@ TEST_P(OpsTest, AttentionPrefillAndDecodeWithGqa) {
   }
 }
 
+// Mistral's sliding window: a query at position p sees only the keys j with p - window < j <= p.
+// That is plain causal attention over the cache rows from p - window + 1 on, with the query as
+// the last of them, which is how the expectation is computed; a window covering every earlier
+// position changes nothing.
+TEST_P(OpsTest, AttentionWithSlidingWindow) {
+  const int heads = 6, kv_heads = 2, hd = 16, ctx = 40, row = kv_heads * hd;
+  auto k = Random(ctx * row, rng_), v = Random(ctx * row, rng_);
+  for (int window : {1, 3, 8, 40}) {
+    for (auto [n, pos0] : {std::pair<int, int>{1, 0}, {1, 39}, {8, 0}, {12, 20}}) {
+      auto q = Random(n * heads * hd, rng_);
+      Guarded got(n * heads * hd), want(n * heads * hd), full(n * heads * hd);
+      ops_->Attention(q.data(), k.data(), v.data(), n, pos0, heads, kv_heads, hd, window,
+                      got.data());
+      for (int t = 0; t < n; ++t) {
+        const int pos = pos0 + t, first = std::max(0, pos - window + 1);
+        ref_->Attention(&q[t * heads * hd], &k[first * row], &v[first * row], 1, pos - first, heads,
+                        kv_heads, hd, &want.data()[t * heads * hd]);
+      }
+      ExpectClose(got, want, 1e-10);
+      Guarded windowed(n * heads * hd);
+      ref_->Attention(q.data(), k.data(), v.data(), n, pos0, heads, kv_heads, hd, window,
+                      windowed.data());
+      ExpectClose(windowed, want, 1e-10);
+      ops_->Attention(q.data(), k.data(), v.data(), n, pos0, heads, kv_heads, hd, full.data());
+      if (window >= pos0 + n) {
+        ExpectClose(got, full, 1e-10);
+      } else {
+        float max_diff = 0;
+        for (size_t i = 0; i < got.size(); ++i) {
+          max_diff = std::max(max_diff, std::fabs(got.data()[i] - full.data()[i]));
+        }
+        EXPECT_GT(max_diff, 1e-3f) << "window " << window << " n " << n << " pos0 " << pos0;
+      }
+    }
+  }
+}
+
 TEST_P(OpsTest, GatedActivations) {
   for (Activation act : {Activation::kSilu, Activation::kRelu, Activation::kDRelu}) {
     auto g = Random(100, rng_), u = Random(100, rng_);
