@@ -9,6 +9,8 @@
 //    precision: llama.cpp uses Q6_K there, pinfer Q8_0 (the closest type it computes with).
 //    Matrices whose rows are not a multiple of 32 fall back to F16, as in llama.cpp;
 //  - Llama-3 RoPE scaling as the `rope_freqs` tensor of per-frequency divisors;
+//  - Mistral's sliding window (when shorter than the context) as `llama.attention.sliding_window`,
+//    llama.cpp's key for it;
 //  - the vocabulary as tokenizer.ggml.* keys: tokens, scores and types of a sentencepiece
 //    tokenizer.model ("llama"), or tokens, types, merges and the pre-tokenizer of a byte-level BPE
 //    tokenizer.json ("gpt2", Llama-3 style) when there is no tokenizer.model.
@@ -494,6 +496,9 @@ absl::Status ConvertHuggingFaceToGguf(const std::string& hf_dir, const std::stri
   w.SetU32(arch + ".attention.value_length", static_cast<uint32_t>(c.head_dim));
   w.SetF32(arch + ".attention.layer_norm_rms_epsilon", c.norm_eps);
   w.SetF32(arch + ".rope.freq_base", c.rope_theta);
+  if (c.sliding_window > 0) {
+    w.SetU32(arch + ".attention.sliding_window", static_cast<uint32_t>(c.sliding_window));
+  }
   w.SetString("pinfer.hidden_act", ActivationName(c.activation));
   if (bpe) {
     w.SetString("tokenizer.ggml.model", "gpt2");

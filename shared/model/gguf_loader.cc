@@ -233,6 +233,13 @@ absl::StatusOr<ModelConfig> ConfigFromGguf(const GgufFile& f) {
   }
   ASSIGN_OR_RETURN(c.max_context, GetInt(f, a + "context_length", 2048));
   ASSIGN_OR_RETURN(c.norm_eps, GetFloat(f, a + "attention.layer_norm_rms_epsilon"));
+  // Mistral's sliding window (llama.cpp's key; `pinfer convert` writes it). 0 and windows that
+  // cover the context are none, as in the Hugging Face loader. qwen2 files are left alone: Qwen2's
+  // window covers only some layers and llama.cpp's qwen2 graph ignores the key too.
+  if (c.architecture != "qwen2") {
+    ASSIGN_OR_RETURN(int window, GetInt(f, a + "attention.sliding_window", 0));
+    c.sliding_window = window < c.max_context ? window : 0;
+  }
   ASSIGN_OR_RETURN(c.rope_theta, GetFloat(f, a + "rope.freq_base", 10000.f));
 
   // Linear RoPE scaling (positions divided by `factor`) is every frequency divided by `factor`:

@@ -72,20 +72,20 @@ absl::StatusOr<ModelConfig> ParseHuggingFaceConfig(absl::string_view text) {
     // transformers' Llama does.
     c.architecture = "qwen2";
     c.qkv_bias = true;
+    // Qwen2's window applies only to the layers from max_window_layers on (a per-layer window the
+    // engine does not have), so it stays refused; Mistral's below applies to every layer.
     if (flag("use_sliding_window")) {
       return ConfigError("use_sliding_window (sliding-window attention) is not supported");
     }
   }
-  // MistralForCausalLM is Llama's network with an optional sliding window; a window that covers
-  // the whole context (or none, as from Mistral-7B-v0.2 on) changes nothing.
+  // MistralForCausalLM is Llama's network with an optional sliding window. A window that covers
+  // the whole context (or none, as from Mistral-7B-v0.2 on) changes nothing and is stored as 0,
+  // so that a checkpoint and its GGUF agree whichever way the window was written.
   if (model_type == "mistral" && j.contains("sliding_window") && !j["sliding_window"].is_null()) {
     ASSIGN_OR_RETURN(int window, GetInt(j, "sliding_window"));
     ASSIGN_OR_RETURN(int context, GetInt(j, "max_position_embeddings", 2048));
-    if (window < context) {
-      return ConfigError(absl::StrCat("sliding_window ", window,
-                                      " (sliding-window attention over a context of ", context,
-                                      ") is not supported"));
-    }
+    if (window <= 0) return ConfigError(absl::StrCat("sliding_window ", window, " must be > 0"));
+    if (window < context) c.sliding_window = window;
   }
   // Llama's optional biases (o_proj included, or the MLP's) are not computed: refuse them by name
   // rather than ignore weights.

@@ -8,6 +8,11 @@ safetensors, vocabulary sizes), runs `pinfer generate --json --logits`, and comp
 logits and the greedy tokens with a plain float64 NumPy implementation written from the
 transformers definition of LlamaForCausalLM.
 
+Mistral cases (MistralForCausalLM: Llama's network with a sliding window) use a window shorter than
+the prompt, check that the NumPy reference with the window differs from the one without (so the
+window is really exercised), compare pinfer with the windowed reference, and do the same for the
+GGUF that `pinfer convert` writes from the directory.
+
 usage: model_family_test.py PINFER_BINARY TOKENIZER_MODEL
 """
 import json
@@ -22,6 +27,7 @@ import tempfile
 import numpy as np
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
+NEW_TOKENS = 8
 
 
 def bf16_bytes(a):
@@ -139,6 +145,10 @@ def forward(w, cfg, ids):
         k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
         s = np.einsum("thd,shd->hts", q, k) / math.sqrt(hd)
         s = s + np.triu(np.full((T, T), -np.inf), 1)[None]
+        window = cfg.get("sliding_window") if cfg.get("model_type") == "mistral" else None
+        if window is not None and window < cfg["max_position_embeddings"]:
+            # transformers' Mistral mask keeps key j for query p only when j > p - sliding_window.
+            s = s + np.tril(np.full((T, T), -np.inf), -window)[None]
         s = np.exp(s - s.max(-1, keepdims=True))
         s /= s.sum(-1, keepdims=True)
         o = np.einsum("hts,shd->thd", s, v).reshape(T, nh * hd)
@@ -157,6 +167,8 @@ def forward(w, cfg, ids):
     return x @ head.T
 
 
+MISTRAL = dict(architectures=["MistralForCausalLM"], model_type="mistral")
+
 CASES = [
     # name, config overrides, dtype, shards
     ("gqa4_silu_llama3_rope", dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
@@ -166,12 +178,59 @@ CASES = [
       hidden_act="relu", tie_word_embeddings=True, rope_theta=10000.0, vocab_size=4096), "BF16", 1),
     ("drelu_headdim_sharded_f16", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
       hidden_act="drelu", rope_parameters=dict(rope_theta=1000.0, rope_type="default"), vocab_size=4200), "F16", 3),
+    ("mistral_window4_gqa_silu", dict(MISTRAL, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+      head_dim=8, hidden_act="silu", rope_theta=10000.0, sliding_window=4, vocab_size=4096), "F32", 1),
+    ("mistral_window8_bf16", dict(MISTRAL, hidden_size=48, num_attention_heads=4, num_key_value_heads=4,
+      head_dim=12, hidden_act="silu", rope_theta=1000000.0, sliding_window=8, vocab_size=4096), "BF16", 1),
 ]
+
+
+def greedy_ids(w, cfg, ids, n):
+    seq, out = list(ids), []
+    for _ in range(n):
+        nxt = int(np.argmax(forward(w, cfg, seq)[-1]))
+        out.append(nxt)
+        seq.append(nxt)
+    return out
+
+
+def check(name, pinfer, model, w, cfg, window_check=True):
+    """Runs pinfer on `model` (a directory or a GGUF) against the reference; returns True if equal.
+    With a sliding window (and window_check), also that the window changes the reference."""
+    out = subprocess.run([pinfer, "generate", "--model", model, "--prompt", PROMPT, "--max-tokens", str(NEW_TOKENS),
+                          "--json", "--logits"], capture_output=True, text=True)
+    if out.returncode != 0:
+        print(f"FAIL {name}: pinfer exited {out.returncode}: {out.stderr}")
+        return False
+    got = json.loads(out.stdout)
+    ids = got["prompt_ids"]
+    want_last = forward(w, cfg, ids)[-1]
+    err = np.abs(np.array(got["last_prompt_logits"]) - want_last).max() / np.abs(want_last).max()
+    greedy = greedy_ids(w, cfg, ids, NEW_TOKENS)
+    ok = err <= 1e-4 and greedy == got["generated_ids"]
+    verdict = "equal" if greedy == got["generated_ids"] else f"{got['generated_ids']} != {greedy}"
+    print(f"{'ok  ' if ok else 'FAIL'} {name}: max logit error {err:.2e} (relative to max |logit|), "
+          f"greedy {verdict}")
+    if ok and window_check and cfg.get("sliding_window"):
+        # The window must matter for this prompt: without it the reference differs clearly.
+        if len(ids) + NEW_TOKENS <= cfg["sliding_window"]:
+            print(f"FAIL {name}: the window {cfg['sliding_window']} covers all {len(ids) + NEW_TOKENS} positions")
+            return False
+        plain = {k: v for k, v in cfg.items() if k != "sliding_window"}
+        full_last = forward(w, plain, ids)[-1]
+        diff = np.abs(full_last - want_last).max() / np.abs(want_last).max()
+        full_greedy = greedy_ids(w, plain, ids, NEW_TOKENS)
+        if diff < 0.05 and full_greedy == greedy:
+            print(f"FAIL {name}: the window changes the reference too little (logits {diff:.2e}, same greedy)")
+            return False
+        print(f"ok   {name}: without the window the reference's last logits differ by {diff:.2e} and its greedy "
+              f"tokens {'differ' if full_greedy != greedy else 'agree'}")
+    return ok
 
 
 def main():
     pinfer, spm = sys.argv[1], sys.argv[2]
-    failures = 0
+    failures, checks = 0, 0
     for i, (name, over, dtype, shards) in enumerate(CASES):
         cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", intermediate_size=96,
                    num_hidden_layers=2, rms_norm_eps=1e-5, max_position_embeddings=256, bos_token_id=1,
@@ -181,30 +240,22 @@ def main():
         try:
             w = make_model(d, cfg, dtype, shards, seed=100 + i)
             shutil.copy(spm, os.path.join(d, "tokenizer.model"))
-            out = subprocess.run([pinfer, "generate", "--model", d, "--prompt", PROMPT, "--max-tokens", "8",
-                                  "--json", "--logits"], capture_output=True, text=True)
-            if out.returncode != 0:
-                print(f"FAIL {name}: pinfer exited {out.returncode}: {out.stderr}")
-                failures += 1
-                continue
-            got = json.loads(out.stdout)
-            ids = got["prompt_ids"]
-            logits = forward(w, cfg, ids)
-            want_last = logits[-1]
-            err = np.abs(np.array(got["last_prompt_logits"]) - want_last).max() / np.abs(want_last).max()
-            seq, greedy = list(ids), []
-            for _ in range(8):
-                nxt = int(np.argmax(forward(w, cfg, seq)[-1]))
-                greedy.append(nxt)
-                seq.append(nxt)
-            ok = err <= 1e-4 and greedy == got["generated_ids"]
-            verdict = "equal" if greedy == got["generated_ids"] else f"{got['generated_ids']} != {greedy}"
-            print(f"{'ok  ' if ok else 'FAIL'} {name}: max logit error {err:.2e} (relative to max |logit|), "
-                  f"greedy {verdict}")
-            failures += 0 if ok else 1
+            checks += 1
+            failures += 0 if check(name, pinfer, d, w, cfg) else 1
+            if cfg.get("sliding_window"):
+                # The GGUF that `pinfer convert` writes carries the window (llama.attention.sliding_window).
+                gguf = os.path.join(d, "model.gguf")
+                conv = subprocess.run([pinfer, "convert", "--model", d, "--out", gguf, "--type", "f32"],
+                                      capture_output=True, text=True)
+                checks += 1
+                if conv.returncode != 0:
+                    print(f"FAIL {name} gguf: pinfer convert exited {conv.returncode}: {conv.stderr}")
+                    failures += 1
+                else:
+                    failures += 0 if check(name + " gguf", pinfer, gguf, w, cfg, window_check=False) else 1
         finally:
             shutil.rmtree(d)
-    print(f"{len(CASES) - failures} passed, {failures} failed")
+    print(f"{checks - failures} passed, {failures} failed")
     return 1 if failures else 0
 
 

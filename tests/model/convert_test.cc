@@ -1,7 +1,8 @@
 // `pinfer convert` on relu-llama-tiny: the F32 GGUF (llama.cpp's layout: Q/K rows permuted for
 // pairwise RoPE) must give the Hugging Face directory's logits and the transformers reference's
 // greedy tokens; Q8_0 and Q4_0 must stay within 1% and 6% of the reference held-out perplexity
-// over the whole file; tied embeddings and Llama-3 RoPE scaling survive the round trip.
+// over the whole file; tied embeddings, Llama-3 RoPE scaling and Mistral's sliding window survive
+// the round trip.
 #include <sys/wait.h>
 
 #include <cmath>
@@ -290,6 +291,37 @@ TEST(ConvertTest, Llama3RopeScalingRoundTrip) {
   }
   EXPECT_GE(blended, 2);
   ExpectSameLogits(dir, path);
+}
+
+// Mistral's sliding window goes into the GGUF as llama.cpp's key and comes back as the same
+// window, so both files compute the same logits (prompt 7 is longer than the window, so it
+// matters); a model without a window writes no key.
+TEST(ConvertTest, MistralSlidingWindowRoundTrip) {
+  const std::string dir = VariantDir("mistral", [](nlohmann::json& c) {
+    c["model_type"] = "mistral";
+    c["architectures"] = {"MistralForCausalLM"};
+    c["sliding_window"] = 4;
+  });
+  const std::string path = Convert(GgmlType::kF32, "mistral.gguf", dir);
+  auto file = GgufFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  auto window = (*file)->GetU32("llama.attention.sliding_window");
+  ASSERT_TRUE(window.ok()) << window.status();
+  EXPECT_EQ(*window, 4u);
+  auto gguf = LoadModel(path);
+  ASSERT_TRUE(gguf.ok()) << gguf.status();
+  EXPECT_EQ((*gguf)->config.sliding_window, 4);
+  ExpectSameLogits(dir, path);
+  auto plain = LoadModel(kHfDir);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  auto ops = NewSimdOps(nullptr);
+  const std::vector<int32_t> ids = Reference()["prompts"][7]["input_ids"];
+  ASSERT_GT(ids.size(), 4u);
+  EXPECT_GT(RelativeError(LastLogits(**gguf, *ops, ids), LastLogits(**plain, *ops, ids)), 1e-2f);
+
+  auto unwindowed = GgufFile::Open(Convert(GgmlType::kF32, "tiny-no-window.gguf"));
+  ASSERT_TRUE(unwindowed.ok());
+  EXPECT_FALSE((*unwindowed)->HasKey("llama.attention.sliding_window"));
 }
 
 int RunPinfer(const std::string& args) {

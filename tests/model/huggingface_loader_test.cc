@@ -198,14 +198,28 @@ TEST(HuggingFaceConfigTest, MalformedConfigs) {
   c = TinyConfig();
   c["model_type"] = "mistral";
   c["max_position_embeddings"] = 32768;
-  c["sliding_window"] = 4096;
-  ExpectConfigError(c, "sliding_window 4096 (sliding-window attention over a context of 32768)");
+  c["sliding_window"] = 4096;  // Mistral-7B-v0.1: a window shorter than the context
+  auto windowed = ParseHuggingFaceConfig(c.dump());
+  ASSERT_TRUE(windowed.ok()) << windowed.status();
+  EXPECT_EQ(windowed->sliding_window, 4096);
+  EXPECT_EQ(windowed->architecture, "llama");
   c["sliding_window"] = "wide";
   ExpectConfigError(c, "'sliding_window' is not an integer");
+  c["sliding_window"] = 0;
+  ExpectConfigError(c, "sliding_window 0 must be > 0");
   c["sliding_window"] = nullptr;  // Mistral-7B-v0.2 and later: Llama's network
-  EXPECT_TRUE(ParseHuggingFaceConfig(c.dump()).ok());
-  c["sliding_window"] = 32768;
-  EXPECT_TRUE(ParseHuggingFaceConfig(c.dump()).ok());
+  auto unwindowed = ParseHuggingFaceConfig(c.dump());
+  ASSERT_TRUE(unwindowed.ok()) << unwindowed.status();
+  EXPECT_EQ(unwindowed->sliding_window, 0);
+  c["sliding_window"] = 32768;  // covers the context: no window
+  unwindowed = ParseHuggingFaceConfig(c.dump());
+  ASSERT_TRUE(unwindowed.ok()) << unwindowed.status();
+  EXPECT_EQ(unwindowed->sliding_window, 0);
+  c["model_type"] = "llama";  // only Mistral's sliding_window means a window
+  c["sliding_window"] = 4096;
+  unwindowed = ParseHuggingFaceConfig(c.dump());
+  ASSERT_TRUE(unwindowed.ok()) << unwindowed.status();
+  EXPECT_EQ(unwindowed->sliding_window, 0);
   c = TinyConfig();
   c["model_type"] = "qwen2";
   c["use_sliding_window"] = "yes";  // not a boolean: not a window either, and no exception
