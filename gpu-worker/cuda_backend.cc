@@ -412,6 +412,12 @@ absl::Status CheckModuleTypes(const Model& model) {
         "the model's attention has q/k/v biases (", model.config.architecture,
         "), which the CUDA module does not compute; run the gpu-worker with --backend cpu"));
   }
+  if (model.config.sliding_window > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the model's attention has a sliding window of ", model.config.sliding_window,
+        " positions (Mistral), which the CUDA module does not compute; run the gpu-worker with "
+        "--backend cpu"));
+  }
   auto check = [](const TensorView& t, const std::string& name) -> absl::Status {
     if (t.data == nullptr) return absl::OkStatus();
     switch (t.dtype) {

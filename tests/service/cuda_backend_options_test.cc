@@ -50,5 +50,17 @@ TEST(CudaBackendOptionsTest, RefusesTypesTheModuleDoesNotCompute) {
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("blk.2.ffn_up"));
 }
 
+// Mistral's sliding window is computed on the CPU only: a model with one is refused naming it,
+// before the module is opened, so --backend auto falls back to the CPU.
+TEST(CudaBackendOptionsTest, RefusesASlidingWindow) {
+  auto model = LoadModel(std::string(PINFER_MODELS_DIR) + "/relu-llama-tiny");
+  ASSERT_TRUE(model.ok()) << model.status();
+  (*model)->config.sliding_window = 4096;
+  const absl::Status st = CudaModuleComputes(**model);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("sliding window of 4096 positions"));
+  EXPECT_THAT(std::string(st.message()), HasSubstr("--backend cpu"));
+}
+
 }  // namespace
 }  // namespace pinfer::gpuworker
