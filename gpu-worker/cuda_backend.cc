@@ -404,8 +404,7 @@ absl::StatusOr<Module> OpenModule(const std::string& module_path) {
 
 // Everything but the FFN rows: those depend on the placement.
 // The module computes the types of cuda::HostType, whose values equal DType's for those types.
-// K-quant tensors (which the CPU engine computes) have no CUDA kernels yet: refuse them by name
-// rather than hand the module a type value it does not know.
+// Any other type is refused by name rather than handed to the module as a value it does not know.
 absl::Status CheckModuleTypes(const Model& model) {
   if (model.config.qkv_bias) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -426,12 +425,16 @@ absl::Status CheckModuleTypes(const Model& model) {
       case DType::kBF16:
       case DType::kQ8_0:
       case DType::kQ4_0:
+      case DType::kQ4_K:
+      case DType::kQ5_K:
+      case DType::kQ6_K:
         return absl::OkStatus();
       default:
         return absl::FailedPreconditionError(absl::StrCat(
             "tensor '", name, "' is ", DTypeName(t.dtype),
-            ", which the CUDA module does not compute (it computes F32, F16, BF16, Q8_0 and "
-            "Q4_0); run the gpu-worker with --backend cpu or convert the model to one of those"));
+            ", which the CUDA module does not compute (it computes F32, F16, BF16, Q8_0, Q4_0, "
+            "Q4_K, Q5_K and Q6_K); run the gpu-worker with --backend cpu or convert the model to "
+            "one of those"));
     }
   };
   RETURN_IF_ERROR(check(model.tok_embeddings, "token_embd"));

@@ -78,21 +78,20 @@ bool ParseNumberFlag(const std::string& a, const NumberFlags& flags) {
 }
 
 bool ParseSharedFlag(const std::string& a, BenchOptions* o) {
-  const NumberFlags numbers = {
-      {{"--layers=", &o->layers},
-       {"--hidden=", &o->hidden},
-       {"--ffn=", &o->ffn},
-       {"--heads=", &o->heads},
-       {"--kv-heads=", &o->kv_heads},
-       {"--vocab=", &o->vocab},
-       {"--pred-rank=", &o->pred_rank},
-       {"--steps=", &o->steps},
-       {"--warmup=", &o->warmup},
-       {"--threads=", &o->threads},
-       {"--rounds=", &o->rounds}},
-      {{"--budget-fraction=", &o->budget_fraction},
-       {"--budget-gb=", &o->budget_gb},
-       {"--active=", &o->active}}};
+  const NumberFlags numbers = {{{"--layers=", &o->layers},
+                                {"--hidden=", &o->hidden},
+                                {"--ffn=", &o->ffn},
+                                {"--heads=", &o->heads},
+                                {"--kv-heads=", &o->kv_heads},
+                                {"--vocab=", &o->vocab},
+                                {"--pred-rank=", &o->pred_rank},
+                                {"--steps=", &o->steps},
+                                {"--warmup=", &o->warmup},
+                                {"--threads=", &o->threads},
+                                {"--rounds=", &o->rounds}},
+                               {{"--budget-fraction=", &o->budget_fraction},
+                                {"--budget-gb=", &o->budget_gb},
+                                {"--active=", &o->active}}};
   if (ParseNumberFlag(a, numbers)) return true;
   if (const char* v = FlagValue(a, "--dtype=")) {
     o->dtype = v;
@@ -115,8 +114,8 @@ bool ParseFlags(int argc, char** argv, BenchOptions* o,
       return false;
     }
   }
-  if (o->dtype != "F16" && o->dtype != "Q4_0") {
-    std::fprintf(stderr, "--dtype must be F16 or Q4_0\n");
+  if (o->dtype != "F16" && o->dtype != "Q4_0" && o->dtype != "Q4_K" && o->dtype != "Q6_K") {
+    std::fprintf(stderr, "--dtype must be F16, Q4_0, Q4_K or Q6_K\n");
     return false;
   }
   if (o->rounds < 1 || o->rounds > 100) {
@@ -203,6 +202,19 @@ void FillRandom(DType t, uint8_t* p, size_t bytes, uint64_t seed, ThreadPool& po
       }
     });
   }
+  if (t == DType::kQ4_K || t == DType::kQ6_K) {
+    // K super-blocks: random quants and sub-block scales, the fp16 scales of the scales (and of
+    // the mins) fixed to small sane values, so no value is Inf or NaN.
+    const size_t bb = RowBytes(t, kSuperBlock), blocks = bytes / bb;
+    pool.ParallelFor(static_cast<int64_t>(blocks), 1 << 14, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        uint8_t* blk = p + i * bb;
+        uint16_t* d = reinterpret_cast<uint16_t*>(t == DType::kQ4_K ? blk : blk + 208);
+        d[0] = static_cast<uint16_t>(0x1000 | (d[0] & 0xff));  // ~0.0005 times a 6-bit scale
+        if (t == DType::kQ4_K) d[1] = static_cast<uint16_t>(0x1000 | (d[1] & 0xff));
+      }
+    });
+  }
 }
 
 size_t SynthModel::AttnBytes() const {
@@ -229,7 +241,8 @@ TensorView View(DType t, int64_t rows, int64_t cols, const Buffer& b) {
 
 std::unique_ptr<SynthModel> BuildModel(const BenchOptions& o, ThreadPool& pool) {
   auto m = std::make_unique<SynthModel>();
-  m->dtype = o.dtype == "Q4_0" ? DType::kQ4_0 : DType::kF16;
+  auto parsed = DTypeFromName(o.dtype);
+  m->dtype = parsed.ok() ? *parsed : DType::kF16;
   m->config = ModelConfig{.vocab_size = o.vocab,
                           .hidden_size = o.hidden,
                           .n_layers = o.layers,
@@ -645,9 +658,8 @@ void PrintModel(const BenchOptions& o, const SynthModel& m, double build_s) {
       "model: %d layers, hidden %d, ffn %d, heads %d (kv %d), vocab %d, %s: %.2f GB (+ predictors "
       "rank %d: %.2f GB); VRAM budget %.2f GB; built in %.1f s\n",
       c.n_layers, c.hidden_size, c.ffn_size, c.n_heads, c.n_kv_heads, c.vocab_size,
-      DTypeName(m.dtype).data(),
-      m.ModelBytes() / 1e9, m.pred_rank, c.n_layers * m.PredBytes() / 1e9,
-      o.Budget(m.ModelBytes()) / 1e9, build_s);
+      DTypeName(m.dtype).data(), m.ModelBytes() / 1e9, m.pred_rank,
+      c.n_layers * m.PredBytes() / 1e9, o.Budget(m.ModelBytes()) / 1e9, build_s);
 }
 
 void PrintBandwidths(const char* when, DType dtype, int threads, const Bandwidths& bw) {

@@ -5,9 +5,9 @@
 // kernel_bench.cc) measures one thing with these, so that they all run the same model and the
 // same cold side.
 //
-// The model: random weights (F16 or Q4_0) of the real shapes, and per-token activation masks
-// drawn from a profile instead of a trained predictor (the predictors still run on the GPU so that
-// their cost counts; their output is replaced by the mask). Profile: per layer the neurons are
+// The model: random weights (F16, Q4_0, Q4_K or Q6_K) of the real shapes, and per-token activation
+// masks drawn from a profile instead of a trained predictor (the predictors still run on the GPU so
+// that their cost counts; their output is replaced by the mask). Profile: per layer the neurons are
 // ranked by a random permutation; the top `skew` fraction ("hot tier") are active with
 // probability p_hot = 0.8 * active / skew and the rest with p_cold = 0.2 * active / (1 - skew), so
 // on average `active` of the neurons fire per token and the hot tier takes 80% of activations
@@ -101,7 +101,8 @@ struct Buffer {
 };
 
 // Random weights in the stored type. F16: magnitudes 2^-7..2^-4 with random sign and mantissa;
-// Q4_0: scale ~0.004, random nibbles. Filled in parallel.
+// Q4_0: scale ~0.004, random nibbles; Q4_K / Q6_K: random quants and sub-block scales under small
+// fp16 super-block scales. Filled in parallel.
 void FillRandom(DType t, uint8_t* p, size_t bytes, uint64_t seed, ThreadPool& pool);
 
 struct SynthLayer {

@@ -43,7 +43,16 @@ struct BackendStatus {
 };
 
 // Stored element types, numbered as pinfer::DType.
-enum class HostType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kQ8_0 = 3, kQ4_0 = 4 };
+enum class HostType : int {
+  kF32 = 0,
+  kF16 = 1,
+  kBF16 = 2,
+  kQ8_0 = 3,
+  kQ4_0 = 4,
+  kQ4_K = 5,
+  kQ5_K = 6,
+  kQ6_K = 7
+};
 
 // A row-major host matrix [rows, cols] in a stored type (ggml block layouts for Q8_0/Q4_0). A
 // vector is rows = 1. Only read during Create.

@@ -62,8 +62,10 @@ struct DeviceLayer {
   FfnPlacement ffn = FfnPlacement::kNone;
   float* attn_norm = nullptr;
   float* ffn_norm = nullptr;
-  DeviceMatrix wqkv, wo;                // wqkv: rows of wq, wk, wv stacked (one projection)
-  DeviceMatrix gate_up;                 // kDense: rows of gate then up stacked
+  DeviceMatrix wqkv, wo;  // wqkv: rows of wq, wk, wv stacked (one projection)
+  DeviceMatrix gate_up;   // kDense: rows of gate then up stacked
+  // Where the stacked parts differ in type: each on its own (wqkv / gate_up hold no data).
+  std::vector<DeviceMatrix> wqkv_parts, gate_up_parts;
   DeviceMatrix gate, up, down, down_t;  // kHot: compact hot rows (gate, up, down_t)
   int n_hot = 0;
   int32_t* hot_ids = nullptr;  // device [n_hot] global ids
@@ -162,11 +164,16 @@ class CudaBackend : public Backend {
   // Uploads matrices of one type and width as one, rows stacked in order.
   // Block formats go to the split layout (kernels.h) unless PINFER_CUDA_REPACK=0.
   BackendStatus MaybeSplit(DeviceMatrix* d, int64_t extra_rows = 0);
+  // Parts of different types (a K-quant mix's attn_v at a higher type than attn_q) are uploaded
+  // one by one into *separate, and *out then has the stacked shape and no data.
   BackendStatus UploadStacked(const std::vector<const HostMatrix*>& parts, const char* name,
-                              DeviceMatrix* out);
+                              DeviceMatrix* out, std::vector<DeviceMatrix>* separate);
   // y: [n, ldy] = x: [n, w.cols] @ w^T
   BackendStatus Proj(const DeviceMatrix& w, const float* x, int n, float* y, int ldy,
                      const void* x_qx = nullptr);
+  // The same over a stacked projection: one product, or one a part into its rows of y.
+  BackendStatus ProjStacked(const DeviceMatrix& w, const std::vector<DeviceMatrix>& separate,
+                            const float* x, int n, float* y, int ldy, const void* x_qx);
   // xb_ / up_ quantized by the kernel that writes them (see QxBytes), for small steps of a
   // model with block-format weights; null otherwise (the products then quantize for themselves).
   void* XbQx(int n) const { return qx_on_ && n <= kSmallBatch ? xb_qx_ : nullptr; }
@@ -294,7 +301,8 @@ class CudaBackend : public Backend {
   float* x_alt_ = nullptr;
   bool FusesNorms(const DeviceLayer& L, int n, const float* pend2) const {
     return x_alt_ != nullptr && n == 1 && pend2 == nullptr && L.ffn == FfnPlacement::kDense &&
-           AttQx(1) != nullptr && NormMatVecFits(L.wqkv) && NormMatVecFits(L.gate_up);
+           AttQx(1) != nullptr && L.wqkv_parts.empty() && L.gate_up_parts.empty() &&
+           NormMatVecFits(L.wqkv) && NormMatVecFits(L.gate_up);
   }
   // [kSmallBatch, QxBytes(q_dim)], where the attention quantizes its output for the output
   // projection (PINFER_CUDA_ATTN_QX=0: null, the projection does it, for comparison).

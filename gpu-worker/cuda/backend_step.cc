@@ -36,6 +36,18 @@ BackendStatus CudaBackend::Proj(const DeviceMatrix& w, const float* x, int n, fl
   return Ok();
 }
 
+BackendStatus CudaBackend::ProjStacked(const DeviceMatrix& w,
+                                       const std::vector<DeviceMatrix>& separate, const float* x,
+                                       int n, float* y, int ldy, const void* x_qx) {
+  if (separate.empty()) return Proj(w, x, n, y, ldy, x_qx);
+  int64_t row0 = 0;
+  for (const DeviceMatrix& part : separate) {
+    BACKEND_RETURN_IF_ERROR(Proj(part, x, n, y + row0, ldy, x_qx));
+    row0 += part.rows;
+  }
+  return Ok();
+}
+
 // Inside a stream capture a plain cudaEventRecord only orders streams; the External flag makes it
 // a node that records the event on every replay, so the host can wait on it.
 cudaError_t CudaBackend::RecordEvent(cudaEvent_t e, cudaStream_t s) {
@@ -242,7 +254,8 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
   } else {
     CUDA_RETURN_IF_ERROR(RmsNorm(x_, L.attn_norm, n, H, c.norm_eps, xb_, stream_, XbQx(n)));
   }
-  BACKEND_RETURN_IF_ERROR(Proj(L.wqkv, xb_, n, qkv_, qdim + 2 * kvdim, XbQx(n)));  // [n, q + 2 kv]
+  BACKEND_RETURN_IF_ERROR(ProjStacked(L.wqkv, L.wqkv_parts, xb_, n, qkv_, qdim + 2 * kvdim,
+                                      XbQx(n)));  // [n, q + 2 kv]
   CUDA_RETURN_IF_ERROR(RopeQkvToCache(qkv_, n, c.n_heads, c.n_kv_heads, c.head_dim, positions_dev_,
                                       inv_freq_, c.rope_interleaved, q_, k_seq, v_seq,
                                       stream_));  // q: [n, q_dim]; k, v into the cache
@@ -265,7 +278,8 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
   }
   if (L.ffn == FfnPlacement::kDense) {
     if (collect_gpu_times_) CUDA_RETURN_IF_ERROR(RecordEvent(ev_hot0_[l]));
-    BACKEND_RETURN_IF_ERROR(Proj(L.gate_up, xb_, n, gate_, 2 * F, XbQx(n)));  // [n, 2 ffn]
+    BACKEND_RETURN_IF_ERROR(ProjStacked(L.gate_up, L.gate_up_parts, xb_, n, gate_, 2 * F,
+                                        XbQx(n)));  // [n, 2 ffn]
     CUDA_RETURN_IF_ERROR(
         GatedActivationPacked(act, gate_, n, F, up_, stream_, UpQx(n)));  // [n, ffn]
     BACKEND_RETURN_IF_ERROR(Proj(L.down, up_, n, hot_out_, H, UpQx(n)));  // [n, hidden]

@@ -186,15 +186,27 @@ BackendStatus CudaBackend::UploadVector(const HostMatrix& h, int64_t expect, con
 }
 
 BackendStatus CudaBackend::UploadStacked(const std::vector<const HostMatrix*>& parts,
-                                         const char* name, DeviceMatrix* out) {
+                                         const char* name, DeviceMatrix* out,
+                                         std::vector<DeviceMatrix>* separate) {
   DeviceMatrix d;
   d.type = static_cast<WType>(parts[0]->type);
   d.cols = parts[0]->cols;
+  bool one_type = true;
   for (const HostMatrix* p : parts) {
-    if (p->empty() || p->type != parts[0]->type || p->cols != d.cols) {
-      return Error(Code::kInvalidArgument, std::string(name) + ": parts differ in type or width");
+    if (p->empty() || p->cols != d.cols) {
+      return Error(Code::kInvalidArgument, std::string(name) + ": parts differ in width");
     }
+    one_type = one_type && p->type == parts[0]->type;
     d.rows += p->rows;
+  }
+  separate->clear();
+  if (!one_type) {
+    for (const HostMatrix* p : parts) {
+      separate->emplace_back();
+      BACKEND_RETURN_IF_ERROR(UploadMatrix(*p, nullptr, name, &separate->back()));
+    }
+    *out = d;  // the stacked shape, no data
+    return Ok();
   }
   d.data = reinterpret_cast<const void*>(16);
   if (CheckMatrixShape(d) != cudaSuccess) {
@@ -348,13 +360,15 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
         u.wq.cols != H || u.wo.cols != qdim) {
       return Error(Code::kInvalidArgument, "layer " + std::to_string(l) + ": attention shapes");
     }
-    BACKEND_RETURN_IF_ERROR(UploadStacked({&u.wq, &u.wk, &u.wv}, "wq/wk/wv", &d.wqkv));
+    BACKEND_RETURN_IF_ERROR(
+        UploadStacked({&u.wq, &u.wk, &u.wv}, "wq/wk/wv", &d.wqkv, &d.wqkv_parts));
     BACKEND_RETURN_IF_ERROR(UploadMatrix(u.wo, nullptr, "wo", &d.wo));
     if (u.ffn == FfnPlacement::kDense) {
       if (u.gate.rows != F || u.up.rows != F || u.down.rows != H || u.down.cols != F) {
         return Error(Code::kInvalidArgument, "layer " + std::to_string(l) + ": FFN shapes");
       }
-      BACKEND_RETURN_IF_ERROR(UploadStacked({&u.gate, &u.up}, "gate/up", &d.gate_up));
+      BACKEND_RETURN_IF_ERROR(
+          UploadStacked({&u.gate, &u.up}, "gate/up", &d.gate_up, &d.gate_up_parts));
       BACKEND_RETURN_IF_ERROR(UploadMatrix(u.down, nullptr, "down", &d.down));
       d.n_hot = F;
       if (d.down.rows != H) {
@@ -435,6 +449,9 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
          {&d.wqkv, &d.wo, &d.gate_up, &d.gate, &d.up, &d.down, &d.down_t, &d.fc1, &d.fc2}) {
       if (w->data != nullptr) w_half = std::max(w_half, GemmWeightScratchBytes(*w));
     }
+    for (const auto* parts : {&d.wqkv_parts, &d.gate_up_parts}) {
+      for (const DeviceMatrix& w : *parts) w_half = std::max(w_half, GemmWeightScratchBytes(w));
+    }
   }
   widest = std::max<int64_t>(widest, max_rank_);
   bool any_cache = false;
@@ -489,7 +506,10 @@ BackendStatus CudaBackend::AllocateScratch() {
   BACKEND_RETURN_IF_ERROR(Alloc(bf, &up_));
   for (const DeviceLayer& L : layers_) {
     for (const DeviceMatrix* m : {&L.wqkv, &L.wo, &L.gate_up, &L.down, &L.gate, &L.up, &L.fc1}) {
-      qx_on_ = qx_on_ || m->split();
+      qx_on_ = qx_on_ || m->split() || IsKQuant(m->type);
+    }
+    for (const auto* parts : {&L.wqkv_parts, &L.gate_up_parts}) {
+      for (const DeviceMatrix& m : *parts) qx_on_ = qx_on_ || m.split() || IsKQuant(m.type);
     }
   }
   const char* producer_qx = std::getenv("PINFER_CUDA_PRODUCER_QX");  // 0: off (benchmarks)

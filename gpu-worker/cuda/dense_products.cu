@@ -1,8 +1,9 @@
-// The dense matrix-vector products over F32/F16/BF16/Q8_0/Q4_0 rows (MatVecRows and the fused
-// NormMatVec, NormMatVecRope, NormMatVecGated) with their kernels: warp-per-row and block-per-row
-// over ggml rows, the split layout's float and int8 (quantized x) kernels, the register-held-x
-// int8 kernel, and the repack of GGUF blocks into the split layout. It is one file of about 1,200
-// lines because MatVecLaunch instantiates every kernel template for each weight type.
+// The dense matrix-vector products over F32/F16/BF16/Q8_0/Q4_0 rows (K-quants: kquant_products.cu)
+// (MatVecRows and the fused NormMatVec, NormMatVecRope, NormMatVecGated) with their kernels:
+// warp-per-row and block-per-row over ggml rows, the split layout's float and int8 (quantized x)
+// kernels, the register-held-x int8 kernel, and the repack of GGUF blocks into the split layout. It
+// is one file of about 1,200 lines because MatVecLaunch instantiates every kernel template for each
+// weight type.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -15,8 +16,8 @@
 #include <utility>
 
 #include "gpu-worker/cuda/kernel_common.cuh"
-#include "gpu-worker/cuda/norm_rope.cuh"
 #include "gpu-worker/cuda/kernels.h"
+#include "gpu-worker/cuda/norm_rope.cuh"
 
 namespace pinfer {
 namespace cuda {
@@ -101,7 +102,6 @@ __global__ void __launch_bounds__(kRowWarps* kWarp)
 // blocks are only 2-byte aligned in global memory), then dequantized from there.
 
 constexpr int kMvThreads = 128;
-
 
 template <WType T, int NT>
 __global__ void __launch_bounds__(kMvThreads)
@@ -281,7 +281,6 @@ __global__ void __launch_bounds__(kMvThreads)
     }
   }
 }
-
 
 // Matrix-vector over a split matrix: each warp takes kSplitRows rows and sweeps their blocks
 // with its 32 lanes; a lane loads the 32 x values of a block once (from L1) and uses them for
@@ -790,7 +789,6 @@ __global__ void RepackSplitKernel(const uint8_t* __restrict__ src, int64_t rows,
 
 }  // namespace
 
-
 namespace {
 
 cudaError_t LaunchRepackSplit(const DeviceMatrix& src, const DeviceMatrix& dst, int64_t row0,
@@ -1044,6 +1042,7 @@ cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
   if (n_rows <= 0 || n <= 0) return cudaSuccess;
   cudaError_t e = CheckMatrixShape(w);
   if (e != cudaSuccess) return e;
+  if (IsKQuant(w.type)) return MatVecRowsK(w, rows, n_rows, dev_count, x, n, y, ldy, stream, x_qx);
   for (int t0 = 0; t0 < n; t0 += kMaxTok) {
     const int nt = n - t0 < kMaxTok ? n - t0 : kMaxTok;
     const float* xt = x + static_cast<int64_t>(t0) * w.cols;
@@ -1067,6 +1066,8 @@ cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
       case WType::kQ4_0:
         e = MatVecLaunch<WType::kQ4_0>(w, rows, n_rows, dev_count, xt, nt, yt, ldy, stream, qt);
         break;
+      default:
+        return cudaErrorInvalidValue;
     }
     if (e != cudaSuccess) return e;
   }

@@ -32,6 +32,14 @@ extern bool g_q8x, g_prefetch, g_pdl, g_qx_balanced, g_norm_vec8, g_attn_online,
 extern int g_warp_rows_min, g_qx_warps, g_qx_rows, g_norm_regs;
 // Multiprocessors of the current device (queried once).
 int SmCount();
+// MatVecRows and AccumulateRows over K-quant matrices (kquant_products.cu); the entry points
+// check the shape and hand IsKQuant types here.
+cudaError_t MatVecRowsK(const DeviceMatrix& w, const int32_t* rows, int n_rows,
+                        const int32_t* dev_count, const float* x, int n, float* y, int ldy,
+                        cudaStream_t stream, const void* x_qx);
+cudaError_t AccumulateRowsK(const DeviceMatrix& w, const int32_t* rows, int n_rows,
+                            const int32_t* dev_count, const float* a, int lda, int n, float* y,
+                            cudaStream_t stream);
 
 namespace {
 
@@ -177,6 +185,49 @@ __device__ __forceinline__ void DequantQ4Block(const uint8_t* blk, float* w) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// ggml's K-quant super-blocks (tensor.h's BlockQ4_K, BlockQ5_K, BlockQ6_K), 256 values each.
+
+// Sub-block j's (0..7) 6-bit scale and min of a Q4_K / Q5_K block (ggml's get_scale_min_k4).
+__device__ __forceinline__ void KScaleMin(const uint8_t* scales, int j, int* sc, int* m) {
+  if (j < 4) {
+    *sc = scales[j] & 63;
+    *m = scales[j + 4] & 63;
+  } else {
+    *sc = (scales[j + 4] & 0x0f) | ((scales[j - 4] >> 6) << 4);
+    *m = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4);
+  }
+}
+__device__ __forceinline__ uint16_t LoadU16(const uint8_t* p) {
+  return *reinterpret_cast<const uint16_t*>(p);
+}
+
+// Element c of a K-quant row, as ggml's dequantize_row_q*_K computes it (fp32: d * scale * q -
+// dmin * min, or d * scale * (q - 32)).
+__device__ __forceinline__ float KQuantElem(WType t, const uint8_t* row, int64_t c) {
+  const int e = static_cast<int>(c % 256);
+  if (t == WType::kQ6_K) {
+    const uint8_t* b = row + (c / 256) * 210;
+    const int h = e / 128, k = (e % 128) / 32, l = e % 32;
+    const uint8_t lq = b[64 * h + l + 32 * (k & 1)];
+    const int lo = k < 2 ? (lq & 0x0f) : (lq >> 4);
+    const int hi = (b[128 + 32 * h + l] >> (2 * k)) & 3;
+    const float d = H2F(LoadU16(b + 208));
+    return d * static_cast<float>(static_cast<int8_t>(b[192 + e / 16])) *
+           static_cast<float>((lo | (hi << 4)) - 32);
+  }
+  const size_t bb = t == WType::kQ4_K ? 144 : 176;
+  const uint8_t* b = row + (c / 256) * bb;
+  const int j = e / 32, l = e % 32;  // sub-block j: low nibbles (j even) or high of qs chunk j/2
+  int sc, m;
+  KScaleMin(b + 4, j, &sc, &m);
+  const uint8_t* qs = b + (t == WType::kQ4_K ? 16 : 48);
+  int q = (j & 1) ? (qs[32 * (j / 2) + l] >> 4) : (qs[32 * (j / 2) + l] & 0x0f);
+  if (t == WType::kQ5_K) q |= ((b[16 + l] >> j) & 1) << 4;
+  const float d = H2F(LoadU16(b)), dmin = H2F(LoadU16(b + 2));
+  return d * static_cast<float>(sc) * static_cast<float>(q) - dmin * static_cast<float>(m);
+}
+
 // Element c of a row in any type (slow path: embeddings and conversions).
 __device__ __forceinline__ float LoadElem(WType t, const uint8_t* row, int64_t c) {
   switch (t) {
@@ -198,6 +249,10 @@ __device__ __forceinline__ float LoadElem(WType t, const uint8_t* row, int64_t c
       const uint8_t q = blk[2 + (j & 15)];
       return d * static_cast<float>(((j < 16) ? (q & 0x0f) : (q >> 4)) - 8);
     }
+    case WType::kQ4_K:
+    case WType::kQ5_K:
+    case WType::kQ6_K:
+      return KQuantElem(t, row, c);
   }
   return 0.f;
 }

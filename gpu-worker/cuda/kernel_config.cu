@@ -169,6 +169,12 @@ size_t WRowBytes(WType t, int64_t cols) {
       return 34 * static_cast<size_t>(cols / 32);
     case WType::kQ4_0:
       return 18 * static_cast<size_t>(cols / 32);
+    case WType::kQ4_K:
+      return 144 * static_cast<size_t>(cols / 256);
+    case WType::kQ5_K:
+      return 176 * static_cast<size_t>(cols / 256);
+    case WType::kQ6_K:
+      return 210 * static_cast<size_t>(cols / 256);
   }
   return 0;
 }
@@ -189,6 +195,12 @@ const char* WTypeName(WType t) {
       return "Q8_0";
     case WType::kQ4_0:
       return "Q4_0";
+    case WType::kQ4_K:
+      return "Q4_K";
+    case WType::kQ5_K:
+      return "Q5_K";
+    case WType::kQ6_K:
+      return "Q6_K";
   }
   return "?";
 }
@@ -196,7 +208,9 @@ const char* WTypeName(WType t) {
 cudaError_t CheckMatrixShape(const DeviceMatrix& w) {
   const int64_t unit = (w.type == WType::kF32)                             ? 4
                        : (w.type == WType::kF16 || w.type == WType::kBF16) ? 8
+                       : IsKQuant(w.type)                                  ? 256
                                                                            : 32;
+  if (w.type < WType::kF32 || w.type > WType::kQ6_K) return cudaErrorInvalidValue;
   if (w.cols <= 0 || w.cols % unit != 0 || w.rows < 0) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(w.data) % 16 != 0) return cudaErrorMisalignedAddress;
   if (w.split() && w.type != WType::kQ8_0 && w.type != WType::kQ4_0) return cudaErrorInvalidValue;

@@ -24,12 +24,27 @@ namespace pinfer {
 namespace cuda {
 
 // Numbering matches pinfer::DType (shared/model/tensor.h); tests static_assert this.
-enum class WType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kQ8_0 = 3, kQ4_0 = 4 };
+enum class WType : int {
+  kF32 = 0,
+  kF16 = 1,
+  kBF16 = 2,
+  kQ8_0 = 3,
+  kQ4_0 = 4,
+  kQ4_K = 5,
+  kQ5_K = 6,
+  kQ6_K = 7
+};
+// ggml's K-quant super-blocks (256 values: Q4_K 144 bytes, Q5_K 176, Q6_K 210), computed by their
+// own kernels (kquant_products.cu); never in the split layout.
+inline bool IsKQuant(WType t) {
+  return t == WType::kQ4_K || t == WType::kQ5_K || t == WType::kQ6_K;
+}
 
 // Numbering matches pinfer::Activation (shared/model/config.h).
 enum class ActKind : int { kSilu = 0, kRelu = 1, kDRelu = 2 };
 
-// Bytes of `cols` consecutive elements (cols a multiple of 32 for the block formats).
+// Bytes of `cols` consecutive elements (cols a multiple of 32 for the block formats, of 256 for
+// the K-quants).
 size_t WRowBytes(WType t, int64_t cols);
 const char* WTypeName(WType t);
 

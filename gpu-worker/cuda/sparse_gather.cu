@@ -18,7 +18,6 @@ namespace pinfer {
 namespace cuda {
 namespace {
 
-
 // The sparse down projection over a split matrix: as AccumulateRowsKernel's 16-byte path, a
 // thread owns one block of columns and sums the block's values over its rows, four rows at a
 // time.
@@ -211,7 +210,6 @@ __global__ void __launch_bounds__(kAccThreads)
   for (int e = 0; e < E; ++e) atomicAdd(yt + e, acc[e]);
 }
 
-
 __global__ void GatherGatedKernel(ActKind act, const float* __restrict__ gate, int ldg,
                                   const int32_t* __restrict__ idx, int n_idx,
                                   const int32_t* __restrict__ dev_count, float* __restrict__ up,
@@ -270,7 +268,6 @@ __global__ void SumPartsKernel(const float* __restrict__ parts, int64_t len,
     out[i] = s;
   }
 }
-
 
 // ---------------------------------------------------------------------------------------------
 // Ordered compaction in one block: each pass flags 1024 candidates, a block-wide prefix sum of
@@ -340,6 +337,7 @@ cudaError_t AccumulateRows(const DeviceMatrix& w, const int32_t* rows, int n_row
   cudaError_t e = CheckMatrixShape(w);
   if (e != cudaSuccess) return e;
   if (n > 65535) return cudaErrorInvalidValue;
+  if (IsKQuant(w.type)) return AccumulateRowsK(w, rows, n_rows, dev_count, a, lda, n, y, stream);
   const auto* base = static_cast<const uint8_t*>(w.data);
   int64_t elems = 8;
   if (w.type == WType::kF32) elems = 4;
@@ -382,6 +380,8 @@ cudaError_t AccumulateRows(const DeviceMatrix& w, const int32_t* rows, int n_row
     PINFER_LAUNCH(WType::kQ8_0)
     PINFER_LAUNCH(WType::kQ4_0)
 #undef PINFER_LAUNCH
+    default:
+      break;
   }
   return cudaErrorInvalidValue;
 }

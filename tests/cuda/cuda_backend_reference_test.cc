@@ -12,7 +12,9 @@
 #include <vector>
 
 #include "shared/engine/generator.h"
+#include "shared/sparse/sparse_ffn.h"
 #include "tests/cuda/cuda_backend_test_fixture.h"
+#include "tests/sparse/random_model.h"
 
 namespace pinfer {
 namespace cuda_test {
@@ -154,6 +156,92 @@ TEST_F(CudaBackendTest, QuantizedModelStepLogitsMatchCpuReference) {
     }
     unsetenv("PINFER_CUDA_PRODUCER_QX");
   }
+}
+
+// A K-quant mix as llama.cpp's Q4_K_M writes one, on a random model whose widths are whole
+// super-blocks (hidden 512; relu-llama-tiny's 384 is not): Q4_K embeddings and projections, attn_v
+// at Q6_K in some layers (so wq/wk/wv differ in type and are not stacked), ffn_down at Q5_K or
+// Q6_K, the output head Q6_K. Every step's logits match the CPU reference forward pass, whole
+// model dense and hot/cold split (the split's down rows are the exact fp32 transpose, as the
+// gpu-worker uploads them for quantized files), with x quantized by the producers and by the
+// products. The GPU multiplies int8 x in blocks of 32 (llama.cpp's CUDA definition), the
+// reference exact fp32 x, so the limit is the int8 rounding of x through four layers.
+TEST_F(CudaBackendTest, KQuantMixStepLogitsMatchCpuReference) {
+  testing_util::RandomModelOptions o;
+  o.hidden = 512;
+  o.ffn = model_->config.ffn_size;  // the fixture's hot/cold ids
+  o.layers = 4;
+  o.heads = 8;
+  o.kv_heads = 4;
+  o.vocab = 512;
+  o.activation = Activation::kRelu;
+  o.seed = 41;
+  std::unique_ptr<Model> base = testing_util::RandomModel(o);
+  auto requantize = [&](TensorView* t, DType type) {
+    const int64_t rows = t->rows(), cols = t->cols();
+    auto buf = std::make_shared<std::vector<uint8_t>>(RowBytes(type, cols) * rows);
+    std::vector<float> row(cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      DequantizeRow(t->dtype, t->row(r), row.data(), cols);
+      QuantizeRow(type, row.data(), buf->data() + RowBytes(type, cols) * r, cols);
+    }
+    base->owned.push_back(buf);
+    t->dtype = type;
+    t->data = buf->data();
+  };
+  requantize(&base->tok_embeddings, DType::kQ4_K);
+  requantize(&base->output, DType::kQ6_K);
+  for (int l = 0; l < o.layers; ++l) {
+    LayerWeights& L = base->layers[l];
+    for (TensorView* t : {&L.wq, &L.wk, &L.wo, &L.gate, &L.up}) requantize(t, DType::kQ4_K);
+    requantize(&L.wv, l % 2 == 0 ? DType::kQ6_K : DType::kQ4_K);
+    requantize(&L.down, l % 2 == 0 ? DType::kQ6_K : DType::kQ5_K);
+  }
+  auto transposed = TransposeDownProjections(*base);
+  ASSERT_TRUE(transposed.ok()) << transposed.status();
+  const std::vector<TensorView>& down_t = transposed->layers;
+  ASSERT_EQ(down_t[0].dtype, DType::kF32);
+  std::unique_ptr<Model> split_model = WithDownFromRows(*base, down_t);
+  std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
+  CpuColdFfn cold(*base, down_t, *cold_ids_);
+  std::mt19937 rng(7);
+  std::vector<int32_t> tokens(24);
+  for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % o.vocab);
+  for (const char* producer_qx : {"1", "0"}) {
+    setenv("PINFER_CUDA_PRODUCER_QX", producer_qx, 1);
+    for (bool hot : {false, true}) {
+      auto backend = Create(Upload(*base, down_t, hot));
+      ASSERT_NE(backend, nullptr);
+      Transformer ref(hot ? *split_model : *base, *ref_ops);
+      KvCache cache(base->config, 64);
+      const int V = o.vocab;
+      std::vector<float> got(V), want(V);
+      double worst = 0;
+      int same_argmax = 0;
+      for (int pos = 0; pos < static_cast<int>(tokens.size()); ++pos) {
+        ASSERT_TRUE(
+            ref.Forward({&tokens[pos], 1}, pos, &cache, LogitsMode::kLast, want.data()).ok());
+        cuda::ForwardArgs a;
+        a.tokens = &tokens[pos];
+        a.n = 1;
+        a.pos0 = pos;
+        a.mode = hot ? cuda::FfnMode::kExact : cuda::FfnMode::kDense;
+        a.cold = hot ? &cold : nullptr;
+        a.logits = got.data();
+        cuda::BackendStatus st = backend->Forward(a);
+        ASSERT_TRUE(st.ok()) << st.message;
+        ASSERT_FALSE(std::any_of(got.begin(), got.end(), [](float v) { return std::isnan(v); }))
+            << (hot ? "split" : "whole") << " position " << pos;
+        worst = std::max(worst, Nmse(got.data(), want.data(), V));
+        same_argmax += Argmax(got) == Argmax(want);
+      }
+      std::printf("  K mix %s, producer_qx %s: worst step logits nmse %.3g, argmax %d/%zu\n",
+                  hot ? "hot/cold split" : "whole model", producer_qx, worst, same_argmax,
+                  tokens.size());
+      EXPECT_LE(worst, 2e-3) << (hot ? "split" : "whole") << " producer_qx " << producer_qx;
+    }
+  }
+  unsetenv("PINFER_CUDA_PRODUCER_QX");
 }
 
 // Two lanes (Backend::NewLane: shared weights and KV cache, own scratch and streams) run two

@@ -40,6 +40,9 @@ static_assert(static_cast<int>(DType::kF16) == static_cast<int>(WType::kF16));
 static_assert(static_cast<int>(DType::kBF16) == static_cast<int>(WType::kBF16));
 static_assert(static_cast<int>(DType::kQ8_0) == static_cast<int>(WType::kQ8_0));
 static_assert(static_cast<int>(DType::kQ4_0) == static_cast<int>(WType::kQ4_0));
+static_assert(static_cast<int>(DType::kQ4_K) == static_cast<int>(WType::kQ4_K));
+static_assert(static_cast<int>(DType::kQ5_K) == static_cast<int>(WType::kQ5_K));
+static_assert(static_cast<int>(DType::kQ6_K) == static_cast<int>(WType::kQ6_K));
 static_assert(static_cast<int>(Activation::kDRelu) == static_cast<int>(cuda::ActKind::kDRelu));
 
 inline constexpr double kFp32Limit = 1e-6;

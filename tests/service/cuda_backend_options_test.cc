@@ -32,22 +32,31 @@ TEST(CudaBackendOptionsTest, AdaptiveCacheNeedsPredictorsAndIsPlannedExactly) {
   EXPECT_EQ(AdaptiveCacheBytes(**model, 0), 0u);
 }
 
-// The module computes F32/F16/BF16/Q8_0/Q4_0; a K-quant tensor (computed on the CPU only) is
-// refused by name before the module is opened, so --backend auto can fall back to the CPU.
+// The module computes every DType (K-quants included, and mixes of them); a type value it does
+// not know is refused by name before the module is opened, so --backend auto can fall back to the
+// CPU, as is a model whose attention has biases.
 TEST(CudaBackendOptionsTest, RefusesTypesTheModuleDoesNotCompute) {
   auto model = LoadModel(std::string(PINFER_MODELS_DIR) + "/relu-llama-tiny");
   ASSERT_TRUE(model.ok()) << model.status();
   EXPECT_TRUE(CudaModuleComputes(**model).ok());
-  (*model)->layers[2].up.dtype = DType::kQ5_K;  // only the type is looked at: nothing is read
+  // Only the types are looked at: nothing is read.
+  (*model)->layers[1].wv.dtype = DType::kQ6_K;
+  (*model)->layers[2].up.dtype = DType::kQ5_K;
+  (*model)->layers[3].gate.dtype = DType::kQ4_K;
+  EXPECT_TRUE(CudaModuleComputes(**model).ok());
+  (*model)->layers[2].up.dtype = static_cast<DType>(kNumDTypes);  // as a newer loader might add
   const absl::Status st = CudaModuleComputes(**model);
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
-  EXPECT_THAT(std::string(st.message()), HasSubstr("tensor 'blk.2.ffn_up' is Q5_K"));
-  EXPECT_THAT(std::string(st.message()), HasSubstr("F32, F16, BF16, Q8_0 and Q4_0"));
+  EXPECT_THAT(std::string(st.message()), HasSubstr("tensor 'blk.2.ffn_up' is "));
+  EXPECT_THAT(std::string(st.message()), HasSubstr("Q4_0, Q4_K, Q5_K and Q6_K"));
   const Placement placement = Placement::FixedFraction((*model)->config, 0.5);
   auto refused = NewCudaBackend(**model, placement, nullptr, "/nonexistent/libpinfer_cuda.so", {});
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("blk.2.ffn_up"));
+  (*model)->layers[2].up.dtype = DType::kF16;
+  (*model)->config.qkv_bias = true;
+  EXPECT_THAT(std::string(CudaModuleComputes(**model).message()), HasSubstr("q/k/v biases"));
 }
 
 // Mistral's sliding window is computed on the CPU only: a model with one is refused naming it,
