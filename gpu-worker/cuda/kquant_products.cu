@@ -10,9 +10,9 @@
 // products per dp4a. The CPU engine quantizes x to Q8_K blocks of 256 instead, as ggml's CPU
 // backend does, so the two agree to the rounding of x, which the op tests bound.
 //
-// Lanes: four lanes share a super-block, each with 32 bytes of its quants (64 values: two
-// sub-blocks of Q4_K and Q5_K, two 32-value sequences of Q6_K), so a warp takes eight super-blocks
-// a step (measured on the H100 against eight lanes of 16 bytes: see docs/benchmarks.md). Q4_K and
+// Lanes: eight lanes share a super-block, each with 16 bytes of its quants (32 values of two
+// sub-blocks in Q4_K and Q5_K, of two 16-value halves in Q6_K), so a warp takes four super-blocks
+// a step. Q4_K and
 // Q5_K blocks are 16-byte multiples and are read with 16-byte loads; Q6_K's 210-byte blocks are
 // 2-byte aligned and are read in 16-bit words.
 #include <cuda_fp16.h>
@@ -59,36 +59,38 @@ __device__ __forceinline__ void ScaleMinWords(uint32_t s0, uint32_t s1, uint32_t
   }
 }
 
-// What one lane holds of a super-block: its 32 bytes of quants turned into two sets of eight
-// words of (unsigned or signed) bytes, each set against one whole x block of 32, and the factors
-// that scale the integer dots (Q6_K: one a half of 16 values, since its scales are per 16).
+__device__ __forceinline__ int Dot16(const uint32_t (&w)[4], const int4& x) {
+  int s = __dp4a(static_cast<int>(w[0]), x.x, 0);
+  s = __dp4a(static_cast<int>(w[1]), x.y, s);
+  s = __dp4a(static_cast<int>(w[2]), x.z, s);
+  return __dp4a(static_cast<int>(w[3]), x.w, s);
+}
+
+// What one lane holds of a super-block: its 16 bytes of quants turned into two sets of four
+// words of (unsigned or signed) bytes, each set against 16 values of one x block, and the
+// factors that scale the two integer dots.
 struct KLanePart {
-  uint32_t a[8], b[8];       // byte values of sub-blocks (Q6_K: sequences) A and B
-  int blk_a, blk_b;          // their x blocks (of 32) within the row
-  float fa0, fa1, fb0, fb1;  // d * scale of each half (Q4_K / Q5_K: the same for both halves)
-  float ma, mb;              // dmin * min (Q6_K: 0)
+  uint32_t a[4], b[4];  // byte values of sub-blocks A and B
+  int blk_a, blk_b;     // their x blocks (of 32) within the row
+  int off;              // the lane's first value within those x blocks (0 or 16)
+  float fa, fb;         // d * scale
+  float ma, mb;         // dmin * min, applied by the off == 0 lane only (0 otherwise)
 };
 
-// Four lanes share a super-block: lane k takes qs chunk k (Q4_K / Q5_K: sub-blocks 2k in the low
-// nibbles and 2k + 1 in the high ones), or for Q6_K half h = k / 2, sequences c = k % 2 (low
-// nibbles of ql bytes [64h + 32c, +32)) and c + 2 (their high nibbles), whose two high bits are
-// bits 2c and 2c + 4 of qh bytes [32h, +32).
 template <WType T>
 __device__ __forceinline__ KLanePart LoadKPart(const uint8_t* row, int sb, int k) {
   KLanePart p;
   const uint8_t* b = row + static_cast<size_t>(sb) * kKBlockBytes<T>;
   if constexpr (T == WType::kQ6_K) {
-    const int h = k / 2, c = k % 2;
-    uint32_t l[8], hh[8];
+    // k: h (half of 128) = k / 4, c = (k / 2) % 2, m = k % 2. ql bytes [64h + 32c + 16m, +16):
+    // low nibbles are values 16m.. of sequence c, high nibbles of sequence c + 2; qh bytes
+    // [32h + 16m, +16) carry their two high bits at bits 2c and 2c + 4.
+    const int h = k / 4, c = (k / 2) % 2, m = k % 2;
+    const uint4 ql = Load16Aligned2(b + 64 * h + 32 * c + 16 * m);
+    const uint4 qh = Load16Aligned2(b + 128 + 32 * h + 16 * m);
+    const uint32_t l[4] = {ql.x, ql.y, ql.z, ql.w}, hh[4] = {qh.x, qh.y, qh.z, qh.w};
 #pragma unroll
-    for (int v = 0; v < 2; ++v) {
-      const uint4 ql = Load16Aligned2(b + 64 * h + 32 * c + 16 * v);
-      const uint4 qh = Load16Aligned2(b + 128 + 32 * h + 16 * v);
-      l[4 * v] = ql.x, l[4 * v + 1] = ql.y, l[4 * v + 2] = ql.z, l[4 * v + 3] = ql.w;
-      hh[4 * v] = qh.x, hh[4 * v + 1] = qh.y, hh[4 * v + 2] = qh.z, hh[4 * v + 3] = qh.w;
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < 4; ++i) {
       const uint32_t va = (l[i] & 0x0f0f0f0fu) | (((hh[i] >> (2 * c)) & 0x03030303u) << 4);
       const uint32_t vb =
           ((l[i] >> 4) & 0x0f0f0f0fu) | (((hh[i] >> (2 * c + 4)) & 0x03030303u) << 4);
@@ -96,70 +98,62 @@ __device__ __forceinline__ KLanePart LoadKPart(const uint8_t* row, int sb, int k
       p.b[i] = __vsub4(vb, 0x20202020u);
     }
     const float d = H2F(__ldg(reinterpret_cast<const unsigned short*>(b + 208)));
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * h);
-    p.fa0 = d * static_cast<float>(sc[2 * c]);
-    p.fa1 = d * static_cast<float>(sc[2 * c + 1]);
-    p.fb0 = d * static_cast<float>(sc[2 * c + 4]);
-    p.fb1 = d * static_cast<float>(sc[2 * c + 5]);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    p.fa = d * static_cast<float>(sc[8 * h + 2 * c + m]);
+    p.fb = d * static_cast<float>(sc[8 * h + 2 * (c + 2) + m]);
     p.ma = p.mb = 0.f;
     p.blk_a = sb * 8 + 4 * h + c;
     p.blk_b = p.blk_a + 2;
+    p.off = 16 * m;
   } else {
+    // k: chunk i = k / 2 of qs (sub-blocks 2i in the low nibbles, 2i + 1 in the high), values
+    // [16m, 16m + 16) of both, m = k % 2.
+    const int i = k / 2, m = k % 2;
     const uint4 head = __ldg(reinterpret_cast<const uint4*>(b));
     constexpr int kQs = T == WType::kQ4_K ? 16 : 48;
-    const uint4* qs = reinterpret_cast<const uint4*>(b + kQs + 32 * k);
-    const uint4 q0 = __ldg(qs), q1 = __ldg(qs + 1);
-    const uint32_t w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+    const uint4 q = __ldg(reinterpret_cast<const uint4*>(b + kQs + 32 * i + 16 * m));
+    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
+    for (int e = 0; e < 4; ++e) {
       p.a[e] = w[e] & 0x0f0f0f0fu;
       p.b[e] = (w[e] >> 4) & 0x0f0f0f0fu;
     }
     if constexpr (T == WType::kQ5_K) {
       // Bit j of qh[l] is the fifth bit of value l of sub-block j.
-      const uint4* qhp = reinterpret_cast<const uint4*>(b + 16);
-      const uint4 h0 = __ldg(qhp), h1 = __ldg(qhp + 1);
-      const uint32_t hw[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+      const uint4 qh = __ldg(reinterpret_cast<const uint4*>(b + 16 + 16 * m));
+      const uint32_t hw[4] = {qh.x, qh.y, qh.z, qh.w};
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        p.a[e] |= ((hw[e] >> (2 * k)) & 0x01010101u) << 4;
-        p.b[e] |= ((hw[e] >> (2 * k + 1)) & 0x01010101u) << 4;
+      for (int e = 0; e < 4; ++e) {
+        p.a[e] |= ((hw[e] >> (2 * i)) & 0x01010101u) << 4;
+        p.b[e] |= ((hw[e] >> (2 * i + 1)) & 0x01010101u) << 4;
       }
     }
     const float d = H2F(static_cast<uint16_t>(head.x & 0xffff));
     const float dmin = H2F(static_cast<uint16_t>(head.x >> 16));
     int sa, mna, sbb, mnb;
-    ScaleMinWords(head.y, head.z, head.w, 2 * k, &sa, &mna);
-    ScaleMinWords(head.y, head.z, head.w, 2 * k + 1, &sbb, &mnb);
-    p.fa0 = p.fa1 = d * static_cast<float>(sa);
-    p.fb0 = p.fb1 = d * static_cast<float>(sbb);
-    p.ma = dmin * static_cast<float>(mna);
-    p.mb = dmin * static_cast<float>(mnb);
-    p.blk_a = sb * 8 + 2 * k;
+    ScaleMinWords(head.y, head.z, head.w, 2 * i, &sa, &mna);
+    ScaleMinWords(head.y, head.z, head.w, 2 * i + 1, &sbb, &mnb);
+    p.fa = d * static_cast<float>(sa);
+    p.fb = d * static_cast<float>(sbb);
+    p.ma = m == 0 ? dmin * static_cast<float>(mna) : 0.f;
+    p.mb = m == 0 ? dmin * static_cast<float>(mnb) : 0.f;
+    p.blk_a = sb * 8 + 2 * i;
     p.blk_b = p.blk_a + 1;
+    p.off = 16 * m;
   }
   return p;
 }
 
-__device__ __forceinline__ int Dot16At(const uint32_t* w, const int4& x) {
-  int s = __dp4a(static_cast<int>(w[0]), x.x, 0);
-  s = __dp4a(static_cast<int>(w[1]), x.y, s);
-  s = __dp4a(static_cast<int>(w[2]), x.z, s);
-  return __dp4a(static_cast<int>(w[3]), x.w, s);
-}
-
 // The lane's share of row . x for one token's quantized x.
 __device__ __forceinline__ float KPartDot(const KLanePart& p, const QxParts& xp) {
-  const int4* xa = reinterpret_cast<const int4*>(xp.q + p.blk_a * 32);
-  const int4* xb = reinterpret_cast<const int4*>(xp.q + p.blk_b * 32);
+  const int4 xa = *reinterpret_cast<const int4*>(xp.q + p.blk_a * 32 + p.off);
+  const int4 xb = *reinterpret_cast<const int4*>(xp.q + p.blk_b * 32 + p.off);
   const float da = xp.d[p.blk_a], db = xp.d[p.blk_b];
-  float s = p.fa0 * static_cast<float>(Dot16At(p.a, xa[0])) +
-            p.fa1 * static_cast<float>(Dot16At(p.a + 4, xa[1])) -
-            p.ma * static_cast<float>(xp.sum[p.blk_a]);
-  float t = p.fb0 * static_cast<float>(Dot16At(p.b, xb[0])) +
-            p.fb1 * static_cast<float>(Dot16At(p.b + 4, xb[1])) -
-            p.mb * static_cast<float>(xp.sum[p.blk_b]);
-  return da * s + db * t;
+  float s = da * (p.fa * static_cast<float>(Dot16(p.a, xa)));
+  s += db * (p.fb * static_cast<float>(Dot16(p.b, xb)));
+  if (p.ma != 0.f) s -= da * p.ma * static_cast<float>(xp.sum[p.blk_a]);
+  if (p.mb != 0.f) s -= db * p.mb * static_cast<float>(xp.sum[p.blk_b]);
+  return s;
 }
 
 // y[t * ldy + i] = row(rows ? rows[i] : i) . x[t] for i < count, t < n (n <= NT). x comes
@@ -176,10 +170,10 @@ __global__ void __launch_bounds__(kKWarps* kWarp)
                   const int8_t* __restrict__ x_qx, int n, float* __restrict__ y, int ldy) {
   extern __shared__ uint4 smem_qx[];
   PdlTrigger();
-  const int lane = threadIdx.x % kWarp, k = lane % 4;
+  const int lane = threadIdx.x % kWarp, k = lane % 8;
   const int i = blockIdx.x * kKWarps + threadIdx.x / kWarp;
   const int nb = static_cast<int>(cols / 256);
-  int sb = lane / 4;
+  int sb = lane / 8;
   KLanePart next;
   bool loaded = false;
   if (rows == nullptr && dev_count == nullptr && i < n_rows && sb < nb) {
@@ -204,9 +198,9 @@ __global__ void __launch_bounds__(kKWarps* kWarp)
   float acc[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) acc[t] = 0.f;
-  for (; sb < nb; sb += 8) {
+  for (; sb < nb; sb += 4) {
     const KLanePart p = next;
-    if (sb + 8 < nb) next = LoadKPart<T>(row, sb + 8, k);
+    if (sb + 4 < nb) next = LoadKPart<T>(row, sb + 4, k);
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       if (t < n) acc[t] += KPartDot(p, QxAt(region, cols, t));
