@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "shared/engine/row_kernels.h"
 #include "shared/util/half.h"
@@ -229,6 +231,242 @@ void QuantizeQ8x256(const float* x, int64_t n, int8_t* q, float* d, int32_t* s8)
                         _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 3)));
   }
 }
+// ---- Tiles for the batched quantized products (MatMulQ8B): 8 rows, one per 32-bit lane ----
+//
+// Tiles512's layout on 256-bit vectors (see kernels_avx512.cc): a packed vector holds the same
+// four values of 8 rows, and maddubs against four values of one token broadcast to every lane
+// gives each row's products in its own lane, as 16-bit pair sums. Blocks of values <= 15 add
+// eight of them in 16 bits (8 * 2 * 15 * 127 < 32768), Q5_K's <= 31 four, Q6_K's <= 63 two,
+// before a madd with ones widens them; the rest is Tiles512's. Q8_0's signed values take the
+// sign trick (|w| times x with w's sign: 2 * 128 * 127 < 32768) and no offset.
+struct Tiles256 {
+  static constexpr int kRows = 8;
+  static constexpr int kTokens = 4;
+  static constexpr int64_t kQ8BlockBytes = (16 + 1) * 32;  // |w| and w (Q8_0) or 8 values, d_w
+  static constexpr int64_t kQ45KBytes = (64 + 8 + 4 + 2) * 32;
+  static constexpr int64_t kQ6KBytes = (64 + 16 + 1) * 32;
+
+  template <DType T>
+  static int64_t PackedBytes(int64_t cols) {
+    if constexpr (T == DType::kQ8_0 || T == DType::kQ4_0) return cols / 32 * kQ8BlockBytes;
+    if constexpr (T == DType::kQ6_K) return cols / 256 * kQ6KBytes;
+    return cols / 256 * kQ45KBytes;
+  }
+
+  static __m256i Load32Bcast(const void* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+  static __m256i Gather(const uint8_t* w, __m256i index, __m256i rows, int64_t offset) {
+    return _mm256_mask_i32gather_epi32(_mm256_setzero_si256(),
+                                       reinterpret_cast<const int*>(w + offset), index, rows, 1);
+  }
+  static __m256 LowHalf(__m256i v) {
+    const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi32(0xffff));
+    const __m128i packed =
+        _mm_packus_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+    return _mm256_cvtph_ps(packed);
+  }
+  static __m256 HighHalf(__m256i v) { return LowHalf(_mm256_srli_epi32(v, 16)); }
+  static __m256i And(__m256i a, uint32_t m) {
+    return _mm256_and_si256(a, _mm256_set1_epi32(static_cast<int32_t>(m)));
+  }
+
+  template <DType T>
+  static void Pack(const uint8_t* w, size_t stride, int nr, int64_t cols, uint8_t* out) {
+    const __m256i index = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                             _mm256_set1_epi32(static_cast<int32_t>(stride)));
+    const __m256i rows =
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(nr), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i* o = reinterpret_cast<__m256i*>(out);
+    if constexpr (T == DType::kQ8_0) {
+      for (int64_t b = 0; b < cols / 32; ++b, o += 17) {
+        const int64_t base = b * sizeof(BlockQ8_0);
+        for (int k = 0; k < 8; ++k) {
+          const __m256i v = Gather(w, index, rows, base + 2 + 4 * k);
+          o[k] = _mm256_sign_epi8(v, v);
+          o[8 + k] = v;
+        }
+        _mm256_store_ps(reinterpret_cast<float*>(o + 16), LowHalf(Gather(w, index, rows, base)));
+      }
+    } else if constexpr (T == DType::kQ4_0) {
+      for (int64_t b = 0; b < cols / 32; ++b, o += 17) {
+        const int64_t base = b * sizeof(BlockQ4_0);
+        for (int k = 0; k < 4; ++k) {
+          const __m256i v = Gather(w, index, rows, base + 2 + 4 * k);
+          o[k] = And(v, 0x0f0f0f0f);
+          o[k + 4] = And(_mm256_srli_epi32(v, 4), 0x0f0f0f0f);
+        }
+        _mm256_store_ps(reinterpret_cast<float*>(o + 16), LowHalf(Gather(w, index, rows, base)));
+      }
+    } else if constexpr (T == DType::kQ6_K) {
+      for (int64_t sb = 0; sb < cols / 256; ++sb, o += 81) {
+        const int64_t base = sb * sizeof(BlockQ6_K);
+        for (int h = 0; h < 2; ++h) {
+          for (int k = 0; k < 8; ++k) {
+            const __m256i qh = Gather(w, index, rows, base + 128 + 32 * h + 4 * k);
+            for (int q = 0; q < 2; ++q) {
+              const __m256i ql = Gather(w, index, rows, base + 64 * h + 32 * q + 4 * k);
+              for (int hi = 0; hi < 2; ++hi) {
+                const int quarter = q + 2 * hi;
+                const __m256i low = And(_mm256_srli_epi32(ql, 4 * hi), 0x0f0f0f0f);
+                const __m256i high =
+                    _mm256_slli_epi32(And(_mm256_srli_epi32(qh, 2 * quarter), 0x03030303), 4);
+                o[32 * h + 8 * quarter + k] = _mm256_or_si256(low, high);
+              }
+            }
+          }
+        }
+        for (int i = 0; i < 4; ++i) {
+          const __m256i s = Gather(w, index, rows, base + 192 + 4 * i);
+          for (int j = 0; j < 4; ++j) {
+            o[64 + 4 * i + j] = _mm256_srai_epi32(_mm256_slli_epi32(s, 24 - 8 * j), 24);
+          }
+        }
+        _mm256_store_ps(reinterpret_cast<float*>(o + 80),
+                        HighHalf(Gather(w, index, rows, base + 206)));
+      }
+    } else {
+      constexpr bool kQ5 = T == DType::kQ5_K;
+      constexpr int64_t bytes = kQ5 ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K);
+      constexpr int64_t qs = kQ5 ? 48 : 16;
+      for (int64_t sb = 0; sb < cols / 256; ++sb, o += 78) {
+        const int64_t base = sb * bytes;
+        for (int p = 0; p < 4; ++p) {
+          for (int k = 0; k < 8; ++k) {
+            const __m256i v = Gather(w, index, rows, base + qs + 32 * p + 4 * k);
+            o[8 * (2 * p) + k] = And(v, 0x0f0f0f0f);
+            o[8 * (2 * p + 1) + k] = And(_mm256_srli_epi32(v, 4), 0x0f0f0f0f);
+          }
+        }
+        if constexpr (kQ5) {
+          for (int k = 0; k < 8; ++k) {
+            const __m256i h = Gather(w, index, rows, base + 16 + 4 * k);
+            for (int j = 0; j < 8; ++j) {
+              o[8 * j + k] = _mm256_or_si256(
+                  o[8 * j + k], _mm256_slli_epi32(And(_mm256_srli_epi32(h, j), 0x01010101), 4));
+            }
+          }
+        }
+        const __m256i s0 = Gather(w, index, rows, base + 4), s1 = Gather(w, index, rows, base + 8),
+                      s2 = Gather(w, index, rows, base + 12);
+        const __m256i words[4] = {
+            And(s0, 0x3f3f3f3f),
+            _mm256_or_si256(And(s2, 0x0f0f0f0f),
+                            _mm256_slli_epi32(And(_mm256_srli_epi32(s0, 6), 0x03030303), 4)),
+            And(s1, 0x3f3f3f3f),
+            _mm256_or_si256(And(_mm256_srli_epi32(s2, 4), 0x0f0f0f0f),
+                            _mm256_slli_epi32(And(_mm256_srli_epi32(s1, 6), 0x03030303), 4))};
+        for (int j = 0; j < 8; ++j) {
+          o[64 + j] = And(_mm256_srli_epi32(words[j / 4], 8 * (j % 4)), 0xff);
+        }
+        for (int k = 0; k < 4; ++k) {
+          const __m256i m = _mm256_srli_epi32(words[2 + k / 2], 16 * (k % 2));
+          o[72 + k] = _mm256_or_si256(And(m, 0xff),
+                                      _mm256_slli_epi32(And(_mm256_srli_epi32(m, 8), 0xff), 16));
+        }
+        const __m256i dd = Gather(w, index, rows, base);
+        _mm256_store_ps(reinterpret_cast<float*>(o + 76), LowHalf(dd));
+        _mm256_store_ps(reinterpret_cast<float*>(o + 77), HighHalf(dd));
+      }
+    }
+  }
+
+  // The exact integer dot of kVecs packed vectors (values <= kMax) with a token's values at xq,
+  // added to s.
+  template <int kVecs, int kMax>
+  static __m256i Dot(const __m256i* wv, const int8_t* xq, __m256i s) {
+    constexpr int kChunk = 32767 / (2 * kMax * 127);  // maddubs sums that fit 16 bits
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int k0 = 0; k0 < kVecs; k0 += kChunk) {
+      __m256i p = _mm256_maddubs_epi16(_mm256_load_si256(wv + k0), Load32Bcast(xq + 4 * k0));
+      for (int k = k0 + 1; k < k0 + kChunk && k < kVecs; ++k) {
+        p = _mm256_add_epi16(
+            p, _mm256_maddubs_epi16(_mm256_load_si256(wv + k), Load32Bcast(xq + 4 * k)));
+      }
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+    }
+    return s;
+  }
+
+  template <DType T, int NT>
+  static void Run(const uint8_t* packed, const Q8Batch& x, int64_t t0, int64_t cols, int nr,
+                  float* y, int64_t ldy) {
+    const __m256i* p = reinterpret_cast<const __m256i*>(packed);
+    constexpr bool kQ8x = T == DType::kQ8_0 || T == DType::kQ4_0;
+    constexpr int kBlock = kQ8x ? 32 : 256;
+    constexpr int kOffsets = T == DType::kQ6_K ? 16 : kQ8x ? 1 : 4;
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < x.blocks; ++b) {
+      const int64_t i = x.Index(t0, b);
+      const int8_t* xq = x.q + i * kBlock;
+      const float* xd = x.d + i;
+      const int32_t* xo = x.offsets + i * kOffsets;
+      if constexpr (kQ8x) {
+        const __m256 dw = _mm256_load_ps(reinterpret_cast<const float*>(p + 16));
+        for (int t = 0; t < NT; ++t) {
+          __m256i s;
+          if constexpr (T == DType::kQ8_0) {
+            s = _mm256_setzero_si256();
+            const __m256i ones = _mm256_set1_epi16(1);
+            for (int k = 0; k < 8; ++k) {
+              const __m256i xs = _mm256_sign_epi8(Load32Bcast(xq + kBlock * t + 4 * k),
+                                                  _mm256_load_si256(p + 8 + k));
+              s = _mm256_add_epi32(
+                  s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256(p + k), xs), ones));
+            }
+          } else {
+            s = Dot<8, 15>(p, xq + kBlock * t, _mm256_set1_epi32(xo[t]));
+          }
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(xd[t])),
+                                   acc[t]);
+        }
+        p += 17;
+      } else {
+        constexpr int kGroups = T == DType::kQ6_K ? 16 : 8, kVecs = 64 / kGroups;
+        constexpr int kMax = T == DType::kQ6_K ? 63 : T == DType::kQ5_K ? 31 : 15;
+        __m256i isum[NT];
+        for (int t = 0; t < NT; ++t) isum[t] = _mm256_setzero_si256();
+        for (int g = 0; g < kGroups; ++g) {
+          const __m256i scale = _mm256_load_si256(p + 64 + g);
+          for (int t = 0; t < NT; ++t) {
+            const __m256i s0 = T == DType::kQ6_K ? _mm256_set1_epi32(xo[kOffsets * t + g])
+                                                 : _mm256_setzero_si256();
+            const __m256i s = Dot<kVecs, kMax>(p + kVecs * g, xq + kBlock * t + 4 * kVecs * g, s0);
+            isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(s, scale));
+          }
+        }
+        const __m256 d =
+            _mm256_load_ps(reinterpret_cast<const float*>(p + (T == DType::kQ6_K ? 80 : 76)));
+        if constexpr (T == DType::kQ6_K) {
+          for (int t = 0; t < NT; ++t) {
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]),
+                                     _mm256_mul_ps(d, _mm256_set1_ps(xd[t])), acc[t]);
+          }
+          p += 81;
+        } else {
+          const __m256 dmin = _mm256_load_ps(reinterpret_cast<const float*>(p + 77));
+          for (int t = 0; t < NT; ++t) {
+            __m256i m = _mm256_setzero_si256();
+            for (int k = 0; k < 4; ++k) {
+              m = _mm256_add_epi32(m, _mm256_madd_epi16(_mm256_load_si256(p + 72 + k),
+                                                        _mm256_set1_epi32(xo[kOffsets * t + k])));
+            }
+            const __m256 dx = _mm256_set1_ps(xd[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(d, dx), acc[t]);
+            acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(dmin, dx), acc[t]);
+          }
+          p += 78;
+        }
+      }
+    }
+    const __m256i rows =
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(nr), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int t = 0; t < NT; ++t) _mm256_maskstore_ps(y + t * ldy, rows, acc[t]);
+  }
+};
 }  // namespace
 
 const RowKernels* RowKernelsAvx2() {
@@ -248,6 +486,7 @@ const RowKernels* RowKernelsAvx2() {
       PINFER_DOT_ROWS((DotRowsQ8x<BlockQ4_0, Q4BlockDot>)),
       PINFER_K_Q8K,
       QuantizeQ8K,
+      PINFER_MATMUL_Q8B(Tiles256),
   };
   return &k;
 }

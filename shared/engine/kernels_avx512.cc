@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "shared/engine/row_kernels.h"
 #include "shared/util/half.h"
@@ -367,6 +369,227 @@ void QuantizeQ8x512(const float* x, int64_t n, int8_t* q, float* d, int32_t* s8)
                         _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 3)));
   }
 }
+// ---- Tiles for the batched quantized products (MatMulQ8B): 16 rows, one per 32-bit lane ----
+//
+// A packed vector holds the same four consecutive values of 16 rows (lane r: row r), so one
+// vpdpbusd against four values of one token, broadcast from memory ({1to16}), adds four products
+// to every row's sum at once and leaves each row's exact block dot in its own lane: no
+// horizontal sums, and the scales of 16 rows (one vector) multiply one token's d. The weights are
+// the unsigned operand (Q4_0, Q4_K, Q5_K, Q6_K values are unsigned; Q8_0 values are stored + 128)
+// and x the signed one; the integer offsets this leaves (Q8_0's 128, Q4_0's 8, Q6_K's 32) are the
+// per-token terms of BatchOffsets, which start each block's sum. Packing gathers the dwords of 16
+// rows; it runs once per row group and chunk of tokens.
+struct Tiles512 {
+  static constexpr int kRows = 16;
+  static constexpr int kTokens = 8;
+  static constexpr int64_t kQ8BlockBytes = 8 * 64 + 64;  // 8 value vectors, the 16 d_w
+  // Per super-block: 64 value vectors, 8 scale vectors (16 for Q6_K), Q4_K / Q5_K's 4 min
+  // vectors, d (and dmin).
+  static constexpr int64_t kQ45KBytes = (64 + 8 + 4 + 2) * 64;
+  static constexpr int64_t kQ6KBytes = (64 + 16 + 1) * 64;
+
+  template <DType T>
+  static int64_t PackedBytes(int64_t cols) {
+    if constexpr (T == DType::kQ8_0 || T == DType::kQ4_0) return cols / 32 * kQ8BlockBytes;
+    if constexpr (T == DType::kQ6_K) return cols / 256 * kQ6KBytes;
+    return cols / 256 * kQ45KBytes;
+  }
+
+  static __m512i Load32Bcast(const void* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  // Dword `offset` of each of the nr rows (zero in the lanes past them).
+  static __m512i Gather(const uint8_t* w, __m512i index, __mmask16 rows, int64_t offset) {
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, index, w + offset, 1);
+  }
+  // The fp16 in the low (high) half of each lane as fp32.
+  static __m512 LowHalf(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
+  static __m512 HighHalf(__m512i v) { return LowHalf(_mm512_srli_epi32(v, 16)); }
+
+  template <DType T>
+  static void Pack(const uint8_t* w, size_t stride, int nr, int64_t cols, uint8_t* out) {
+    const __m512i index =
+        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           _mm512_set1_epi32(static_cast<int32_t>(stride)));
+    const __mmask16 rows = static_cast<__mmask16>((1u << nr) - 1);
+    const __m512i m4 = _mm512_set1_epi32(0x0f0f0f0f);
+    __m512i* o = reinterpret_cast<__m512i*>(out);
+    if constexpr (T == DType::kQ8_0 || T == DType::kQ4_0) {
+      constexpr int64_t bytes = T == DType::kQ8_0 ? sizeof(BlockQ8_0) : sizeof(BlockQ4_0);
+      for (int64_t b = 0; b < cols / 32; ++b, o += 9) {
+        const int64_t base = b * bytes;
+        if constexpr (T == DType::kQ8_0) {
+          for (int k = 0; k < 8; ++k) {
+            o[k] = _mm512_xor_si512(Gather(w, index, rows, base + 2 + 4 * k),
+                                    _mm512_set1_epi32(static_cast<int32_t>(0x80808080)));
+          }
+        } else {  // values 4k..4k+3: low nibbles of dword k (k < 4), high nibbles (k >= 4)
+          for (int k = 0; k < 4; ++k) {
+            const __m512i v = Gather(w, index, rows, base + 2 + 4 * k);
+            o[k] = _mm512_and_si512(v, m4);
+            o[k + 4] = _mm512_and_si512(_mm512_srli_epi32(v, 4), m4);
+          }
+        }
+        _mm512_store_ps(o + 8, LowHalf(Gather(w, index, rows, base)));
+      }
+    } else if constexpr (T == DType::kQ6_K) {
+      for (int64_t sb = 0; sb < cols / 256; ++sb, o += 81) {
+        const int64_t base = sb * sizeof(BlockQ6_K);
+        // Vector 32h + 8q + k: values 128h + 32q + 4k..4k+3 (group 8h + 2q + k / 4).
+        for (int h = 0; h < 2; ++h) {
+          for (int k = 0; k < 8; ++k) {
+            const __m512i qh = Gather(w, index, rows, base + 128 + 32 * h + 4 * k);
+            for (int q = 0; q < 2; ++q) {
+              const __m512i ql = Gather(w, index, rows, base + 64 * h + 32 * q + 4 * k);
+              for (int hi = 0; hi < 2; ++hi) {  // quarter q + 2 hi: low or high nibbles
+                const int quarter = q + 2 * hi;
+                const __m512i low = _mm512_and_si512(_mm512_srli_epi32(ql, 4 * hi), m4);
+                const __m512i high =
+                    _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, 2 * quarter),
+                                                       _mm512_set1_epi32(0x03030303)),
+                                      4);
+                o[32 * h + 8 * quarter + k] = _mm512_or_si512(low, high);
+              }
+            }
+          }
+        }
+        for (int i = 0; i < 4; ++i) {  // the int8 scales, sign-extended
+          const __m512i s = Gather(w, index, rows, base + 192 + 4 * i);
+          for (int j = 0; j < 4; ++j) {
+            o[64 + 4 * i + j] = _mm512_srai_epi32(_mm512_slli_epi32(s, 24 - 8 * j), 24);
+          }
+        }
+        _mm512_store_ps(o + 80, HighHalf(Gather(w, index, rows, base + 206)));
+      }
+    } else {
+      constexpr bool kQ5 = T == DType::kQ5_K;
+      constexpr int64_t bytes = kQ5 ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K);
+      constexpr int64_t qs = kQ5 ? 48 : 16;
+      for (int64_t sb = 0; sb < cols / 256; ++sb, o += 78) {
+        const int64_t base = sb * bytes;
+        // Vector 8j + k: values 4k..4k+3 of sub-block j.
+        for (int p = 0; p < 4; ++p) {
+          for (int k = 0; k < 8; ++k) {
+            const __m512i v = Gather(w, index, rows, base + qs + 32 * p + 4 * k);
+            o[8 * (2 * p) + k] = _mm512_and_si512(v, m4);
+            o[8 * (2 * p + 1) + k] = _mm512_and_si512(_mm512_srli_epi32(v, 4), m4);
+          }
+        }
+        if constexpr (kQ5) {
+          for (int k = 0; k < 8; ++k) {
+            const __m512i h = Gather(w, index, rows, base + 16 + 4 * k);
+            for (int j = 0; j < 8; ++j) {
+              o[8 * j + k] = _mm512_or_si512(
+                  o[8 * j + k],
+                  _mm512_slli_epi32(
+                      _mm512_and_si512(_mm512_srli_epi32(h, j), _mm512_set1_epi32(0x01010101)), 4));
+            }
+          }
+        }
+        // KScalesAndMins on 16 rows at once (it works on 32-bit words).
+        const __m512i s0 = Gather(w, index, rows, base + 4), s1 = Gather(w, index, rows, base + 8),
+                      s2 = Gather(w, index, rows, base + 12);
+        const __m512i low6 = _mm512_set1_epi32(0x3f3f3f3f), low2 = _mm512_set1_epi32(0x03030303);
+        const __m512i words[4] = {
+            _mm512_and_si512(s0, low6),
+            _mm512_or_si512(_mm512_and_si512(s2, m4),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(s0, 6), low2), 4)),
+            _mm512_and_si512(s1, low6),
+            _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi32(s2, 4), m4),
+                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(s1, 6), low2), 4))};
+        const __m512i byte = _mm512_set1_epi32(0xff);
+        for (int j = 0; j < 8; ++j) {
+          o[64 + j] = _mm512_and_si512(_mm512_srli_epi32(words[j / 4], 8 * (j % 4)), byte);
+        }
+        for (int k = 0; k < 4; ++k) {  // mins 2k (low half) and 2k + 1 (high half)
+          const __m512i m = _mm512_srli_epi32(words[2 + k / 2], 16 * (k % 2));
+          o[72 + k] = _mm512_or_si512(
+              _mm512_and_si512(m, byte),
+              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(m, 8), byte), 16));
+        }
+        const __m512i dd = Gather(w, index, rows, base);
+        _mm512_store_ps(o + 76, LowHalf(dd));
+        _mm512_store_ps(o + 77, HighHalf(dd));
+      }
+    }
+  }
+
+  // y[t * ldy + r] for the NT tokens t0.. (one group of Q8Batch) and the nr packed rows.
+  template <DType T, int NT>
+  static void Run(const uint8_t* packed, const Q8Batch& x, int64_t t0, int64_t cols, int nr,
+                  float* y, int64_t ldy) {
+    const __m512i* p = reinterpret_cast<const __m512i*>(packed);
+    constexpr bool kQ8x = T == DType::kQ8_0 || T == DType::kQ4_0;
+    constexpr int kBlock = kQ8x ? 32 : 256;
+    constexpr int kOffsets = T == DType::kQ6_K ? 16 : kQ8x ? 1 : 4;
+    __m512 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < x.blocks; ++b) {
+      // Token t's block b: q + i * t, d[t], offsets + kOffsets * t.
+      const int64_t i = x.Index(t0, b);
+      const int8_t* xq = x.q + i * kBlock;
+      const float* xd = x.d + i;
+      const int32_t* xo = x.offsets + i * kOffsets;
+      if constexpr (kQ8x) {
+        __m512i wv[8];
+        for (int k = 0; k < 8; ++k) wv[k] = _mm512_load_si512(p + k);
+        const __m512 dw = _mm512_load_ps(p + 8);
+        p += 9;
+        for (int t = 0; t < NT; ++t) {
+          __m512i s = _mm512_set1_epi32(xo[t]);
+          for (int k = 0; k < 8; ++k) {
+            s = _mm512_dpbusd_epi32(s, wv[k], Load32Bcast(xq + kBlock * t + 4 * k));
+          }
+          acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(xd[t])),
+                                   acc[t]);
+        }
+      } else {
+        constexpr int kGroups = T == DType::kQ6_K ? 16 : 8, kVecs = 64 / kGroups;
+        __m512i isum[NT];
+        for (int t = 0; t < NT; ++t) isum[t] = _mm512_setzero_si512();
+        for (int g = 0; g < kGroups; ++g) {
+          __m512i wv[kVecs];
+          for (int k = 0; k < kVecs; ++k) wv[k] = _mm512_load_si512(p + kVecs * g + k);
+          const __m512i scale = _mm512_load_si512(p + 64 + g);
+          for (int t = 0; t < NT; ++t) {
+            __m512i s = T == DType::kQ6_K ? _mm512_set1_epi32(xo[kOffsets * t + g])
+                                          : _mm512_setzero_si512();
+            for (int k = 0; k < kVecs; ++k) {
+              s = _mm512_dpbusd_epi32(s, wv[k], Load32Bcast(xq + kBlock * t + 4 * (kVecs * g + k)));
+            }
+            isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(s, scale));
+          }
+        }
+        if constexpr (T == DType::kQ6_K) {
+          const __m512 d = _mm512_load_ps(p + 80);
+          p += 81;
+          for (int t = 0; t < NT; ++t) {
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]),
+                                     _mm512_mul_ps(d, _mm512_set1_ps(xd[t])), acc[t]);
+          }
+        } else {
+          const __m512 d = _mm512_load_ps(p + 76), dmin = _mm512_load_ps(p + 77);
+          for (int t = 0; t < NT; ++t) {
+            __m512i m = _mm512_setzero_si512();
+            for (int k = 0; k < 4; ++k) {
+              m = _mm512_dpwssd_epi32(m, _mm512_load_si512(p + 72 + k),
+                                      _mm512_set1_epi32(xo[kOffsets * t + k]));
+            }
+            const __m512 dx = _mm512_set1_ps(xd[t]);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(d, dx), acc[t]);
+            acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(dmin, dx), acc[t]);
+          }
+          p += 78;
+        }
+      }
+    }
+    const __mmask16 rows = static_cast<__mmask16>((1u << nr) - 1);
+    for (int t = 0; t < NT; ++t) _mm512_mask_storeu_ps(y + t * ldy, rows, acc[t]);
+  }
+};
 }  // namespace
 
 const RowKernels* RowKernelsAvx512(bool vbmi) {
@@ -386,6 +609,7 @@ const RowKernels* RowKernelsAvx512(bool vbmi) {
       PINFER_DOT_ROWS(DotRowsQ4x512),
       PINFER_K_Q8K,
       QuantizeQ8K,
+      PINFER_MATMUL_Q8B(Tiles512),
   };
   static const RowKernels without_vbmi = {
       "avx512-novbmi",
@@ -403,6 +627,7 @@ const RowKernels* RowKernelsAvx512(bool vbmi) {
       PINFER_DOT_ROWS(DotRowsQ4x512),
       PINFER_K_Q8K,
       QuantizeQ8K,
+      PINFER_MATMUL_Q8B(Tiles512),
   };
   return vbmi ? &with_vbmi : &without_vbmi;
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
 #include "shared/engine/row_kernels.h"
 #include "shared/util/half.h"
@@ -116,6 +117,147 @@ inline int32_t q6k_dot(const BlockQ6_K& b, const int8_t* q8) {
 
 #include "shared/engine/kernels_simd.inc"
 
+namespace {
+// Tiles for the batched quantized products (MatMulQ8B) in plain integer loops: 4 rows unpacked to
+// signed int8 values (Q4_0 q - 8, Q6_K q - 32; Q4_K / Q5_K q as stored) with their scales, then
+// per block each (row, token) pair's exact integer dot. The offsets of Q8Batch are not needed.
+struct Tiles1 {
+  static constexpr int kRows = 4;
+  static constexpr int kTokens = 4;
+  // Per block of 32 (Q8_0, Q4_0): the rows' values and their d. Per super-block (K types): the
+  // rows' values, 16 scales (8 for Q4_K / Q5_K) and 8 mins, d and dmin.
+  struct Q8Tile {
+    int8_t v[kRows][32];
+    float d[kRows];
+  };
+  struct KTile {
+    int8_t v[kRows][256];
+    int32_t scale[kRows][16], min[kRows][8];
+    float d[kRows], dmin[kRows];
+  };
+
+  template <DType T>
+  static int64_t PackedBytes(int64_t cols) {
+    if constexpr (T == DType::kQ8_0 || T == DType::kQ4_0) return cols / 32 * sizeof(Q8Tile);
+    return cols / 256 * sizeof(KTile);
+  }
+
+  template <DType T>
+  static void Pack(const uint8_t* w, size_t stride, int nr, int64_t cols, uint8_t* out) {
+    if constexpr (T == DType::kQ8_0 || T == DType::kQ4_0) {
+      Q8Tile* tile = reinterpret_cast<Q8Tile*>(out);
+      for (int64_t b = 0; b < cols / 32; ++b) {
+        for (int r = 0; r < kRows; ++r) {
+          Q8Tile& o = tile[b];
+          if (r >= nr) {
+            std::fill(o.v[r], o.v[r] + 32, int8_t{0});
+            o.d[r] = 0;
+            continue;
+          }
+          if constexpr (T == DType::kQ8_0) {
+            const BlockQ8_0& blk = reinterpret_cast<const BlockQ8_0*>(w + r * stride)[b];
+            std::copy(blk.qs, blk.qs + 32, o.v[r]);
+            o.d[r] = Fp16ToFp32(blk.d);
+          } else {
+            const BlockQ4_0& blk = reinterpret_cast<const BlockQ4_0*>(w + r * stride)[b];
+            for (int i = 0; i < 16; ++i) {
+              o.v[r][i] = static_cast<int8_t>((blk.qs[i] & 0x0f) - 8);
+              o.v[r][i + 16] = static_cast<int8_t>((blk.qs[i] >> 4) - 8);
+            }
+            o.d[r] = Fp16ToFp32(blk.d);
+          }
+        }
+      }
+    } else {
+      KTile* tile = reinterpret_cast<KTile*>(out);
+      for (int64_t sb = 0; sb < cols / 256; ++sb) {
+        KTile& o = tile[sb];
+        for (int r = 0; r < kRows; ++r) {
+          std::fill(o.v[r], o.v[r] + 256, int8_t{0});
+          std::fill(o.scale[r], o.scale[r] + 16, 0);
+          std::fill(o.min[r], o.min[r] + 8, 0);
+          o.d[r] = o.dmin[r] = 0;
+          if (r >= nr) continue;
+          const uint8_t* row = w + r * stride;
+          if constexpr (T == DType::kQ6_K) {
+            const BlockQ6_K& blk = reinterpret_cast<const BlockQ6_K*>(row)[sb];
+            for (int i = 0; i < 256; ++i) {
+              const int h = i / 128, q = (i % 128) / 32, l = i % 32;
+              const uint8_t low = blk.ql[64 * h + 32 * (q & 1) + l];
+              const int v =
+                  (q < 2 ? low & 0x0f : low >> 4) | (((blk.qh[32 * h + l] >> (2 * q)) & 3) << 4);
+              o.v[r][i] = static_cast<int8_t>(v - 32);
+            }
+            for (int g = 0; g < 16; ++g) o.scale[r][g] = blk.scales[g];
+            o.d[r] = Fp16ToFp32(blk.d);
+          } else {
+            constexpr bool kQ5 = T == DType::kQ5_K;
+            const uint8_t* b = row + sb * (kQ5 ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K));
+            const BlockQ4_K& q4 = *reinterpret_cast<const BlockQ4_K*>(b);
+            const BlockQ5_K& q5 = *reinterpret_cast<const BlockQ5_K*>(b);
+            const uint8_t* qs = kQ5 ? q5.qs : q4.qs;
+            for (int i = 0; i < 256; ++i) {
+              const int j = i / 32, l = i % 32;
+              const uint8_t byte = qs[32 * (j / 2) + l];
+              int v = j % 2 == 0 ? byte & 0x0f : byte >> 4;
+              if constexpr (kQ5) v |= ((q5.qh[l] >> j) & 1) << 4;
+              o.v[r][i] = static_cast<int8_t>(v);
+            }
+            for (int j = 0; j < 8; ++j) KScaleMin(q4.scales, j, &o.scale[r][j], &o.min[r][j]);
+            o.d[r] = Fp16ToFp32(q4.d);
+            o.dmin[r] = Fp16ToFp32(q4.dmin);
+          }
+        }
+      }
+    }
+  }
+
+  template <DType T, int NT>
+  static void Run(const uint8_t* packed, const Q8Batch& x, int64_t t0, int64_t cols, int nr,
+                  float* y, int64_t ldy) {
+    (void)cols;
+    float acc[NT][kRows] = {};
+    for (int64_t b = 0; b < x.blocks; ++b) {
+      const int64_t i = x.Index(t0, b);
+      if constexpr (T == DType::kQ8_0 || T == DType::kQ4_0) {
+        const Q8Tile& o = reinterpret_cast<const Q8Tile*>(packed)[b];
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* xq = x.q + (i + t) * 32;
+          for (int r = 0; r < kRows; ++r) {
+            int32_t s = 0;
+            for (int l = 0; l < 32; ++l) s += o.v[r][l] * xq[l];
+            acc[t][r] += o.d[r] * x.d[i + t] * static_cast<float>(s);
+          }
+        }
+      } else {
+        const KTile& o = reinterpret_cast<const KTile*>(packed)[b];
+        constexpr int kGroup = T == DType::kQ6_K ? 16 : 32;
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* xq = x.q + (i + t) * 256;
+          for (int r = 0; r < kRows; ++r) {
+            int32_t isum = 0, imin = 0;
+            for (int g = 0; g < 256 / kGroup; ++g) {
+              int32_t s = 0, sx = 0;
+              for (int l = g * kGroup; l < (g + 1) * kGroup; ++l) {
+                s += o.v[r][l] * xq[l];
+                sx += xq[l];
+              }
+              isum += o.scale[r][g] * s;
+              if constexpr (T != DType::kQ6_K) imin += o.min[r][g] * sx;
+            }
+            acc[t][r] += o.d[r] * x.d[i + t] * static_cast<float>(isum) -
+                         o.dmin[r] * x.d[i + t] * static_cast<float>(imin);
+          }
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      for (int r = 0; r < nr; ++r) y[t * ldy + r] = acc[t][r];
+    }
+  }
+};
+}  // namespace
+
 const RowKernels* RowKernelsScalar() {
   static const RowKernels k = {
       "scalar",
@@ -133,6 +275,7 @@ const RowKernels* RowKernelsScalar() {
       PINFER_DOT_ROWS((DotRowsQ8x<BlockQ4_0, Q4BlockDot>)),
       PINFER_K_Q8K,
       QuantizeQ8K,
+      PINFER_MATMUL_Q8B(Tiles1),
   };
   return &k;
 }

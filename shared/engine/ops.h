@@ -12,7 +12,9 @@
 // in fp32, q = round(x / d), with the 16-value sums of q), each super-block contributing
 // d_w * d_x * (exact integer dot with its sub-block scales) - dmin_w * d_x * (exact integer dot
 // of its sub-block mins with those sums), as ggml_vec_dot_q*_K_q8_K does. (AccumulateRows keeps
-// fp32 coefficients and converts K rows to fp32 a super-block at a time.)
+// fp32 coefficients and converts K rows to fp32 a super-block at a time.) A quantized MatMul of
+// many tokens (prompt processing) forms the same products with tiled integer kernels (rows by
+// tokens), equal to the one-token products up to fp32 summation order.
 #pragma once
 
 #include <algorithm>

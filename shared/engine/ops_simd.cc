@@ -23,30 +23,11 @@ class SimdOps : public CpuOps {
       return;
     }
     if (IsQuantized(w.dtype)) {
-      // Batched Q8_0 / Q4_0: the same products as the integer path (weights d_w * w_i, x rounded
-      // to Q8_0, d_x * q_i), formed in fp32 by the tiled kernel below: equal to the definition up
-      // to fp32 rounding, and the tiles reuse each converted row for every token.
-      // (K-quant rows: x rounded to Q8_K instead.)
-      thread_local std::vector<float> xr;
-      xr.resize(static_cast<size_t>(n) * cols);
-      Q8Scratch& qx = ThreadQ8Scratch();
-      const int64_t block = BlockElems(w.dtype), nb = cols / block;
-      qx.q.resize(cols);
-      qx.d.resize(nb);
-      qx.s8.resize(cols / 4);
-      qx.bsums.resize(cols / 16);
-      for (int t = 0; t < n; ++t) {
-        if (IsKQuant(w.dtype)) {
-          k_->quantize_q8k(x + t * cols, cols, qx.q.data(), qx.d.data(), qx.bsums.data());
-        } else {
-          k_->quantize_q8x(x + t * cols, cols, qx.q.data(), qx.d.data(), qx.s8.data());
-        }
-        for (int64_t c = 0; c < cols; ++c) xr[t * cols + c] = qx.d[c / block] * qx.q[c];
-      }
-      x = xr.data();
+      QuantizedBatch(w, x, n, y);
+      return;
     }
-    // Batched: convert four weight rows to fp32 once, then run them against every token, so the
-    // conversion is amortised and each load of x feeds four dot products.
+    // Batched F32 / F16 / BF16: convert four weight rows to fp32 once, then run them against
+    // every token, so the conversion is amortised and each load of x feeds four dot products.
     For((rows + 3) / 4, 1, [&](int64_t b, int64_t e) {
       std::vector<float> buf(4 * cols);
       for (int64_t blk = b; blk < e; ++blk) {
@@ -436,6 +417,53 @@ class SimdOps : public CpuOps {
                         : k_->dot[di](row, x + t * cols, cols);
         }
       }
+    });
+  }
+
+  // MatMul of a quantized matrix with n > 1 tokens: each token quantized once (Q8_0, or Q8_K
+  // for K-quant rows, as for one token) into a Q8Batch, then the tiled integer kernel over
+  // groups of 16 rows (a multiple of every kernel set's tile) split among the threads. Each sum is
+  // the one-token product's up to fp32 summation order.
+  void QuantizedBatch(const TensorView& w, const float* x, int n, float* y) const {
+    const int64_t rows = w.rows(), cols = w.cols();
+    const bool k_quant = IsKQuant(w.dtype);
+    const int64_t nb = cols / BlockElems(w.dtype);
+    const int per = BatchOffsetsPerBlock(w.dtype);
+    const int64_t tokens = (n + Q8Batch::kTokens - 1) / Q8Batch::kTokens * Q8Batch::kTokens;
+    Q8Scratch& qx = ThreadQ8Scratch();
+    thread_local std::vector<int8_t> q;
+    thread_local std::vector<float> d;
+    thread_local std::vector<int32_t> offsets;
+    q.resize(static_cast<size_t>(tokens) * cols);
+    d.resize(static_cast<size_t>(tokens) * nb);
+    offsets.resize(static_cast<size_t>(tokens) * nb * per);
+    qx.q.resize(cols);
+    qx.d.resize(cols / 32);
+    qx.s8.resize(cols / 4);
+    qx.bsums.resize(cols / 16);
+    const Q8Batch batch{q.data(), d.data(), offsets.data(), nb};
+    const int64_t block = BlockElems(w.dtype);
+    for (int t = 0; t < n; ++t) {
+      if (k_quant) {
+        k_->quantize_q8k(x + t * cols, cols, qx.q.data(), qx.d.data(), qx.bsums.data());
+      } else {
+        k_->quantize_q8x(x + t * cols, cols, qx.q.data(), qx.d.data(), qx.s8.data());
+      }
+      const int64_t first = batch.Index(t, 0);
+      BatchOffsets(w.dtype, qx.q.data(), qx.bsums.data(), cols, Q8Batch::kTokens * per,
+                   &offsets[first * per]);
+      for (int64_t b = 0; b < nb; ++b) {  // token t's blocks, kTokens blocks apart
+        const int64_t i = first + b * Q8Batch::kTokens;
+        std::copy(&qx.q[b * block], &qx.q[b * block] + block, &q[i * block]);
+        d[i] = qx.d[b];
+      }
+    }
+    const uint8_t* data = static_cast<const uint8_t*>(w.data);
+    const size_t stride = w.row_stride != 0 ? w.row_stride : w.row_bytes();
+    auto kernel = k_->matmul_q8b[static_cast<size_t>(w.dtype)];
+    For((rows + 15) / 16, 1, [&](int64_t b, int64_t e) {
+      const int64_t r0 = b * 16, r1 = std::min(rows, e * 16);
+      kernel(data + r0 * stride, stride, r1 - r0, batch, n, cols, y + r0, rows);
     });
   }
 

@@ -1,6 +1,7 @@
 // Per-row SIMD kernels behind SimdOps, compiled once per instruction set (kernels_simd.inc is
 // included by kernels_avx2.cc and kernels_avx512.cc with different compiler flags) and chosen at
-// run time. A "row" is one stored weight row in any dtype; x and y are fp32.
+// run time. A "row" is one stored weight row in any dtype; x and y are fp32. The exception is
+// matmul_q8b, a whole tiled matrix product of many tokens for the quantized types.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +28,65 @@ struct Q8KVector {
   const float* d;        // [n / 256]: 1 / (-127 / m), fp32 (0 for an all-zero block)
   const int16_t* bsums;  // [n / 16]: sums of 16 consecutive q
 };
+
+// n tokens' activations quantized for the tiled products of many tokens (RowKernels::matmul_q8b):
+// Q8_0 blocks of 32 (for Q8_0 and Q4_0 rows) or Q8_K blocks of 256 (K-quant rows), each token
+// quantized exactly as for one token (quantize_q8x / quantize_q8k). Tokens are interleaved in
+// groups of kTokens, block by block, so that a tile of up to kTokens tokens reads one block of all
+// of them at fixed offsets from one address: token t = kTokens * g + i has its block b at index
+// (g * blocks + b) * kTokens + i of each array (the last group padded to kTokens).
+struct Q8Batch {
+  static constexpr int kTokens = 8;
+  const int8_t* q;         // [groups, blocks, kTokens, block]: the quantized values
+  const float* d;          // [groups, blocks, kTokens]: the blocks' scales
+  const int32_t* offsets;  // [groups, blocks, kTokens, BatchOffsetsPerBlock]: see BatchOffsets
+  int64_t blocks;          // per token: cols / 32 or cols / 256
+
+  int64_t Index(int64_t t, int64_t b) const {
+    return ((t / kTokens) * blocks + b) * kTokens + t % kTokens;
+  }
+};
+
+// The integer terms each block of x contributes to the tiled kernels whatever the weights (one
+// token's, per weight block of 32 or 256 values), so that the kernels start their integer sums
+// from them instead of correcting every (row, token) pair:
+//   Q8_0: -128 * (the block's sum of q): the SIMD tiles multiply Q8_0 weights stored + 128, the
+//         unsigned operand VNNI wants;
+//   Q4_0: -8 * (the block's sum): Q4_0's offset of 8;
+//   Q4_K, Q5_K: four int32 per super-block, each two sub-blocks' sums of q as int16 (the low half
+//         sub-block 2k, the high half 2k + 1), which the mins multiply;
+//   Q6_K: -32 * (each 16-value sum): Q6_K's offset of 32, sixteen per super-block.
+inline int BatchOffsetsPerBlock(DType t) {
+  return t == DType::kQ6_K ? 16 : (t == DType::kQ4_K || t == DType::kQ5_K) ? 4 : 1;
+}
+// One token's offsets: q: [cols] its values, bsums: [cols / 16] its Q8_K 16-value sums (K types
+// only), out: [cols / BlockElems(t), BatchOffsetsPerBlock(t)] with the stride `stride` from one
+// block's entries to the next.
+inline void BatchOffsets(DType t, const int8_t* q, const int16_t* bsums, int64_t cols,
+                         int64_t stride, int32_t* out) {
+  if (t == DType::kQ8_0 || t == DType::kQ4_0) {
+    const int32_t scale = t == DType::kQ8_0 ? -128 : -8;
+    for (int64_t b = 0; b < cols / 32; ++b) {
+      int32_t s = 0;
+      for (int i = 0; i < 32; ++i) s += q[32 * b + i];
+      out[b * stride] = scale * s;
+    }
+    return;
+  }
+  for (int64_t b = 0; b < cols / 256; ++b) {
+    const int16_t* bs = bsums + 16 * b;
+    int32_t* o = out + b * stride;
+    if (t == DType::kQ6_K) {
+      for (int g = 0; g < 16; ++g) o[g] = -32 * bs[g];
+    } else {
+      for (int k = 0; k < 4; ++k) {
+        const uint16_t lo = static_cast<uint16_t>(bs[4 * k] + bs[4 * k + 1]);
+        const uint16_t hi = static_cast<uint16_t>(bs[4 * k + 2] + bs[4 * k + 3]);
+        o[k] = static_cast<int32_t>(lo | (uint32_t{hi} << 16));
+      }
+    }
+  }
+}
 
 struct RowKernels {
   const char* name;
@@ -70,6 +130,12 @@ struct RowKernels {
                                    float* out);
   // Quantizes x: [n] (n a multiple of 256) into the arrays of a Q8KVector.
   void (*quantize_q8k)(const float* x, int64_t n, int8_t* q, float* d, int16_t* bsums);
+  // Batched products of a quantized matrix (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K; null for the others):
+  // rows: [n_rows] at w + r * stride, x: n tokens (Q8Batch), y[t * ldy + r] = row r . x[t],
+  // each sum the definition dot_q8x / dot_q8k compute (up to fp32 summation order). Tiled: each
+  // unpacked weight block serves a tile of tokens, each block of x a tile of rows.
+  void (*matmul_q8b[kNumDTypes])(const uint8_t* w, size_t stride, int64_t n_rows, const Q8Batch& x,
+                                 int n, int64_t cols, float* y, int64_t ldy);
 };
 
 // A Q4_K / Q5_K block's packed 12 bytes of scales and mins (tensor.h's KScaleMin) rearranged on

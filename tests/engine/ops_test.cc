@@ -720,6 +720,113 @@ TEST_P(OpsTest, KQuantSparseFfnToken) {
   }
 }
 
+// ---- Batched products of quantized rows (MatMul with n > 1: the tiled integer kernels) ----
+
+const DType kQuantTypes[] = {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K};
+
+// Q8_0 / Q4_0 rows with every value byte random (Q8_0's -128 included, which QuantizeRow never
+// writes), the fp16 scales finite; K rows as MakeRandomKWeight makes them.
+Weight MakeRandomBitsWeight(DType dtype, int64_t rows, int64_t cols, std::mt19937& rng) {
+  if (IsKQuant(dtype)) return MakeRandomKWeight(dtype, rows, cols, rng);
+  Weight w;
+  w.bytes.resize(RowBytes(dtype, cols) * rows);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (auto& b : w.bytes) b = static_cast<uint8_t>(byte(rng));
+  std::uniform_real_distribution<float> factor(1e-3f, 2e-2f);
+  const size_t block = RowBytes(dtype, 32);
+  for (size_t off = 0; off < w.bytes.size(); off += block) {
+    const uint16_t d = Fp32ToFp16(factor(rng));
+    std::memcpy(&w.bytes[off], &d, 2);
+  }
+  w.view.name = "w";
+  w.view.dtype = dtype;
+  w.view.shape = {rows, cols};
+  w.view.data = w.bytes.data();
+  return w;
+}
+
+// Per element, got within fp32 summation-order rounding of want, for y: [n, w.rows()] = x @ w^T:
+// |got - want| <= 1e-5 * sum_i |w_i| |x_i| (the dequantized row against |x|). Each ordering rounds
+// partial sums bounded by that magnitude, a few ulp each; a block of the sum lost or miscounted
+// (one of at most a few dozen here) would move the result by a thousand times more.
+void ExpectSameUpToRounding(const TensorView& w, const float* x, int n, const float* got,
+                            const float* want) {
+  const int64_t rows = w.rows(), cols = w.cols();
+  std::vector<float> row(cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    DequantizeRow(w.dtype, w.row(r), row.data(), cols);
+    for (int t = 0; t < n; ++t) {
+      double bound = 0;
+      for (int64_t c = 0; c < cols; ++c) bound += std::fabs(row[c] * x[t * cols + c]);
+      ASSERT_NEAR(got[t * rows + r], want[t * rows + r], 1e-5 * bound)
+          << "row " << r << " token " << t;
+    }
+  }
+}
+
+// The tiled kernels for every quantized type against the reference (llama.cpp's definition) and
+// against the one-token products (the decode kernels, dot_q8x / dot_q8k), with token counts that
+// leave partial token tiles, row counts that leave partial row tiles (16, 8 and 4 rows),
+// QuantizeRow's and random-bit weights, and x whose blocks all quantize to +-127 (the largest
+// integer sums, where a 16-bit intermediate would saturate first).
+TEST_P(OpsTest, QuantizedBatchMatchesReferenceAndOneTokenProducts) {
+  for (DType dt : kQuantTypes) {
+    const std::vector<int> widths =
+        IsKQuant(dt) ? std::vector<int>{256, 768} : std::vector<int>{32, 96, 800};
+    for (int cols : widths) {
+      for (int rows : {1, 5, 17, 37}) {
+        for (int kind = 0; kind < 3; ++kind) {  // QuantizeRow's, random bits, random bits + +-x
+          Weight w = kind == 0 ? MakeWeight(dt, rows, cols, rng_)
+                               : MakeRandomBitsWeight(dt, rows, cols, rng_);
+          for (int n : {1, 2, 3, 5, 7, 17}) {
+            SCOPED_TRACE(testing::Message() << DTypeName(dt) << " " << rows << "x" << cols
+                                            << " kind " << kind << " n=" << n);
+            auto x = Random(n * cols, rng_);
+            if (kind == 2) {
+              for (auto& v : x) v = v < 0 ? -1.f : 1.f;
+            }
+            Guarded got(n * rows), want(n * rows);
+            ops_->MatMul(w.view, x.data(), n, got.data());
+            ref_->MatMul(w.view, x.data(), n, want.data());
+            ExpectClose(got, want, 1e-10);
+            ExpectSameUpToRounding(w.view, x.data(), n, got.data(), want.data());
+            std::vector<float> one(rows);
+            for (int t = 0; t < n; ++t) {
+              ops_->MatMul(w.view, x.data() + t * cols, 1, one.data());
+              ExpectSameUpToRounding(w.view, x.data() + t * cols, 1, got.data() + t * rows,
+                                     one.data());
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Wide rows run the tokens in several chunks (about 256 KB of x each, here 32 tokens), each with
+// every row group unpacked again.
+TEST_P(OpsTest, QuantizedBatchOverSeveralTokenChunks) {
+  for (DType dt : kQuantTypes) {
+    SCOPED_TRACE(DTypeName(dt));
+    const int rows = 21, cols = 8192, n = 41;
+    Weight w = MakeRandomBitsWeight(dt, rows, cols, rng_);
+    auto x = Random(n * cols, rng_);
+    Guarded got(n * rows), want(n * rows);
+    ops_->MatMul(w.view, x.data(), n, got.data());
+    ref_->MatMul(w.view, x.data(), n, want.data());
+    ExpectClose(got, want, 1e-10);
+    ExpectSameUpToRounding(w.view, x.data(), n, got.data(), want.data());
+  }
+}
+
+// Every kernel set has the tiled kernel for exactly the quantized types.
+TEST_P(OpsTest, EveryKernelSetHasTheBatchedKernels) {
+  const RowKernels* k = GetParam().kernels;
+  for (int i = 0; i < kNumDTypes; ++i) {
+    EXPECT_EQ(k->matmul_q8b[i] != nullptr, IsQuantized(static_cast<DType>(i))) << i;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllKernels, OpsTest, ::testing::ValuesIn(Implementations()),
                          [](const auto& info) {
                            std::string name = info.param.kernels->name;
