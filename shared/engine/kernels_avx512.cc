@@ -369,6 +369,166 @@ void QuantizeQ8x512(const float* x, int64_t n, int8_t* q, float* d, int32_t* s8)
                         _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 3)));
   }
 }
+// ---- Q4_K / Q5_K rows against one token (decode): q45k_block's integer work with fp32 vector
+// accumulators ----
+//
+// q45k_block returns a super-block's sums as scalars, which costs two full horizontal reductions
+// and scalar fp32 arithmetic every 256 values. Here each super-block's sixteen integer lanes are
+// folded to four (exact, and still exactly convertible: each at most 16 * 2 * 7874 * 63 < 2^24),
+// which d_w * d_x scales into a 128-bit fp32 accumulator and from which the mins' four lanes,
+// scaled by dmin_w * d_x, come off at once; the row is reduced once at its end:
+// ggml_vec_dot_q4_K_q8_K's definition in another fp32 summation order. (Sixteen fp32 lanes and
+// the mins subtracted only at the end measured less accurate where the two sums nearly cancel.)
+template <bool kHigh>
+inline void Q45KAccumulate(const uint8_t* scales, const uint8_t* qs, const uint8_t* qh,
+                           const int8_t* q8, const int16_t* bsums, float d, float dmin,
+                           __m128* acc) {
+  alignas(32) static constexpr uint8_t kHalf[32] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+  uint32_t words[4];
+  KScalesAndMins(scales, words);
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words));
+  const __m512i scale16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(packed));
+  const __m128i min16 = _mm_cvtepu8_epi16(_mm_srli_si128(packed, 8));
+  const __m128i pair_sums =
+      _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bsums)),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(bsums + 8)));
+  const __m128i mins = _mm_madd_epi16(min16, pair_sums);
+  const __m512i half =
+      _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(kHalf)));
+  const __m512i mask = _mm512_set1_epi8(0x0f);
+  __m256i high = _mm256_setzero_si256();
+  if constexpr (kHigh) high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+  __m512i isum = _mm512_setzero_si512();
+  for (int i = 0; i < 4; ++i) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i));
+    __m512i q = _mm512_and_si512(
+        _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), mask);
+    if constexpr (kHigh) {
+      const __m512i h =
+          _mm512_inserti64x4(_mm512_castsi256_si512(high), _mm256_srli_epi16(high, 1), 1);
+      q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(1)), 4));
+      high = _mm256_srli_epi16(high, 2);
+    }
+    const __m512i x = _mm512_loadu_si512(q8 + 64 * i);
+    const __m512i scale = _mm512_permutexvar_epi16(
+        _mm512_add_epi16(half, _mm512_set1_epi16(static_cast<int16_t>(2 * i))), scale16);
+    isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(q, x), scale);
+  }
+  const __m256i isum8 =
+      _mm256_add_epi32(_mm512_castsi512_si256(isum), _mm512_extracti64x4_epi64(isum, 1));
+  const __m128i isum4 =
+      _mm_add_epi32(_mm256_castsi256_si128(isum8), _mm256_extracti128_si256(isum8, 1));
+  *acc = _mm_fmadd_ps(_mm_cvtepi32_ps(isum4), _mm_set1_ps(d), *acc);
+  *acc = _mm_fnmadd_ps(_mm_cvtepi32_ps(mins), _mm_set1_ps(dmin), *acc);
+}
+
+template <DType T>
+inline void Q45KAccumulateBlock(const KBlock<T>& b, const Q8KVector& x, int64_t k, __m128* acc) {
+  const float dx = x.d[k];
+  const uint8_t* qh = nullptr;
+  if constexpr (T == DType::kQ5_K) qh = b.qh;
+  Q45KAccumulate<T == DType::kQ5_K>(b.scales, b.qs, qh, x.q + k * kSuperBlock, x.bsums + k * 16,
+                                    half_to_float(b.d) * dx, half_to_float(b.dmin) * dx, acc);
+}
+
+inline float Q45KResult(__m128 acc) {
+  __m128 s = _mm_add_ps(acc, _mm_movehl_ps(acc, acc));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <DType T>
+float DotQ8K45x512(const void* row, const Q8KVector& x, int64_t n) {
+  const KBlock<T>* b = static_cast<const KBlock<T>*>(row);
+  __m128 acc = _mm_setzero_ps();
+  for (int64_t k = 0; k < n / kSuperBlock; ++k) Q45KAccumulateBlock<T>(b[k], x, k, &acc);
+  return Q45KResult(acc);
+}
+
+// DotQ8K45x512 for k scattered rows, up to four read together super-block by super-block (see
+// DotRowsQ8K); each row's sums formed as DotQ8K45x512 forms them, the same bits.
+template <DType T>
+void DotRowsQ8K45x512(const uint8_t* const* rows, int k, const Q8KVector& x, int64_t n,
+                      float* out) {
+  for (int j0 = 0; j0 < k; j0 += 4) {
+    const int m = std::min(4, k - j0);
+    __m128 acc[4];
+    for (int j = 0; j < 4; ++j) acc[j] = _mm_setzero_ps();
+    for (int64_t blk = 0; blk < n / kSuperBlock; ++blk) {
+      for (int j = 0; j < m; ++j) {
+        Q45KAccumulateBlock<T>(reinterpret_cast<const KBlock<T>*>(rows[j0 + j])[blk], x, blk,
+                               &acc[j]);
+      }
+    }
+    for (int j = 0; j < m; ++j) out[j0 + j] = Q45KResult(acc[j]);
+  }
+}
+
+// Q6_K rows against one token: q6k_dot's integer work, with its offset of 32 taken off in vector
+// lanes (the scales' dot with x's 16-value sums by one madd, where DotQ8K loops over sixteen
+// scalars) and the super-block's eight folded integer lanes scaled by d_w * d_x into a 256-bit
+// fp32 accumulator; the row is reduced once at its end (ggml_vec_dot_q6_K_q8_K's definition in
+// another fp32 summation order).
+inline void Q6KAccumulate(const BlockQ6_K& b, const Q8KVector& x, int64_t k, __m256* acc) {
+  alignas(32) static constexpr uint8_t kQuarter[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1,
+                                                       1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2,
+                                                       2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+  const int8_t* q8 = x.q + k * kSuperBlock;
+  const __m512i quarter =
+      _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(kQuarter)));
+  const __m256i scales =
+      _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales)));
+  const __m512i scales16 = _mm512_castsi256_si512(scales);
+  const __m512i mask = _mm512_set1_epi8(0x0f), three = _mm512_set1_epi8(3);
+  __m512i isum = _mm512_setzero_si512();
+  for (int h = 0; h < 2; ++h) {
+    const __m512i ql = _mm512_loadu_si512(b.ql + 64 * h);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * h));
+    for (int p = 0; p < 2; ++p) {
+      const __m512i low = _mm512_and_si512(p == 0 ? ql : _mm512_srli_epi16(ql, 4), mask);
+      const __m256i h0 = _mm256_srli_epi16(qh, 4 * p);
+      const __m512i hz =
+          _mm512_inserti64x4(_mm512_castsi256_si512(h0), _mm256_srli_epi16(h0, 2), 1);
+      const __m512i q = _mm512_or_si512(low, _mm512_slli_epi16(_mm512_and_si512(hz, three), 4));
+      const __m512i xv = _mm512_loadu_si512(q8 + 128 * h + 64 * p);
+      const __m512i scale = _mm512_permutexvar_epi16(
+          _mm512_add_epi16(quarter, _mm512_set1_epi16(static_cast<int16_t>(8 * h + 4 * p))),
+          scales16);
+      isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(q, xv), scale);
+    }
+  }
+  const __m256i isum8 =
+      _mm256_add_epi32(_mm512_castsi512_si256(isum), _mm512_extracti64x4_epi64(isum, 1));
+  const __m256i offset = _mm256_madd_epi16(
+      scales, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums + k * 16)));
+  const __m256i total = _mm256_sub_epi32(isum8, _mm256_slli_epi32(offset, 5));
+  *acc =
+      _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(half_to_float(b.d) * x.d[k]), *acc);
+}
+
+float DotQ8K6x512(const void* row, const Q8KVector& x, int64_t n) {
+  const BlockQ6_K* b = static_cast<const BlockQ6_K*>(row);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t k = 0; k < n / kSuperBlock; ++k) Q6KAccumulate(b[k], x, k, &acc);
+  return f8sum(acc);
+}
+
+// DotQ8K6x512 for k scattered rows, up to four read together (the same bits per row).
+void DotRowsQ8K6x512(const uint8_t* const* rows, int k, const Q8KVector& x, int64_t n, float* out) {
+  for (int j0 = 0; j0 < k; j0 += 4) {
+    const int m = std::min(4, k - j0);
+    __m256 acc[4];
+    for (int j = 0; j < 4; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < n / kSuperBlock; ++blk) {
+      for (int j = 0; j < m; ++j) {
+        Q6KAccumulate(reinterpret_cast<const BlockQ6_K*>(rows[j0 + j])[blk], x, blk, &acc[j]);
+      }
+    }
+    for (int j = 0; j < m; ++j) out[j0 + j] = f8sum(acc[j]);
+  }
+}
+
 // ---- Tiles for the batched quantized products (MatMulQ8B): 16 rows, one per 32-bit lane ----
 //
 // A packed vector holds the same four consecutive values of 16 rows (lane r: row r), so one
@@ -592,6 +752,15 @@ struct Tiles512 {
 };
 }  // namespace
 
+// PINFER_K_Q8K with the vector-accumulating Q4_K, Q5_K and Q6_K kernels above.
+// clang-format off
+#define PINFER_K_Q8K_512                                                                     \
+  {nullptr, nullptr, nullptr, nullptr, nullptr, DotQ8K45x512<DType::kQ4_K>,                 \
+   DotQ8K45x512<DType::kQ5_K>, DotQ8K6x512},                                                 \
+  {nullptr, nullptr, nullptr, nullptr, nullptr, DotRowsQ8K45x512<DType::kQ4_K>,             \
+   DotRowsQ8K45x512<DType::kQ5_K>, DotRowsQ8K6x512}
+// clang-format on
+
 const RowKernels* RowKernelsAvx512(bool vbmi) {
   static const RowKernels with_vbmi = {
       "avx512",
@@ -607,7 +776,7 @@ const RowKernels* RowKernelsAvx512(bool vbmi) {
       ExpSubSum,
       PINFER_AXPY_ROWS,
       PINFER_DOT_ROWS(DotRowsQ4x512),
-      PINFER_K_Q8K,
+      PINFER_K_Q8K_512,
       QuantizeQ8K,
       PINFER_MATMUL_Q8B(Tiles512),
   };
@@ -625,7 +794,7 @@ const RowKernels* RowKernelsAvx512(bool vbmi) {
       ExpSubSum,
       PINFER_AXPY_ROWS,
       PINFER_DOT_ROWS(DotRowsQ4x512),
-      PINFER_K_Q8K,
+      PINFER_K_Q8K_512,
       QuantizeQ8K,
       PINFER_MATMUL_Q8B(Tiles512),
   };
