@@ -108,82 +108,6 @@ inline F8 q4q8_block(const uint8_t* qs, const int8_t* x, const int32_t* s8) {
       _mm256_dpbusd_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s8)), nib, xv);
   return _mm256_cvtepi32_ps(p);
 }
-// One Q4_K / Q5_K super-block against 256 Q8_K values: *isum = sum_j scale_j * (sub-block j's
-// integer dot), *imin = sum_j min_j * (x's sum over sub-block j). A 512-bit vector holds the
-// two sub-blocks that share 32 bytes of qs (low nibbles, then high), which are also 64
-// consecutive values of x; maddubs pairs them (no saturation: values <= 31, |x| <= 127) and
-// VNNI's dpwssd applies each half's scale (one permute of the unpacked scales) and accumulates.
-template <bool kHigh>
-inline void q45k_block(const uint8_t* scales, const uint8_t* qs, const uint8_t* qh,
-                       const int8_t* q8, const int16_t* bsums, int32_t* isum, int32_t* imin) {
-  alignas(32) static constexpr uint8_t kHalf[32] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
-  uint32_t words[4];
-  KScalesAndMins(scales, words);
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words));
-  const __m512i scale16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(packed));
-  const __m128i min16 = _mm_cvtepu8_epi16(_mm_srli_si128(packed, 8));
-  const __m128i pair_sums =
-      _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bsums)),
-                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(bsums + 8)));
-  __m128i m = _mm_madd_epi16(min16, pair_sums);
-  m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0x4e));
-  m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0xb1));
-  *imin = _mm_cvtsi128_si32(m);
-  const __m512i half =
-      _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(kHalf)));
-  const __m512i mask = _mm512_set1_epi8(0x0f);
-  __m256i high = _mm256_setzero_si256();
-  if constexpr (kHigh) high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
-  __m512i acc = _mm512_setzero_si512();
-  for (int i = 0; i < 4; ++i) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i));
-    __m512i q = _mm512_and_si512(
-        _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), mask);
-    if constexpr (kHigh) {
-      const __m512i h =
-          _mm512_inserti64x4(_mm512_castsi256_si512(high), _mm256_srli_epi16(high, 1), 1);
-      q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(1)), 4));
-      high = _mm256_srli_epi16(high, 2);
-    }
-    const __m512i x = _mm512_loadu_si512(q8 + 64 * i);
-    const __m512i scale = _mm512_permutexvar_epi16(
-        _mm512_add_epi16(half, _mm512_set1_epi16(static_cast<int16_t>(2 * i))), scale16);
-    acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q, x), scale);
-  }
-  *isum = _mm512_reduce_add_epi32(acc);
-}
-// One Q6_K super-block with the unsigned values q in 0..63: sum_g scale_g * (group g's dot).
-// A 512-bit vector holds 64 consecutive values, four groups of 16; their scales reach the four
-// 128-bit quarters by one permute of the block's sixteen scales.
-inline int32_t q6k_dot(const BlockQ6_K& b, const int8_t* q8) {
-  alignas(32) static constexpr uint8_t kQuarter[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1,
-                                                       1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2,
-                                                       2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
-  const __m512i quarter =
-      _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(kQuarter)));
-  const __m512i scales16 = _mm512_castsi256_si512(
-      _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales))));
-  const __m512i mask = _mm512_set1_epi8(0x0f), three = _mm512_set1_epi8(3);
-  __m512i acc = _mm512_setzero_si512();
-  for (int h = 0; h < 2; ++h) {
-    const __m512i ql = _mm512_loadu_si512(b.ql + 64 * h);  // values k = 0 | k = 1 (low nibbles)
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * h));
-    for (int p = 0; p < 2; ++p) {  // values 64p..64p+63 of the half: k = 2p, 2p + 1
-      const __m512i low = _mm512_and_si512(p == 0 ? ql : _mm512_srli_epi16(ql, 4), mask);
-      const __m256i h0 = _mm256_srli_epi16(qh, 4 * p);
-      const __m512i hz =
-          _mm512_inserti64x4(_mm512_castsi256_si512(h0), _mm256_srli_epi16(h0, 2), 1);
-      const __m512i q = _mm512_or_si512(low, _mm512_slli_epi16(_mm512_and_si512(hz, three), 4));
-      const __m512i x = _mm512_loadu_si512(q8 + 128 * h + 64 * p);
-      const __m512i scale = _mm512_permutexvar_epi16(
-          _mm512_add_epi16(quarter, _mm512_set1_epi16(static_cast<int16_t>(8 * h + 4 * p))),
-          scales16);
-      acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q, x), scale);
-    }
-  }
-  return _mm512_reduce_add_epi32(acc);
-}
 }  // namespace
 
 #include "shared/engine/kernels_simd.inc"
@@ -369,16 +293,19 @@ void QuantizeQ8x512(const float* x, int64_t n, int8_t* q, float* d, int32_t* s8)
                         _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 3)));
   }
 }
-// ---- Q4_K / Q5_K rows against one token (decode): q45k_block's integer work with fp32 vector
-// accumulators ----
+// ---- K-quant rows against one token (decode, sparse rows): dot_q8k, dot_rows_q8k ----
 //
-// q45k_block returns a super-block's sums as scalars, which costs two full horizontal reductions
-// and scalar fp32 arithmetic every 256 values. Here each super-block's sixteen integer lanes are
-// folded to four (exact, and still exactly convertible: each at most 16 * 2 * 7874 * 63 < 2^24),
-// which d_w * d_x scales into a 128-bit fp32 accumulator and from which the mins' four lanes,
-// scaled by dmin_w * d_x, come off at once; the row is reduced once at its end:
-// ggml_vec_dot_q4_K_q8_K's definition in another fp32 summation order. (Sixteen fp32 lanes and
-// the mins subtracted only at the end measured less accurate where the two sums nearly cancel.)
+// Q4_K / Q5_K: a 512-bit vector holds the two sub-blocks that share 32 bytes of qs (low nibbles,
+// then high), which are also 64 consecutive values of x; maddubs pairs them (no saturation:
+// values <= 31, |x| <= 127) and VNNI's dpwssd applies each half's scale (one permute of the
+// unpacked scales) and accumulates. Rather than reducing each super-block's sums to scalars (two
+// horizontal reductions and scalar fp32 every 256 values, which held Q4_K_M decode at 0.87-0.92x
+// llama.cpp's), its sixteen integer lanes are folded to four (exact, and still exactly
+// convertible: each at most 16 * 2 * 7874 * 63 < 2^24), which d_w * d_x scales into a 128-bit
+// fp32 accumulator and from which the mins' four lanes (sub-block mins times x's sums), scaled by
+// dmin_w * d_x, come off at once; the row is reduced once at its end: ggml_vec_dot_q4_K_q8_K's
+// definition in another fp32 summation order. (Sixteen fp32 lanes with the mins subtracted only
+// at the end measured less accurate where the two sums nearly cancel.)
 template <bool kHigh>
 inline void Q45KAccumulate(const uint8_t* scales, const uint8_t* qs, const uint8_t* qh,
                            const int8_t* q8, const int16_t* bsums, float d, float dmin,
@@ -465,10 +392,12 @@ void DotRowsQ8K45x512(const uint8_t* const* rows, int k, const Q8KVector& x, int
   }
 }
 
-// Q6_K rows against one token: q6k_dot's integer work, with its offset of 32 taken off in vector
-// lanes (the scales' dot with x's 16-value sums by one madd, where DotQ8K loops over sixteen
-// scalars) and the super-block's eight folded integer lanes scaled by d_w * d_x into a 256-bit
-// fp32 accumulator; the row is reduced once at its end (ggml_vec_dot_q6_K_q8_K's definition in
+// Q6_K rows against one token: a 512-bit vector holds 64 consecutive unsigned values q (0..63),
+// four groups of 16 whose scales reach the four 128-bit quarters by one permute of the sixteen
+// scales; maddubs (2 * 63 * 127 < 32768) and dpwssd with the scales accumulate. The offset of 32
+// comes off in vector lanes (the scales' dot with x's 16-value sums by one madd) and the
+// super-block's eight folded integer lanes are scaled by d_w * d_x into a 256-bit fp32
+// accumulator; the row is reduced once at its end (ggml_vec_dot_q6_K_q8_K's definition in
 // another fp32 summation order).
 inline void Q6KAccumulate(const BlockQ6_K& b, const Q8KVector& x, int64_t k, __m256* acc) {
   alignas(32) static constexpr uint8_t kQuarter[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1,
