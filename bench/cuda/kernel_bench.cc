@@ -36,6 +36,13 @@ namespace {
 // choice (F16: one warp per row against one block per row; block formats: GGUF's layout against
 // the split one the backend runs), then the default kernel 20 times back to back without and
 // with programmatic dependent launch, to see where a decode step loses bandwidth.
+// The K-quant product's launch shapes the shapes section compares (warps a block, blocks an SM
+// by the registers of its one-token kernel; the first is the default).
+struct KShape {
+  int warps, min_blocks;
+};
+constexpr KShape kKShapes[] = {{8, 5}, {8, 1}, {8, 4}, {8, 6}, {4, 5}, {4, 6}};
+
 void MeasureShapes(DType dtype, ThreadPool& pool) {
   struct Shape {
     const char* name;
@@ -78,20 +85,14 @@ void MeasureShapes(DType dtype, ThreadPool& pool) {
     cudaStream_t s;
     PINFER_BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     const bool pdl = cuda::ProgrammaticLaunch();
-    for (int variant = 0; variant < 4; ++variant) {
-      const char* names[] = {quant ? "gguf" : "warp", quant ? "split" : "block", "chain",
-                             "chain+pdl"};
-      if (!quant) cuda::SetMatVecWarpRowsMin(variant == 0 ? 1 : 1 << 30);  // warp rows, block rows
-      const cuda::DeviceMatrix& mv = quant && variant > 0 ? sm : m;
-      const int reps = variant >= 2 ? 20 : 1;
-      cuda::SetProgrammaticLaunch(variant == 3);
-      cudaStream_t st = variant >= 2 ? s : nullptr;
+    // One timing: the median over 20 passes of reps back-to-back products on stream st.
+    auto time_gbs = [&](const cuda::DeviceMatrix& mv, int reps, cudaStream_t st, const void* qx) {
       std::vector<double> t;
       for (int i = 0; i < 25; ++i) {
         PINFER_BENCH_CUDA(cudaEventRecord(e0, st));
         for (int k = 0; k < reps; ++k) {
           PINFER_BENCH_CUDA(cuda::MatVecRows(mv, nullptr, static_cast<int>(sh.rows), nullptr, x, 1,
-                                             y, static_cast<int>(sh.rows), st));
+                                             y, static_cast<int>(sh.rows), st, qx));
         }
         PINFER_BENCH_CUDA(cudaEventRecord(e1, st));
         PINFER_BENCH_CUDA(cudaEventSynchronize(e1));
@@ -99,7 +100,45 @@ void MeasureShapes(DType dtype, ThreadPool& pool) {
         PINFER_BENCH_CUDA(cudaEventElapsedTime(&ms, e0, e1));
         if (i >= 5) t.push_back(ms * 1e-3 / reps);
       }
-      std::printf(" %s %.0f", names[variant], host.n / MedianOf(t) / 1e9);
+      return host.n / MedianOf(t) / 1e9;
+    };
+    if (IsKQuant(dtype)) {
+      // K-quants: the launch shapes of SetKMatVecShape (kKShapes, printed as 8w5b: eight warps,
+      // five blocks an SM), 20 products back to back with programmatic dependent launch, x
+      // quantized by its producer (a norm) as in a decode step.
+      void* qx = nullptr;
+      float *ones = nullptr, *normed = nullptr;
+      PINFER_BENCH_CUDA(cudaMalloc(&qx, cuda::QxBytes(sh.cols)));
+      PINFER_BENCH_CUDA(cudaMalloc(reinterpret_cast<void**>(&ones), sh.cols * 4));
+      PINFER_BENCH_CUDA(cudaMalloc(reinterpret_cast<void**>(&normed), sh.cols * 4));
+      std::vector<float> hx(sh.cols);
+      for (int64_t c = 0; c < sh.cols; ++c) hx[c] = std::sin(0.37 * c);
+      PINFER_BENCH_CUDA(cudaMemcpy(x, hx.data(), sh.cols * 4, cudaMemcpyHostToDevice));
+      std::fill(hx.begin(), hx.end(), 1.f);
+      PINFER_BENCH_CUDA(cudaMemcpy(ones, hx.data(), sh.cols * 4, cudaMemcpyHostToDevice));
+      PINFER_BENCH_CUDA(
+          cuda::RmsNorm(x, ones, 1, static_cast<int>(sh.cols), 1e-5f, normed, nullptr, qx));
+      PINFER_BENCH_CUDA(cudaDeviceSynchronize());
+      cuda::SetProgrammaticLaunch(true);
+      for (const KShape& k : kKShapes) {
+        cuda::SetKMatVecShape(k.warps, k.min_blocks);
+        std::printf(" %dw%db %.0f", k.warps, k.min_blocks, time_gbs(m, 20, s, qx));
+      }
+      cuda::SetKMatVecShape(8, 5);
+      cudaFree(qx);
+      cudaFree(ones);
+      cudaFree(normed);
+    } else {
+      for (int variant = 0; variant < 4; ++variant) {
+        const char* names[] = {quant ? "gguf" : "warp", quant ? "split" : "block", "chain",
+                               "chain+pdl"};
+        if (!quant)
+          cuda::SetMatVecWarpRowsMin(variant == 0 ? 1 : 1 << 30);  // warp rows, block rows
+        const cuda::DeviceMatrix& mv = quant && variant > 0 ? sm : m;
+        cuda::SetProgrammaticLaunch(variant == 3);
+        std::printf(" %s %.0f", names[variant],
+                    time_gbs(mv, variant >= 2 ? 20 : 1, variant >= 2 ? s : nullptr, nullptr));
+      }
     }
     cuda::SetProgrammaticLaunch(pdl);
     cudaStreamDestroy(s);
@@ -304,7 +343,10 @@ int Main(int argc, char** argv) {
   if (!ParseFlags(argc, argv, &o, own)) return 2;
   auto has = [&](const char* name) { return sections.find(name) != std::string::npos; };
   const int threads = o.Threads();
-  const DType dtype = o.dtype == "Q4_0" ? DType::kQ4_0 : DType::kF16;
+  const DType dtype = o.dtype == "Q4_0"   ? DType::kQ4_0
+                      : o.dtype == "Q4_K" ? DType::kQ4_K
+                      : o.dtype == "Q6_K" ? DType::kQ6_K
+                                          : DType::kF16;
   ThreadPool pool(threads);
   if (has("bandwidths") || has("shapes") || has("pages")) {
     if (OpenDevice(threads)) {

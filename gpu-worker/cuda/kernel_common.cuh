@@ -29,7 +29,7 @@ namespace cuda {
 extern bool g_q8x, g_prefetch, g_pdl, g_qx_balanced, g_norm_vec8, g_attn_online, g_attn_early,
     g_attn_late_trigger, g_qx_regs, g_qx_pipe, g_late_x_first, g_fused_norm, g_rope_product,
     g_gated_product, g_qx_early;
-extern int g_warp_rows_min, g_qx_warps, g_qx_rows, g_norm_regs;
+extern int g_warp_rows_min, g_qx_warps, g_qx_rows, g_norm_regs, g_k_warps, g_k_min_blocks;
 // Multiprocessors of the current device (queried once).
 int SmCount();
 // MatVecRows and AccumulateRows over K-quant matrices (kquant_products.cu); the entry points

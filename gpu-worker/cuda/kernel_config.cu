@@ -123,6 +123,21 @@ bool g_gated_product = KnobOn("PINFER_CUDA_ACT_IN_PRODUCT");
 // (PINFER_CUDA_QX_EARLY=0: after, for comparison).
 bool g_qx_early = KnobOn("PINFER_CUDA_QX_EARLY");
 
+// The K-quant matrix-vector product's launch shape (SetKMatVecShape); PINFER_CUDA_K_SHAPE=W or
+// W,B sets it for a whole run (W warps a block, B blocks an SM by registers). Measured on the H100
+// (docs/benchmarks.md, "CUDA: K-quant decode"): eight warps, five blocks. Unconstrained, the
+// one-token kernel took 51-57 registers (four blocks an SM) and its 5120-row products ran in
+// 1.2 waves; held to 48 it runs 5-10% faster (Q4_K 13B layer shapes 2150-2520 GB/s against
+// 2050-2380), while six blocks (40 registers) gain on the widest matrices and lose on the others.
+int g_k_warps = 8, g_k_min_blocks = 5;
+const bool g_k_shape_env = [] {
+  const char* e = std::getenv("PINFER_CUDA_K_SHAPE");
+  if (e == nullptr) return false;
+  const char* comma = std::strchr(e, ',');
+  SetKMatVecShape(std::atoi(e), comma != nullptr ? std::atoi(comma + 1) : 5);
+  return true;
+}();
+
 int SmCount() {
   static int sms = [] {
     int dev = 0, n = 0;
@@ -145,6 +160,10 @@ void SetNormInRegisters(bool on) { g_norm_regs = on ? kNormRegs : 0; }
 void SetNormVec8(bool on) { g_norm_vec8 = on; }
 void SetQuantRegs(bool on) { g_qx_regs = on; }
 void SetQuantEarlyLoad(bool on) { g_qx_early = on; }
+void SetKMatVecShape(int warps, int min_blocks) {
+  g_k_warps = warps == 4 ? 4 : 8;
+  g_k_min_blocks = min_blocks >= 4 && min_blocks <= 6 ? min_blocks : 1;
+}
 void SetQuantPipeline(bool on) { g_qx_pipe = on; }
 void SetLateBlocksLoadXFirst(bool on) { g_late_x_first = on; }
 void SetFusedNorm(bool on) { g_fused_norm = on; }

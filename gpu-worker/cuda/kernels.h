@@ -272,6 +272,10 @@ cudaError_t MatVecRows(const DeviceMatrix& w, const int32_t* rows, int n_rows,
 // per row, shorter ones one block per row. Not thread-safe; set before use.
 void SetMatVecWarpRowsMin(int rows);
 int MatVecWarpRowsMin();
+// Tuning knob (benchmarks): the K-quant matrix-vector product's launch shape: warps a block (4 or
+// 8) and how many blocks of 256 threads an SM must fit by the one-token kernel's registers (1: no
+// limit, 4, 5 (default) or 6). The values are the same bit for bit in every shape.
+void SetKMatVecShape(int warps, int min_blocks);
 
 // y[t, :] += sum_i a[t * lda + i] * w.row(rows ? rows[i] : i)   for i < count, t < n.
 // The sparse down projection: w is the transposed down matrix [ffn, hidden], so each active

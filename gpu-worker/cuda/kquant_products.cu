@@ -27,7 +27,8 @@ namespace pinfer {
 namespace cuda {
 namespace {
 
-constexpr int kKWarps = 8;  // rows (one a warp) per block of the product
+// The product's launch shape (SetKMatVecShape): g_k_warps warps a block (at most 8).
+constexpr int kKMaxThreads = 8 * 32;
 
 template <WType T>
 constexpr int kKBlockBytes = T == WType::kQ4_K   ? 144
@@ -66,29 +67,73 @@ __device__ __forceinline__ int Dot16(const uint32_t (&w)[4], const int4& x) {
   return __dp4a(static_cast<int>(w[3]), x.w, s);
 }
 
-// What one lane holds of a super-block: its 16 bytes of quants turned into two sets of four
-// words of (unsigned or signed) bytes, each set against 16 values of one x block, and the
-// factors that scale the two integer dots.
-struct KLanePart {
-  uint32_t a[4], b[4];  // byte values of sub-blocks A and B
-  int blk_a, blk_b;     // their x blocks (of 32) within the row
-  int off;              // the lane's first value within those x blocks (0 or 16)
-  float fa, fb;         // d * scale
-  float ma, mb;         // dmin * min, applied by the off == 0 lane only (0 otherwise)
+// The raw bytes one lane loads of a super-block, decoded by DecodeKPart once they arrive, so
+// that a step's loads (of every row a warp takes) are issued before the previous step is
+// multiplied: Q4_K and Q5_K a = the 16-byte head (d, dmin, scales), b = the lane's 16 bytes of
+// quants, c = Q5_K's 16 bytes of high bits; Q6_K a = ql, b = qh, e = its two scales and d.
+struct KRaw {
+  uint4 a, b, c;
+  uint32_t e;
+};
+
+// Where a lane's values sit in the row: its two x blocks (of 32) and its first value within
+// them (0 or 16). The same for every row, so a warp's rows share the loads of x.
+struct KLanePos {
+  int blk_a, blk_b, off;
 };
 
 template <WType T>
-__device__ __forceinline__ KLanePart LoadKPart(const uint8_t* row, int sb, int k) {
-  KLanePart p;
+__device__ __forceinline__ KLanePos LanePos(int sb, int k) {
+  if constexpr (T == WType::kQ6_K) {
+    const int h = k / 4, c = (k / 2) % 2, m = k % 2;
+    return {sb * 8 + 4 * h + c, sb * 8 + 4 * h + c + 2, 16 * m};
+  } else {
+    const int i = k / 2, m = k % 2;
+    return {sb * 8 + 2 * i, sb * 8 + 2 * i + 1, 16 * m};
+  }
+}
+
+template <WType T>
+__device__ __forceinline__ KRaw LoadKRaw(const uint8_t* row, int sb, int k) {
+  KRaw r;
   const uint8_t* b = row + static_cast<size_t>(sb) * kKBlockBytes<T>;
   if constexpr (T == WType::kQ6_K) {
     // k: h (half of 128) = k / 4, c = (k / 2) % 2, m = k % 2. ql bytes [64h + 32c + 16m, +16):
     // low nibbles are values 16m.. of sequence c, high nibbles of sequence c + 2; qh bytes
     // [32h + 16m, +16) carry their two high bits at bits 2c and 2c + 4.
     const int h = k / 4, c = (k / 2) % 2, m = k % 2;
-    const uint4 ql = Load16Aligned2(b + 64 * h + 32 * c + 16 * m);
-    const uint4 qh = Load16Aligned2(b + 128 + 32 * h + 16 * m);
-    const uint32_t l[4] = {ql.x, ql.y, ql.z, ql.w}, hh[4] = {qh.x, qh.y, qh.z, qh.w};
+    r.a = Load16Aligned2(b + 64 * h + 32 * c + 16 * m);
+    r.b = Load16Aligned2(b + 128 + 32 * h + 16 * m);
+    const uint8_t* sc = b + 192 + 8 * h + 2 * c + m;
+    r.e = static_cast<uint32_t>(__ldg(sc)) | (static_cast<uint32_t>(__ldg(sc + 4)) << 8) |
+          (static_cast<uint32_t>(__ldg(reinterpret_cast<const unsigned short*>(b + 208))) << 16);
+  } else {
+    // k: chunk i = k / 2 of qs (sub-blocks 2i in the low nibbles, 2i + 1 in the high), values
+    // [16m, 16m + 16) of both, m = k % 2.
+    const int i = k / 2, m = k % 2;
+    constexpr int kQs = T == WType::kQ4_K ? 16 : 48;
+    r.a = __ldg(reinterpret_cast<const uint4*>(b));
+    r.b = __ldg(reinterpret_cast<const uint4*>(b + kQs + 32 * i + 16 * m));
+    if constexpr (T == WType::kQ5_K) r.c = __ldg(reinterpret_cast<const uint4*>(b + 16 + 16 * m));
+  }
+  return r;
+}
+
+// What one lane holds of a super-block: its 16 bytes of quants turned into two sets of four
+// words of (unsigned or signed) bytes, each set against 16 values of one x block, and the
+// factors that scale the two integer dots.
+struct KLanePart {
+  uint32_t a[4], b[4];  // byte values of sub-blocks A and B
+  float fa, fb;         // d * scale
+  float ma, mb;         // dmin * min, applied by the off == 0 lane only (0 otherwise)
+};
+
+template <WType T>
+__device__ __forceinline__ KLanePart DecodeKPart(const KRaw& r, int k) {
+  KLanePart p;
+  if constexpr (T == WType::kQ6_K) {
+    const int c = (k / 2) % 2;
+    const uint32_t l[4] = {r.a.x, r.a.y, r.a.z, r.a.w}, hh[4] = {r.b.x, r.b.y, r.b.z, r.b.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const uint32_t va = (l[i] & 0x0f0f0f0fu) | (((hh[i] >> (2 * c)) & 0x03030303u) << 4);
@@ -97,22 +142,13 @@ __device__ __forceinline__ KLanePart LoadKPart(const uint8_t* row, int sb, int k
       p.a[i] = __vsub4(va, 0x20202020u);  // q - 32 as signed bytes
       p.b[i] = __vsub4(vb, 0x20202020u);
     }
-    const float d = H2F(__ldg(reinterpret_cast<const unsigned short*>(b + 208)));
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    p.fa = d * static_cast<float>(sc[8 * h + 2 * c + m]);
-    p.fb = d * static_cast<float>(sc[8 * h + 2 * (c + 2) + m]);
+    const float d = H2F(static_cast<uint16_t>(r.e >> 16));
+    p.fa = d * static_cast<float>(static_cast<int8_t>(r.e & 0xff));
+    p.fb = d * static_cast<float>(static_cast<int8_t>((r.e >> 8) & 0xff));
     p.ma = p.mb = 0.f;
-    p.blk_a = sb * 8 + 4 * h + c;
-    p.blk_b = p.blk_a + 2;
-    p.off = 16 * m;
   } else {
-    // k: chunk i = k / 2 of qs (sub-blocks 2i in the low nibbles, 2i + 1 in the high), values
-    // [16m, 16m + 16) of both, m = k % 2.
     const int i = k / 2, m = k % 2;
-    const uint4 head = __ldg(reinterpret_cast<const uint4*>(b));
-    constexpr int kQs = T == WType::kQ4_K ? 16 : 48;
-    const uint4 q = __ldg(reinterpret_cast<const uint4*>(b + kQs + 32 * i + 16 * m));
-    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+    const uint32_t w[4] = {r.b.x, r.b.y, r.b.z, r.b.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       p.a[e] = w[e] & 0x0f0f0f0fu;
@@ -120,50 +156,62 @@ __device__ __forceinline__ KLanePart LoadKPart(const uint8_t* row, int sb, int k
     }
     if constexpr (T == WType::kQ5_K) {
       // Bit j of qh[l] is the fifth bit of value l of sub-block j.
-      const uint4 qh = __ldg(reinterpret_cast<const uint4*>(b + 16 + 16 * m));
-      const uint32_t hw[4] = {qh.x, qh.y, qh.z, qh.w};
+      const uint32_t hw[4] = {r.c.x, r.c.y, r.c.z, r.c.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         p.a[e] |= ((hw[e] >> (2 * i)) & 0x01010101u) << 4;
         p.b[e] |= ((hw[e] >> (2 * i + 1)) & 0x01010101u) << 4;
       }
     }
-    const float d = H2F(static_cast<uint16_t>(head.x & 0xffff));
-    const float dmin = H2F(static_cast<uint16_t>(head.x >> 16));
+    const float d = H2F(static_cast<uint16_t>(r.a.x & 0xffff));
+    const float dmin = H2F(static_cast<uint16_t>(r.a.x >> 16));
     int sa, mna, sbb, mnb;
-    ScaleMinWords(head.y, head.z, head.w, 2 * i, &sa, &mna);
-    ScaleMinWords(head.y, head.z, head.w, 2 * i + 1, &sbb, &mnb);
+    ScaleMinWords(r.a.y, r.a.z, r.a.w, 2 * i, &sa, &mna);
+    ScaleMinWords(r.a.y, r.a.z, r.a.w, 2 * i + 1, &sbb, &mnb);
     p.fa = d * static_cast<float>(sa);
     p.fb = d * static_cast<float>(sbb);
     p.ma = m == 0 ? dmin * static_cast<float>(mna) : 0.f;
     p.mb = m == 0 ? dmin * static_cast<float>(mnb) : 0.f;
-    p.blk_a = sb * 8 + 2 * i;
-    p.blk_b = p.blk_a + 1;
-    p.off = 16 * m;
   }
   return p;
 }
 
+// The x values a lane multiplies in one step (one token): its 16 int8 of each of its two
+// blocks, their scales and sums.
+struct KLaneX {
+  int4 xa, xb;
+  float da, db;
+  int sa, sb;
+};
+
+__device__ __forceinline__ KLaneX LoadKLaneX(const QxParts& xp, const KLanePos& pos) {
+  return {*reinterpret_cast<const int4*>(xp.q + pos.blk_a * 32 + pos.off),
+          *reinterpret_cast<const int4*>(xp.q + pos.blk_b * 32 + pos.off),
+          xp.d[pos.blk_a],
+          xp.d[pos.blk_b],
+          xp.sum[pos.blk_a],
+          xp.sum[pos.blk_b]};
+}
+
 // The lane's share of row . x for one token's quantized x.
-__device__ __forceinline__ float KPartDot(const KLanePart& p, const QxParts& xp) {
-  const int4 xa = *reinterpret_cast<const int4*>(xp.q + p.blk_a * 32 + p.off);
-  const int4 xb = *reinterpret_cast<const int4*>(xp.q + p.blk_b * 32 + p.off);
-  const float da = xp.d[p.blk_a], db = xp.d[p.blk_b];
-  float s = da * (p.fa * static_cast<float>(Dot16(p.a, xa)));
-  s += db * (p.fb * static_cast<float>(Dot16(p.b, xb)));
-  if (p.ma != 0.f) s -= da * p.ma * static_cast<float>(xp.sum[p.blk_a]);
-  if (p.mb != 0.f) s -= db * p.mb * static_cast<float>(xp.sum[p.blk_b]);
+__device__ __forceinline__ float KPartDot(const KLanePart& p, const KLaneX& x) {
+  float s = x.da * (p.fa * static_cast<float>(Dot16(p.a, x.xa)));
+  s += x.db * (p.fb * static_cast<float>(Dot16(p.b, x.xb)));
+  if (p.ma != 0.f) s -= x.da * p.ma * static_cast<float>(x.sa);
+  if (p.mb != 0.f) s -= x.db * p.mb * static_cast<float>(x.sb);
   return s;
 }
 
-// y[t * ldy + i] = row(rows ? rows[i] : i) . x[t] for i < count, t < n (n <= NT). x comes
-// quantized (x_qx, QxRegionBytes(cols) a token), copied into shared memory, or is quantized here
-// into shared memory: the block's eight rows read it from there. Each lane keeps its next
-// super-block's loads in flight while it multiplies the current one, and a dense product (no row
-// list, no device count) issues its first loads before it waits for its predecessor (weights
-// never change while a product may run).
-template <WType T, int NT>
-__global__ void __launch_bounds__(kKWarps* kWarp)
+// y[t * ldy + i] = row(rows ? rows[i] : i) . x[t] for i < count, t < n (n <= NT), one row a warp.
+// x comes quantized (x_qx, QxRegionBytes(cols) a token), copied into shared memory, or is
+// quantized here into shared memory: the block's rows read it from there. Each lane keeps its
+// next super-block's raw loads in flight while it decodes and multiplies the current one (decoding
+// at the load, as the first version did, made every step wait for its own loads: 50% of the copy
+// bandwidth for a whole Q4_K model against 68%), and a dense product (no row list, no device
+// count) issues its first loads before it waits for its predecessor (weights never change while
+// a product may run). MB: blocks an SM must fit by registers (__launch_bounds__).
+template <WType T, int NT, int MB>
+__global__ void __launch_bounds__(kKMaxThreads, MB)
     MatVecKKernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t cols,
                   const int32_t* __restrict__ rows, int n_rows,
                   const int32_t* __restrict__ dev_count, const float* __restrict__ x,
@@ -171,13 +219,13 @@ __global__ void __launch_bounds__(kKWarps* kWarp)
   extern __shared__ uint4 smem_qx[];
   PdlTrigger();
   const int lane = threadIdx.x % kWarp, k = lane % 8;
-  const int i = blockIdx.x * kKWarps + threadIdx.x / kWarp;
+  const int i = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   const int nb = static_cast<int>(cols / 256);
   int sb = lane / 8;
-  KLanePart next;
+  KRaw next;
   bool loaded = false;
   if (rows == nullptr && dev_count == nullptr && i < n_rows && sb < nb) {
-    next = LoadKPart<T>(w + static_cast<size_t>(i) * row_bytes, sb, k);
+    next = LoadKRaw<T>(w + static_cast<size_t>(i) * row_bytes, sb, k);
     loaded = true;
   }
   PdlWait();
@@ -192,18 +240,19 @@ __global__ void __launch_bounds__(kKWarps* kWarp)
   }
   const int count = dev_count != nullptr ? *dev_count : n_rows;
   if (i >= count) return;
-  const int64_t r = rows != nullptr ? rows[i] : i;
-  const uint8_t* row = w + static_cast<size_t>(r) * row_bytes;
-  if (!loaded && sb < nb) next = LoadKPart<T>(row, sb, k);
+  const uint8_t* row = w + static_cast<size_t>(rows != nullptr ? rows[i] : i) * row_bytes;
+  if (!loaded && sb < nb) next = LoadKRaw<T>(row, sb, k);
   float acc[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) acc[t] = 0.f;
   for (; sb < nb; sb += 4) {
-    const KLanePart p = next;
-    if (sb + 4 < nb) next = LoadKPart<T>(row, sb + 4, k);
+    const KRaw cur = next;
+    if (sb + 4 < nb) next = LoadKRaw<T>(row, sb + 4, k);
+    const KLanePart p = DecodeKPart<T>(cur, k);
+    const KLanePos pos = LanePos<T>(sb, k);
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
-      if (t < n) acc[t] += KPartDot(p, QxAt(region, cols, t));
+      if (t < n) acc[t] += KPartDot(p, LoadKLaneX(QxAt(region, cols, t), pos));
     }
   }
 #pragma unroll
@@ -317,6 +366,26 @@ __global__ void __launch_bounds__(kKAccThreads)
   for (int e = 0; e < 32; ++e) atomicAdd(yt + e, acc[e]);
 }
 
+// The kernel for a launch: one token or up to kMaxTok, and for one token the blocks an SM must
+// fit by registers (several tokens keep their accumulators unconstrained).
+template <WType T, int MB>
+auto MatVecKFor(int nt) {
+  return nt == 1 ? MatVecKKernel<T, 1, MB> : MatVecKKernel<T, kMaxTok, 1>;
+}
+template <WType T>
+auto MatVecKFor(int nt, int min_blocks) {
+  switch (min_blocks) {
+    case 4:
+      return MatVecKFor<T, 4>(nt);
+    case 5:
+      return MatVecKFor<T, 5>(nt);
+    case 6:
+      return MatVecKFor<T, 6>(nt);
+    default:
+      return MatVecKFor<T, 1>(nt);
+  }
+}
+
 template <WType T>
 cudaError_t LaunchMatVecK(const DeviceMatrix& w, const int32_t* rows, int n_rows,
                           const int32_t* dev_count, const float* x, int n, float* y, int ldy,
@@ -329,26 +398,26 @@ cudaError_t LaunchMatVecK(const DeviceMatrix& w, const int32_t* rows, int n_rows
   if (per_launch < 1) return cudaErrorInvalidValue;  // a row wider than ~86k columns
   static bool attr_set = false;                      // per instantiation
   if (!attr_set) {
-    for (auto kernel : {MatVecKKernel<T, 1>, MatVecKKernel<T, kMaxTok>}) {
-      const cudaError_t e = cudaFuncSetAttribute(
-          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kMaxSmem));
-      if (e != cudaSuccess) return e;
+    for (int nt : {1, kMaxTok}) {
+      for (int mb : {1, 4, 5, 6}) {
+        const cudaError_t e =
+            cudaFuncSetAttribute(MatVecKFor<T>(nt, mb), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(kMaxSmem));
+        if (e != cudaSuccess) return e;
+      }
     }
     attr_set = true;
   }
-  const int blocks = (n_rows + kKWarps - 1) / kKWarps;
+  const int blocks = (n_rows + g_k_warps - 1) / g_k_warps;
   for (int t0 = 0; t0 < n; t0 += per_launch) {
     const int nt = n - t0 < per_launch ? n - t0 : per_launch;
     const int8_t* qt = x_qx != nullptr ? x_qx + region * static_cast<size_t>(t0) : nullptr;
     const size_t smem = region * static_cast<size_t>(nt);
     const float* xt = x + static_cast<int64_t>(t0) * w.cols;
     float* yt = y + static_cast<int64_t>(t0) * ldy;
-    const auto* data = static_cast<const uint8_t*>(w.data);
-    const cudaError_t e =
-        nt == 1 ? Launch(MatVecKKernel<T, 1>, blocks, kKWarps * kWarp, smem, stream, data,
-                         w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, qt, nt, yt, ldy)
-                : Launch(MatVecKKernel<T, kMaxTok>, blocks, kKWarps * kWarp, smem, stream, data,
-                         w.row_bytes(), w.cols, rows, n_rows, dev_count, xt, qt, nt, yt, ldy);
+    const cudaError_t e = Launch(MatVecKFor<T>(nt, g_k_min_blocks), blocks, g_k_warps * kWarp, smem,
+                                 stream, static_cast<const uint8_t*>(w.data), w.row_bytes(), w.cols,
+                                 rows, n_rows, dev_count, xt, qt, nt, yt, ldy);
     if (e != cudaSuccess) return e;
   }
   return cudaSuccess;

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "tests/cuda/cuda_ops_test_util.h"
@@ -136,6 +137,62 @@ TEST_F(CudaOpsTest, KQuantMatVecTakesProducerQuantizedX) {
                                nullptr, dq.get()));
       EXPECT_TRUE(SameBits(own.Download(), given.Download())) << DTypeName(type) << " n " << n;
       EXPECT_FALSE(AnyNan(given.Download()));
+    }
+  }
+}
+
+// Every launch shape of the product (warps a block, the register limit of the one-token kernel)
+// gives the same values bit for bit, over all rows and over listed rows with a device count (and
+// writes nothing past the count).
+TEST_F(CudaOpsTest, KQuantMatVecShapesAgreeBitForBit) {
+  for (DType type : kKTypes) {
+    const int64_t rows = 203, cols = 1280;
+    HostWeights w = RandomWeights(type, rows, cols);
+    DevBuf<uint8_t> dw(w.bytes.size());
+    DeviceMatrix m = ToDevice(w, &dw);
+    const int bound = 120, count = 97, ldy = 128;
+    std::vector<int32_t> ids = RandomRows(rows, bound);
+    DevBuf<int32_t> dids(ids), dcount(std::vector<int32_t>{count});
+    for (int n : {1, 5}) {
+      std::vector<float> x = Random(static_cast<size_t>(n) * cols);
+      std::vector<float> g = Random(cols, 1.f);
+      DevBuf<float> dx(x), dg(g), dnorm(x.size());
+      DevBuf<uint8_t> dq(cuda::QxBytes(cols) * n);
+      CUDA_OK(cuda::RmsNorm(dx.get(), dg.get(), n, static_cast<int>(cols), 1e-5f, dnorm.get(),
+                            nullptr, dq.get()));
+      cuda::SetKMatVecShape(8, 1);
+      DevBuf<float> want(static_cast<size_t>(n) * rows), want_listed(static_cast<size_t>(n) * ldy);
+      CUDA_OK(cuda::MatVecRows(m, nullptr, rows, nullptr, dnorm.get(), n, want.get(), rows, nullptr,
+                               dq.get()));
+      CUDA_OK(cuda::MatVecRows(m, dids.get(), bound, dcount.get(), dnorm.get(), n,
+                               want_listed.get(), ldy, nullptr, dq.get()));
+      for (int warps : {4, 8}) {
+        for (int min_blocks : {1, 4, 5, 6}) {
+          cuda::SetKMatVecShape(warps, min_blocks);
+          const std::string shape = std::string(DTypeName(type)) + " " + std::to_string(warps) +
+                                    " warps, " + std::to_string(min_blocks) + " blocks, n " +
+                                    std::to_string(n);
+          DevBuf<float> got(static_cast<size_t>(n) * rows), listed(static_cast<size_t>(n) * ldy);
+          CUDA_OK(cuda::MatVecRows(m, nullptr, rows, nullptr, dnorm.get(), n, got.get(), rows,
+                                   nullptr, dq.get()));
+          CUDA_OK(cuda::MatVecRows(m, dids.get(), bound, dcount.get(), dnorm.get(), n, listed.get(),
+                                   ldy, nullptr, dq.get()));
+          EXPECT_TRUE(SameBits(got.Download(), want.Download())) << shape;
+          const std::vector<float> a = listed.Download(), b = want_listed.Download();
+          for (int t = 0; t < n; ++t) {
+            for (int i = 0; i < ldy; ++i) {
+              const float u = a[t * ldy + i], v = b[t * ldy + i];
+              if (i < count) {
+                EXPECT_EQ(std::memcmp(&u, &v, 4), 0) << shape << " listed row " << i;
+              } else {
+                EXPECT_TRUE(std::isnan(u)) << shape << " wrote past the count at " << i;
+              }
+            }
+          }
+          EXPECT_TRUE(got.GuardsIntact() && listed.GuardsIntact()) << shape;
+        }
+      }
+      cuda::SetKMatVecShape(8, 5);
     }
   }
 }
