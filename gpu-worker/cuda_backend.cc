@@ -406,11 +406,6 @@ absl::StatusOr<Module> OpenModule(const std::string& module_path) {
 // The module computes the types of cuda::HostType, whose values equal DType's for those types.
 // Any other type is refused by name rather than handed to the module as a value it does not know.
 absl::Status CheckModuleTypes(const Model& model) {
-  if (model.config.qkv_bias) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the model's attention has q/k/v biases (", model.config.architecture,
-        "), which the CUDA module does not compute; run the gpu-worker with --backend cpu"));
-  }
   if (model.config.sliding_window > 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the model's attention has a sliding window of ", model.config.sliding_window,
@@ -449,6 +444,17 @@ absl::Status CheckModuleTypes(const Model& model) {
     for (const auto& [t, name] : tensors) {
       RETURN_IF_ERROR(check(*t, absl::StrCat("blk.", l, ".", name)));
     }
+    if (model.config.qkv_bias) {  // Qwen2: added after the stacked q/k/v projection
+      const std::pair<const TensorView*, const char*> biases[] = {
+          {&L.bq, "attn_q.bias"}, {&L.bk, "attn_k.bias"}, {&L.bv, "attn_v.bias"}};
+      for (const auto& [t, name] : biases) {
+        if (t->data == nullptr) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "the model has q/k/v biases but tensor 'blk.", l, ".", name, "' is missing"));
+        }
+        RETURN_IF_ERROR(check(*t, absl::StrCat("blk.", l, ".", name)));
+      }
+    }
   }
   return absl::OkStatus();
 }
@@ -478,6 +484,11 @@ cuda::ModelUpload BaseUpload(const Model& model, int max_batch, const CudaBacken
     lu.wk = FromView(L.wk);
     lu.wv = FromView(L.wv);
     lu.wo = FromView(L.wo);
+    if (c.qkv_bias) {
+      lu.bq = FromView(L.bq, true);
+      lu.bk = FromView(L.bk, true);
+      lu.bv = FromView(L.bv, true);
+    }
     lu.ffn = cuda::FfnPlacement::kHot;
     lu.gate = FromView(L.gate);
     lu.up = FromView(L.up);

@@ -87,6 +87,8 @@ enum class FfnPlacement : int {
 
 struct LayerUpload {
   HostMatrix attn_norm, wq, wk, wv, wo, ffn_norm;  // norms as [1, hidden] (any type)
+  // Qwen2's attention biases, [1, q_dim], [1, kv_dim], [1, kv_dim]: all three or none.
+  HostMatrix bq, bk, bv;
   FfnPlacement ffn = FfnPlacement::kHot;
   HostMatrix gate, up;           // [ffn, hidden]: kDense uploads all rows, kHot the rows in hot_ids
   HostMatrix down;               // [hidden, ffn]: kDense only

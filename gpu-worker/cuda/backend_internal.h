@@ -61,6 +61,7 @@ inline double Now() {
 struct DeviceLayer {
   FfnPlacement ffn = FfnPlacement::kNone;
   float* attn_norm = nullptr;
+  float* qkv_bias = nullptr;  // [q_dim + 2 kv_dim]: bq, bk, bv one after the other (null: none)
   float* ffn_norm = nullptr;
   DeviceMatrix wqkv, wo;  // wqkv: rows of wq, wk, wv stacked (one projection)
   DeviceMatrix gate_up;   // kDense: rows of gate then up stacked
@@ -302,7 +303,7 @@ class CudaBackend : public Backend {
   bool FusesNorms(const DeviceLayer& L, int n, const float* pend2) const {
     return x_alt_ != nullptr && n == 1 && pend2 == nullptr && L.ffn == FfnPlacement::kDense &&
            AttQx(1) != nullptr && L.wqkv_parts.empty() && L.gate_up_parts.empty() &&
-           NormMatVecFits(L.wqkv) && NormMatVecFits(L.gate_up);
+           L.qkv_bias == nullptr && NormMatVecFits(L.wqkv) && NormMatVecFits(L.gate_up);
   }
   // [kSmallBatch, QxBytes(q_dim)], where the attention quantizes its output for the output
   // projection (PINFER_CUDA_ATTN_QX=0: null, the projection does it, for comparison).

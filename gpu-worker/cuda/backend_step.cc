@@ -256,6 +256,9 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
   }
   BACKEND_RETURN_IF_ERROR(ProjStacked(L.wqkv, L.wqkv_parts, xb_, n, qkv_, qdim + 2 * kvdim,
                                       XbQx(n)));  // [n, q + 2 kv]
+  if (L.qkv_bias != nullptr) {
+    CUDA_RETURN_IF_ERROR(AddRowBias(qkv_, L.qkv_bias, n, qdim + 2 * kvdim, stream_));
+  }
   CUDA_RETURN_IF_ERROR(RopeQkvToCache(qkv_, n, c.n_heads, c.n_kv_heads, c.head_dim, positions_dev_,
                                       inv_freq_, c.rope_interleaved, q_, k_seq, v_seq,
                                       stream_));  // q: [n, q_dim]; k, v into the cache

@@ -362,6 +362,23 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
     }
     BACKEND_RETURN_IF_ERROR(
         UploadStacked({&u.wq, &u.wk, &u.wv}, "wq/wk/wv", &d.wqkv, &d.wqkv_parts));
+    if (!u.bq.empty() || !u.bk.empty() || !u.bv.empty()) {
+      // Qwen2: one bias row for the stacked projection's output, added after it.
+      std::vector<float> bias, part;
+      const std::pair<const HostMatrix*, int> parts[] = {
+          {&u.bq, qdim}, {&u.bk, kvdim}, {&u.bv, kvdim}};
+      for (const auto& [h, n] : parts) {
+        if (h->empty() || h->rows * h->cols != n || !HostToFloat(*h, &part)) {
+          return Error(Code::kInvalidArgument,
+                       "layer " + std::to_string(l) +
+                           ": q/k/v biases must all be given, sized q_dim, kv_dim, kv_dim");
+        }
+        bias.insert(bias.end(), part.begin(), part.end());
+      }
+      BACKEND_RETURN_IF_ERROR(Alloc(bias.size(), &d.qkv_bias, /*weight=*/true));
+      CUDA_RETURN_IF_ERROR(
+          cudaMemcpy(d.qkv_bias, bias.data(), bias.size() * 4, cudaMemcpyHostToDevice));
+    }
     BACKEND_RETURN_IF_ERROR(UploadMatrix(u.wo, nullptr, "wo", &d.wo));
     if (u.ffn == FfnPlacement::kDense) {
       if (u.gate.rows != F || u.up.rows != F || u.down.rows != H || u.down.cols != F) {

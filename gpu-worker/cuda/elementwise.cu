@@ -132,6 +132,17 @@ __global__ void AddKernel(float* __restrict__ y, const float* __restrict__ x, in
   }
 }
 
+// y[t, i] += bias[i] for t < n, i < width: a bias row added to every token's output.
+__global__ void AddRowBiasKernel(float* __restrict__ y, const float* __restrict__ bias, int64_t n,
+                                 int64_t width) {
+  PdlStart();
+  const int64_t count = n * width;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    y[i] += bias[i % width];
+  }
+}
+
 __global__ void Add2Kernel(float* __restrict__ y, const float* __restrict__ x,
                            const float* __restrict__ z, int64_t count) {
   PdlStart();
@@ -220,6 +231,12 @@ cudaError_t GreedyPick(const float* logits, int vocab, int32_t* token, float* lo
 cudaError_t AddInPlace(float* y, const float* x, int64_t count, cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
   return Launch(AddKernel, GridFor(count, 256), 256, 0, stream, y, x, count);
+}
+
+cudaError_t AddRowBias(float* y, const float* bias, int n, int64_t width, cudaStream_t stream) {
+  if (n <= 0 || width <= 0) return cudaSuccess;
+  return Launch(AddRowBiasKernel, GridFor(static_cast<int64_t>(n) * width, 256), 256, 0, stream, y,
+                bias, static_cast<int64_t>(n), width);
 }
 
 cudaError_t Add2InPlace(float* y, const float* x, const float* z, int64_t count,

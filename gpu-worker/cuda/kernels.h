@@ -301,6 +301,9 @@ cudaError_t GatedActivationPacked(ActKind act, const float* gu, int n, int width
 cudaError_t Relu(float* x, int64_t count, cudaStream_t stream);
 // y[i] += x[i].
 cudaError_t AddInPlace(float* y, const float* x, int64_t count, cudaStream_t stream);
+// y[t, i] += bias[i] for t < n, i < width (Qwen2's q/k/v biases on the stacked projection).
+// y: [n, width], bias: [width].
+cudaError_t AddRowBias(float* y, const float* bias, int n, int64_t width, cudaStream_t stream);
 // *out = *count * *num / den (integer division): the GPU's share of a list whose length only the
 // device knows, computed the same way on the host for the rest of the list. num may be pinned
 // host memory (read when the kernel runs).

@@ -244,6 +244,84 @@ TEST_F(CudaBackendTest, KQuantMixStepLogitsMatchCpuReference) {
   unsetenv("PINFER_CUDA_PRODUCER_QX");
 }
 
+// Qwen2's q/k/v biases: a random Q8_0 model with biases, a 6-token prompt then 18 decode steps,
+// whole model and hot/cold split, against the CPU reference forward pass with the biases; the same
+// model's reference without them is far off, so the biases are what the logits follow.
+TEST_F(CudaBackendTest, QkvBiasLogitsMatchCpuReference) {
+  testing_util::RandomModelOptions o;
+  o.hidden = 256;
+  o.ffn = model_->config.ffn_size;  // the fixture's hot/cold ids
+  o.layers = 3;
+  o.heads = 4;
+  o.kv_heads = 2;
+  o.vocab = 320;
+  o.activation = Activation::kRelu;
+  o.dtype = DType::kQ8_0;
+  o.seed = 43;
+  std::unique_ptr<Model> base = testing_util::RandomModel(o);
+  std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
+  std::mt19937 rng(9);
+  std::vector<int32_t> tokens(24);
+  for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % o.vocab);
+  const int V = o.vocab, prompt = 6;
+  const ModelConfig& c = base->config;
+  // The reference before the biases are added, for the prompt's logits.
+  std::vector<float> unbiased(V);
+  {
+    Transformer plain(*base, *ref_ops);
+    KvCache cache(c, 64);
+    ASSERT_TRUE(
+        plain.Forward({tokens.data(), prompt}, 0, &cache, LogitsMode::kLast, unbiased.data()).ok());
+  }
+  std::mt19937 brng(5);
+  for (LayerWeights& L : base->layers) {
+    L.bq = testing_util::RandomTensor(base.get(), "bq", {c.q_dim()}, DType::kF32, brng, 0.5f);
+    L.bk = testing_util::RandomTensor(base.get(), "bk", {c.kv_dim()}, DType::kF32, brng, 0.5f);
+    L.bv = testing_util::RandomTensor(base.get(), "bv", {c.kv_dim()}, DType::kF32, brng, 0.5f);
+  }
+  base->config.qkv_bias = true;
+  auto transposed = TransposeDownProjections(*base);
+  ASSERT_TRUE(transposed.ok()) << transposed.status();
+  const std::vector<TensorView>& down_t = transposed->layers;
+  CpuColdFfn cold(*base, down_t, *cold_ids_);
+  std::unique_ptr<Model> split_model = WithDownFromRows(*base, down_t);
+  for (bool hot : {false, true}) {
+    auto backend = Create(Upload(*base, down_t, hot));
+    ASSERT_NE(backend, nullptr);
+    Transformer ref(hot ? *split_model : *base, *ref_ops);
+    KvCache cache(base->config, 64);
+    std::vector<float> got(V), want(V);
+    double worst = 0;
+    int same_argmax = 0, calls = 0;
+    for (int pos = 0; pos < static_cast<int>(tokens.size()); pos += pos == 0 ? prompt : 1) {
+      const int n = pos == 0 ? prompt : 1;
+      ASSERT_TRUE(ref.Forward({&tokens[pos], static_cast<size_t>(n)}, pos, &cache,
+                              LogitsMode::kLast, want.data())
+                      .ok());
+      cuda::ForwardArgs a;
+      a.tokens = &tokens[pos];
+      a.n = n;
+      a.pos0 = pos;
+      a.mode = hot ? cuda::FfnMode::kExact : cuda::FfnMode::kDense;
+      a.cold = hot ? &cold : nullptr;
+      a.logits = got.data();
+      cuda::BackendStatus st = backend->Forward(a);
+      ASSERT_TRUE(st.ok()) << st.message;
+      ASSERT_FALSE(std::any_of(got.begin(), got.end(), [](float v) { return std::isnan(v); }));
+      if (pos == 0) {
+        EXPECT_GT(Nmse(unbiased.data(), want.data(), V), 1e-2) << "the biases change little";
+      }
+      worst = std::max(worst, Nmse(got.data(), want.data(), V));
+      same_argmax += Argmax(got) == Argmax(want);
+      ++calls;
+    }
+    std::printf("  qkv bias %s: worst logits nmse %.3g, argmax %d/%d\n",
+                hot ? "hot/cold split" : "whole model", worst, same_argmax, calls);
+    EXPECT_LE(worst, 2e-3) << (hot ? "split" : "whole");
+    EXPECT_GE(same_argmax, calls - 1) << (hot ? "split" : "whole");
+  }
+}
+
 // Two lanes (Backend::NewLane: shared weights and KV cache, own scratch and streams) run two
 // sequences at once from two threads, each with its own cold side, as two concurrent requests
 // would: both give reference.json's greedy tokens (the lane's sequence prompted on the first

@@ -232,6 +232,12 @@ class CudaBackendTest : public ::testing::Test {
       lu.wk = FromView(L.wk);
       lu.wv = FromView(L.wv);
       lu.wo = FromView(L.wo);
+      if (c.qkv_bias) {
+        for (auto [dst, src] : {std::pair{&lu.bq, &L.bq}, {&lu.bk, &L.bk}, {&lu.bv, &L.bv}}) {
+          *dst = FromView(*src);
+          dst->rows = 1;
+        }
+      }
       lu.gate = FromView(L.gate);
       lu.up = FromView(L.up);
       if (hot) {

@@ -72,6 +72,22 @@ TEST_F(CudaOpsTest, ElementwiseOpsMatchReference) {
   EXPECT_TRUE(dr.GuardsIntact() && dy.GuardsIntact() && dy2.GuardsIntact());
 }
 
+// A bias row added to every token's row (Qwen2's q/k/v biases): the plain loop's values exactly,
+// for one token and several, widths that are not a multiple of the block.
+TEST_F(CudaOpsTest, AddRowBiasMatchesReference) {
+  for (int n : {1, 7}) {
+    const int64_t width = 1155;
+    std::vector<float> y = Random(n * width), bias = Random(width), want = y;
+    for (int t = 0; t < n; ++t) {
+      for (int64_t i = 0; i < width; ++i) want[t * width + i] += bias[i];
+    }
+    DevBuf<float> dy(y), db(bias);
+    CUDA_OK(cuda::AddRowBias(dy.get(), db.get(), n, width, nullptr));
+    EXPECT_EQ(dy.Download(), want) << "n " << n;
+    EXPECT_TRUE(dy.GuardsIntact() && db.GuardsIntact());
+  }
+}
+
 // The GPU's greedy pick against its definition: the token is GreedyToken's (the sampler's own
 // greedy pick) and the log-probability is log-softmax computed here in double, with NaN logits
 // left out. Sizes around the four-at-a-time loads and the block size, aligned and unaligned

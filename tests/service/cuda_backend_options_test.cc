@@ -55,8 +55,16 @@ TEST(CudaBackendOptionsTest, RefusesTypesTheModuleDoesNotCompute) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("blk.2.ffn_up"));
   (*model)->layers[2].up.dtype = DType::kF16;
+  // Qwen2's q/k/v biases are computed; a missing one or one of a type the module lacks is
+  // refused by name.
   (*model)->config.qkv_bias = true;
-  EXPECT_THAT(std::string(CudaModuleComputes(**model).message()), HasSubstr("q/k/v biases"));
+  EXPECT_THAT(std::string(CudaModuleComputes(**model).message()),
+              HasSubstr("tensor 'blk.0.attn_q.bias' is missing"));
+  for (LayerWeights& L : (*model)->layers) L.bq = L.bk = L.bv = L.attn_norm;
+  EXPECT_TRUE(CudaModuleComputes(**model).ok());
+  (*model)->layers[1].bk.dtype = static_cast<DType>(kNumDTypes);
+  EXPECT_THAT(std::string(CudaModuleComputes(**model).message()),
+              HasSubstr("tensor 'blk.1.attn_k.bias' is "));
 }
 
 // Mistral's sliding window is computed on the CPU only: a model with one is refused naming it,
