@@ -12,9 +12,8 @@
 //
 // Lanes: eight lanes share a super-block, each with 16 bytes of its quants (32 values of two
 // sub-blocks in Q4_K and Q5_K, of two 16-value halves in Q6_K), so a warp takes four super-blocks
-// a step. Q4_K and
-// Q5_K blocks are 16-byte multiples and are read with 16-byte loads; Q6_K's 210-byte blocks are
-// 2-byte aligned and are read in 16-bit words.
+// a step. Q4_K and Q5_K blocks are 16-byte multiples and are read with 16-byte loads; Q6_K's
+// 210-byte blocks are 2-byte aligned and are read in 16-bit words.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
