@@ -406,12 +406,6 @@ absl::StatusOr<Module> OpenModule(const std::string& module_path) {
 // The module computes the types of cuda::HostType, whose values equal DType's for those types.
 // Any other type is refused by name rather than handed to the module as a value it does not know.
 absl::Status CheckModuleTypes(const Model& model) {
-  if (model.config.sliding_window > 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the model's attention has a sliding window of ", model.config.sliding_window,
-        " positions (Mistral), which the CUDA module does not compute; run the gpu-worker with "
-        "--backend cpu"));
-  }
   auto check = [](const TensorView& t, const std::string& name) -> absl::Status {
     if (t.data == nullptr) return absl::OkStatus();
     switch (t.dtype) {

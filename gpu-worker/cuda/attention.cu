@@ -1,6 +1,7 @@
 // Attention over the KV cache: the block-per-(head, token) kernel with scores in shared memory,
 // and the online-softmax kernel with every key's loads in flight (g_attn_online), with their
-// launches (Attention, AttentionAt, MaxAttentionContext).
+// launches (Attention, AttentionAt, MaxAttentionContext). A sliding window (Mistral) only moves
+// the first key a query sees: keys lo..pos with lo = max(0, pos - window + 1).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -28,13 +29,17 @@ constexpr int kAttnMaxSmemBytes = 200 * 1024;
 __global__ void AttentionKernel(const float* __restrict__ q, const float* __restrict__ k,
                                 const float* __restrict__ v, int pos0,
                                 const int32_t* __restrict__ positions, int n_heads, int n_kv_heads,
-                                int head_dim, float* __restrict__ out, void* out_qx) {
+                                int head_dim, int window, float* __restrict__ out, void* out_qx) {
   PdlStart();
   extern __shared__ float smem[];
   const int h = blockIdx.x, t = blockIdx.y;
   // With positions (device memory) the step is position-independent, so it can be replayed
   // from a CUDA graph.
-  const int len = (positions != nullptr ? positions[0] : pos0) + t + 1;
+  const int pos = (positions != nullptr ? positions[0] : pos0) + t;
+  // keys lo..pos; scores[i] belongs to key lo + i
+  const int lo = window > 0 ? max(0, pos - window + 1) : 0, len = pos + 1 - lo;
+  k += static_cast<int64_t>(lo) * n_kv_heads * head_dim;
+  v += static_cast<int64_t>(lo) * n_kv_heads * head_dim;
   const int kv_stride = n_kv_heads * head_dim;
   const int kvh = h / (n_heads / n_kv_heads);
   float* qs = smem;                    // [head_dim]
@@ -139,7 +144,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1)
     AttentionOnlineKernel(const float* __restrict__ q, const float* __restrict__ k,
                           const float* __restrict__ v, int pos0,
                           const int32_t* __restrict__ positions, int n_heads, int n_kv_heads,
-                          float* __restrict__ out, void* out_qx, bool early,
+                          int window, float* __restrict__ out, void* out_qx, bool early,
                           bool trigger_after_wait) {
   constexpr int hd = V * kWarp;
   constexpr int kWarps = kAttnThreads / kWarp;
@@ -157,7 +162,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1)
   const float scale = 1.f / sqrtf(static_cast<float>(hd));
   const float* kh = k + kvh * hd + lane * V;
   const float* vh = v + kvh * hd + lane * V;
-  const int len = pos + 1;
+  const int len = pos + 1, lo = window > 0 ? max(0, pos - window + 1) : 0;
   // Keys past the end re-read the last one (loads stay unpredicated) and are skipped below.
   float kr[kAttnBatch][V], vr[kAttnBatch][V];
   auto load_batch = [&](int p0, int end) {
@@ -172,7 +177,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1)
   // its upload: with `early` the first batch's loads of those go out before the wait, while the
   // RoPE kernel that writes this call's keys still runs, and only its own keys load after.
   const int old = early ? min(first, len) : 0;
-  if (old > 0) load_batch(warp, old);
+  const bool loaded_early = old > lo;
+  if (loaded_early) load_batch(lo + warp, old);
   PdlWait();
   // Released here rather than at the start, the output projection's blocks load their first rows
   // (most of the matrix) after the q/k/v product's memory traffic has drained, not into it. Off
@@ -185,8 +191,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1)
   float m = -INFINITY, sum = 0.f, acc[V];
 #pragma unroll
   for (int i = 0; i < V; ++i) acc[i] = 0.f;
-  for (int p0 = warp; p0 < len; p0 += kWarps * kAttnBatch) {
-    if (p0 != warp || old == 0) {
+  for (int p0 = lo + warp; p0 < len; p0 += kWarps * kAttnBatch) {
+    if (p0 != lo + warp || !loaded_early) {
       load_batch(p0, len);
     } else {
 #pragma unroll
@@ -251,19 +257,23 @@ namespace {
 // AttentionOnlineKernel where it takes the head size; cudaErrorNotSupported otherwise.
 cudaError_t LaunchOnlineAttention(const float* q, const float* k, const float* v, int n, int pos0,
                                   const int32_t* positions, int n_heads, int n_kv_heads,
-                                  int head_dim, float* out, void* out_qx, cudaStream_t stream) {
+                                  int head_dim, int window, float* out, void* out_qx,
+                                  cudaStream_t stream) {
   if (!g_attn_online) return cudaErrorNotSupported;
   const dim3 grid(n_heads, n);
   switch (head_dim) {
     case 128:
       return Launch(AttentionOnlineKernel<4>, grid, kAttnThreads, 0, stream, q, k, v, pos0,
-                    positions, n_heads, n_kv_heads, out, out_qx, g_attn_early, g_attn_late_trigger);
+                    positions, n_heads, n_kv_heads, window, out, out_qx, g_attn_early,
+                    g_attn_late_trigger);
     case 64:
       return Launch(AttentionOnlineKernel<2>, grid, kAttnThreads, 0, stream, q, k, v, pos0,
-                    positions, n_heads, n_kv_heads, out, out_qx, g_attn_early, g_attn_late_trigger);
+                    positions, n_heads, n_kv_heads, window, out, out_qx, g_attn_early,
+                    g_attn_late_trigger);
     case 32:
       return Launch(AttentionOnlineKernel<1>, grid, kAttnThreads, 0, stream, q, k, v, pos0,
-                    positions, n_heads, n_kv_heads, out, out_qx, g_attn_early, g_attn_late_trigger);
+                    positions, n_heads, n_kv_heads, window, out, out_qx, g_attn_early,
+                    g_attn_late_trigger);
     default:
       return cudaErrorNotSupported;
   }
@@ -271,10 +281,10 @@ cudaError_t LaunchOnlineAttention(const float* q, const float* k, const float* v
 }  // namespace
 
 cudaError_t Attention(const float* q, const float* k, const float* v, int n, int pos0, int n_heads,
-                      int n_kv_heads, int head_dim, float* out, cudaStream_t stream) {
+                      int n_kv_heads, int head_dim, int window, float* out, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   if (head_dim > kAttnThreads || head_dim <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 ||
-      pos0 < 0) {
+      pos0 < 0 || window < 0) {
     return cudaErrorInvalidValue;
   }
   const int len = pos0 + n;
@@ -282,7 +292,7 @@ cudaError_t Attention(const float* q, const float* k, const float* v, int n, int
   const int32_t* no_positions = nullptr;
   void* no_qx = nullptr;
   if (cudaError_t e = LaunchOnlineAttention(q, k, v, n, pos0, no_positions, n_heads, n_kv_heads,
-                                            head_dim, out, no_qx, stream);
+                                            head_dim, window, out, no_qx, stream);
       e != cudaErrorNotSupported) {
     return e;
   }
@@ -294,19 +304,19 @@ cudaError_t Attention(const float* q, const float* k, const float* v, int n, int
     if (e != cudaSuccess) return e;
   }
   return Launch(AttentionKernel, dim3(n_heads, n), kAttnThreads, smem, stream, q, k, v, pos0,
-                no_positions, n_heads, n_kv_heads, head_dim, out, no_qx);
+                no_positions, n_heads, n_kv_heads, head_dim, window, out, no_qx);
 }
 
 cudaError_t AttentionAt(const float* q, const float* k, const float* v, int n,
                         const int32_t* positions, int max_ctx, int n_heads, int n_kv_heads,
-                        int head_dim, float* out, cudaStream_t stream, void* out_qx) {
+                        int head_dim, int window, float* out, cudaStream_t stream, void* out_qx) {
   if (n <= 0) return cudaSuccess;
   if (head_dim > kAttnThreads || head_dim <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 ||
-      max_ctx > MaxAttentionContext() || (out_qx != nullptr && head_dim % 32 != 0)) {
+      window < 0 || max_ctx > MaxAttentionContext() || (out_qx != nullptr && head_dim % 32 != 0)) {
     return cudaErrorInvalidValue;
   }
   if (cudaError_t e = LaunchOnlineAttention(q, k, v, n, 0, positions, n_heads, n_kv_heads, head_dim,
-                                            out, out_qx, stream);
+                                            window, out, out_qx, stream);
       e != cudaErrorNotSupported) {
     return e;
   }
@@ -317,7 +327,7 @@ cudaError_t AttentionAt(const float* q, const float* k, const float* v, int n,
     if (e != cudaSuccess) return e;
   }
   return Launch(AttentionKernel, dim3(n_heads, n), kAttnThreads, smem, stream, q, k, v, 0,
-                positions, n_heads, n_kv_heads, head_dim, out, out_qx);
+                positions, n_heads, n_kv_heads, head_dim, window, out, out_qx);
 }
 
 }  // namespace cuda

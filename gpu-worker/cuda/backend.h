@@ -75,6 +75,7 @@ struct ModelDims {
   float norm_eps = 1e-5f;
   int activation = 1;  // pinfer::Activation: 0 SiLU, 1 ReLU, 2 dReLU
   bool rope_interleaved = false;
+  int sliding_window = 0;       // Mistral: a query sees the last this many positions; 0: all
   std::vector<float> inv_freq;  // [head_dim / 2], RopeInverseFrequencies()
 };
 

@@ -263,7 +263,7 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
                                       inv_freq_, c.rope_interleaved, q_, k_seq, v_seq,
                                       stream_));  // q: [n, q_dim]; k, v into the cache
   CUDA_RETURN_IF_ERROR(AttentionAt(q_, k_seq, v_seq, n, positions_dev_, max_ctx_, c.n_heads,
-                                   c.n_kv_heads, c.head_dim, att_, stream_,
+                                   c.n_kv_heads, c.head_dim, c.sliding_window, att_, stream_,
                                    AttQx(n)));                     // [n, q_dim]
   BACKEND_RETURN_IF_ERROR(Proj(L.wo, att_, n, xb_, H, AttQx(n)));  // xb: [n, hidden]
 
@@ -472,7 +472,8 @@ BackendStatus CudaBackend::EnqueueDenseLayerFused(int l, const float* pend1, flo
                                         v_seq, stream_));
   }
   CUDA_RETURN_IF_ERROR(AttentionAt(q_, k_seq, v_seq, 1, positions_dev_, max_ctx_, c.n_heads,
-                                   c.n_kv_heads, c.head_dim, att_, stream_, AttQx(1)));
+                                   c.n_kv_heads, c.head_dim, c.sliding_window, att_, stream_,
+                                   AttQx(1)));
   BACKEND_RETURN_IF_ERROR(Proj(L.wo, att_, 1, xb_, H, AttQx(1)));  // xb: [1, hidden]
   // x = x_alt + attention output; gate: [1, 2 ffn] = gate_up * norm(x); up: [1, ffn] =
   // act(gate) * up, applied where the product writes its rows.

@@ -240,14 +240,16 @@ cudaError_t RopeQkvToCache(const float* qkv, int n, int n_heads, int n_kv_heads,
                            float* q, float* k_cache, float* v_cache, cudaStream_t stream);
 
 // Causal attention of n queries at positions pos0..pos0+n-1 over cache rows 0..pos (decode is
-// n = 1, a prompt batch n > 1). q: [n, n_heads, hd]; k, v: [ctx, n_kv_heads, hd];
-// out: [n, n_heads, hd]. head_dim <= 256, context up to MaxAttentionContext().
+// n = 1, a prompt batch n > 1); with window > 0 (Mistral's sliding window) over rows
+// max(0, pos - window + 1)..pos only, as CpuOps::Attention.
+// q: [n, n_heads, hd]; k, v: [ctx, n_kv_heads, hd]; out: [n, n_heads, hd].
+// head_dim <= 256, context up to MaxAttentionContext().
 // With programmatic launch the kernel reads the first position (pos0 or positions[0]) and the
 // cache rows before it ahead of its wait for the previous kernel in the stream
 // (SetAttentionEarlyLoad): those must not be written by kernels still running before it (in the
 // backend, each call's upload of its positions is a copy that waits for all earlier work).
 cudaError_t Attention(const float* q, const float* k, const float* v, int n, int pos0, int n_heads,
-                      int n_kv_heads, int head_dim, float* out, cudaStream_t stream);
+                      int n_kv_heads, int head_dim, int window, float* out, cudaStream_t stream);
 int MaxAttentionContext();
 // The same with the first position read from positions[0] (device memory), so that a decode
 // step does not depend on host values and can be captured in a CUDA graph; shared memory is
@@ -256,7 +258,8 @@ int MaxAttentionContext();
 // (QxBytes(n_heads * head_dim) per token), as the norms do.
 cudaError_t AttentionAt(const float* q, const float* k, const float* v, int n,
                         const int32_t* positions, int max_ctx, int n_heads, int n_kv_heads,
-                        int head_dim, float* out, cudaStream_t stream, void* out_qx = nullptr);
+                        int head_dim, int window, float* out, cudaStream_t stream,
+                        void* out_qx = nullptr);
 
 // y[t * ldy + i] = w.row(rows ? rows[i] : i) . x[t]   for i < count, t < n,
 // count = dev_count ? *dev_count : n_rows (n_rows is the upper bound). x: [n, w.cols].

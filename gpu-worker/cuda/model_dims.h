@@ -20,6 +20,7 @@ inline ModelDims DimsFromConfig(const ModelConfig& c) {
   d.norm_eps = c.norm_eps;
   d.activation = static_cast<int>(c.activation);
   d.rope_interleaved = c.rope_interleaved;
+  d.sliding_window = c.sliding_window;
   d.inv_freq = RopeInverseFrequencies(c);
   return d;
 }

@@ -18,6 +18,55 @@
 
 namespace pinfer {
 namespace cuda_test {
+
+CudaBackendTest::StepAgreement CudaBackendTest::CompareSteps(const Model& weights,
+                                                             const std::vector<TensorView>& down_t,
+                                                             const Model& ref_model, bool hot,
+                                                             const std::vector<int32_t>& tokens,
+                                                             int prompt) {
+  StepAgreement r;
+  auto backend = Create(Upload(weights, down_t, hot));
+  if (backend == nullptr) {
+    ADD_FAILURE() << "no backend";
+    return r;
+  }
+  std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
+  CpuColdFfn cold(weights, down_t, *cold_ids_);
+  Transformer ref(ref_model, *ref_ops);
+  KvCache cache(ref_model.config, 64);
+  const int V = ref_model.config.vocab_size;
+  std::vector<float> got(V), want(V);
+  for (int pos = 0; pos < static_cast<int>(tokens.size()); pos += pos == 0 ? prompt : 1) {
+    const int n = pos == 0 ? prompt : 1;
+    const absl::Status rs = ref.Forward({&tokens[pos], static_cast<size_t>(n)}, pos, &cache,
+                                        LogitsMode::kLast, want.data());
+    if (!rs.ok()) {
+      ADD_FAILURE() << rs;
+      return r;
+    }
+    cuda::ForwardArgs a;
+    a.tokens = &tokens[pos];
+    a.n = n;
+    a.pos0 = pos;
+    a.mode = hot ? cuda::FfnMode::kExact : cuda::FfnMode::kDense;
+    a.cold = hot ? &cold : nullptr;
+    a.logits = got.data();
+    const cuda::BackendStatus st = backend->Forward(a);
+    if (!st.ok()) {
+      ADD_FAILURE() << st.message << " at position " << pos;
+      return r;
+    }
+    if (std::any_of(got.begin(), got.end(), [](float v) { return std::isnan(v); })) {
+      ADD_FAILURE() << "NaN logits at position " << pos;
+      return r;
+    }
+    r.worst_nmse = std::max(r.worst_nmse, Nmse(got.data(), want.data(), V));
+    r.same_argmax += Argmax(got) == Argmax(want);
+    ++r.calls;
+  }
+  return r;
+}
+
 namespace {
 
 TEST_F(CudaBackendTest, HotColdSplitGivesReferenceGreedyTokens) {
@@ -202,43 +251,19 @@ TEST_F(CudaBackendTest, KQuantMixStepLogitsMatchCpuReference) {
   const std::vector<TensorView>& down_t = transposed->layers;
   ASSERT_EQ(down_t[0].dtype, DType::kF32);
   std::unique_ptr<Model> split_model = WithDownFromRows(*base, down_t);
-  std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
-  CpuColdFfn cold(*base, down_t, *cold_ids_);
   std::mt19937 rng(7);
   std::vector<int32_t> tokens(24);
   for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % o.vocab);
   for (const char* producer_qx : {"1", "0"}) {
     setenv("PINFER_CUDA_PRODUCER_QX", producer_qx, 1);
     for (bool hot : {false, true}) {
-      auto backend = Create(Upload(*base, down_t, hot));
-      ASSERT_NE(backend, nullptr);
-      Transformer ref(hot ? *split_model : *base, *ref_ops);
-      KvCache cache(base->config, 64);
-      const int V = o.vocab;
-      std::vector<float> got(V), want(V);
-      double worst = 0;
-      int same_argmax = 0;
-      for (int pos = 0; pos < static_cast<int>(tokens.size()); ++pos) {
-        ASSERT_TRUE(
-            ref.Forward({&tokens[pos], 1}, pos, &cache, LogitsMode::kLast, want.data()).ok());
-        cuda::ForwardArgs a;
-        a.tokens = &tokens[pos];
-        a.n = 1;
-        a.pos0 = pos;
-        a.mode = hot ? cuda::FfnMode::kExact : cuda::FfnMode::kDense;
-        a.cold = hot ? &cold : nullptr;
-        a.logits = got.data();
-        cuda::BackendStatus st = backend->Forward(a);
-        ASSERT_TRUE(st.ok()) << st.message;
-        ASSERT_FALSE(std::any_of(got.begin(), got.end(), [](float v) { return std::isnan(v); }))
-            << (hot ? "split" : "whole") << " position " << pos;
-        worst = std::max(worst, Nmse(got.data(), want.data(), V));
-        same_argmax += Argmax(got) == Argmax(want);
-      }
-      std::printf("  K mix %s, producer_qx %s: worst step logits nmse %.3g, argmax %d/%zu\n",
-                  hot ? "hot/cold split" : "whole model", producer_qx, worst, same_argmax,
-                  tokens.size());
-      EXPECT_LE(worst, 2e-3) << (hot ? "split" : "whole") << " producer_qx " << producer_qx;
+      const StepAgreement r =
+          CompareSteps(*base, down_t, hot ? *split_model : *base, hot, tokens, /*prompt=*/1);
+      std::printf("  K mix %s, producer_qx %s: worst step logits nmse %.3g, argmax %d/%d\n",
+                  hot ? "hot/cold split" : "whole model", producer_qx, r.worst_nmse, r.same_argmax,
+                  r.calls);
+      EXPECT_EQ(r.calls, static_cast<int>(tokens.size()));
+      EXPECT_LE(r.worst_nmse, 2e-3) << (hot ? "split" : "whole") << " producer_qx " << producer_qx;
     }
   }
   unsetenv("PINFER_CUDA_PRODUCER_QX");
@@ -283,42 +308,62 @@ TEST_F(CudaBackendTest, QkvBiasLogitsMatchCpuReference) {
   auto transposed = TransposeDownProjections(*base);
   ASSERT_TRUE(transposed.ok()) << transposed.status();
   const std::vector<TensorView>& down_t = transposed->layers;
-  CpuColdFfn cold(*base, down_t, *cold_ids_);
   std::unique_ptr<Model> split_model = WithDownFromRows(*base, down_t);
   for (bool hot : {false, true}) {
-    auto backend = Create(Upload(*base, down_t, hot));
-    ASSERT_NE(backend, nullptr);
-    Transformer ref(hot ? *split_model : *base, *ref_ops);
-    KvCache cache(base->config, 64);
-    std::vector<float> got(V), want(V);
-    double worst = 0;
-    int same_argmax = 0, calls = 0;
-    for (int pos = 0; pos < static_cast<int>(tokens.size()); pos += pos == 0 ? prompt : 1) {
-      const int n = pos == 0 ? prompt : 1;
-      ASSERT_TRUE(ref.Forward({&tokens[pos], static_cast<size_t>(n)}, pos, &cache,
-                              LogitsMode::kLast, want.data())
-                      .ok());
-      cuda::ForwardArgs a;
-      a.tokens = &tokens[pos];
-      a.n = n;
-      a.pos0 = pos;
-      a.mode = hot ? cuda::FfnMode::kExact : cuda::FfnMode::kDense;
-      a.cold = hot ? &cold : nullptr;
-      a.logits = got.data();
-      cuda::BackendStatus st = backend->Forward(a);
-      ASSERT_TRUE(st.ok()) << st.message;
-      ASSERT_FALSE(std::any_of(got.begin(), got.end(), [](float v) { return std::isnan(v); }));
-      if (pos == 0) {
-        EXPECT_GT(Nmse(unbiased.data(), want.data(), V), 1e-2) << "the biases change little";
-      }
-      worst = std::max(worst, Nmse(got.data(), want.data(), V));
-      same_argmax += Argmax(got) == Argmax(want);
-      ++calls;
-    }
+    const StepAgreement r =
+        CompareSteps(*base, down_t, hot ? *split_model : *base, hot, tokens, prompt);
     std::printf("  qkv bias %s: worst logits nmse %.3g, argmax %d/%d\n",
-                hot ? "hot/cold split" : "whole model", worst, same_argmax, calls);
-    EXPECT_LE(worst, 2e-3) << (hot ? "split" : "whole");
-    EXPECT_GE(same_argmax, calls - 1) << (hot ? "split" : "whole");
+                hot ? "hot/cold split" : "whole model", r.worst_nmse, r.same_argmax, r.calls);
+    EXPECT_EQ(r.calls, static_cast<int>(tokens.size()) - prompt + 1);
+    EXPECT_LE(r.worst_nmse, 2e-3) << (hot ? "split" : "whole");
+    EXPECT_GE(r.same_argmax, r.calls - 1) << (hot ? "split" : "whole");
+  }
+}
+
+// Mistral's sliding window: a random Q8_0 model with a window of 5 positions, a 9-token prompt
+// (longer than the window, so the prompt's own queries are narrowed) then decode steps, whole
+// model and hot/cold split, against the CPU reference forward pass with the same window; the
+// reference without a window is far off, so the window is what the logits follow.
+TEST_F(CudaBackendTest, SlidingWindowLogitsMatchCpuReference) {
+  testing_util::RandomModelOptions o;
+  o.hidden = 256;
+  o.ffn = model_->config.ffn_size;  // the fixture's hot/cold ids
+  o.layers = 3;
+  o.heads = 4;
+  o.kv_heads = 2;
+  o.vocab = 320;
+  o.activation = Activation::kRelu;
+  o.dtype = DType::kQ8_0;
+  o.seed = 47;
+  std::unique_ptr<Model> base = testing_util::RandomModel(o);
+  std::mt19937 rng(11);
+  std::vector<int32_t> tokens(28);
+  for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % o.vocab);
+  const int V = o.vocab, prompt = 9;
+  std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
+  std::vector<float> full(V), windowed(V);
+  for (auto [window, out] : {std::pair{0, &full}, {5, &windowed}}) {
+    base->config.sliding_window = window;
+    Transformer t(*base, *ref_ops);
+    KvCache cache(base->config, 64);
+    ASSERT_TRUE(t.Forward({tokens.data(), static_cast<size_t>(prompt)}, 0, &cache,
+                          LogitsMode::kLast, out->data())
+                    .ok());
+  }
+  EXPECT_GT(Nmse(full.data(), windowed.data(), V), 1e-2) << "the window changes little";
+  auto transposed = TransposeDownProjections(*base);
+  ASSERT_TRUE(transposed.ok()) << transposed.status();
+  const std::vector<TensorView>& down_t = transposed->layers;
+  std::unique_ptr<Model> split_model = WithDownFromRows(*base, down_t);
+  ASSERT_EQ(split_model->config.sliding_window, 5);
+  for (bool hot : {false, true}) {
+    const StepAgreement r =
+        CompareSteps(*base, down_t, hot ? *split_model : *base, hot, tokens, prompt);
+    std::printf("  sliding window %s: worst logits nmse %.3g, argmax %d/%d\n",
+                hot ? "hot/cold split" : "whole model", r.worst_nmse, r.same_argmax, r.calls);
+    EXPECT_EQ(r.calls, static_cast<int>(tokens.size()) - prompt + 1);
+    EXPECT_LE(r.worst_nmse, 2e-3) << (hot ? "split" : "whole");
+    EXPECT_GE(r.same_argmax, r.calls - 1) << (hot ? "split" : "whole");
   }
 }
 

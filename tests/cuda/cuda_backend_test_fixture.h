@@ -205,6 +205,19 @@ class CudaBackendTest : public ::testing::Test {
   void CheckAdaptiveCacheRows(const Model& weights, const std::vector<TensorView>& down_t,
                               const Model& ref_model, double limit);
 
+  // One sequence through the module and through the CPU reference forward pass side by side:
+  // a first call of `prompt` tokens, then one decode step a call to the end of `tokens`, whole
+  // model dense or hot/cold split (exact mode, the cold rows from `weights` and `down_t`).
+  // ref_model is what the GPU multiplies (for the split, the down rows as uploaded). Fails the
+  // test on an error or a NaN; returns how close each call's last-position logits came.
+  struct StepAgreement {
+    double worst_nmse = 0;
+    int same_argmax = 0, calls = 0;
+  };
+  static StepAgreement CompareSteps(const Model& weights, const std::vector<TensorView>& down_t,
+                                    const Model& ref_model, bool hot,
+                                    const std::vector<int32_t>& tokens, int prompt);
+
   // hot: the split placement; otherwise every layer dense on the GPU.
   static cuda::ModelUpload Upload(bool hot) { return Upload(*model_, *down_t_, hot); }
   static cuda::ModelUpload Upload(const Model& model, const std::vector<TensorView>& down_t,

@@ -588,13 +588,15 @@ TEST_F(CudaOpsTest, RejectsShapesTheKernelsCannotRead) {
   EXPECT_EQ(cuda::CheckMatrixShape(m), cudaErrorInvalidValue);
   DeviceMatrix f{WType::kF16, 2, 36, buf.get()};  // rows not 16-byte aligned
   EXPECT_EQ(cuda::CheckMatrixShape(f), cudaErrorInvalidValue);
-  EXPECT_EQ(cuda::Attention(nullptr, nullptr, nullptr, 1, 0, 4, 4, 512, nullptr, nullptr),
+  EXPECT_EQ(cuda::Attention(nullptr, nullptr, nullptr, 1, 0, 4, 4, 512, 0, nullptr, nullptr),
             cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::Attention(nullptr, nullptr, nullptr, 1, 0, 4, 4, 64, -1, nullptr, nullptr),
+            cudaErrorInvalidValue);  // a negative window
   // A quantized copy of the attention's output needs whole blocks of 32 in every head.
   int8_t qx = 0;
-  EXPECT_EQ(
-      cuda::AttentionAt(nullptr, nullptr, nullptr, 1, nullptr, 16, 4, 4, 48, nullptr, nullptr, &qx),
-      cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::AttentionAt(nullptr, nullptr, nullptr, 1, nullptr, 16, 4, 4, 48, 0, nullptr,
+                              nullptr, &qx),
+            cudaErrorInvalidValue);
 }
 
 }  // namespace

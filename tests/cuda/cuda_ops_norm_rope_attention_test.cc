@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "tests/cuda/cuda_ops_test_util.h"
@@ -141,7 +142,7 @@ TEST_F(CudaOpsTest, AttentionAfterRopeOnAStreamReadsTheNewKeys) {
       CUDA_OK(cuda::RopeQkvToCache(dqkv.get(), n, heads, kv_heads, hd, dpos.get(), dinv.get(),
                                    false, dq.get(), dk.get(), dv.get(), stream));
       CUDA_OK(cuda::AttentionAt(dq.get(), dk.get(), dv.get(), n, dpos.get(), ctx, heads, kv_heads,
-                                hd, dout.get(), stream));
+                                hd, /*window=*/0, dout.get(), stream));
       CUDA_OK(cudaStreamSynchronize(stream));
       const std::vector<float> out = dout.Download();
       EXPECT_FALSE(AnyNan(out)) << "n " << n << " pos0 " << pos0;
@@ -201,7 +202,7 @@ TEST_F(CudaOpsTest, AttentionDecodeAndPromptMatchReference) {
                       ref.data());
       DevBuf<float> dq(q), dk(k), dv(v), dout(q.size());
       CUDA_OK(cuda::Attention(dq.get(), dk.get(), dv.get(), c.n, c.pos0, c.heads, c.kv_heads,
-                              c.head_dim, dout.get(), nullptr));
+                              c.head_dim, /*window=*/0, dout.get(), nullptr));
       std::vector<float> out = dout.Download();
       EXPECT_FALSE(AnyNan(out));
       EXPECT_LE(Nmse(out, ref), kFp32Limit) << "n " << c.n << " pos0 " << c.pos0;
@@ -212,14 +213,14 @@ TEST_F(CudaOpsTest, AttentionDecodeAndPromptMatchReference) {
       DevBuf<int32_t> dpos(positions);
       DevBuf<float> dout2(q.size());
       CUDA_OK(cuda::AttentionAt(dq.get(), dk.get(), dv.get(), c.n, dpos.get(), ctx + 7, c.heads,
-                                c.kv_heads, c.head_dim, dout2.get(), nullptr));
+                                c.kv_heads, c.head_dim, /*window=*/0, dout2.get(), nullptr));
       EXPECT_EQ(dout2.Download(), out);
       EXPECT_TRUE(dout2.GuardsIntact());
       if (online) {
         // The first keys loaded after the wait instead of before: the same values.
         cuda::SetAttentionEarlyLoad(false);
         CUDA_OK(cuda::AttentionAt(dq.get(), dk.get(), dv.get(), c.n, dpos.get(), ctx + 7, c.heads,
-                                  c.kv_heads, c.head_dim, dout2.get(), nullptr));
+                                  c.kv_heads, c.head_dim, /*window=*/0, dout2.get(), nullptr));
         cuda::SetAttentionEarlyLoad(true);
         EXPECT_EQ(dout2.Download(), out) << "early load, n " << c.n << " pos0 " << c.pos0;
       }
@@ -230,7 +231,8 @@ TEST_F(CudaOpsTest, AttentionDecodeAndPromptMatchReference) {
         DevBuf<int8_t> dqx(c.n * cuda::QxBytes(qd));
         DevBuf<float> dout3(q.size());
         CUDA_OK(cuda::AttentionAt(dq.get(), dk.get(), dv.get(), c.n, dpos.get(), ctx + 7, c.heads,
-                                  c.kv_heads, c.head_dim, dout3.get(), nullptr, dqx.get()));
+                                  c.kv_heads, c.head_dim, /*window=*/0, dout3.get(), nullptr,
+                                  dqx.get()));
         EXPECT_EQ(dout3.Download(), out);
         HostWeights w = RandomWeights(DType::kQ8_0, 29, qd);
         DevBuf<uint8_t> wg(w.bytes.size()), ws(w.bytes.size());
@@ -242,6 +244,64 @@ TEST_F(CudaOpsTest, AttentionDecodeAndPromptMatchReference) {
         EXPECT_EQ(y1.Download(), y2.Download()) << "n " << c.n << " pos0 " << c.pos0;
         EXPECT_TRUE(dqx.GuardsIntact());
       }
+    }
+  }
+  cuda::SetOnlineAttention(true);
+}
+
+// Mistral's sliding window: each query sees only its last `window` keys, against the reference's
+// window (CpuOps::Attention), in both kernels, with the first position from the host and from
+// device memory, and with the older keys loaded before or after the wait. Windows of 1 (the
+// query's own key), shorter than a batch of keys, longer than a prompt, and covering the whole
+// context (which must equal no window at all).
+TEST_F(CudaOpsTest, AttentionSlidingWindowMatchesReference) {
+  struct Case {
+    int n, pos0, heads, kv_heads, head_dim, window;
+  };
+  for (bool online : {true, false}) {
+    cuda::SetOnlineAttention(online);
+    SCOPED_TRACE(online ? "online softmax" : "stored scores");
+    for (const Case& c :
+         {Case{1, 300, 8, 2, 128, 1}, Case{1, 300, 8, 2, 128, 5}, Case{1, 300, 4, 4, 64, 64},
+          Case{9, 40, 6, 2, 64, 16}, Case{7, 3, 8, 8, 128, 4}, Case{33, 100, 4, 1, 96, 50},
+          Case{5, 70, 4, 2, 32, 200}, Case{1, 1000, 2, 1, 128, 4096}}) {
+      const int ctx = c.pos0 + c.n;
+      const size_t kv = static_cast<size_t>(ctx) * c.kv_heads * c.head_dim;
+      std::vector<float> q = Random(static_cast<size_t>(c.n) * c.heads * c.head_dim);
+      std::vector<float> k = Random(kv), v = Random(kv);
+      std::vector<float> ref(q.size()), full(q.size());
+      ref_->Attention(q.data(), k.data(), v.data(), c.n, c.pos0, c.heads, c.kv_heads, c.head_dim,
+                      c.window, ref.data());
+      ref_->Attention(q.data(), k.data(), v.data(), c.n, c.pos0, c.heads, c.kv_heads, c.head_dim,
+                      full.data());
+      const bool narrows = c.window < ctx;
+      DevBuf<float> dq(q), dk(k), dv(v), dout(q.size());
+      CUDA_OK(cuda::Attention(dq.get(), dk.get(), dv.get(), c.n, c.pos0, c.heads, c.kv_heads,
+                              c.head_dim, c.window, dout.get(), nullptr));
+      const std::vector<float> out = dout.Download();
+      const std::string where = "n " + std::to_string(c.n) + " pos0 " + std::to_string(c.pos0) +
+                                " window " + std::to_string(c.window);
+      EXPECT_FALSE(AnyNan(out)) << where;
+      EXPECT_LE(Nmse(out, ref), kFp32Limit) << where;
+      // The window changes the result where it is shorter than the context, and only there.
+      if (narrows) {
+        EXPECT_GT(Nmse(out, full), 1e-4) << where;
+      } else {
+        EXPECT_LE(Nmse(out, full), kFp32Limit) << where;
+      }
+      EXPECT_TRUE(dout.GuardsIntact());
+      std::vector<int32_t> positions(c.n);
+      for (int t = 0; t < c.n; ++t) positions[t] = c.pos0 + t;
+      DevBuf<int32_t> dpos(positions);
+      for (bool early : {true, false}) {
+        cuda::SetAttentionEarlyLoad(early);
+        DevBuf<float> dout2(q.size());
+        CUDA_OK(cuda::AttentionAt(dq.get(), dk.get(), dv.get(), c.n, dpos.get(), ctx + 7, c.heads,
+                                  c.kv_heads, c.head_dim, c.window, dout2.get(), nullptr));
+        EXPECT_EQ(dout2.Download(), out) << where << (early ? " early load" : " late load");
+        EXPECT_TRUE(dout2.GuardsIntact());
+      }
+      cuda::SetAttentionEarlyLoad(true);
     }
   }
   cuda::SetOnlineAttention(true);

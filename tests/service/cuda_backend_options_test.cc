@@ -5,6 +5,7 @@
 
 #include "gmock/gmock.h"
 #include "gpu-worker/backend.h"
+#include "gpu-worker/cuda/model_dims.h"
 #include "gtest/gtest.h"
 #include "shared/model/model.h"
 #include "shared/service/ffn_split.h"
@@ -67,16 +68,14 @@ TEST(CudaBackendOptionsTest, RefusesTypesTheModuleDoesNotCompute) {
               HasSubstr("tensor 'blk.1.attn_k.bias' is "));
 }
 
-// Mistral's sliding window is computed on the CPU only: a model with one is refused naming it,
-// before the module is opened, so --backend auto falls back to the CPU.
-TEST(CudaBackendOptionsTest, RefusesASlidingWindow) {
+// Mistral's sliding window is computed by the module (the window goes to its attention through
+// ModelDims), so such a model is not refused.
+TEST(CudaBackendOptionsTest, AcceptsASlidingWindow) {
   auto model = LoadModel(std::string(PINFER_MODELS_DIR) + "/relu-llama-tiny");
   ASSERT_TRUE(model.ok()) << model.status();
   (*model)->config.sliding_window = 4096;
-  const absl::Status st = CudaModuleComputes(**model);
-  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
-  EXPECT_THAT(std::string(st.message()), HasSubstr("sliding window of 4096 positions"));
-  EXPECT_THAT(std::string(st.message()), HasSubstr("--backend cpu"));
+  EXPECT_TRUE(CudaModuleComputes(**model).ok());
+  EXPECT_EQ(cuda::DimsFromConfig((*model)->config).sliding_window, 4096);
 }
 
 }  // namespace
