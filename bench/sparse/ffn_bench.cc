@@ -1,5 +1,6 @@
 // FFN time per token, dense versus sparse, single thread, on one random-weight layer of a real
-// model's shape (Llama-2-7B: hidden 4096, FFN 11008), for F16, Q8_0 and Q4_0 weights.
+// model's shape (Llama-2-7B: hidden 4096, FFN 11008), for F16, Q8_0, Q4_0 weights (and any
+// other type pinfer computes: q4_k, q5_k, q6_k).
 //
 // Sparse = what the cpu-worker does for one token: the predictor (fc1 -> ReLU -> fc2, F16 or
 // Q8_0 (`prepare --predictor-type`), at the given ranks), then CpuOps::SparseFfnToken over the
@@ -32,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "nlohmann/json.hpp"
@@ -170,8 +172,11 @@ int main(int argc, char** argv) {
   }
 
   for (const std::string& name : dtypes) {
-    auto dt = DTypeFromName(name == "f16" ? "F16" : name == "q8_0" ? "Q8_0" : "Q4_0");
-    if (!dt.ok()) continue;
+    auto dt = DTypeFromName(absl::AsciiStrToUpper(name));
+    if (!dt.ok()) {
+      std::fprintf(stderr, "dtypes: %s\n", std::string(dt.status().message()).c_str());
+      return 1;
+    }
     std::fprintf(stderr, "%s: building random %d x %d weights...\n", name.c_str(), F, H);
     Matrix gate = RandomMatrix(F, H, *dt, rng, 0.02f);
     Matrix up = RandomMatrix(F, H, *dt, rng, 0.02f);

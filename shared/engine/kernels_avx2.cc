@@ -38,6 +38,18 @@ inline float vsum(V v) {
   return _mm_cvtss_f32(s);
 }
 inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
+// W bytes p[0..W) as floats of (p[i] >> shift) & mask (the K-quants' bit fields).
+inline V vload_u8_bits(const uint8_t* p, int shift, int mask) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtepi32_ps(
+      _mm256_and_si256(_mm256_srl_epi32(b, _mm_cvtsi32_si128(shift)), _mm256_set1_epi32(mask)));
+}
+// Both nibbles of W bytes as floats: lo = p[i] & 15, hi = p[i] >> 4.
+inline void vload_u8_nibbles(const uint8_t* p, V* lo, V* hi) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  *lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+  *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
 inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
 inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
 // exp(x), Cephes' expf: ~1 ulp, arguments clamped to [-87, 88.38] (results stay normal).

@@ -33,6 +33,18 @@ inline V vload_i8(const int8_t* p) {
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline float vsum(V v) { return _mm512_reduce_add_ps(v); }
+// W bytes p[0..W) as floats of (p[i] >> shift) & mask (the K-quants' bit fields).
+inline V vload_u8_bits(const uint8_t* p, int shift, int mask) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtepi32_ps(
+      _mm512_and_si512(_mm512_srl_epi32(b, _mm_cvtsi32_si128(shift)), _mm512_set1_epi32(mask)));
+}
+// Both nibbles of W bytes as floats: lo = p[i] & 15, hi = p[i] >> 4.
+inline void vload_u8_nibbles(const uint8_t* p, V* lo, V* hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+  *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
 inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
 inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
 inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }

@@ -23,6 +23,15 @@ inline V vload_bf16(const uint16_t* p) { return Bf16ToFp32(*p); }
 inline V vload_i8(const int8_t* p) { return static_cast<float>(*p); }
 inline float vsum(V v) { return v; }
 inline V vsub(V a, V b) { return a - b; }
+// (p[0] >> shift) & mask as a float (the K-quants' bit fields).
+inline V vload_u8_bits(const uint8_t* p, int shift, int mask) {
+  return static_cast<float>((*p >> shift) & mask);
+}
+// Both nibbles of p[0] as floats.
+inline void vload_u8_nibbles(const uint8_t* p, V* lo, V* hi) {
+  *lo = static_cast<float>(*p & 15);
+  *hi = static_cast<float>(*p >> 4);
+}
 inline V vmul(V a, V b) { return a * b; }
 inline V vdiv(V a, V b) { return a / b; }
 inline V vexp(V x) { return std::exp(x); }
