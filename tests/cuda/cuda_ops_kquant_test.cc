@@ -54,6 +54,14 @@ std::vector<float> KQ8xReference(const HostWeights& w, const std::vector<int32_t
   return y;
 }
 
+// n random tokens of `cols` through an RMS norm that also quantizes its output for the int8
+// product, as the producers do (out_qx): norm [n, cols] and qx (QxBytes(cols) a token).
+void NormWithProducerQx(int64_t cols, int n, DevBuf<float>* norm, DevBuf<uint8_t>* qx) {
+  DevBuf<float> dx(Random(static_cast<size_t>(n) * cols)), dg(Random(cols, 1.f));
+  CUDA_OK(cuda::RmsNorm(dx.get(), dg.get(), n, static_cast<int>(cols), 1e-5f, norm->get(), nullptr,
+                        qx->get()));
+}
+
 std::vector<int32_t> Iota(int n) {
   std::vector<int32_t> v(n);
   std::iota(v.begin(), v.end(), 0);
@@ -124,12 +132,9 @@ TEST_F(CudaOpsTest, KQuantMatVecTakesProducerQuantizedX) {
     DevBuf<uint8_t> dw(w.bytes.size());
     DeviceMatrix m = ToDevice(w, &dw);
     for (int n : {1, 5}) {
-      std::vector<float> x = Random(static_cast<size_t>(n) * cols);
-      std::vector<float> g = Random(cols, 1.f);
-      DevBuf<float> dx(x), dg(g), dnorm(x.size());
+      DevBuf<float> dnorm(static_cast<size_t>(n) * cols);
       DevBuf<uint8_t> dq(cuda::QxBytes(cols) * n);
-      CUDA_OK(cuda::RmsNorm(dx.get(), dg.get(), n, static_cast<int>(cols), 1e-5f, dnorm.get(),
-                            nullptr, dq.get()));
+      NormWithProducerQx(cols, n, &dnorm, &dq);
       DevBuf<float> own(static_cast<size_t>(n) * rows), given(static_cast<size_t>(n) * rows);
       CUDA_OK(
           cuda::MatVecRows(m, nullptr, rows, nullptr, dnorm.get(), n, own.get(), rows, nullptr));
@@ -154,12 +159,9 @@ TEST_F(CudaOpsTest, KQuantMatVecShapesAgreeBitForBit) {
     std::vector<int32_t> ids = RandomRows(rows, bound);
     DevBuf<int32_t> dids(ids), dcount(std::vector<int32_t>{count});
     for (int n : {1, 5}) {
-      std::vector<float> x = Random(static_cast<size_t>(n) * cols);
-      std::vector<float> g = Random(cols, 1.f);
-      DevBuf<float> dx(x), dg(g), dnorm(x.size());
+      DevBuf<float> dnorm(static_cast<size_t>(n) * cols);
       DevBuf<uint8_t> dq(cuda::QxBytes(cols) * n);
-      CUDA_OK(cuda::RmsNorm(dx.get(), dg.get(), n, static_cast<int>(cols), 1e-5f, dnorm.get(),
-                            nullptr, dq.get()));
+      NormWithProducerQx(cols, n, &dnorm, &dq);
       cuda::SetKMatVecShape(8, 1);
       DevBuf<float> want(static_cast<size_t>(n) * rows), want_listed(static_cast<size_t>(n) * ldy);
       CUDA_OK(cuda::MatVecRows(m, nullptr, rows, nullptr, dnorm.get(), n, want.get(), rows, nullptr,
