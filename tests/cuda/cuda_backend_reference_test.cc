@@ -67,6 +67,52 @@ CudaBackendTest::StepAgreement CudaBackendTest::CompareSteps(const Model& weight
   return r;
 }
 
+void CudaBackendTest::CheckSmallModelFollowsReference(const char* what, uint32_t seed, int n_tokens,
+                                                      int prompt,
+                                                      const std::function<void(Model*)>& change) {
+  testing_util::RandomModelOptions o;
+  o.hidden = 256;
+  o.ffn = model_->config.ffn_size;  // the fixture's hot/cold ids
+  o.layers = 3;
+  o.heads = 4;
+  o.kv_heads = 2;
+  o.vocab = 320;
+  o.activation = Activation::kRelu;
+  o.dtype = DType::kQ8_0;
+  o.seed = seed;
+  std::unique_ptr<Model> base = testing_util::RandomModel(o);
+  std::mt19937 rng(seed);
+  std::vector<int32_t> tokens(n_tokens);
+  for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % o.vocab);
+  // The prompt's reference logits before and after the change.
+  std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
+  auto prompt_logits = [&](std::vector<float>* out) {
+    out->resize(o.vocab);
+    Transformer t(*base, *ref_ops);
+    KvCache cache(base->config, 64);
+    return t.Forward({tokens.data(), static_cast<size_t>(prompt)}, 0, &cache, LogitsMode::kLast,
+                     out->data());
+  };
+  std::vector<float> before, after;
+  ASSERT_TRUE(prompt_logits(&before).ok());
+  change(base.get());
+  ASSERT_TRUE(prompt_logits(&after).ok());
+  EXPECT_GT(Nmse(before.data(), after.data(), o.vocab), 1e-2) << what << " changes little";
+  auto transposed = TransposeDownProjections(*base);
+  ASSERT_TRUE(transposed.ok()) << transposed.status();
+  const std::vector<TensorView>& down_t = transposed->layers;
+  std::unique_ptr<Model> split_model = WithDownFromRows(*base, down_t);
+  for (bool hot : {false, true}) {
+    const StepAgreement r =
+        CompareSteps(*base, down_t, hot ? *split_model : *base, hot, tokens, prompt);
+    std::printf("  %s %s: worst logits nmse %.3g, argmax %d/%d\n", what,
+                hot ? "hot/cold split" : "whole model", r.worst_nmse, r.same_argmax, r.calls);
+    EXPECT_EQ(r.calls, n_tokens - prompt + 1);
+    EXPECT_LE(r.worst_nmse, 2e-3) << what << (hot ? " split" : " whole");
+    EXPECT_GE(r.same_argmax, r.calls - 1) << what << (hot ? " split" : " whole");
+  }
+}
+
 namespace {
 
 TEST_F(CudaBackendTest, HotColdSplitGivesReferenceGreedyTokens) {
@@ -269,102 +315,29 @@ TEST_F(CudaBackendTest, KQuantMixStepLogitsMatchCpuReference) {
   unsetenv("PINFER_CUDA_PRODUCER_QX");
 }
 
-// Qwen2's q/k/v biases: a random Q8_0 model with biases, a 6-token prompt then 18 decode steps,
-// whole model and hot/cold split, against the CPU reference forward pass with the biases; the same
-// model's reference without them is far off, so the biases are what the logits follow.
+// A small random model changed the way a model family differs from Llama, whose logits follow
+// the CPU reference of the changed model (and not the unchanged one), whole model and hot/cold
+// split: CheckSmallModelFollowsReference.
+// Qwen2's q/k/v biases: a 6-token prompt then 18 decode steps with random biases added.
 TEST_F(CudaBackendTest, QkvBiasLogitsMatchCpuReference) {
-  testing_util::RandomModelOptions o;
-  o.hidden = 256;
-  o.ffn = model_->config.ffn_size;  // the fixture's hot/cold ids
-  o.layers = 3;
-  o.heads = 4;
-  o.kv_heads = 2;
-  o.vocab = 320;
-  o.activation = Activation::kRelu;
-  o.dtype = DType::kQ8_0;
-  o.seed = 43;
-  std::unique_ptr<Model> base = testing_util::RandomModel(o);
-  std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
-  std::mt19937 rng(9);
-  std::vector<int32_t> tokens(24);
-  for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % o.vocab);
-  const int V = o.vocab, prompt = 6;
-  const ModelConfig& c = base->config;
-  // The reference before the biases are added, for the prompt's logits.
-  std::vector<float> unbiased(V);
-  {
-    Transformer plain(*base, *ref_ops);
-    KvCache cache(c, 64);
-    ASSERT_TRUE(
-        plain.Forward({tokens.data(), prompt}, 0, &cache, LogitsMode::kLast, unbiased.data()).ok());
-  }
-  std::mt19937 brng(5);
-  for (LayerWeights& L : base->layers) {
-    L.bq = testing_util::RandomTensor(base.get(), "bq", {c.q_dim()}, DType::kF32, brng, 0.5f);
-    L.bk = testing_util::RandomTensor(base.get(), "bk", {c.kv_dim()}, DType::kF32, brng, 0.5f);
-    L.bv = testing_util::RandomTensor(base.get(), "bv", {c.kv_dim()}, DType::kF32, brng, 0.5f);
-  }
-  base->config.qkv_bias = true;
-  auto transposed = TransposeDownProjections(*base);
-  ASSERT_TRUE(transposed.ok()) << transposed.status();
-  const std::vector<TensorView>& down_t = transposed->layers;
-  std::unique_ptr<Model> split_model = WithDownFromRows(*base, down_t);
-  for (bool hot : {false, true}) {
-    const StepAgreement r =
-        CompareSteps(*base, down_t, hot ? *split_model : *base, hot, tokens, prompt);
-    std::printf("  qkv bias %s: worst logits nmse %.3g, argmax %d/%d\n",
-                hot ? "hot/cold split" : "whole model", r.worst_nmse, r.same_argmax, r.calls);
-    EXPECT_EQ(r.calls, static_cast<int>(tokens.size()) - prompt + 1);
-    EXPECT_LE(r.worst_nmse, 2e-3) << (hot ? "split" : "whole");
-    EXPECT_GE(r.same_argmax, r.calls - 1) << (hot ? "split" : "whole");
-  }
+  CheckSmallModelFollowsReference(
+      "qkv bias", /*seed=*/43, /*n_tokens=*/24, /*prompt=*/6, [](Model* m) {
+        const ModelConfig& c = m->config;
+        std::mt19937 rng(5);
+        for (LayerWeights& L : m->layers) {
+          L.bq = testing_util::RandomTensor(m, "bq", {c.q_dim()}, DType::kF32, rng, 0.5f);
+          L.bk = testing_util::RandomTensor(m, "bk", {c.kv_dim()}, DType::kF32, rng, 0.5f);
+          L.bv = testing_util::RandomTensor(m, "bv", {c.kv_dim()}, DType::kF32, rng, 0.5f);
+        }
+        m->config.qkv_bias = true;
+      });
 }
 
-// Mistral's sliding window: a random Q8_0 model with a window of 5 positions, a 9-token prompt
-// (longer than the window, so the prompt's own queries are narrowed) then decode steps, whole
-// model and hot/cold split, against the CPU reference forward pass with the same window; the
-// reference without a window is far off, so the window is what the logits follow.
+// Mistral's sliding window of 5 positions, a 9-token prompt (longer than the window, so the
+// prompt's own queries are narrowed) then 19 decode steps.
 TEST_F(CudaBackendTest, SlidingWindowLogitsMatchCpuReference) {
-  testing_util::RandomModelOptions o;
-  o.hidden = 256;
-  o.ffn = model_->config.ffn_size;  // the fixture's hot/cold ids
-  o.layers = 3;
-  o.heads = 4;
-  o.kv_heads = 2;
-  o.vocab = 320;
-  o.activation = Activation::kRelu;
-  o.dtype = DType::kQ8_0;
-  o.seed = 47;
-  std::unique_ptr<Model> base = testing_util::RandomModel(o);
-  std::mt19937 rng(11);
-  std::vector<int32_t> tokens(28);
-  for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % o.vocab);
-  const int V = o.vocab, prompt = 9;
-  std::unique_ptr<CpuOps> ref_ops = NewReferenceOps();
-  std::vector<float> full(V), windowed(V);
-  for (auto [window, out] : {std::pair{0, &full}, {5, &windowed}}) {
-    base->config.sliding_window = window;
-    Transformer t(*base, *ref_ops);
-    KvCache cache(base->config, 64);
-    ASSERT_TRUE(t.Forward({tokens.data(), static_cast<size_t>(prompt)}, 0, &cache,
-                          LogitsMode::kLast, out->data())
-                    .ok());
-  }
-  EXPECT_GT(Nmse(full.data(), windowed.data(), V), 1e-2) << "the window changes little";
-  auto transposed = TransposeDownProjections(*base);
-  ASSERT_TRUE(transposed.ok()) << transposed.status();
-  const std::vector<TensorView>& down_t = transposed->layers;
-  std::unique_ptr<Model> split_model = WithDownFromRows(*base, down_t);
-  ASSERT_EQ(split_model->config.sliding_window, 5);
-  for (bool hot : {false, true}) {
-    const StepAgreement r =
-        CompareSteps(*base, down_t, hot ? *split_model : *base, hot, tokens, prompt);
-    std::printf("  sliding window %s: worst logits nmse %.3g, argmax %d/%d\n",
-                hot ? "hot/cold split" : "whole model", r.worst_nmse, r.same_argmax, r.calls);
-    EXPECT_EQ(r.calls, static_cast<int>(tokens.size()) - prompt + 1);
-    EXPECT_LE(r.worst_nmse, 2e-3) << (hot ? "split" : "whole");
-    EXPECT_GE(r.same_argmax, r.calls - 1) << (hot ? "split" : "whole");
-  }
+  CheckSmallModelFollowsReference("sliding window", /*seed=*/47, /*n_tokens=*/28, /*prompt=*/9,
+                                  [](Model* m) { m->config.sliding_window = 5; });
 }
 
 // Two lanes (Backend::NewLane: shared weights and KV cache, own scratch and streams) run two

@@ -217,6 +217,13 @@ class CudaBackendTest : public ::testing::Test {
   static StepAgreement CompareSteps(const Model& weights, const std::vector<TensorView>& down_t,
                                     const Model& ref_model, bool hot,
                                     const std::vector<int32_t>& tokens, int prompt);
+  // A small random Q8_0 ReLU model (hidden 256, 3 layers, GQA 2:1) changed by `change` (a model
+  // family's difference from Llama: biases, a window), `prompt` random tokens then decode steps
+  // to n_tokens: the change must move the prompt's reference logits, and each call's logits must
+  // follow the changed model's CPU reference, whole model and hot/cold split. `what` names it.
+  static void CheckSmallModelFollowsReference(const char* what, uint32_t seed, int n_tokens,
+                                              int prompt,
+                                              const std::function<void(Model*)>& change);
 
   // hot: the split placement; otherwise every layer dense on the GPU.
   static cuda::ModelUpload Upload(bool hot) { return Upload(*model_, *down_t_, hot); }
