@@ -315,10 +315,8 @@ TEST_F(CudaBackendTest, KQuantMixStepLogitsMatchCpuReference) {
   unsetenv("PINFER_CUDA_PRODUCER_QX");
 }
 
-// A small random model changed the way a model family differs from Llama, whose logits follow
-// the CPU reference of the changed model (and not the unchanged one), whole model and hot/cold
-// split: CheckSmallModelFollowsReference.
-// Qwen2's q/k/v biases: a 6-token prompt then 18 decode steps with random biases added.
+// Qwen2's q/k/v biases (CheckSmallModelFollowsReference): random biases added, a 6-token prompt
+// then 18 decode steps.
 TEST_F(CudaBackendTest, QkvBiasLogitsMatchCpuReference) {
   CheckSmallModelFollowsReference(
       "qkv bias", /*seed=*/43, /*n_tokens=*/24, /*prompt=*/6, [](Model* m) {
