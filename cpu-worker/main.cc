@@ -272,7 +272,6 @@ int Main(const std::vector<std::string>& args) {
   expected.ffn = c.ffn_size;
   expected.fingerprint = ModelFingerprint(m, sm.down_t());
   // Only the cold rows are used from here on (copied out of the file's mapping).
-  DropRebuiltDown(&sm);
   ReleaseMappedPages(m);
 
   std::atomic<bool> draining{false};

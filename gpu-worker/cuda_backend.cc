@@ -434,7 +434,8 @@ absl::Status CheckModuleTypes(const Model& model) {
     const std::pair<const TensorView*, const char*> tensors[] = {
         {&L.attn_norm, "attn_norm"}, {&L.wq, "attn_q"},      {&L.wk, "attn_k"},
         {&L.wv, "attn_v"},           {&L.wo, "attn_output"}, {&L.ffn_norm, "ffn_norm"},
-        {&L.gate, "ffn_gate"},       {&L.up, "ffn_up"},      {&L.down, "ffn_down"}};
+        {&L.gate, "ffn_gate"},       {&L.up, "ffn_up"},      {&L.down, "ffn_down"},
+        {&L.down_t, "ffn_down_t"}};
     for (const auto& [t, name] : tensors) {
       RETURN_IF_ERROR(check(*t, absl::StrCat("blk.", l, ".", name)));
     }
@@ -498,9 +499,10 @@ cuda::ModelUpload BaseUpload(const Model& model, int max_batch, const CudaBacken
   return u;
 }
 
-// The module gets the transposed down rows from TransposeDownProjections (F32 for quantized down).
+// The module gets the transposed down rows from TransposeDownProjections: a PWRI file's own
+// ffn_down_t rows in the file's type, else down's columns (F32 for quantized down).
 DType DownTransposedType(const Model& model, int layer) {
-  return TransposedDownType(model.layers[layer].down.dtype);
+  return TransposedDownType(model.layers[layer]);
 }
 
 // Times the streamed cold rows of the layer with the most cold rows at a few batch sizes and of
@@ -583,7 +585,7 @@ absl::StatusOr<CudaFootprint> MeasureCudaFootprint(const Model& model, int max_b
     u.layers[l].down_t.type = static_cast<cuda::HostType>(dt);
     u.layers[l].down_t.rows = c.ffn_size;
     u.layers[l].down_t.cols = c.hidden_size;
-    u.layers[l].down_t.data = L.down.data;
+    u.layers[l].down_t.data = L.down_t.data != nullptr ? L.down_t.data : L.down.data;
     f.neuron_bytes.push_back(L.gate.row_bytes() + L.up.row_bytes() + RowBytes(dt, c.hidden_size));
   }
   cuda::Backend* b = nullptr;

@@ -303,7 +303,6 @@ bool CreateBackend(State& s) {
         std::abs(actual / plan - 1) > 0.05 ? ": more than 5% off the plan" : "");
   }
   // Building the hot rows read the whole down matrices; drop those pages, what we use comes back.
-  DropRebuiltDown(&s.service_model);
   ReleaseMappedPages(*s.model);
   {
     const uint64_t total = static_cast<uint64_t>(c.n_layers) * c.ffn_size;

@@ -265,7 +265,15 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const GgufFile& fil
 
 // LoadGgufModel on an already-opened file (the activation-locality loaders open PWRI files
 // themselves, read their extra tensors and reuse this). The model shares the file's mapping.
-absl::StatusOr<std::unique_ptr<Model>> LoadGgufModelFrom(const GgufFile& file);
+struct GgufLoadOptions {
+  // A PWRI file stores the down projection only transposed (ffn_down_t, LayerWeights::down_t).
+  // The dense path wants down: [hidden, ffn], rebuilt in memory, and for quantized types in F32
+  // (re-quantizing along the other axis would change the weights): 4 bytes a weight, 75 GB for a
+  // 70B model. The workers read ffn_down_t's rows themselves and pass false: down stays empty.
+  bool rebuild_down = true;
+};
+absl::StatusOr<std::unique_ptr<Model>> LoadGgufModelFrom(const GgufFile& file,
+                                                         const GgufLoadOptions& options = {});
 
 // llama.cpp's K-quant file types, as its `quantize` writes them: a base K type, some tensors at a
 // higher one (the output head Q6_K; for the _M mixes attn_v and ffn_down of a third of the

@@ -328,7 +328,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const GgufFile& f) 
   return tok;
 }
 
-absl::StatusOr<std::unique_ptr<Model>> LoadGgufModelFrom(const GgufFile& f) {
+absl::StatusOr<std::unique_ptr<Model>> LoadGgufModelFrom(const GgufFile& f,
+                                                         const GgufLoadOptions& options) {
   if (f.mapped_file() == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat(f.name(), ": a model needs a GGUF file opened with GgufFile::Open"));
@@ -402,10 +403,13 @@ absl::StatusOr<std::unique_ptr<Model>> LoadGgufModelFrom(const GgufFile& f) {
     ASSIGN_OR_RETURN(L.ffn_norm, Weight(f, p + "ffn_norm.weight", model.get()));
     ASSIGN_OR_RETURN(L.gate, Weight(f, p + "ffn_gate.weight", model.get()));
     ASSIGN_OR_RETURN(L.up, Weight(f, p + "ffn_up.weight", model.get()));
-    if (f.FindTensor(p + "ffn_down.weight") == nullptr &&
-        f.FindTensor(p + "ffn_down_t.weight") != nullptr) {
-      ASSIGN_OR_RETURN(TensorView t, Weight(f, p + "ffn_down_t.weight", model.get()));
-      ASSIGN_OR_RETURN(L.down, TransposeDown(t, model.get()));
+    if (f.FindTensor(p + "ffn_down_t.weight") != nullptr) {
+      ASSIGN_OR_RETURN(L.down_t, Weight(f, p + "ffn_down_t.weight", model.get()));
+    }
+    if (f.FindTensor(p + "ffn_down.weight") == nullptr && L.down_t.data != nullptr) {
+      if (options.rebuild_down) {
+        ASSIGN_OR_RETURN(L.down, TransposeDown(L.down_t, model.get()));
+      }
     } else {
       ASSIGN_OR_RETURN(L.down, Weight(f, p + "ffn_down.weight", model.get()));
     }

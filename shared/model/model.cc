@@ -60,7 +60,8 @@ absl::Status ValidateModelShapes(const Model& m) {
     RETURN_IF_ERROR(check(L.ffn_norm, {H}));
     RETURN_IF_ERROR(check(L.gate, {F, H}));
     RETURN_IF_ERROR(check(L.up, {F, H}));
-    RETURN_IF_ERROR(check(L.down, {H, F}));
+    if (L.down_t.data != nullptr) RETURN_IF_ERROR(check(L.down_t, {F, H}));
+    if (L.down.data != nullptr || L.down_t.data == nullptr) RETURN_IF_ERROR(check(L.down, {H, F}));
   }
   return absl::OkStatus();
 }

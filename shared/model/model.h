@@ -26,7 +26,10 @@ struct LayerWeights {
   TensorView ffn_norm;    // [hidden]
   TensorView gate;        // [ffn, hidden]
   TensorView up;          // [ffn, hidden]
-  TensorView down;        // [hidden, ffn]
+  TensorView down;        // [hidden, ffn]; empty when only down_t was loaded (see GgufLoadOptions)
+  // [ffn, hidden]: the down projection as a PWRI file stores it (a row per neuron, in the file's
+  // type), else empty. The sparse paths read its rows directly.
+  TensorView down_t;
 };
 
 struct Model {

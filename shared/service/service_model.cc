@@ -16,7 +16,8 @@ bool IsPreparedModelFile(const std::string& path) {
 absl::StatusOr<ServiceModel> LoadServiceModel(const std::string& path) {
   ServiceModel m;
   if (IsPreparedModelFile(path)) {
-    auto pm = LoadPreparedModel(path);
+    // The workers copy their rows out of ffn_down_t: no dense down (F32 for quantized files).
+    auto pm = LoadPreparedModel(path, {.rebuild_down = false});
     if (!pm.ok()) return pm.status();
     m.prepared = std::make_unique<PreparedModel>(std::move(*pm));
     m.prepared->model->source_path = path;
@@ -26,20 +27,6 @@ absl::StatusOr<ServiceModel> LoadServiceModel(const std::string& path) {
     m.owned = std::move(*model);
   }
   return m;
-}
-
-void DropRebuiltDown(ServiceModel* m) {
-  if (m->prepared == nullptr) return;
-  Model& model = *m->prepared->model;
-  for (LayerWeights& L : model.layers) {
-    for (auto& buf : model.owned) {
-      if (buf != nullptr && buf->data() == L.down.data) {
-        buf.reset();
-        break;
-      }
-    }
-    L.down = TensorView{};
-  }
 }
 
 }  // namespace pinfer

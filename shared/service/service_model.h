@@ -1,6 +1,7 @@
 // Loading the model a worker serves: any model LoadModel reads, or a prepared PowerInfer-style
 // model (magic "PWRI", from `pinfer prepare`), whose predictors drive --sparse mode and whose
-// transposed down projection (ffn_down_t) the workers copy their rows from directly.
+// transposed down projection (ffn_down_t) the workers copy their rows from directly: such models
+// load without the dense down projection (LayerWeights::down is empty).
 #pragma once
 
 #include <memory>
@@ -31,10 +32,5 @@ struct ServiceModel {
 bool IsPreparedModelFile(const std::string& path);
 
 absl::StatusOr<ServiceModel> LoadServiceModel(const std::string& path);
-
-// A PWRI file stores only ffn_down_t; the model loader rebuilt down: [hidden, ffn] in memory for
-// the dense path. A worker that computes from its own row store never uses it: this frees it
-// (the views are cleared), so that it does not count in the worker's resident memory.
-void DropRebuiltDown(ServiceModel* m);
 
 }  // namespace pinfer

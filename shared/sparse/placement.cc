@@ -40,7 +40,10 @@ uint64_t PredictorBytes(const PredictorSet* predictors) {
 
 uint64_t HotNeuronBytes(const Model& model, int layer) {
   const LayerWeights& L = model.layers[layer];
-  return L.gate.row_bytes() + L.up.row_bytes() + RowBytes(L.down.dtype, L.down.rows());
+  // The file's bytes of a neuron's down column (a PWRI file's ffn_down_t row).
+  const uint64_t down =
+      L.down_t.data != nullptr ? L.down_t.row_bytes() : RowBytes(L.down.dtype, L.down.rows());
+  return L.gate.row_bytes() + L.up.row_bytes() + down;
 }
 
 int64_t PlacementPlan::hot_neurons() const {

@@ -266,11 +266,12 @@ absl::Status WriteMagnitudeSparseModel(
   return w.WriteFile(out_path);
 }
 
-absl::StatusOr<PreparedModel> LoadPreparedModel(const std::string& path) {
+absl::StatusOr<PreparedModel> LoadPreparedModel(const std::string& path,
+                                                const GgufLoadOptions& options) {
   PreparedModel pm;
   ASSIGN_OR_RETURN(pm.file, GgufFile::Open(path, {kPowerInferMagic, kGgufMagic}));
   const GgufFile& f = *pm.file;
-  ASSIGN_OR_RETURN(pm.model, LoadGgufModelFrom(f));
+  ASSIGN_OR_RETURN(pm.model, LoadGgufModelFrom(f, options));
   const ModelConfig& c = pm.model->config;
   if (f.HasKey(kSparseThresholdKey)) {
     ASSIGN_OR_RETURN(pm.sparse_threshold, f.GetF32(kSparseThresholdKey));
@@ -311,14 +312,9 @@ absl::StatusOr<PreparedModel> LoadPreparedModel(const std::string& path) {
       lp.reads_residual = true;
     }
     pm.predictors.layers.push_back(lp);
-    TensorView dt;
-    if (f.FindTensor(p + "ffn_down_t.weight") != nullptr) {
-      ASSIGN_OR_RETURN(dt, GgufTensorForEngine(f, p + "ffn_down_t.weight", &pm.owned));
-      if (dt.shape != std::vector<int64_t>{c.ffn_size, c.hidden_size}) {
-        return absl::InvalidArgumentError(absl::StrCat(path, ": ", p, "ffn_down_t.weight must be [",
-                                                       c.ffn_size, ", ", c.hidden_size, "]"));
-      }
-    } else {
+    // The model loader took ffn_down_t when the file has it (and checked its shape).
+    const TensorView& dt = pm.model->layers[l].down_t;
+    if (dt.data == nullptr) {
       return absl::NotFoundError(absl::StrCat(path, ": missing tensor '", p, "ffn_down_t.weight'"));
     }
     pm.down_t.push_back(dt);

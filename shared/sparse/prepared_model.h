@@ -75,10 +75,8 @@ absl::Status WritePreparedModel(const GgufFile& source, const PreparedContents& 
 struct PreparedModel {
   std::unique_ptr<GgufFile> file;
   std::unique_ptr<Model> model;
-  std::vector<TensorView> down_t;  // [ffn, hidden] per layer
-  PredictorSet predictors;         // thresholds per layer; fc1 reads the normalized FFN input
-  // Dequantized copies of tensors whose type the kernels lack (e.g. Q5_0 ffn_down_t).
-  std::vector<std::shared_ptr<std::vector<uint8_t>>> owned;
+  std::vector<TensorView> down_t;      // [ffn, hidden] per layer: the layers' down_t
+  PredictorSet predictors;             // thresholds per layer; fc1 reads the normalized FFN input
   bool powerinfer_predictors = false;  // fc1 was rescaled from PowerInfer's pre-norm input
   float sparse_threshold = 0;  // powerinfer.sparse_threshold (0 when absent, as in PowerInfer)
   // From pinfer's keys; empty for files pinfer did not prepare.
@@ -90,7 +88,8 @@ struct PreparedModel {
 // Loads a PWRI model (pinfer's or PowerInfer's: architectures llama and bamboo; ffn_down_t and
 // predictors in F32, F16, Q8_0, Q4_0, or Q4_1/Q5_0/Q5_1 (dequantized to F32)). Errors name the
 // missing or malformed tensor.
-absl::StatusOr<PreparedModel> LoadPreparedModel(const std::string& path);
+absl::StatusOr<PreparedModel> LoadPreparedModel(const std::string& path,
+                                                const GgufLoadOptions& options = {});
 
 // The profile stored in a prepared model (frequencies times profile_tokens), for placement.
 absl::StatusOr<ActivationProfile> StoredProfile(const PreparedModel& prepared);

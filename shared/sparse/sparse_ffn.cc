@@ -80,9 +80,17 @@ DType TransposedDownType(DType down, DType quantized_as) {
   return IsQuantized(down) ? quantized_as : down;
 }
 
+DType TransposedDownType(const LayerWeights& L, DType quantized_as) {
+  return L.down_t.data != nullptr ? L.down_t.dtype : TransposedDownType(L.down.dtype, quantized_as);
+}
+
 absl::StatusOr<DownTransposed> TransposeDownProjections(const Model& model, DType quantized_as) {
   DownTransposed out;
   for (const LayerWeights& L : model.layers) {
+    if (L.down_t.data != nullptr) {
+      out.layers.push_back(L.down_t);
+      continue;
+    }
     const DType dt = TransposedDownType(L.down.dtype, quantized_as);
     auto storage = std::make_shared<std::vector<uint8_t>>();
     ASSIGN_OR_RETURN(TensorView t, TransposeMatrix(L.down, dt, storage.get()));

@@ -42,11 +42,15 @@ struct DownTransposed {
 
 // Transposes every layer's down projection. Float dtypes keep their dtype (exact). Quantized
 // dtypes are blocked along rows, so a transpose must re-quantize: `quantized_as` picks the dtype
-// (F32 keeps the dequantized values exactly; Q8_0/Q4_0 are what a prepared file stores).
+// (F32 keeps the dequantized values exactly; Q8_0/Q4_0 are what a prepared file stores). A layer
+// whose file stores the transpose (LayerWeights::down_t) gives that view, in the file's type,
+// without a copy.
 absl::StatusOr<DownTransposed> TransposeDownProjections(const Model& model,
                                                         DType quantized_as = DType::kF32);
 // The dtype TransposeDownProjections gives a down projection stored as `down`.
 DType TransposedDownType(DType down, DType quantized_as = DType::kF32);
+// The dtype TransposeDownProjections gives the layer's down projection.
+DType TransposedDownType(const LayerWeights& layer, DType quantized_as = DType::kF32);
 absl::StatusOr<TensorView> TransposeMatrix(const TensorView& w, DType dtype,
                                            std::vector<uint8_t>* storage);
 

@@ -31,6 +31,17 @@ TEST(CudaBackendOptionsTest, AdaptiveCacheNeedsPredictorsAndIsPlannedExactly) {
   // down rows are 3 * 768 bytes; the maps hold an int32 per neuron and per slot.
   EXPECT_EQ(AdaptiveCacheBytes(**model, 10), 6u * (10 * 3 * 768 + 4 * (1536 + 10)));
   EXPECT_EQ(AdaptiveCacheBytes(**model, 0), 0u);
+  // A PWRI file loaded for the workers has no dense down, only its ffn_down_t rows (here Q8_0:
+  // 408 bytes for 384 values); the module gets those, so they are what a slot costs.
+  for (LayerWeights& L : (*model)->layers) {
+    L.down_t = TensorView{"ffn_down_t", DType::kQ8_0, {1536, 384}, L.gate.data};
+    L.down = TensorView{};
+  }
+  EXPECT_EQ(AdaptiveCacheBytes(**model, 10), 6u * (10 * (768 + 768 + 408) + 4 * (1536 + 10)));
+  EXPECT_TRUE(CudaModuleComputes(**model).ok());
+  (*model)->layers[4].down_t.dtype = static_cast<DType>(kNumDTypes);
+  EXPECT_THAT(std::string(CudaModuleComputes(**model).message()),
+              HasSubstr("tensor 'blk.4.ffn_down_t' is "));
 }
 
 // The module computes every DType (K-quants included, and mixes of them); a type value it does

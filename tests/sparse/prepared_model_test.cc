@@ -352,6 +352,68 @@ TEST_F(PreparedModelTest, MalformedGpuIndexesGiveSpecificErrors) {
   EXPECT_THAT(st.message(), HasSubstr("layer 1 has no GPU neurons"));
 }
 
+// The workers load PWRI files without the dense down projection: for a quantized file the rebuilt
+// [hidden, ffn] copy is F32, four bytes a weight (75 GB for a 70B model), and they only read
+// ffn_down_t's rows. Those rows are then the file's own, in its type, and compute as before.
+TEST(PreparedQuantizedModelTest, LoadsWithoutRebuildingDown) {
+  RandomModelOptions o;
+  o.dtype = DType::kQ8_0;
+  auto model = RandomModel(o);
+  const std::string source_path = WriteRandomGguf(*model, TempPath("q8-source.gguf"));
+  const std::string out_path = TempPath("q8-prepared.gguf");
+  PreparedContents contents;
+  contents.profile = RandomProfile(model->config, 4);
+  contents.predictors = GatePredictor(*model);
+  {
+    auto src = GgufFile::Open(source_path);
+    ASSERT_TRUE(src.ok());
+    ASSERT_TRUE(WritePreparedModel(**src, contents, out_path).ok());
+  }
+  auto rebuilt = LoadPreparedModel(out_path);
+  auto lean = LoadPreparedModel(out_path, {.rebuild_down = false});
+  ASSERT_TRUE(rebuilt.ok()) << rebuilt.status();
+  ASSERT_TRUE(lean.ok()) << lean.status();
+  const auto& mapped = *lean->model->files.at(0);
+  const int H = o.hidden;
+  for (int l = 0; l < o.layers; ++l) {
+    const LayerWeights& L = lean->model->layers[l];
+    EXPECT_EQ(L.down.data, nullptr) << "layer " << l;
+    EXPECT_EQ(rebuilt->model->layers[l].down.dtype, DType::kF32);
+    ASSERT_EQ(L.down_t.dtype, DType::kQ8_0);
+    EXPECT_EQ(L.down_t.shape, (std::vector<int64_t>{o.ffn, H}));
+    EXPECT_EQ(lean->down_t[l].data, L.down_t.data);
+    // A view into the mapped file, not a copy.
+    const auto* p = static_cast<const uint8_t*>(L.down_t.data);
+    EXPECT_TRUE(p >= mapped.data() && p + L.down_t.nbytes() <= mapped.data() + mapped.size());
+    // Placement counts the file's Q8_0 bytes of a neuron's down row either way.
+    EXPECT_EQ(HotNeuronBytes(*lean->model, l), 3 * RowBytes(DType::kQ8_0, H));
+    EXPECT_EQ(HotNeuronBytes(*rebuilt->model, l), HotNeuronBytes(*lean->model, l));
+    // TransposeDownProjections hands the stored rows over without a copy.
+    auto dt = TransposeDownProjections(*lean->model);
+    ASSERT_TRUE(dt.ok()) << dt.status();
+    EXPECT_EQ(dt->layers[l].data, L.down_t.data);
+    EXPECT_TRUE(dt->owned.empty());
+  }
+  EXPECT_TRUE(lean->model->owned.empty());
+  // The sparse FFN on the lean model equals the one on the rebuilt model (both read ffn_down_t).
+  ThreadPool pool(2);
+  auto ops = NewSimdOps(&pool);
+  std::vector<int32_t> tokens = RandomTokens(2 * 64, model->config.vocab_size);
+  auto s_lean = PredictedSparseFfn::Create(*lean->model, *ops, lean->down_t, &lean->predictors);
+  auto s_rebuilt =
+      PredictedSparseFfn::Create(*rebuilt->model, *ops, rebuilt->down_t, &rebuilt->predictors);
+  ASSERT_TRUE(s_lean.ok() && s_rebuilt.ok());
+  Transformer t_lean(*lean->model, *ops), t_rebuilt(*rebuilt->model, *ops);
+  t_lean.set_ffn(s_lean->get());
+  t_rebuilt.set_ffn(s_rebuilt->get());
+  auto a = ComputePerplexity(t_lean, tokens, 64);
+  auto b = ComputePerplexity(t_rebuilt, tokens, 64);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->perplexity, b->perplexity);
+  std::filesystem::remove(source_path);
+  std::filesystem::remove(out_path);
+}
+
 TEST_F(PreparedModelTest, MalformedPreparedModelsGiveSpecificErrors) {
   // Without predictors (a plain GGUF model): the first missing tensor is named.
   auto plain = LoadPreparedModel(source_path_);
