@@ -42,7 +42,8 @@ minus() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a - b }'; }
 t0=$(now)
 $b/bin/pinfer-gpu-worker --model "$model" --sparse --backend "${BACKEND:-cuda}" \
   --cuda-module "$cb/bin/libpinfer_cuda.so" --vram-budget 24GiB --threads 2 --segment $seg \
-  --listen 127.0.0.1:0 --port-file "$dir/gpu.port" > "$out/gpu-worker.log" 2>&1 &
+  --listen 127.0.0.1:0 --port-file "$dir/gpu.port" --metrics-port 127.0.0.1:0 \
+  --metrics-port-file "$dir/gpu.mport" > "$out/gpu-worker.log" 2>&1 &
 gp=$!
 $b/bin/pinfer-cpu-worker --model "$model" --segment $seg --threads "${CPU_THREADS:-14}" \
   > "$out/cpu-worker.log" 2>&1 &
@@ -101,6 +102,10 @@ sleep 1
 } | tee "$out/summary.txt"
 curl -s "$http/v1/completions" -H 'Content-Type: application/json' \
   -d '{"prompt": "The capital of France is", "max_tokens": 64, "temperature": 0}' > "$out/second.json"
+# The predicted-active share the construction aims at (10% of neurons) and where they ran.
+curl -s "http://127.0.0.1:$(cat "$dir/gpu.mport")/metrics" > "$out/gpu-worker.metrics"
+grep -E '^pinfer_worker_ffn_sparsity|^pinfer_worker_neurons_computed_total' "$out/gpu-worker.metrics" |
+  tee -a "$out/summary.txt"
 kill $gw $gp $cp 2>/dev/null
 wait $gw $gp $cp 2>/dev/null
 kill $sampler 2>/dev/null
