@@ -258,8 +258,8 @@ TEST_F(CudaBackendTest, QuantizedModelStepLogitsMatchCpuReference) {
 // at Q6_K in some layers (so wq/wk/wv differ in type and are not stacked), ffn_down at Q5_K or
 // Q6_K, the output head Q6_K. Every step's logits match the CPU reference forward pass, whole
 // model dense and hot/cold split (the split's down rows are the exact fp32 transpose, as the
-// gpu-worker uploads them for quantized files), with x quantized by the producers and by the
-// products. The GPU multiplies int8 x in blocks of 32 (llama.cpp's CUDA definition), the
+// gpu-worker uploads them for unprepared quantized files), with x quantized by the producers and by
+// the products. The GPU multiplies int8 x in blocks of 32 (llama.cpp's CUDA definition), the
 // reference exact fp32 x, so the limit is the int8 rounding of x through four layers.
 TEST_F(CudaBackendTest, KQuantMixStepLogitsMatchCpuReference) {
   testing_util::RandomModelOptions o;
