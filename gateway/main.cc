@@ -213,7 +213,7 @@ class Pool {
   absl::StatusOr<Worker*> Acquire(grpc::ServerContext* ctx) {
     std::unique_lock<std::mutex> lock(mu_);
     if (draining_) return absl::UnavailableError("the server is shutting down");
-    if (!AnyHealthyLocked()) {
+    if (!AnyHealthyAfterRecheckLocked(lock)) {
       return absl::UnavailableError(absl::StrCat("no healthy worker: ", ProblemsLocked()));
     }
     Worker* w = PickLocked();
@@ -245,7 +245,7 @@ class Pool {
         leave();
         return absl::UnavailableError("the server is shutting down");
       }
-      if (!AnyHealthyLocked()) {
+      if (!AnyHealthyAfterRecheckLocked(lock)) {
         leave();
         return absl::UnavailableError(absl::StrCat("no healthy worker: ", ProblemsLocked()));
       }
@@ -328,6 +328,17 @@ class Pool {
       if (w->healthy) return true;
     }
     return false;
+  }
+  // The health a request is refused on must be current: the periodic check may have caught a
+  // worker pair in the moment its restarted cpu-worker was still loading, and would refuse
+  // requests until the next interval although the pair is ready. So a refusal first asks the
+  // workers again (a Check is a local RPC of well under a millisecond).
+  bool AnyHealthyAfterRecheckLocked(std::unique_lock<std::mutex>& lock) {
+    if (AnyHealthyLocked()) return true;
+    lock.unlock();
+    if (CheckAll()) RequestCheck();  // the health service follows now, not at the interval
+    lock.lock();
+    return AnyHealthyLocked();
   }
   std::string ProblemsLocked() {
     std::vector<std::string> p;

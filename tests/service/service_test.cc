@@ -564,6 +564,39 @@ TEST(ServiceFailureTest, KilledCpuWorkerFailsFastAndServiceRecovers) {
   }
 }
 
+TEST(ServiceFailureTest, RecoveredWorkerPairIsServedBeforeTheNextHealthCheck) {
+  // The gateway's periodic check can catch a pair in the moment its restarted cpu-worker is
+  // still loading; a request must not be refused on that stale answer. The interval is made
+  // far longer than the test, so only a fresh check can let the last request through.
+  DeploymentOptions o;
+  o.model = kTiny;
+  o.liveness_ms = 1000;
+  o.gateway_flags = {"--health-interval-ms", "600000"};
+  Deployment d(o);
+  ASSERT_TRUE(d.StartGpuWorker().ok()) << d.Logs();
+  ASSERT_TRUE(d.StartCpuWorker().ok()) << d.Logs();
+  ASSERT_TRUE(Eventually([&] { return d.GpuWorkerHealth("") == "SERVING"; })) << d.Logs();
+  ASSERT_TRUE(d.StartGateway().ok()) << d.Logs();
+  ASSERT_TRUE(d.WaitHealth("SERVING", std::chrono::seconds(10)).ok()) << d.Logs();
+
+  d.KillCpuWorker(SIGKILL);
+  ASSERT_TRUE(Eventually([&] { return d.GpuWorkerHealth("") == "NOT_SERVING"; }));
+  GenerateResult refused = RunGenerate(d.stub(), GreedyRequest("Hello", 8));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(refused.status.error_message(), HasSubstr("cpu-worker"));
+  ASSERT_TRUE(d.WaitHealth("NOT_SERVING", std::chrono::seconds(5)).ok());
+
+  ASSERT_TRUE(d.StartCpuWorker().ok()) << d.Logs();
+  ASSERT_TRUE(Eventually([&] { return d.GpuWorkerHealth("") == "SERVING"; })) << d.Logs();
+  const auto ref = ReadJson(kTiny + "/reference.json");
+  const auto& p = ref["prompts"][2];
+  GenerateResult ok = RunGenerate(d.stub(), GreedyRequest(p["prompt"], 48));
+  ASSERT_TRUE(ok.status.ok()) << ok.status.error_message();
+  EXPECT_EQ(ok.ids, U32(p["greedy_ids"]));
+  // The gateway's own health service follows the fresh check too.
+  EXPECT_TRUE(d.WaitHealth("SERVING", std::chrono::seconds(2)).ok());
+}
+
 TEST(ServiceFailureTest, KilledGpuWorkerGivesUnavailableAndRestartRecovers) {
   DeploymentOptions o;
   o.model = kTiny;
