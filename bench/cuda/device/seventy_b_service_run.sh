@@ -16,7 +16,8 @@
 #
 # Two sequences of 4096 positions (GPU_FLAGS; the default slots' KV cache alone would pass 24 GB).
 # DTYPE (q4_0, q4_k, q8_0), SHAPE (synthetic_pwri's shape flags), BACKEND (cuda) and
-# DROP_CACHES=1 (start with the file out of the page cache, as after a reboot) change the run.
+# DROP_CACHES=1 (start with the file out of the page cache, as after a reboot), CPU_THREADS (14),
+# CPU_FLAGS (more cpu-worker flags) and REPEATS (3 steady-state completions) change the run.
 set -u
 out=$(realpath -m "${1:?output dir}")
 mkdir -p "$out" /tmp/s
@@ -48,7 +49,7 @@ $b/bin/pinfer-gpu-worker --model "$model" --sparse --backend "${BACKEND:-cuda}" 
   --metrics-port-file "$dir/gpu.mport" > "$out/gpu-worker.log" 2>&1 &
 gp=$!
 $b/bin/pinfer-cpu-worker --model "$model" --segment $seg --threads "${CPU_THREADS:-14}" \
-  > "$out/cpu-worker.log" 2>&1 &
+  ${CPU_FLAGS:-} > "$out/cpu-worker.log" 2>&1 &
 cp=$!
 gpu_used() {
   command -v nvidia-smi > /dev/null &&
@@ -102,12 +103,23 @@ sleep 1
   echo "== cpu-worker"
   grep -E "rows|attached|serving|model|placement" "$out/cpu-worker.log" | head -12
 } | tee "$out/summary.txt"
-curl -s "$http/v1/completions" -H 'Content-Type: application/json' \
-  -d '{"prompt": "The capital of France is", "max_tokens": 64, "temperature": 0}' > "$out/second.json"
+# Steady state: REPEATS more streamed completions after the first; each one's median time
+# between chunks (one chunk a token) is what a user's decode feels like.
+for r in $(seq "${REPEATS:-3}"); do
+  curl -sN "$http/v1/completions" -H 'Content-Type: application/json' \
+    -d '{"prompt": "The capital of France is", "max_tokens": 64, "temperature": 0, "stream": true}' |
+    while IFS= read -r line; do [[ $line == data:* ]] && echo "$(now) $line"; done > "$out/stream-$r.txt"
+  grep -v '\[DONE\]' "$out/stream-$r.txt" | awk '{print $1}' |
+    awk 'NR > 1 { print ($1 - p) * 1000 } { p = $1 }' | sort -n |
+    awk -v r="$r" '{ v[NR] = $1 } END { printf "repeat %d: median %.1f ms between tokens (%.1f tok/s), min %.1f, max %.1f\n", r, v[int((NR + 1) / 2)], 1000 / v[int((NR + 1) / 2)], v[1], v[NR] }' |
+    tee -a "$out/summary.txt"
+done
+echo "cpu-worker threads ${CPU_THREADS:-14} ${CPU_FLAGS:-}; gpu-worker ${GPU_FLAGS:---gpu-slots 2 --max-context 4096}" |
+  tee -a "$out/summary.txt"
 # The predicted-active share the construction aims at (10% of neurons) and where they ran.
 curl -s "http://127.0.0.1:$(cat "$dir/gpu.mport")/metrics" > "$out/gpu-worker.metrics"
-grep -E '^pinfer_worker_ffn_sparsity|^pinfer_worker_neurons_computed_total' "$out/gpu-worker.metrics" |
-  tee -a "$out/summary.txt"
+grep -E '^pinfer_worker_ffn_sparsity|^pinfer_worker_neurons_computed_total|^pinfer_worker_shm_wait_seconds_(sum|count)|^pinfer_worker_shm_wait_seconds_total|^pinfer_worker_compute_seconds_total' \
+  "$out/gpu-worker.metrics" | tee -a "$out/summary.txt"
 kill $gw $gp $cp 2>/dev/null
 wait $gw $gp $cp 2>/dev/null
 kill $sampler 2>/dev/null
