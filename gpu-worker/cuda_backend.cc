@@ -577,6 +577,8 @@ absl::StatusOr<CudaFootprint> MeasureCudaFootprint(const Model& model, int max_b
   ASSIGN_OR_RETURN(Module m, OpenModule(module_path));
   const ModelConfig& c = model.config;
   cuda::ModelUpload u = BaseUpload(model, max_batch, o);
+  // Sizes only: the real backend uploads the weights once, after the placement.
+  u.allocate_only = true;
   CudaFootprint f;
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = model.layers[l];

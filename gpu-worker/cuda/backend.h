@@ -156,6 +156,12 @@ struct ModelUpload {
   bool cold_guess = false;
   double cold_guess_shift = 1.0;
   double cold_guess_recall = 0.95;
+  // Sizing only: allocate every device buffer a real instance of this upload would, but copy no
+  // weight to the GPU and pin no host row; Forward and the other compute calls refuse. The
+  // gpu-worker measures its VRAM plan's fixed part this way (MeasureCudaFootprint) instead of
+  // uploading the dense tensors once more and pinning every FFN row as cold (on a 70B Q4_0
+  // model: 24 s of start-up and 32 GB of pinned host memory).
+  bool allocate_only = false;
 };
 
 // Who computes the cold rows of a layer in a Forward.

@@ -28,6 +28,7 @@ namespace cuda {
 // Adaptive hot set: cold rows into cache slots, from the pinned copy, in the background.
 BackendStatus CudaBackend::LoadCacheRows(int layer, const std::vector<int32_t>& slots,
                                          const std::vector<int32_t>& neurons) {
+  if (allocate_only_) return AllocateOnlyError();
   if (layer < 0 || layer >= dims_.n_layers || layers_[layer].n_cache == 0 || streamer_ == nullptr ||
       !streamer_->ready()) {
     return Error(Code::kFailedPrecondition,

@@ -216,9 +216,15 @@ BackendStatus CudaBackend::SetUpStreaming(const ModelUpload& m, bool slots) {
                                                ": streamed cold rows need gate, up and down_t "
                                                "of one type");
     }
-    CUDA_RETURN_IF_ERROR(streamer_->PinRows(static_cast<WType>(u.gate.type), dims_.hidden,
-                                            u.gate.data, u.up.data, u.down_t.data, d.cold_ids_host,
-                                            &d.cold_rows));
+    if (allocate_only_) {
+      // Host memory only: the shape sizes the slots, no row is copied.
+      d.cold_rows = ColdRows{static_cast<WType>(u.gate.type),
+                             static_cast<int64_t>(d.cold_ids_host.size()), dims_.hidden};
+    } else {
+      CUDA_RETURN_IF_ERROR(streamer_->PinRows(static_cast<WType>(u.gate.type), dims_.hidden,
+                                              u.gate.data, u.up.data, u.down_t.data,
+                                              d.cold_ids_host, &d.cold_rows));
+    }
     max_rb = std::max(max_rb, d.cold_rows.row_bytes());
   }
   if (max_rb == 0) return Ok();  // no cold rows anywhere
@@ -262,6 +268,7 @@ BackendStatus CudaBackend::StreamCold(int l, int n) {
 }
 
 BackendStatus CudaBackend::CalibrateStreaming(int layer, int n, StreamCalibration* out) {
+  if (allocate_only_) return AllocateOnlyError();
   if (streamer_ == nullptr || !streamer_->has_slots()) {
     return Error(Code::kFailedPrecondition, "the backend was created without stream_cold");
   }

@@ -357,6 +357,11 @@ class CudaBackend : public Backend {
   const void* readable_ptr_ = nullptr;  // last pointer DeviceReadable accepted
   bool DeviceReadable(const void* p);
   bool repack_ = true;
+  bool allocate_only_ = false;  // ModelUpload::allocate_only
+  static BackendStatus AllocateOnlyError() {
+    return Error(Code::kFailedPrecondition,
+                 "this instance was created with allocate_only: it holds no weights");
+  }
   void* repack_tmp_ = nullptr;  // upload-time scratch of MaybeSplit, freed at the end of Create
   size_t repack_tmp_bytes_ = 0;
   ForwardStats stats_;

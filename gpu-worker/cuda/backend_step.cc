@@ -559,6 +559,7 @@ BackendStatus CudaBackend::EnqueueStep(const ForwardArgs& a, int layer_end, bool
 }
 
 BackendStatus CudaBackend::Forward(const ForwardArgs& a) {
+  if (allocate_only_) return AllocateOnlyError();
   const double t_start = Now();
   stats_ = ForwardStats{};
   const ModelDims& c = dims_;

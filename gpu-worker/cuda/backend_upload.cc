@@ -108,6 +108,12 @@ BackendStatus CudaBackend::UploadMatrix(const HostMatrix& h, const std::vector<i
   uint8_t* dev = nullptr;
   BACKEND_RETURN_IF_ERROR(Alloc(rb * (d.rows + extra_rows), &dev, /*weight=*/true));
   if (extra_rows > 0) CUDA_RETURN_IF_ERROR(cudaMemset(dev + rb * d.rows, 0, rb * extra_rows));
+  if (allocate_only_) {
+    // The bytes are what a real upload allocates; the split layout has the same size.
+    d.data = dev;
+    *out = d;
+    return Ok();
+  }
   if (ids == nullptr) {
     CUDA_RETURN_IF_ERROR(cudaMemcpy(dev, h.data, rb * d.rows, cudaMemcpyHostToDevice));
   } else {
@@ -217,6 +223,11 @@ BackendStatus CudaBackend::UploadStacked(const std::vector<const HostMatrix*>& p
   const size_t rb = HostRowBytes(parts[0]->type, d.cols);
   uint8_t* dev = nullptr;
   BACKEND_RETURN_IF_ERROR(Alloc(rb * d.rows, &dev, /*weight=*/true));
+  if (allocate_only_) {
+    d.data = dev;
+    *out = d;
+    return Ok();
+  }
   size_t off = 0;
   for (const HostMatrix* p : parts) {
     CUDA_RETURN_IF_ERROR(cudaMemcpy(dev + off, p->data, rb * p->rows, cudaMemcpyHostToDevice));
@@ -235,6 +246,7 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   max_seqs_ = m.max_seqs;
   max_batch_ = m.max_batch;
   device_ = m.device;
+  allocate_only_ = m.allocate_only;
   if (c.hidden <= 0 || c.n_layers <= 0 || c.n_heads <= 0 || c.n_kv_heads <= 0 || c.head_dim <= 0 ||
       c.ffn <= 0 || c.vocab <= 0 || static_cast<int>(m.layers.size()) != c.n_layers ||
       static_cast<int>(c.inv_freq.size()) != c.head_dim / 2 || max_ctx_ <= 0 || max_seqs_ <= 0 ||
@@ -662,6 +674,7 @@ BackendStatus CudaBackend::InitLane(const CudaBackend& base) {
   max_batch_ = std::min(base.max_batch_, kSmallBatch);
   device_ = base.device_;
   device_name_ = base.device_name_;
+  allocate_only_ = base.allocate_only_;
   // Shared: the weights (device pointers in these structs, owned by base), the KV cache, and the
   // pinned cold rows of the GPU's cold share.
   tok_embeddings_ = base.tok_embeddings_;

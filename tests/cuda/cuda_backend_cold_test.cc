@@ -216,6 +216,59 @@ TEST_F(CudaBackendTest, StreamedColdRowsMatchCpuReference) {
   EXPECT_NE(st.message.find("streaming needs 9..64 tokens"), std::string::npos) << st.message;
 }
 
+// The gpu-worker's VRAM plan measures its fixed part with an allocate_only instance: it must
+// allocate exactly what the real instance of the same upload does (weights, split layout, KV
+// cache, streaming slots sized from the cold rows it does not pin, a lane's scratch), for the
+// split and for the measurement's own case of no hot row at all; and it computes nothing.
+TEST_F(CudaBackendTest, AllocateOnlyInstanceSizesLikeTheRealOneAndComputesNothing) {
+  for (bool no_hot_rows : {false, true}) {
+    SCOPED_TRACE(no_hot_rows ? "every FFN row cold" : "the split placement");
+    cuda::ModelUpload u = Upload(/*hot=*/true);
+    u.stream_cold = true;
+    u.stream_chunk_rows = 100;
+    u.stream_slots = 2;
+    u.cold_gpu_share = 0.25;
+    if (no_hot_rows) {
+      for (cuda::LayerUpload& lu : u.layers) lu.hot_ids.clear();
+    }
+    auto real = Create(u);
+    ASSERT_NE(real, nullptr);
+    u.allocate_only = true;
+    auto sized = Create(u);
+    ASSERT_NE(sized, nullptr);
+    EXPECT_EQ(sized->DeviceBytes(), real->DeviceBytes());
+    EXPECT_EQ(sized->WeightBytes(), real->WeightBytes());
+    cuda::Backend* real_lane = nullptr;
+    cuda::Backend* sized_lane = nullptr;
+    ASSERT_TRUE(real->NewLane(&real_lane).ok());
+    ASSERT_TRUE(sized->NewLane(&sized_lane).ok());
+    EXPECT_EQ(sized_lane->DeviceBytes(), real_lane->DeviceBytes());
+
+    std::vector<int32_t> tokens = {1, 450, 4996};
+    std::vector<float> logits(model_->config.vocab_size, NAN);
+    CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
+    cuda::ForwardArgs a;
+    a.tokens = tokens.data();
+    a.n = static_cast<int>(tokens.size());
+    a.mode = cuda::FfnMode::kExact;
+    a.cold = &cold;
+    a.logits = logits.data();
+    for (cuda::Backend* b : {sized.get(), sized_lane}) {
+      cuda::BackendStatus st = b->Forward(a);
+      EXPECT_EQ(st.code, cuda::Code::kFailedPrecondition);
+      EXPECT_NE(st.message.find("allocate_only"), std::string::npos) << st.message;
+    }
+    EXPECT_EQ(cold.calls, 0);
+    EXPECT_TRUE(std::isnan(logits[0]));
+    cuda::StreamCalibration cal;
+    EXPECT_EQ(sized->CalibrateStreaming(0, 32, &cal).code, cuda::Code::kFailedPrecondition);
+    // The real instance beside it still computes.
+    EXPECT_TRUE(real->Forward(a).ok());
+    module_->destroy(real_lane);
+    module_->destroy(sized_lane);
+  }
+}
+
 // Greedy continuations with every prompt batch over 8 tokens streamed equal transformers'.
 TEST_F(CudaBackendTest, StreamedPrefillGivesReferenceGreedyTokens) {
   cuda::ModelUpload u = Upload(/*hot=*/true);
