@@ -49,6 +49,7 @@ $b/bin/pinfer-gpu-worker --model "$model" --sparse --backend "${BACKEND:-cuda}" 
   --metrics-port-file "$dir/gpu.mport" > "$out/gpu-worker.log" 2>&1 &
 gp=$!
 $b/bin/pinfer-cpu-worker --model "$model" --segment $seg --threads "${CPU_THREADS:-14}" \
+  --metrics-port 127.0.0.1:0 --metrics-port-file "$dir/cpu.mport" \
   ${CPU_FLAGS:-} > "$out/cpu-worker.log" 2>&1 &
 cp=$!
 gpu_used() {
@@ -118,6 +119,11 @@ echo "cpu-worker threads ${CPU_THREADS:-14} ${CPU_FLAGS:-}; gpu-worker ${GPU_FLA
   tee -a "$out/summary.txt"
 # The predicted-active share the construction aims at (10% of neurons) and where they ran.
 curl -s "http://127.0.0.1:$(cat "$dir/gpu.mport")/metrics" > "$out/gpu-worker.metrics"
+curl -s "http://127.0.0.1:$(cat "$dir/cpu.mport")/metrics" > "$out/cpu-worker.metrics"
+# The gpu-worker's wait for each exchange against the cpu-worker's compute inside it: the rest is
+# the handoff (shared memory, wake-ups).
+grep -E '^pinfer_worker_exchange_compute_seconds_(sum|count)' "$out/cpu-worker.metrics" |
+  tee -a "$out/summary.txt"
 grep -E '^pinfer_worker_ffn_sparsity|^pinfer_worker_neurons_computed_total|^pinfer_worker_shm_wait_seconds_(sum|count)|^pinfer_worker_shm_wait_seconds_total|^pinfer_worker_compute_seconds_total' \
   "$out/gpu-worker.metrics" | tee -a "$out/summary.txt"
 kill $gw $gp $cp 2>/dev/null
