@@ -47,11 +47,13 @@ namespace wv1 = ::pinfer::worker::v1;
 constexpr char kUsage[] =
     "usage: pinfer-cpu-worker --model PATH --segment NAME [--listen ADDR] [--port-file FILE]\n"
     "         [--metrics-port P] [--metrics-port-file FILE] [--threads N] [--liveness-ms MS]\n"
-    "         [--spin-us US] [--prefetch-guess]\n"
+    "         [--spin-us US] [--exchange-spin-us US] [--prefetch-guess]\n"
     "  --segment: the gpu-worker's shared-memory segment (waited for until it exists)\n"
     "  --spin-us: how long the compute threads keep polling for the next layer's work before\n"
     "             they sleep (default 200; 0 sleeps at once): a decode step's layers follow each\n"
     "             other within tens of microseconds, less than waking a sleeping thread takes\n"
+    "  --exchange-spin-us: how long the exchange thread polls the shared-memory segment for the\n"
+    "             gpu-worker's next request before it sleeps on a futex (default 20)\n"
     "  --prefetch-guess: while the GPU computes a layer's attention, load the rows of the neurons\n"
     "             the gpu-worker guesses the layer will list (gpu-worker --cold-guess) into the\n"
     "             caches of the threads that will compute them; each thread then keeps the same\n"
@@ -62,15 +64,16 @@ struct Options {
   int threads = 1;
   int64_t liveness_ms = 2000;
   int64_t spin_us = 200;
+  int64_t exchange_spin_us = 20;
   bool prefetch_guess = false;
 };
 
 absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(cli::Flags f,
-                   cli::Flags::Parse(args,
-                                     {"model", "segment", "listen", "port-file", "metrics-port",
-                                      "metrics-port-file", "threads", "liveness-ms", "spin-us"},
-                                     {"prefetch-guess"}));
+  ASSIGN_OR_RETURN(cli::Flags f, cli::Flags::Parse(args,
+                                                   {"model", "segment", "listen", "port-file",
+                                                    "metrics-port", "metrics-port-file", "threads",
+                                                    "liveness-ms", "spin-us", "exchange-spin-us"},
+                                                   {"prefetch-guess"}));
   Options o;
   ASSIGN_OR_RETURN(o.model, f.Required("model"));
   ASSIGN_OR_RETURN(o.segment, f.Required("segment"));
@@ -86,6 +89,10 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(o.spin_us, f.Int("spin-us", 200));
   if (o.spin_us < 0 || o.spin_us > 1'000'000) {
     return absl::InvalidArgumentError("--spin-us must be in [0, 1000000]");
+  }
+  ASSIGN_OR_RETURN(o.exchange_spin_us, f.Int("exchange-spin-us", 20));
+  if (o.exchange_spin_us < 0 || o.exchange_spin_us > 1'000'000) {
+    return absl::InvalidArgumentError("--exchange-spin-us must be in [0, 1000000]");
   }
   o.threads = static_cast<int>(threads);
   o.prefetch_guess = f.Has("prefetch-guess");
@@ -305,6 +312,7 @@ int Main(const std::vector<std::string>& args) {
     bool waiting_logged = false;
     shm::ChannelOptions co;
     co.liveness_ns = o.liveness_ms * 1'000'000;
+    co.spin_ns = o.exchange_spin_us * 1'000;
     while (!stop.load()) {
       auto seg = shm::Segment::Attach(o.segment, expected);
       if (!seg.ok()) {

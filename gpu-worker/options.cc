@@ -14,7 +14,8 @@ extern const char kUsage[] =
     "usage: pinfer-gpu-worker --model PATH [--listen ADDR] [--port-file FILE] [--segment NAME]\n"
     "         [--metrics-port P] [--metrics-port-file FILE] [--threads N] [--hot-fraction F]\n"
     "         [--max-batch-tokens N] [--max-sequences N] [--max-new-tokens-limit N]\n"
-    "         [--exchange-timeout-ms MS] [--liveness-ms MS] [--backend auto|cpu|cuda]\n"
+    "         [--exchange-timeout-ms MS] [--exchange-spin-us US] [--liveness-ms MS]\n"
+    "         [--backend auto|cpu|cuda]\n"
     "         [--cuda-module PATH] [--gpu-slots N] [--max-context N] [--cuda-device N]\n"
     "         [--placement FILE.gpuidx | --vram-budget SIZE] [--sparse] [--gpu-timing]\n"
     "         [--drain-timeout-ms MS] [--cold-prefill auto|cpu|stream]\n"
@@ -35,6 +36,8 @@ extern const char kUsage[] =
     "  --listen: host:port (port 0 picks one; see --port-file) or unix:/path\n"
     "  --segment: POSIX shared-memory name for the activation exchange (default: a fresh\n"
     "             unique name, printed in the log); give the cpu-worker the same name\n"
+    "  --exchange-spin-us: how long a wait for the cpu-worker's answer to a layer polls the\n"
+    "             segment before it sleeps on a futex (default 20)\n"
     "  --gpu-slots / --max-context: KV cache slots and positions per slot on the GPU\n"
     "  --placement: PowerInfer GPU index (FILE.gpuidx) choosing the hot neurons; by default\n"
     "               MODEL.generated.gpuidx when it exists, else --hot-fraction (0.5)\n"
@@ -84,6 +87,7 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
                                                     "max-sequences",
                                                     "max-new-tokens-limit",
                                                     "exchange-timeout-ms",
+                                                    "exchange-spin-us",
                                                     "liveness-ms",
                                                     "backend",
                                                     "cuda-module",
@@ -135,6 +139,10 @@ absl::StatusOr<Options> ParseOptions(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(int64_t mnt, f.Int("max-new-tokens-limit", 4096));
   ASSIGN_OR_RETURN(o.exchange_timeout_ms, f.Int("exchange-timeout-ms", 30000));
   ASSIGN_OR_RETURN(o.liveness_ms, f.Int("liveness-ms", 2000));
+  ASSIGN_OR_RETURN(o.exchange_spin_us, f.Int("exchange-spin-us", 20));
+  if (o.exchange_spin_us < 0 || o.exchange_spin_us > 1'000'000) {
+    return absl::InvalidArgumentError("--exchange-spin-us must be in [0, 1000000]");
+  }
   ASSIGN_OR_RETURN(o.drain_timeout_ms, f.Int("drain-timeout-ms", 30000));
   ASSIGN_OR_RETURN(int64_t slots, f.Int("gpu-slots", 8));
   ASSIGN_OR_RETURN(int64_t max_context, f.Int("max-context", 0));

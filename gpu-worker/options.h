@@ -31,6 +31,8 @@ struct Options {
   int max_new_tokens_limit = 4096;
   int gpu_slots = 8, max_context = 0, cuda_device = 0;
   int64_t exchange_timeout_ms = 30000, liveness_ms = 2000, drain_timeout_ms = 30000;
+  // How long a wait for the cpu-worker's answer polls before it sleeps on a futex.
+  int64_t exchange_spin_us = 20;
   bool sparse = false;
   bool gpu_timing = false;
   ColdPrefill cold_prefill = ColdPrefill::kAuto;

@@ -222,6 +222,7 @@ bool CreateExchange(State& s) {
   shm::ChannelOptions co;
   co.exchange_timeout_ns = o.exchange_timeout_ms * 1'000'000;
   co.liveness_ns = o.liveness_ms * 1'000'000;
+  co.spin_ns = o.exchange_spin_us * 1'000;
   s.exchange = std::make_unique<shm::ExchangeClient>(std::move(*segment), co);
   Log("activation segment %s (%zu bytes, up to %d tokens per exchange)", segment_name.c_str(),
       s.exchange->segment().size(), o.max_batch_tokens);

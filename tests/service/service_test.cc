@@ -936,6 +936,14 @@ TEST(ServiceCpuSpinTest, FlagErrors) {
                                 "spin-2");
   EXPECT_EQ(rc2, 2);
   EXPECT_THAT(err2, HasSubstr("--cpu-spin-us must be in [0, 1000000]"));
+  // The exchange's polling time, on both sides of the segment.
+  for (const char* worker : {"pinfer-cpu-worker", "pinfer-gpu-worker"}) {
+    auto [rc, err] = RunCommand(std::string(PINFER_BINARY_DIR) + "/bin/" + worker + " --model " +
+                                    kTiny + " --segment /pinfer-spin-flag --exchange-spin-us -1",
+                                std::string("spin-") + worker);
+    EXPECT_EQ(rc, 2) << worker;
+    EXPECT_THAT(err, HasSubstr("--exchange-spin-us must be in [0, 1000000]")) << worker;
+  }
 }
 
 // Two compute threads in the cpu-worker, once sleeping between layers (--spin-us 0) and once
@@ -948,7 +956,9 @@ TEST(ServiceCpuSpinTest, TwoThreadsGiveReferenceTokensSpinningOrNot) {
     DeploymentOptions o;
     o.model = kTiny;
     o.hot_fraction = 0.25;
-    o.cpu_flags = {"--threads", "2", "--spin-us", spin};
+    // Polling the segment too (both workers' --exchange-spin-us) when the threads poll.
+    o.cpu_flags = {"--threads", "2", "--spin-us", spin, "--exchange-spin-us", spin};
+    o.gpu_flags = {"--exchange-spin-us", spin};
     Deployment d(o);
     ASSERT_TRUE(d.Start().ok()) << d.Logs();
     GenerateResult r0, r1;

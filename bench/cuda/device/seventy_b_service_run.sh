@@ -17,7 +17,7 @@
 # Two sequences of 4096 positions (GPU_FLAGS; the default slots' KV cache alone would pass 24 GB).
 # DTYPE (q4_0, q4_k, q8_0), SHAPE (synthetic_pwri's shape flags), BACKEND (cuda) and
 # DROP_CACHES=1 (start with the file out of the page cache, as after a reboot), CPU_THREADS (14),
-# CPU_FLAGS (more cpu-worker flags) and REPEATS (3 steady-state completions) change the run.
+# VRAM_BUDGET (24GiB), CPU_FLAGS (more cpu-worker flags) and REPEATS (3 steady-state completions) change the run.
 set -u
 out=$(realpath -m "${1:?output dir}")
 mkdir -p "$out" /tmp/s
@@ -43,7 +43,7 @@ now() { date +%s.%N; }
 minus() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a - b }'; }
 t0=$(now)
 $b/bin/pinfer-gpu-worker --model "$model" --sparse --backend "${BACKEND:-cuda}" \
-  --cuda-module "$cb/bin/libpinfer_cuda.so" --vram-budget 24GiB --threads 2 --segment $seg \
+  --cuda-module "$cb/bin/libpinfer_cuda.so" --vram-budget "${VRAM_BUDGET:-24GiB}" --threads 2 --segment $seg \
   ${GPU_FLAGS:---gpu-slots 2 --max-context 4096} \
   --listen 127.0.0.1:0 --port-file "$dir/gpu.port" --metrics-port 127.0.0.1:0 \
   --metrics-port-file "$dir/gpu.mport" > "$out/gpu-worker.log" 2>&1 &
