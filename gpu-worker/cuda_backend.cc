@@ -465,11 +465,19 @@ cuda::ModelUpload BaseUpload(const Model& model, int max_batch, const CudaBacken
   u.max_seqs = o.slots;
   u.max_batch = max_batch;
   u.device = o.device;
-  // The same stream settings for the measuring instance and the real one, so that the slots
-  // are part of the measured fixed footprint.
+  // The same stream, cold-share and guess settings for the measuring instance and the real one,
+  // so that their buffers (the slots; the share's and the guess's lists) are part of the measured
+  // fixed footprint. The GPU's share of the cold neurons needs the predictors' lists (exact mode
+  // has none) and a pinned copy of the cold rows in one type (the streamed prompt rows' copy).
   u.stream_cold = o.cold_prefill != ColdPrefill::kCpu;
   u.stream_chunk_rows = o.stream_chunk_rows;
   u.stream_slots = o.stream_slots;
+  if (o.predictors != nullptr && (o.cold_gpu_share > 0 || o.cold_gpu_share_auto) &&
+      ColdStreamingProblem(model).empty()) {
+    u.cold_gpu_share = o.cold_gpu_share;
+    u.cold_gpu_share_adaptive = o.cold_gpu_share_auto;
+  }
+  u.cold_guess = o.cold_guess && o.predictors != nullptr;
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = model.layers[l];
     cuda::LayerUpload lu;
@@ -656,17 +664,10 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
     shapes[l].bytes = static_cast<double>(shapes[l].cold_rows) * row;
     cold_layers += shapes[l].cold_rows > 0 ? 1 : 0;
   }
-  // The GPU's share of the cold neurons needs the predictors' lists (exact mode has none) and a
-  // pinned copy of the cold rows in one type (the streamed prompt rows' copy). Host memory only,
-  // so not part of the measured footprint.
-  const bool share = o.predictors != nullptr && (o.cold_gpu_share > 0 || o.cold_gpu_share_auto);
-  if (share && ColdStreamingProblem(model).empty()) {
-    u.cold_gpu_share = o.cold_gpu_share;
-    u.cold_gpu_share_adaptive = o.cold_gpu_share_auto;
-  } else if (share) {
+  if (o.predictors != nullptr && (o.cold_gpu_share > 0 || o.cold_gpu_share_auto) &&
+      !ColdStreamingProblem(model).empty()) {
     Log("the GPU takes no share of the cold neurons: %s", ColdStreamingProblem(model).c_str());
   }
-  u.cold_guess = o.cold_guess && o.predictors != nullptr;
   cuda::Backend* b = nullptr;
   char err[1024] = {0};
   const int rc = m.create(&u, &b, err, sizeof(err));
