@@ -167,6 +167,13 @@ absl::StatusOr<std::unique_ptr<FfnRowStore>> FfnRowStore::Build(
     NeuronBundles b = BundleRows(L.gate, L.up, *src_t, ids);
     Layer layer;
     layer.neurons = ids;
+    layer.member.assign((F + 63) / 64, 0);
+    layer.rank.assign(layer.member.size(), 0);
+    for (int32_t j : ids) layer.member[j >> 6] |= uint64_t{1} << (j & 63);
+    for (size_t w = 0, below = 0; w < layer.member.size(); ++w) {
+      layer.rank[w] = static_cast<int32_t>(below);
+      below += static_cast<size_t>(__builtin_popcountll(layer.member[w]));
+    }
     layer.gate = b.gate;
     layer.up = b.up;
     layer.down_t = b.down_t;
@@ -176,6 +183,15 @@ absl::StatusOr<std::unique_ptr<FfnRowStore>> FfnRowStore::Build(
     store->layers_.push_back(std::move(layer));
   }
   return store;
+}
+
+void FfnRowStore::Layer::Select(const uint64_t* mask, std::vector<int32_t>* local) const {
+  for (size_t w = 0; w < member.size(); ++w) {
+    for (uint64_t b = mask[w] & member[w]; b != 0; b &= b - 1) {
+      const uint64_t below = member[w] & ((b & -b) - 1);  // this side's neurons under the bit
+      local->push_back(rank[w] + __builtin_popcountll(below));
+    }
+  }
 }
 
 size_t FfnRowStore::neurons() const {
@@ -200,13 +216,8 @@ PartialFfn::Loaded PartialFfn::Prefetch(int layer, const uint64_t* mask, const u
   guess_.clear();
   guess_first_.clear();
   auto bit = [](const uint64_t* m, int32_t j) { return (m[j >> 6] >> (j & 63)) & 1; };
-  for (int i = 0; i < static_cast<int>(L.neurons.size()); ++i) {
-    const int32_t j = L.neurons[i];
-    if (bit(mask, j)) {
-      guess_.push_back(i);
-      guess_first_.push_back(first != nullptr && bit(first, j));
-    }
-  }
+  L.Select(mask, &guess_);
+  for (int32_t i : guess_) guess_first_.push_back(first != nullptr && bit(first, L.neurons[i]));
   const int n = static_cast<int>(guess_.size());
   if (n == 0) return {};
   // The parts the op splits a list of this size into (CpuOps::SparseFfnParts).
@@ -282,12 +293,17 @@ uint64_t PartialFfn::Accumulate(int layer, const float* x, int n, const uint64_t
     for (int t = 0; t < n; ++t) {
       sel_.clear();
       sel_gate_.clear();
-      for (int i = 0; i < k; ++i) {
-        if (gate != nullptr ? gate[static_cast<size_t>(t) * k + i] > 0
-                            : masks == nullptr || bit(t, L.neurons[i])) {
-          sel_.push_back(i);
-          if (gate != nullptr) sel_gate_.push_back(gate[static_cast<size_t>(t) * k + i]);
+      if (gate != nullptr) {
+        for (int i = 0; i < k; ++i) {
+          if (gate[static_cast<size_t>(t) * k + i] > 0) {
+            sel_.push_back(i);
+            sel_gate_.push_back(gate[static_cast<size_t>(t) * k + i]);
+          }
         }
+      } else if (masks != nullptr) {
+        L.Select(masks + static_cast<size_t>(t) * words_per_mask, &sel_);
+      } else {
+        for (int i = 0; i < k; ++i) sel_.push_back(i);
       }
       const int m = static_cast<int>(sel_.size());
       coef_.resize(std::max(m, 1));
@@ -326,14 +342,13 @@ uint64_t PartialFfn::Accumulate(int layer, const float* x, int n, const uint64_t
     if (masks == nullptr) {
       for (int i = 0; i < k; ++i) sel_.push_back(i);
     } else {
-      for (int i = 0; i < k; ++i) {
-        for (int t = 0; t < n; ++t) {
-          if (bit(t, L.neurons[i])) {
-            sel_.push_back(i);
-            break;
-          }
-        }
+      // The rows listed for at least one token of the batch.
+      any_.assign(L.member.size(), 0);
+      for (int t = 0; t < n; ++t) {
+        const uint64_t* mask = masks + static_cast<size_t>(t) * words_per_mask;
+        for (size_t w = 0; w < any_.size(); ++w) any_[w] |= mask[w];
       }
+      L.Select(any_.data(), &sel_);
     }
     sel_gate_.resize(static_cast<size_t>(n) * sel_.size());
     if (!sel_.empty()) {

@@ -130,6 +130,54 @@ TEST(FfnSplitTest, MasksRestrictTheComputedNeurons) {
   for (int h = 0; h < H; ++h) EXPECT_EQ(masked[H + h], 0.f);
 }
 
+// On one side's subset of neurons, a token's mask selects the subset's rows by global id: the
+// result must equal exact (gate-decides) mode on a store of just the subset's neurons the mask
+// lists, since a ReLU row left out by the gate contributes nothing. Decode steps (one token at a
+// time) and prompt batches (rows listed by any token, then zeroed per token) both.
+TEST(FfnSplitTest, MasksOverASubsetSelectRowsByGlobalId) {
+  auto m = Load("relu-llama-tiny");
+  ASSERT_NE(m, nullptr);
+  const ModelConfig& c = m->config;
+  auto ops = NewSimdOps(nullptr);
+  const int H = c.hidden_size, F = c.ffn_size, W = (F + 63) / 64, layer = 1;
+  std::mt19937 rng(11);
+  std::vector<std::vector<int32_t>> subset(c.n_layers);
+  for (int j = 0; j < F; ++j) {
+    if (rng() % 100 < 60) subset[layer].push_back(j);  // scattered, as a profiled cold set
+  }
+  auto rows = FfnRowStore::Build(*m, subset);
+  ASSERT_TRUE(rows.ok());
+  PartialFfn ffn(**rows, c.activation, *ops);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (int n : {1, PartialFfn::kBatchInvariantTokens + 4}) {
+    std::vector<float> x(static_cast<size_t>(n) * H), got(x.size(), 0.f);
+    for (float& v : x) v = nd(rng);
+    std::vector<uint64_t> masks(static_cast<size_t>(n) * W, 0);
+    std::vector<std::vector<int32_t>> listed(n);
+    for (int t = 0; t < n; ++t) {
+      for (int j = 0; j < F; ++j) {
+        if (rng() % 100 < 15) masks[static_cast<size_t>(t) * W + j / 64] |= 1ull << (j % 64);
+      }
+      for (int32_t j : subset[layer]) {
+        if ((masks[static_cast<size_t>(t) * W + j / 64] >> (j % 64)) & 1) listed[t].push_back(j);
+      }
+    }
+    ffn.Accumulate(layer, x.data(), n, masks.data(), W, got.data());
+    for (int t = 0; t < n; ++t) {
+      std::vector<std::vector<int32_t>> only(c.n_layers);
+      only[layer] = listed[t];
+      auto want_rows = FfnRowStore::Build(*m, only);
+      ASSERT_TRUE(want_rows.ok());
+      PartialFfn exact(**want_rows, c.activation, *ops);
+      std::vector<float> want(H, 0.f);
+      exact.Accumulate(layer, x.data() + static_cast<size_t>(t) * H, 1, nullptr, 0, want.data());
+      std::vector<float> got_t(got.begin() + static_cast<size_t>(t) * H,
+                               got.begin() + static_cast<size_t>(t + 1) * H);
+      EXPECT_LT(RelErr(got_t, want), 1e-5) << "tokens " << n << " token " << t;
+    }
+  }
+}
+
 // Prefetch (the cpu-worker's --prefetch-guess) loads the rows of the guessed neurons that this
 // side holds, every one of them when nothing stops it, and none on part 0 when stop() is true
 // from the start. Within a part the guess's first tier goes first: stopped early, a single part
