@@ -11,11 +11,9 @@ ThreadPool::ThreadPool(int n_threads, std::chrono::microseconds spin)
 }
 
 ThreadPool::~ThreadPool() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  work_cv_.notify_all();
+  stop_.store(true, std::memory_order_relaxed);
+  generation_.fetch_add(1, std::memory_order_release);
+  generation_.notify_all();
   for (auto& t : workers_) t.join();
 }
 
@@ -46,20 +44,15 @@ void ThreadPool::RunChunks(int index) {
 }
 
 void ThreadPool::WorkerLoop(int index) {
-  uint64_t seen = 0;
+  uint32_t seen = 0;
   for (;;) {
     if (!SpinUntil([&] { return generation_.load(std::memory_order_acquire) != seen; })) {
-      std::unique_lock<std::mutex> lock(mu_);
-      work_cv_.wait(lock,
-                    [&] { return stop_ || generation_.load(std::memory_order_acquire) != seen; });
-      if (stop_) return;
+      generation_.wait(seen, std::memory_order_acquire);  // returns once it differs
     }
     seen = generation_.load(std::memory_order_acquire);
+    if (stop_.load(std::memory_order_relaxed)) return;
     RunChunks(index);
-    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      std::lock_guard<std::mutex> lock(mu_);
-      done_cv_.notify_one();
-    }
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) pending_.notify_one();
   }
 }
 
@@ -79,15 +72,13 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain,
   pinned_loop_ = pinned_ && n == n_threads_ && chunk == 1;
   next_.store(0, std::memory_order_relaxed);
   pending_.store(n_threads_ - 1, std::memory_order_relaxed);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    generation_.fetch_add(1, std::memory_order_release);
-  }
-  work_cv_.notify_all();
+  generation_.fetch_add(1, std::memory_order_release);
+  generation_.notify_all();  // no system call while every worker is still polling
   RunChunks(0);
   if (SpinUntil([&] { return pending_.load(std::memory_order_acquire) == 0; })) return;
-  std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait(lock, [&] { return pending_.load(std::memory_order_acquire) == 0; });
+  for (int left; (left = pending_.load(std::memory_order_acquire)) != 0;) {
+    pending_.wait(left, std::memory_order_acquire);
+  }
 }
 
 }  // namespace pinfer

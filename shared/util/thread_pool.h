@@ -6,18 +6,18 @@
 // model). A pool made with a spin time keeps its workers polling for that long after each loop,
 // and the caller polling for the loop's end, before either falls back to sleeping: loops that
 // follow each other closely never sleep, an idle pool does.
+//
+// Sleepers wait on the loop counter itself (std::atomic::wait, a futex on Linux), not on a
+// condition variable: a condition variable's notify_all wakes every worker only for each to
+// take its mutex in turn, so with many threads the last one starts a chain of wake-ups late.
 #pragma once
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
-#include <mutex>
 #include <thread>
 #include <vector>
-
-#include "absl/base/thread_annotations.h"
 
 namespace pinfer {
 
@@ -48,25 +48,23 @@ class ThreadPool {
   const int n_threads_;
   const std::chrono::microseconds spin_;
   std::vector<std::thread> workers_;
-  std::mutex mu_;
-  std::condition_variable work_cv_;
-  std::condition_variable done_cv_;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  // Set before the last advance of generation_, so a worker that sees that advance sees it.
+  std::atomic<bool> stop_{false};
   // The three fields that threads write during a loop sit on cache lines of their own, so that
   // claiming a chunk (next_) or finishing (pending_) does not take the line away from the
   // workers polling generation_. (On the H200 host the empty loop took 2.4-3.0 us this way and
   // 2.7-5.1 us with one shared line, within that host's noise: docs/benchmarks.md, CUDA run 38.)
   //
-  // Advanced under mu_ (so that a worker about to sleep cannot miss it) but read without it by
-  // spinning workers; the loop's fields beside it are written before it advances (release) and
-  // read after a worker sees the new value (acquire), and stay unchanged during the loop.
-  alignas(64) std::atomic<uint64_t> generation_{0};
+  // One advance per loop (32 bits, the futex word; only changes are compared, so it may wrap).
+  // The loop's fields beside it are written before it advances (release) and read after a worker
+  // sees the new value (acquire), and stay unchanged during the loop.
+  alignas(64) std::atomic<uint32_t> generation_{0};
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
   int64_t n_ = 0, chunk_ = 0;
   bool pinned_ = false, pinned_loop_ = false;
   // The next unclaimed index.
   alignas(64) std::atomic<int64_t> next_{0};
-  // Workers still in the current loop; the last one to finish notifies under mu_.
+  // Workers still in the current loop; the last one to finish wakes the caller if it sleeps.
   // (alignas also rounds the pool's size up to whole lines, so nothing after it shares this one.)
   alignas(64) std::atomic<int> pending_{0};
 };
