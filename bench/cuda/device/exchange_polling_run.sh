@@ -1,0 +1,45 @@
+#!/bin/bash
+# Where the 70B service's per-layer exchange goes on the GPU host (issue 43, part 2): the gpu-worker
+# waited 0.27 ms per exchange in session 41 for 442 cold neurons that the bench's in-process
+# callback computes in 0.05 ms. The suspects are three sleeps a layer, each a futex wake-up of
+# tens of microseconds: the cpu-worker's exchange thread (polls --exchange-spin-us, 20), its
+# compute pool (polls --spin-us, 200) and the gpu-worker's waiting thread (--exchange-spin-us).
+# This runs, on the device, from the repository root with the service bundle unpacked as
+# seventy_b_service_run.sh expects (.device/svc-slim.tar.xz):
+#   1. thread_pool_bench at 14 threads (the pool's wake-up; thread_pool_bench_before, if the
+#      bundle has it, is the same bench built before 3a4389d, the condition-variable pool);
+#   2. exchange_bench (one handoff against both ends' polling);
+#   3. the 70B service (seventy_b_service_run.sh) with the defaults, both ends polling 200 us,
+#      1000 us with the pool polling 2000 us, and the GPU's cold guesses loaded ahead;
+#   4. with COLD=1, a start with the model file out of the page cache.
+#
+#   bench/cuda/device/exchange_polling_run.sh OUT
+set -u
+out=$(realpath -m "${1:?output dir}")
+mkdir -p "$out" /tmp/s
+[ -d /tmp/s/svc ] || tar -xJf .device/svc-slim.tar.xz -C /tmp/s
+b=/tmp/s/svc
+nvidia-smi --query-gpu=name --format=csv,noheader; nproc
+for bench in thread_pool_bench thread_pool_bench_before; do
+  [ -x $b/bin/$bench ] || continue
+  echo "== $bench"
+  LD_LIBRARY_PATH=$b/lib $b/bin/$bench threads=14 gaps_us=0,100,400,1000 loops=3000 | tee "$out/$bench.txt"
+done
+echo "== exchange_bench"
+LD_LIBRARY_PATH=$b/lib $b/bin/exchange_bench steps=50 gap_us=250 compute_us=60 | tee "$out/exchange_bench.txt"
+one() {  # name time-limit env...
+  local name=$1 lim=$2
+  shift 2
+  timeout "$lim" env REPEATS=3 "$@" bench/cuda/device/seventy_b_service_run.sh "$out/$name" > "$out/$name.log" 2>&1
+  echo "== $name rc=$?"
+  pkill -9 -f "pinfer-(gpu|cpu)-worker|pinfer-gateway"
+  sleep 1
+  grep -E "^first token|^repeat|^peak|^GPU memory|^cpu-worker threads|shm_wait|compute_seconds_(sum|count)|page cache" "$out/$name/summary.txt"
+}
+g="--gpu-slots 2 --max-context 4096"
+one default 200   # the first run writes the 40 GB file (84 s on the H100)
+one poll200 100 CPU_FLAGS="--exchange-spin-us 200" GPU_FLAGS="$g --exchange-spin-us 200"
+one poll1000 100 CPU_FLAGS="--exchange-spin-us 1000 --spin-us 2000" GPU_FLAGS="$g --exchange-spin-us 1000"
+one guess 100 CPU_FLAGS="--prefetch-guess" GPU_FLAGS="$g --cold-guess"
+[ "${COLD:-0}" = 1 ] && one coldcache 170 DROP_CACHES=1
+exit 0
