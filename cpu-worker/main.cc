@@ -277,7 +277,7 @@ int Main(const std::vector<std::string>& args) {
   expected.n_layers = c.n_layers;
   expected.hidden = c.hidden_size;
   expected.ffn = c.ffn_size;
-  expected.fingerprint = ModelFingerprint(m, sm.down_t());
+  expected.fingerprint = ModelFingerprint(m);
   // Only the cold rows are used from here on (copied out of the file's mapping).
   ReleaseMappedPages(m);
 
@@ -345,7 +345,7 @@ int Main(const std::vector<std::string>& args) {
         std::vector<std::vector<int32_t>> cold(c.n_layers);
         for (int l = 0; l < c.n_layers; ++l) cold[l] = placement.Cold(l, c.ffn_size);
         rows.reset();
-        auto built = FfnRowStore::Build(m, cold, sm.down_t());
+        auto built = FfnRowStore::Build(m, cold);
         if (!built.ok()) {
           Log("cannot build the cold rows: %s", built.status().ToString().c_str());
           exit_code = 1;

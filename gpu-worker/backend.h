@@ -118,13 +118,11 @@ class ComputeBackend {
 
 // The CPU implementation. `model`, `ops` and `exchange` must outlive it; `placement` chooses the
 // hot neurons (the rest are computed by the cpu-worker through `exchange`).
-// down_t: a prepared model's transposed down projections (rows copied from there), or null.
 // predictors: --sparse mode (the predictors choose each token's neurons, on both sides), or null
 // for exact mode.
 absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCpuBackend(
     const Model& model, const CpuOps& ops, const Placement& placement,
-    shm::ExchangeClient* exchange, const std::vector<TensorView>* down_t = nullptr,
-    const PredictorSet* predictors = nullptr);
+    shm::ExchangeClient* exchange, const PredictorSet* predictors = nullptr);
 
 struct CudaBackendOptions {
   int slots = 8;       // KV cache slots (concurrent sequences) on the device

@@ -254,9 +254,8 @@ class CpuBackend : public ComputeBackend {
 absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCpuBackend(const Model& model, const CpuOps& ops,
                                                               const Placement& placement,
                                                               shm::ExchangeClient* exchange,
-                                                              const std::vector<TensorView>* down_t,
                                                               const PredictorSet* predictors) {
-  auto hot = FfnRowStore::Build(model, placement.hot, down_t);
+  auto hot = FfnRowStore::Build(model, placement.hot);
   if (!hot.ok()) return hot.status();
   return std::unique_ptr<ComputeBackend>(
       new CpuBackend(model, ops, std::move(*hot), exchange, predictors));

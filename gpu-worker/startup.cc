@@ -209,7 +209,7 @@ bool CreateExchange(State& s) {
   g.hidden = c.hidden_size;
   g.ffn = c.ffn_size;
   g.max_tokens = o.max_batch_tokens;
-  g.fingerprint = ModelFingerprint(*s.model, s.service_model.down_t());
+  g.fingerprint = ModelFingerprint(*s.model);
   const std::string segment_name = o.segment.empty() ? shm::UniqueSegmentName() : o.segment;
   auto segment = shm::Segment::Create(segment_name, g);
   if (!segment.ok()) {
@@ -287,9 +287,8 @@ bool CreateBackend(State& s) {
       Log("--decode-lanes %d ignored: the CPU backend computes a decode batch in one pass",
           o.decode_lanes);
     }
-    auto backend =
-        NewCpuBackend(*s.model, *s.ops, s.placement, s.exchange.get(), s.service_model.down_t(),
-                      o.sparse ? s.service_model.predictors() : nullptr);
+    auto backend = NewCpuBackend(*s.model, *s.ops, s.placement, s.exchange.get(),
+                                 o.sparse ? s.service_model.predictors() : nullptr);
     if (!backend.ok()) {
       Log("cannot build the backend: %s", backend.status().ToString().c_str());
       return false;

@@ -74,7 +74,7 @@ struct Fnv {
 };
 }  // namespace
 
-uint64_t ModelFingerprint(const Model& model, const std::vector<TensorView>* down_t) {
+uint64_t ModelFingerprint(const Model& model) {
   const ModelConfig& c = model.config;
   Fnv f;
   for (int v : {c.vocab_size, c.hidden_size, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim,
@@ -83,9 +83,7 @@ uint64_t ModelFingerprint(const Model& model, const std::vector<TensorView>* dow
   }
   for (size_t l = 0; l < model.layers.size(); ++l) {
     const LayerWeights& L = model.layers[l];
-    const TensorView* down = down_t != nullptr          ? &(*down_t)[l]
-                             : L.down_t.data != nullptr ? &L.down_t
-                                                        : &L.down;
+    const TensorView* down = L.down_t.data != nullptr ? &L.down_t : &L.down;
     for (const TensorView* t : {&L.gate, &L.up, down}) {
       f.Add(static_cast<uint8_t>(t->dtype));
       for (int64_t d : t->shape) f.Add(d);
@@ -117,8 +115,7 @@ NeuronBundles BundleRows(const TensorView& gate, const TensorView& up, const Ten
 }
 
 absl::StatusOr<std::unique_ptr<FfnRowStore>> FfnRowStore::Build(
-    const Model& model, const std::vector<std::vector<int32_t>>& neurons,
-    const std::vector<TensorView>* down_t) {
+    const Model& model, const std::vector<std::vector<int32_t>>& neurons) {
   const ModelConfig& c = model.config;
   if (static_cast<int>(neurons.size()) != c.n_layers) {
     return absl::InvalidArgumentError(
@@ -139,9 +136,7 @@ absl::StatusOr<std::unique_ptr<FfnRowStore>> FfnRowStore::Build(
     // down_t rows: a transposed tensor's as stored, or the selected columns of down: [hidden,
     // ffn] transposed here, exact: F16/BF16 as they are, anything else as F32 (only the selected
     // rows of the temporary are filled).
-    const TensorView* src_t = down_t != nullptr          ? &(*down_t)[l]
-                              : L.down_t.data != nullptr ? &L.down_t
-                                                         : nullptr;
+    const TensorView* src_t = L.down_t.data != nullptr ? &L.down_t : nullptr;
     if (src_t != nullptr && (src_t->rows() != F || src_t->cols() != H)) {
       return absl::InvalidArgumentError(
           absl::StrCat("layer ", l, ": down_t must be [", F, ", ", H, "]"));

@@ -42,8 +42,9 @@ struct Placement {
 
 // A hash of what both workers must agree on before exchanging activations: the configuration and
 // the FFN weights' layout and a sample of their bytes (so two different checkpoints of one
-// architecture do not match). down_t as in FfnRowStore::Build (hashed instead of down).
-uint64_t ModelFingerprint(const Model& model, const std::vector<TensorView>* down_t = nullptr);
+// architecture do not match). A layer's stored transpose (LayerWeights::down_t) is hashed
+// instead of down where the file has one.
+uint64_t ModelFingerprint(const Model& model);
 
 // Rows ids[i] of gate, up and down_t (matrices with the same rows) packed per neuron: its three
 // rows side by side, so that a sparse step reads one contiguous stretch per active neuron
@@ -77,11 +78,11 @@ class FfnRowStore {
     // (global ids, member.size() words), ascending.
     void Select(const uint64_t* mask, std::vector<int32_t>* local) const;
   };
-  // neurons[l]: the subset of layer l. down_t ([ffn, hidden] per layer, e.g. a prepared model's
-  // ffn_down_t): copy the down rows from there (stored dtype) instead of transposing down.
+  // neurons[l]: the subset of layer l. A layer whose file stores the transpose
+  // (LayerWeights::down_t, a prepared model's ffn_down_t) gives its down rows from there (stored
+  // dtype); otherwise down is transposed.
   static absl::StatusOr<std::unique_ptr<FfnRowStore>> Build(
-      const Model& model, const std::vector<std::vector<int32_t>>& neurons,
-      const std::vector<TensorView>* down_t = nullptr);
+      const Model& model, const std::vector<std::vector<int32_t>>& neurons);
 
   const Layer& layer(int l) const { return layers_[l]; }
   int n_layers() const { return static_cast<int>(layers_.size()); }

@@ -19,10 +19,6 @@ struct ServiceModel {
   std::unique_ptr<PreparedModel> prepared;  // PWRI models
   const Model& model() const { return prepared != nullptr ? *prepared->model : *owned; }
   Model& mutable_model() { return prepared != nullptr ? *prepared->model : *owned; }
-  // [ffn, hidden] per layer for prepared models, else null.
-  const std::vector<TensorView>* down_t() const {
-    return prepared != nullptr ? &prepared->down_t : nullptr;
-  }
   const PredictorSet* predictors() const {
     return prepared != nullptr ? &prepared->predictors : nullptr;
   }

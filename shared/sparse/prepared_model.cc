@@ -266,6 +266,12 @@ absl::Status WriteMagnitudeSparseModel(
   return w.WriteFile(out_path);
 }
 
+std::vector<TensorView> PreparedModel::down_t() const {
+  std::vector<TensorView> views;
+  for (const LayerWeights& L : model->layers) views.push_back(L.down_t);
+  return views;
+}
+
 absl::StatusOr<PreparedModel> LoadPreparedModel(const std::string& path,
                                                 const GgufLoadOptions& options) {
   PreparedModel pm;
@@ -317,7 +323,6 @@ absl::StatusOr<PreparedModel> LoadPreparedModel(const std::string& path,
     if (dt.data == nullptr) {
       return absl::NotFoundError(absl::StrCat(path, ": missing tensor '", p, "ffn_down_t.weight'"));
     }
-    pm.down_t.push_back(dt);
   }
   if (f.HasKey("pinfer.sparse.source")) {
     ASSIGN_OR_RETURN(pm.source_fingerprint, f.GetString("pinfer.sparse.source"));

@@ -75,7 +75,6 @@ absl::Status WritePreparedModel(const GgufFile& source, const PreparedContents& 
 struct PreparedModel {
   std::unique_ptr<GgufFile> file;
   std::unique_ptr<Model> model;
-  std::vector<TensorView> down_t;      // [ffn, hidden] per layer: the layers' down_t
   PredictorSet predictors;             // thresholds per layer; fc1 reads the normalized FFN input
   bool powerinfer_predictors = false;  // fc1 was rescaled from PowerInfer's pre-norm input
   float sparse_threshold = 0;  // powerinfer.sparse_threshold (0 when absent, as in PowerInfer)
@@ -83,6 +82,9 @@ struct PreparedModel {
   int64_t profile_tokens = 0;
   std::vector<std::vector<float>> activation_frequency;  // [layer][ffn]
   std::string source_fingerprint;  // pinfer.sparse.source: what it was prepared from
+
+  // [ffn, hidden] per layer: the layers' down_t, views into the file (the loader requires them).
+  std::vector<TensorView> down_t() const;
 };
 
 // Loads a PWRI model (pinfer's or PowerInfer's: architectures llama and bamboo; ffn_down_t and

@@ -75,7 +75,7 @@ absl::StatusOr<std::unique_ptr<SparseSession>> OpenSparseSession(
     ASSIGN_OR_RETURN(PreparedModel pm, LoadPreparedModel(prepared_path));
     s->prepared_ = std::make_unique<PreparedModel>(std::move(pm));
     s->model_ = s->prepared_->model.get();
-    down_t = s->prepared_->down_t;
+    down_t = s->prepared_->down_t();
     s->description_ = absl::StrCat("prepared model ", prepared_path);
   } else {
     ASSIGN_OR_RETURN(s->owned_model_, LoadModel(path));

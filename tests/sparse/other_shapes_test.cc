@@ -151,7 +151,7 @@ TEST_P(OtherShapesTest, PreparesPlacesAndRunsExactly) {
   EXPECT_NEAR(p_dense->perplexity, p_src->perplexity, 1e-4 * p_src->perplexity);
 
   // Exact sparse mode equals dense.
-  auto exact = GateSparseFfn::Create(*pm->model, *ops, pm->down_t);
+  auto exact = GateSparseFfn::Create(*pm->model, *ops, pm->down_t());
   ASSERT_TRUE(exact.ok()) << exact.status();
   Transformer ex(*pm->model, *ops);
   ex.set_ffn(exact->get());
@@ -161,7 +161,7 @@ TEST_P(OtherShapesTest, PreparesPlacesAndRunsExactly) {
   EXPECT_GT((*exact)->stats().Sparsity(), 0.2);
 
   // The predictors, at about the recall they were trained for.
-  auto predicted = PredictedSparseFfn::Create(*pm->model, *ops, pm->down_t, &pm->predictors);
+  auto predicted = PredictedSparseFfn::Create(*pm->model, *ops, pm->down_t(), &pm->predictors);
   ASSERT_TRUE(predicted.ok()) << predicted.status();
   (*predicted)->set_measure_recall(true);
   Transformer pr(*pm->model, *ops);

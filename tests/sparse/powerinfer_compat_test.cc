@@ -442,7 +442,7 @@ class PowerInferZooTest : public ::testing::Test {
     } else {
       EXPECT_LT(MaxRelDiff(dense, ref), tol);
     }
-    auto exact = GateSparseFfn::Create(*pm->model, *ops_, pm->down_t);
+    auto exact = GateSparseFfn::Create(*pm->model, *ops_, pm->down_t());
     ASSERT_TRUE(exact.ok()) << exact.status();
     EXPECT_LT(MaxRelDiff(Logits(*pm->model, *ops_, exact->get()), dense), 1e-5);
     EXPECT_GT((*exact)->stats().Sparsity(), 0.2);  // ReLU: about half the gates are negative
@@ -450,7 +450,7 @@ class PowerInferZooTest : public ::testing::Test {
     // The file's own predictors drive the sparse FFN (folded F32 fc1, fc2 and ffn_down_t in the
     // stored type); their selection itself is checked in PredictorsSelectWhatPowerInferSelects.
     // Random predictors: some neurons skipped, not all.
-    auto predicted = PredictedSparseFfn::Create(*pm->model, *ops_, pm->down_t, &pm->predictors);
+    auto predicted = PredictedSparseFfn::Create(*pm->model, *ops_, pm->down_t(), &pm->predictors);
     ASSERT_TRUE(predicted.ok()) << predicted.status();
     const std::vector<float> sparse = Logits(*pm->model, *ops_, predicted->get());
     ASSERT_EQ(sparse.size(), dense.size());
@@ -519,7 +519,7 @@ TEST_F(PowerInferZooTest, QuantizedFilesComputeTheirPlainTwin) {
     CheckAgainst(pwri, **reference, 0);  // the same tensors and kernels: bit for bit
     auto pm = LoadPreparedModel(pwri);
     ASSERT_TRUE(pm.ok());
-    EXPECT_EQ(pm->down_t[1].dtype, c.down_t == GgmlType::kQ4_0 ? DType::kQ4_0 : DType::kQ8_0);
+    EXPECT_EQ(pm->down_t()[1].dtype, c.down_t == GgmlType::kQ4_0 ? DType::kQ4_0 : DType::kQ8_0);
     EXPECT_EQ(pm->predictors.layers[1].fc1.dtype, DType::kF32);  // folded (and dequantized)
     // fc2 as stored (Q8_0 or Q4_0 kept, Q5_0 dequantized): within one quantization step of the
     // predictor's weights (Q4_0/Q5_0 clamp the top level), where a wrong bit layout would miss by
@@ -670,8 +670,8 @@ TEST_F(PowerInferZooTest, NonZeroThresholdSelectsWhatPowerInferSelects) {
   WriteConvertPy(m, OutType::kF32, 0.f, probe_file);
   auto probe_pm = LoadPreparedModel(probe_file);
   ASSERT_TRUE(probe_pm.ok()) << probe_pm.status();
-  auto probe_block =
-      PredictedSparseFfn::Create(*probe_pm->model, *ops_, probe_pm->down_t, &probe_pm->predictors);
+  auto probe_block = PredictedSparseFfn::Create(*probe_pm->model, *ops_, probe_pm->down_t(),
+                                                &probe_pm->predictors);
   ASSERT_TRUE(probe_block.ok()) << probe_block.status();
   PowerInferRuleProbe probe(m, 0.f, probe_block->get());
   Logits(*probe_pm->model, *ops_, &probe);
@@ -689,7 +689,7 @@ TEST_F(PowerInferZooTest, NonZeroThresholdSelectsWhatPowerInferSelects) {
   ASSERT_TRUE(pm.ok()) << pm.status();
   EXPECT_EQ(pm->sparse_threshold, threshold);
   ASSERT_TRUE(pm->predictors.layers[0].reads_residual);
-  auto block = PredictedSparseFfn::Create(*pm->model, *ops_, pm->down_t, &pm->predictors);
+  auto block = PredictedSparseFfn::Create(*pm->model, *ops_, pm->down_t(), &pm->predictors);
   ASSERT_TRUE(block.ok()) << block.status();
   PowerInferRuleProbe rule(m, threshold, block->get());
   Logits(*pm->model, *ops_, &rule);
