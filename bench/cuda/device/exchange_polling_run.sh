@@ -14,6 +14,13 @@
 #   4. with COLD=1, a start with the model file out of the page cache.
 #
 #   bench/cuda/device/exchange_polling_run.sh OUT
+#
+# The "before" pool bench, built here and added to the bundle's bin/ before packing:
+#   mkdir -p /tmp/old/shared/util && for f in thread_pool.h thread_pool.cc; do
+#     git show 3e9c77b:shared/util/$f > /tmp/old/shared/util/$f; done
+#   g++ -std=c++20 -O2 -I/tmp/old -I. bench/thread_pool_bench.cc /tmp/old/shared/util/thread_pool.cc \
+#     -o /tmp/svcb/svc/bin/thread_pool_bench_before -labsl_strings -labsl_str_format_internal \
+#     -labsl_throw_delegate -pthread
 set -u
 out=$(realpath -m "${1:?output dir}")
 mkdir -p "$out" /tmp/s
