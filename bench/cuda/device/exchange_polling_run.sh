@@ -8,7 +8,8 @@
 # seventy_b_service_run.sh expects (.device/svc-slim.tar.xz):
 #   1. thread_pool_bench at 14 threads (the pool's wake-up; thread_pool_bench_before, if the
 #      bundle has it, is the same bench built before 3a4389d, the condition-variable pool);
-#   2. exchange_bench (one handoff against both ends' polling);
+#   2. exchange_bench (one handoff against both ends' polling, answered by one thread and by a
+#      14-thread pool as the cpu-worker's);
 #   3. the 70B service (seventy_b_service_run.sh) with the defaults, both ends polling 200 us,
 #      1000 us with the pool polling 2000 us, and the GPU's cold guesses loaded ahead;
 #   4. with COLD=1, a start with the model file out of the page cache.
@@ -33,7 +34,11 @@ for bench in thread_pool_bench thread_pool_bench_before; do
   LD_LIBRARY_PATH=$b/lib $b/bin/$bench threads=14 gaps_us=0,100,400,1000 loops=3000 | tee "$out/$bench.txt"
 done
 echo "== exchange_bench"
-LD_LIBRARY_PATH=$b/lib $b/bin/exchange_bench steps=50 gap_us=250 compute_us=60 | tee "$out/exchange_bench.txt"
+# One thread answering, then the cpu-worker's 14-thread pool polling 200 us (its default) and 2 ms.
+for pool in "threads=1" "threads=14 pool_spin_us=200" "threads=14 pool_spin_us=2000"; do
+  LD_LIBRARY_PATH=$b/lib $b/bin/exchange_bench steps=50 gap_us=250 compute_us=60 $pool |
+    tee -a "$out/exchange_bench.txt"
+done
 one() {  # name time-limit env...
   local name=$1 lim=$2
   shift 2
