@@ -80,7 +80,9 @@ class FfnRowStore {
   };
   // neurons[l]: the subset of layer l. A layer whose file stores the transpose
   // (LayerWeights::down_t, a prepared model's ffn_down_t) gives its down rows from there (stored
-  // dtype); otherwise down is transposed.
+  // dtype); otherwise down is transposed. Each layer's file pages are dropped from the resident
+  // set once its rows are copied (ReleaseMappedPages, layer by layer), so the peak is the copy
+  // plus one layer of the file.
   static absl::StatusOr<std::unique_ptr<FfnRowStore>> Build(
       const Model& model, const std::vector<std::vector<int32_t>>& neurons);
 

@@ -6,6 +6,9 @@
 // rows only.
 #include "shared/service/ffn_split.h"
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <cstring>
 #include <random>
 
@@ -175,6 +178,64 @@ TEST(FfnSplitTest, MasksOverASubsetSelectRowsByGlobalId) {
                                got.begin() + static_cast<size_t>(t + 1) * H);
       EXPECT_LT(RelErr(got_t, want), 1e-5) << "tokens " << n << " token " << t;
     }
+  }
+}
+
+// Pages of [p, p + n) in this process's resident set (/proc/self/pagemap's present bit, which
+// unprivileged processes may read), or -1 where pagemap cannot be read.
+int64_t PresentPages(const void* p, size_t n) {
+  FILE* f = std::fopen("/proc/self/pagemap", "rb");
+  if (f == nullptr) return -1;
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  int64_t present = 0;
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(p) / page;
+       a * page < reinterpret_cast<uintptr_t>(p) + n; ++a) {
+    uint64_t entry = 0;
+    if (std::fseek(f, static_cast<long>(a * sizeof(entry)), SEEK_SET) != 0 ||
+        std::fread(&entry, sizeof(entry), 1, f) != 1) {
+      std::fclose(f);
+      return -1;
+    }
+    present += (entry >> 63) & 1;
+  }
+  std::fclose(f);
+  return present;
+}
+
+// Building the row store drops each layer's file pages once its rows are copied, so that a
+// worker's peak memory is its copy plus one layer of the file, and the file's bytes still read
+// back unchanged (they fault in again from the page cache).
+TEST(FfnSplitTest, BuildDropsEachLayersFilePagesOnceCopied) {
+  auto m = Load("relu-llama-tiny");
+  ASSERT_NE(m, nullptr);
+  const ModelConfig& c = m->config;
+  const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<uint64_t> sums;
+  for (const LayerWeights& L : m->layers) {
+    const auto* b = static_cast<const uint8_t*>(L.gate.data);
+    bool mapped = false;
+    for (const auto& f : m->files)
+      mapped |= b >= f->data() && b + L.gate.nbytes() <= f->data() + f->size();
+    ASSERT_TRUE(mapped) << "the test needs weights that are views into the file";
+    uint64_t sum = 0;
+    for (size_t i = 0; i < L.gate.nbytes(); ++i) sum = sum * 31 + b[i];  // touches every page
+    sums.push_back(sum);
+    const int64_t present = PresentPages(b, L.gate.nbytes());
+    if (present < 0) GTEST_SKIP() << "/proc/self/pagemap is not readable here";
+    ASSERT_GE(present, static_cast<int64_t>(L.gate.nbytes() / page) - 1);
+  }
+  auto rows = FfnRowStore::Build(*m, Placement::FixedFraction(c, 1.0).hot);
+  ASSERT_TRUE(rows.ok());
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights& L = m->layers[l];
+    for (const TensorView* t : {&L.gate, &L.up, &L.down}) {
+      // At most the two partial pages at the tensor's ends stay (they hold neighbours' bytes).
+      EXPECT_LE(PresentPages(t->data, t->nbytes()), 2) << "layer " << l << " " << t->name;
+    }
+    const auto* b = static_cast<const uint8_t*>(L.gate.data);
+    uint64_t sum = 0;
+    for (size_t i = 0; i < L.gate.nbytes(); ++i) sum = sum * 31 + b[i];
+    EXPECT_EQ(sum, sums[l]) << "layer " << l;
   }
 }
 
