@@ -354,7 +354,8 @@ int Main(const std::vector<std::string>& args) {
         }
         rows = std::move(*built);
         current = placement;
-        // Reading the down matrices touched every page of them; keep only our copies resident.
+        // Build dropped each layer's FFN pages as it went; drop whatever else of the file was
+        // touched, so that only our copies stay resident.
         ReleaseMappedPages(m);
         row_bytes_gauge.Set(static_cast<double>(rows->bytes()));
         Log("cold rows: %zu neurons, %.1f MiB; resident %.1f MiB",

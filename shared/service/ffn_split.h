@@ -80,9 +80,9 @@ class FfnRowStore {
   };
   // neurons[l]: the subset of layer l. A layer whose file stores the transpose
   // (LayerWeights::down_t, a prepared model's ffn_down_t) gives its down rows from there (stored
-  // dtype); otherwise down is transposed. Each layer's file pages are dropped from the resident
-  // set once its rows are copied (ReleaseMappedPages, layer by layer), so the peak is the copy
-  // plus one layer of the file.
+  // dtype); otherwise down is transposed. Once a layer's rows are copied, its FFN tensors' whole
+  // pages inside the model's file mappings are dropped from the resident set, so the peak is the
+  // copy plus one layer of the file.
   static absl::StatusOr<std::unique_ptr<FfnRowStore>> Build(
       const Model& model, const std::vector<std::vector<int32_t>>& neurons);
 
@@ -104,8 +104,7 @@ void ReleaseMappedPages(const Model& model);
 // One side's share of a layer's FFN, exact: for ReLU-family models the gate decides (only rows
 // whose gate is positive for some token get up and down computed); for SiLU every row is
 // computed. In sparse mode `masks` ([n][words_per_mask] over global neuron ids, words_per_mask >=
-// (ffn + 63) / 64) restricts the
-// computation to the listed neurons per token.
+// (ffn + 63) / 64) restricts the computation to the listed neurons per token.
 class PartialFfn {
  public:
   // Batches of up to this many tokens are computed exactly as single tokens are (bit for bit).
