@@ -12,7 +12,8 @@ rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
 bins=("$build/cli/pinfer" "$build/bin/pinfer-gateway" "$build/bin/pinfer-gpu-worker"
       "$build/bin/pinfer-cpu-worker" "$build/bench/service_bench" "$build/bench/sparse/synthetic_pwri"
-      "$build/bench/exchange_bench" "$build/bench/thread_pool_bench" "$build/bin/libpinfer_spm.so")
+      "$build/bench/exchange_bench" "$build/bench/thread_pool_bench"
+      "$build/bench/sparse/cold_rows_bench" "$build/bin/libpinfer_spm.so")
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|libpthread\.so|librt\.so|libstdc\+\+\.so|libgcc_s\.so)'
 for b in "${bins[@]}"; do
   cp "$b" "$out/bin/"
