@@ -358,9 +358,9 @@ int Main(const std::vector<std::string>& args) {
         // touched, so that only our copies stay resident.
         ReleaseMappedPages(m);
         row_bytes_gauge.Set(static_cast<double>(rows->bytes()));
-        Log("cold rows: %zu neurons, %.1f MiB; resident %.1f MiB",
+        Log("cold rows: %zu neurons, %.1f MiB; resident %.1f MiB, %.1f MiB in huge pages",
             static_cast<size_t>(rows->neurons()), rows->bytes() / 1048576.0,
-            ResidentBytes() / 1048576.0);
+            ResidentBytes() / 1048576.0, HugePageBytes() / 1048576.0);
       }
       shm::ExchangeServer xs(std::move(*seg), co);
       xs.MarkReady(ResidentBytes());

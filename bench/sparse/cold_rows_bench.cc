@@ -37,6 +37,7 @@
 #include "absl/strings/str_split.h"
 #include "shared/engine/ops.h"
 #include "shared/service/ffn_split.h"
+#include "shared/service/log.h"
 #include "shared/service/service_model.h"
 #include "shared/util/thread_pool.h"
 
@@ -112,9 +113,9 @@ int Main(int argc, char** argv) {
   ReleaseMappedPages(m);
   std::printf(
       "model: %d layers, hidden %d, ffn %d, %s; %d layers of %d cold neurons copied "
-      "(%.2f GB) in %.1f s\n",
+      "(%.2f GB, %.2f GB of the process in huge pages) in %.1f s\n",
       L, H, F, std::string(DTypeName(m.layers[0].gate.dtype)).c_str(), layers, cold,
-      (*store)->bytes() / 1e9, (Now() - t_build) * 1e-9);
+      (*store)->bytes() / 1e9, HugePageBytes() / 1e9, (Now() - t_build) * 1e-9);
 
   // Requests: a layer (round robin over the copied ones) and `neurons` distinct cold ids.
   const int words = (F + 63) / 64;

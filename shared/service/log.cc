@@ -49,6 +49,18 @@ uint64_t ResidentBytes() {
   return resident * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
 }
 
+uint64_t HugePageBytes() {
+  FILE* f = std::fopen("/proc/self/smaps_rollup", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  unsigned long long kb = 0;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::sscanf(line, "AnonHugePages: %llu kB", &kb) == 1) break;
+  }
+  std::fclose(f);
+  return static_cast<uint64_t>(kb) * 1024;
+}
+
 absl::Status WriteFileAtomically(const std::string& path, const std::string& content) {
   const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
   FILE* f = std::fopen(tmp.c_str(), "w");

@@ -18,6 +18,10 @@ void Log(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 
 // Resident set size of this process in bytes, from /proc/self/statm.
 uint64_t ResidentBytes();
+// Of this process's anonymous memory, the bytes in transparent huge pages (AnonHugePages of
+// /proc/self/smaps_rollup; 0 where it cannot be read). Row stores ask for huge pages (madvise)
+// because a layer's randomly chosen rows need the TLB reach; a fragmented host may refuse them.
+uint64_t HugePageBytes();
 
 // Writes `content` to `path` atomically (temporary file + rename), so a reader polling for the
 // file never sees it half-written.

@@ -18,6 +18,7 @@
 #include "shared/engine/transformer.h"
 #include "shared/model/model.h"
 #include "shared/service/log.h"
+#include "shared/util/aligned_buffer.h"
 #include "shared/util/thread_pool.h"
 
 namespace pinfer {
@@ -237,6 +238,28 @@ TEST(FfnSplitTest, BuildDropsEachLayersFilePagesOnceCopied) {
     for (size_t i = 0; i < L.gate.nbytes(); ++i) sum = sum * 31 + b[i];
     EXPECT_EQ(sum, sums[l]) << "layer " << l;
   }
+}
+
+// Row stores allocate through AllocateAligned, which asks for transparent huge pages where an
+// allocation spans them; HugePageBytes (the cpu-worker's log line) sees them arrive. Where the
+// host has THP off there is nothing to see.
+TEST(FfnSplitTest, LargeRowStorageArrivesInHugePagesWhereTheHostAllowsThem) {
+  std::string mode;
+  if (FILE* f = std::fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r")) {
+    char buf[128] = {0};
+    if (std::fgets(buf, sizeof(buf), f) != nullptr) mode = buf;
+    std::fclose(f);
+  }
+  if (mode.empty() || mode.find("[never]") != std::string::npos) {
+    GTEST_SKIP() << "transparent huge pages are off here";
+  }
+  const uint64_t before = HugePageBytes();
+  constexpr size_t kBytes = size_t{32} << 20;
+  AlignedBytes rows = AllocateAligned(kBytes);
+  std::memset(rows.get(), 1, kBytes);
+  const uint64_t after = HugePageBytes();
+  EXPECT_GE(after, before + (size_t{2} << 20)) << "THP mode: " << mode;
+  EXPECT_LE(after, ResidentBytes());
 }
 
 // Prefetch (the cpu-worker's --prefetch-guess) loads the rows of the guessed neurons that this
