@@ -226,6 +226,14 @@ int Main(const std::vector<std::string>& args) {
           .Register(*registry);
   auto& guessed_loaded = guessed_loaded_family.Add({{"kind", "all"}});
   auto& guessed_loaded_first = guessed_loaded_family.Add({{"kind", "first"}});
+  auto& listed = prometheus::BuildCounter()
+                     .Name("pinfer_worker_neurons_listed_total")
+                     .Help(
+                         "(token, neuron) pairs the gpu-worker's requests listed for this worker "
+                         "(sparse mode: the predictors' choice; exact mode: every cold neuron); "
+                         "those with a zero activation cost a gate row each")
+                     .Register(*registry)
+                     .Add({{"side", "cpu"}});
   auto& candidates = prometheus::BuildCounter()
                          .Name("pinfer_worker_neuron_candidates_total")
                          .Help("(token, neuron) pairs that could have been computed, by side")
@@ -381,7 +389,9 @@ int Main(const std::vector<std::string>& args) {
               float* out) -> absl::StatusOr<uint64_t> {
             const uint64_t t0 = shm::MonotonicNanos();
             idle_wait.Increment((t0 - last_end) * 1e-9);
+            const uint64_t listed_before = ffn.listed();
             const uint64_t count = ffn.Accumulate(layer, x, n, masks, words, out);
+            listed.Increment(static_cast<double>(ffn.listed() - listed_before));
             last_end = shm::MonotonicNanos();
             compute.Increment((last_end - t0) * 1e-9);
             exchanges.Observe((last_end - t0) * 1e-9);

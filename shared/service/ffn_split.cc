@@ -321,6 +321,7 @@ uint64_t PartialFfn::Accumulate(int layer, const float* x, int n, const uint64_t
       } else {
         for (int i = 0; i < k; ++i) sel_.push_back(i);
       }
+      listed_ += gate != nullptr ? static_cast<uint64_t>(k) : sel_.size();
       const int m = static_cast<int>(sel_.size());
       coef_.resize(std::max(m, 1));
       const size_t H = L.down_t.cols();
@@ -372,6 +373,7 @@ uint64_t PartialFfn::Accumulate(int layer, const float* x, int n, const uint64_t
     }
   }
   const int m = static_cast<int>(sel_.size());
+  if (masks == nullptr) listed_ += static_cast<uint64_t>(n) * k;
   if (m == 0) return 0;
   up_.resize(static_cast<size_t>(n) * m);
   ops_.MatMulRows(L.up, sel_.data(), m, x, n, up_.data());  // up: [n, m]
@@ -380,7 +382,11 @@ uint64_t PartialFfn::Accumulate(int layer, const float* x, int n, const uint64_t
     // A row computed for one token of the batch contributes only to the tokens that listed it.
     for (int t = 0; t < n; ++t) {
       for (int j = 0; j < m; ++j) {
-        if (!bit(t, L.neurons[sel_[j]])) sel_gate_[static_cast<size_t>(t) * m + j] = 0;
+        if (!bit(t, L.neurons[sel_[j]])) {
+          sel_gate_[static_cast<size_t>(t) * m + j] = 0;
+        } else {
+          ++listed_;
+        }
       }
     }
   }

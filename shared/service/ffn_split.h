@@ -116,6 +116,10 @@ class PartialFfn {
   // (token, neuron) pairs with a non-zero activation that were computed.
   uint64_t Accumulate(int layer, const float* x, int n, const uint64_t* masks, int words_per_mask,
                       float* out);
+  // (token, neuron) pairs that Accumulate was asked to compute so far: the neurons a token's
+  // mask lists on this side (sparse mode) or every neuron of this side (exact mode). Against
+  // Accumulate's returns, it is what the predictor's misses of a zero activation cost here.
+  uint64_t listed() const { return listed_; }
   // Loads the rows of this side's neurons set in `mask` (a guess at the next request's list for
   // `layer`) into the caches of the pool threads that will compute them: the list in the parts
   // a single token's Accumulate splits its list into, part i on pool thread i, which the pool's
@@ -138,6 +142,7 @@ class PartialFfn {
   std::vector<int32_t> sel_, iota_, guess_;
   std::vector<uint8_t> guess_first_;
   std::vector<uint64_t> any_;
+  uint64_t listed_ = 0;
 };
 
 }  // namespace pinfer

@@ -137,7 +137,8 @@ TEST(FfnSplitTest, MasksRestrictTheComputedNeurons) {
 // On one side's subset of neurons, a token's mask selects the subset's rows by global id: the
 // result must equal exact (gate-decides) mode on a store of just the subset's neurons the mask
 // lists, since a ReLU row left out by the gate contributes nothing. Decode steps (one token at a
-// time) and prompt batches (rows listed by any token, then zeroed per token) both.
+// time) and prompt batches (rows listed by any token, then zeroed per token) both; listed()
+// counts each token's listed rows, and in exact mode every row.
 TEST(FfnSplitTest, MasksOverASubsetSelectRowsByGlobalId) {
   auto m = Load("relu-llama-tiny");
   ASSERT_NE(m, nullptr);
@@ -166,7 +167,12 @@ TEST(FfnSplitTest, MasksOverASubsetSelectRowsByGlobalId) {
         if ((masks[static_cast<size_t>(t) * W + j / 64] >> (j % 64)) & 1) listed[t].push_back(j);
       }
     }
+    const uint64_t listed_before = ffn.listed();
     ffn.Accumulate(layer, x.data(), n, masks.data(), W, got.data());
+    // listed(): the (token, neuron) pairs the masks list among this side's neurons.
+    size_t want_listed = 0;
+    for (const auto& l : listed) want_listed += l.size();
+    EXPECT_EQ(ffn.listed() - listed_before, want_listed) << "tokens " << n;
     for (int t = 0; t < n; ++t) {
       std::vector<std::vector<int32_t>> only(c.n_layers);
       only[layer] = listed[t];
@@ -175,6 +181,7 @@ TEST(FfnSplitTest, MasksOverASubsetSelectRowsByGlobalId) {
       PartialFfn exact(**want_rows, c.activation, *ops);
       std::vector<float> want(H, 0.f);
       exact.Accumulate(layer, x.data() + static_cast<size_t>(t) * H, 1, nullptr, 0, want.data());
+      EXPECT_EQ(exact.listed(), listed[t].size()) << "exact mode lists every neuron of its side";
       std::vector<float> got_t(got.begin() + static_cast<size_t>(t) * H,
                                got.begin() + static_cast<size_t>(t + 1) * H);
       EXPECT_LT(RelErr(got_t, want), 1e-5) << "tokens " << n << " token " << t;

@@ -407,7 +407,12 @@ TEST_F(ServiceTest, MetricsCountTheLoad) {
 
   auto cpu = ScrapeMetrics(d_->cpu_metrics_port());
   ASSERT_TRUE(cpu.ok()) << cpu.status();
-  EXPECT_GT(MetricSum(*cpu, "pinfer_worker_neurons_computed_total", "side=\"cpu\""), 0);
+  const double computed = MetricSum(*cpu, "pinfer_worker_neurons_computed_total", "side=\"cpu\"");
+  EXPECT_GT(computed, 0);
+  // Every computed pair was listed, and none beyond the cold neurons of the requests' tokens.
+  const double listed = MetricSum(*cpu, "pinfer_worker_neurons_listed_total", "side=\"cpu\"");
+  EXPECT_GE(listed, computed);
+  EXPECT_LE(listed, MetricSum(*cpu, "pinfer_worker_neuron_candidates_total", "side=\"cpu\""));
   EXPECT_GT(MetricSum(*cpu, "pinfer_worker_compute_seconds_total"), 0);
   EXPECT_EQ(MetricSum(*cpu, "pinfer_worker_ffn_row_bytes"), 6.0 * 768 * 3 * 384 * 2);
   EXPECT_GT(MetricSum(*cpu, "pinfer_worker_resident_bytes"), 0);
