@@ -1,0 +1,34 @@
+#!/bin/bash
+# Why the cpu-worker's cold rows read at 32-41 GB/s where the CUDA bench's cold side reads the same
+# kind of rows at 104 GB/s on the same host (issue 43, part 2; docs/benchmarks.md, "The product's
+# layer exchange on the GPU host"). Runs, on the device, from the repository root with the service
+# bundle unpacked as seventy_b_service_run.sh expects (.device/svc-slim.tar.xz):
+#   1. cold_rows_bench on a 12-layer file of the 70B width: the product's path, the partials left
+#      unsummed (ways=parts) and every listed neuron's three rows (ways=silu), at 14, 8 and 1
+#      threads, for a request of 442 listed neurons and one of 1100 (the service's size: it
+#      computed 544-594 live neurons an exchange in session 43); the huge pages the store got;
+#   2. the 70B service with its defaults, scraping the listed and computed cold neurons.
+#
+#   bench/cuda/device/cold_rows_run.sh OUT
+set -u
+out=$(realpath -m "${1:?output dir}")
+mkdir -p "$out" /tmp/s
+[ -d /tmp/s/svc ] || tar -xJf .device/svc-slim.tar.xz -C /tmp/s
+b=/tmp/s/svc
+nvidia-smi --query-gpu=name --format=csv,noheader; nproc
+cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/defrag
+m=/tmp/cold-rows-12.gguf
+LD_LIBRARY_PATH=$b/lib $b/bin/synthetic_pwri --out $m --vocab-gguf models/llama2-vocab/llama-2-tiny-random.gguf \
+  --dtype q4_0 --rank 256 --layers 12 --hidden 8192 --ffn 28672 --heads 64 --kv-heads 8 2>&1 | tail -1
+for n in 442 1100; do
+  echo "== cold_rows_bench neurons=$n"
+  LD_LIBRARY_PATH=$b/lib timeout 200 $b/bin/cold_rows_bench model=$m threads=14,8,1 layers=12 \
+    requests=500 neurons=$n | tee "$out/cold_rows_$n.txt"
+done
+rm -f $m
+timeout 200 env REPEATS=3 bench/cuda/device/seventy_b_service_run.sh "$out/service" > "$out/service.log" 2>&1
+echo "== service rc=$?"
+grep -E "^first token|^repeat|^peak|exchange_compute_seconds_(sum|count)|shm_wait_seconds_sum|neurons_(listed|computed)" \
+  "$out/service/summary.txt"
+grep "cold rows:" "$out/service/cpu-worker.log"
+exit 0
