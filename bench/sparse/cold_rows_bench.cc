@@ -39,16 +39,13 @@
 #include "shared/service/ffn_split.h"
 #include "shared/service/log.h"
 #include "shared/service/service_model.h"
+#include "shared/shm/segment.h"
 #include "shared/util/thread_pool.h"
 
 namespace pinfer {
 namespace {
 
-uint64_t Now() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+uint64_t Now() { return shm::MonotonicNanos(); }
 
 double Quantile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());

@@ -11,12 +11,10 @@
 #
 #   bench/cuda/device/cold_rows_run.sh OUT
 set -u
-out=$(realpath -m "${1:?output dir}")
-mkdir -p "$out" /tmp/s
-[ -d /tmp/s/svc ] || tar -xJf .device/svc-slim.tar.xz -C /tmp/s
-b=/tmp/s/svc
-nvidia-smi --query-gpu=name --format=csv,noheader; nproc
-cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/defrag
+out=$(realpath -m "${1:?output dir}") b=/tmp/s/svc
+mkdir -p "$out" /tmp/s && { [ -d $b ] || tar -xJf .device/svc-slim.tar.xz -C /tmp/s; }
+lscpu | grep -E "Model name|^CPU\(s\)|L3"
+echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled); defrag: $(cat /sys/kernel/mm/transparent_hugepage/defrag)"
 m=/tmp/cold-rows-12.gguf
 LD_LIBRARY_PATH=$b/lib $b/bin/synthetic_pwri --out $m --vocab-gguf models/llama2-vocab/llama-2-tiny-random.gguf \
   --dtype q4_0 --rank 256 --layers 12 --hidden 8192 --ffn 28672 --heads 64 --kv-heads 8 2>&1 | tail -1
