@@ -13,6 +13,7 @@
 #include <numbers>
 
 #include "absl/strings/str_cat.h"
+#include "shared/util/aligned_buffer.h"
 
 namespace pinfer {
 
@@ -23,8 +24,9 @@ std::unique_ptr<float[], KvCache::Free> KvCache::Allocate(size_t n) {
   const size_t rounded = (std::max<size_t>(bytes, 1) + align - 1) / align * align;
   float* p = static_cast<float*>(std::aligned_alloc(align, rounded));
   if (p == nullptr) throw std::bad_alloc();
-  if (align == kHugePage) madvise(p, rounded, MADV_HUGEPAGE);  // a hint: failure is harmless
+  if (align == kHugePage) madvise(p, rounded, MADV_HUGEPAGE);
   std::memset(p, 0, rounded);
+  if (align == kHugePage) (void)CollapseToHugePages(p, rounded);  // see aligned_buffer.h
   return std::unique_ptr<float[], Free>(p);
 }
 

@@ -1,8 +1,14 @@
 // Memory for large arrays that the CPU streams row by row (copied weight rows, KV caches):
 // page-aligned, so a row whose size is a multiple of the page size never straddles one page more
 // than it must (the hardware prefetchers stop at page boundaries), and for large arrays 2 MiB-
-// aligned with a transparent-huge-page hint, so scattered row reads do not each start with a TLB
-// miss. Zero-filled.
+// aligned in transparent huge pages, so scattered row reads do not each start with a TLB miss.
+// Zero-filled.
+//
+// The hint (MADV_HUGEPAGE) alone gets huge pages only where the kernel finds free 2 MiB blocks when
+// the memory is first touched; on a host whose memory is fragmented, say by a page cache full of a
+// 40 GB model file, it silently falls back to 4 KiB pages. So the zero-filled pages are then
+// collapsed into huge pages (MADV_COLLAPSE, Linux 6.1+), which compacts memory if it must; where
+// they already are huge pages, it costs nothing.
 #pragma once
 
 #include <sys/mman.h>
@@ -21,14 +27,26 @@ struct FreeDeleter {
 };
 using AlignedBytes = std::unique_ptr<uint8_t[], FreeDeleter>;
 
+// Asks for [p, p + bytes) (2 MiB-aligned, its pages present) to be backed by huge pages now:
+// the hint, then a synchronous collapse. Returns whether the collapse succeeded; a kernel without
+// MADV_COLLAPSE, THP turned off or no memory to compact into leaves the pages as they are.
+inline bool CollapseToHugePages(void* p, size_t bytes) {
+#ifndef MADV_COLLAPSE
+  constexpr int MADV_COLLAPSE = 25;  // Linux 6.1's value; older kernels answer EINVAL
+#endif
+  madvise(p, bytes, MADV_HUGEPAGE);
+  return madvise(p, bytes, MADV_COLLAPSE) == 0;
+}
+
 inline AlignedBytes AllocateAligned(size_t bytes) {
   constexpr size_t kPage = 4096, kHugePage = size_t{2} << 20;
   const size_t align = bytes >= kHugePage ? kHugePage : kPage;
   const size_t rounded = (std::max<size_t>(bytes, 1) + align - 1) / align * align;
   void* p = std::aligned_alloc(align, rounded);
   if (p == nullptr) throw std::bad_alloc();
-  if (align == kHugePage) madvise(p, rounded, MADV_HUGEPAGE);  // a hint: failure is harmless
+  if (align == kHugePage) madvise(p, rounded, MADV_HUGEPAGE);
   std::memset(p, 0, rounded);
+  if (align == kHugePage) (void)CollapseToHugePages(p, rounded);  // best effort
   return AlignedBytes(static_cast<uint8_t*>(p));
 }
 

@@ -6,8 +6,10 @@
 // rows only.
 #include "shared/service/ffn_split.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -267,6 +269,30 @@ TEST(FfnSplitTest, LargeRowStorageArrivesInHugePagesWhereTheHostAllowsThem) {
   const uint64_t after = HugePageBytes();
   EXPECT_GE(after, before + (size_t{2} << 20)) << "THP mode: " << mode;
   EXPECT_LE(after, ResidentBytes());
+}
+
+// Memory first touched as 4 KiB pages (as on a host too fragmented to give huge pages at the
+// first touch; MADV_NOHUGEPAGE stands in for that here) becomes huge pages when collapsed, its
+// contents unchanged: what AllocateAligned does after zero-filling a large allocation.
+TEST(FfnSplitTest, CollapseToHugePagesTurnsSmallPagesIntoHugeOnesKeepingTheBytes) {
+  constexpr size_t kBytes = size_t{32} << 20, kHuge = size_t{2} << 20;
+  void* raw = std::aligned_alloc(kHuge, kBytes);
+  ASSERT_NE(raw, nullptr);
+  AlignedBytes owner(static_cast<uint8_t*>(raw));
+  uint8_t* p = owner.get();
+  madvise(p, kBytes, MADV_NOHUGEPAGE);
+  const uint64_t before = HugePageBytes();
+  for (size_t i = 0; i < kBytes; ++i) p[i] = static_cast<uint8_t>(i * 7 + (i >> 12));
+  EXPECT_LT(HugePageBytes(), before + kHuge) << "the fill should have made small pages";
+  errno = 0;
+  if (!CollapseToHugePages(p, kBytes)) {
+    GTEST_SKIP() << "no collapse here (errno " << errno << ": kernel before 6.1, THP off, or no "
+                 << "memory to compact)";
+  }
+  EXPECT_GE(HugePageBytes(), before + kBytes / 2);
+  size_t wrong = 0;
+  for (size_t i = 0; i < kBytes; ++i) wrong += p[i] != static_cast<uint8_t>(i * 7 + (i >> 12));
+  EXPECT_EQ(wrong, 0u);
 }
 
 // Prefetch (the cpu-worker's --prefetch-guess) loads the rows of the guessed neurons that this
