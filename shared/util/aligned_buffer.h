@@ -5,8 +5,8 @@
 // Zero-filled.
 //
 // The hint (MADV_HUGEPAGE) alone gets huge pages only where the kernel finds free 2 MiB blocks when
-// the memory is first touched; on a host whose memory is fragmented, say by a page cache full of a
-// 40 GB model file, it silently falls back to 4 KiB pages. So the zero-filled pages are then
+// the memory is first touched (and the THP defrag setting lets it compact); where free memory is
+// fragmented it falls back to 4 KiB pages without a word. So the zero-filled pages are then
 // collapsed into huge pages (MADV_COLLAPSE, Linux 6.1+), which compacts memory if it must; where
 // they already are huge pages, it costs nothing.
 #pragma once
