@@ -34,6 +34,7 @@ struct BackendStats {
   uint64_t exchanges = 0;
   uint64_t hot_neurons = 0;     // (token, neuron) pairs computed here
   uint64_t cold_neurons = 0;    // ... and by the cpu-worker
+  uint64_t cold_gpu_neurons = 0;  // of hot_neurons, the cold lists' share the GPU took
   uint64_t hot_candidates = 0;  // (token, neuron) pairs that could have been computed here
   uint64_t cold_candidates = 0;
   std::vector<double> wait_samples;  // per exchange, seconds (for the wait histogram)

@@ -306,6 +306,7 @@ class CudaBackend : public ComputeBackend {
     stats_.hot_ffn_ns += static_cast<uint64_t>(fs.gpu_hot_ffn * 1e9);
     // The GPU's share of the cold neurons (--cold-gpu-share) is computed here too.
     stats_.hot_neurons += static_cast<uint64_t>(fs.hot_rows_computed + fs.cold_rows_gpu);
+    stats_.cold_gpu_neurons += static_cast<uint64_t>(fs.cold_rows_gpu);
     const uint64_t hot_per_layer = hot_neurons_ / std::max(1, model_.config.n_layers);
     stats_.hot_candidates += hot_per_layer * model_.config.n_layers * tokens.size();
     stats_.cold_candidates +=

@@ -86,6 +86,15 @@ SchedulerHooks RegisterWorkerMetrics(const State& s, prometheus::Registry& regis
   auto* guess_actual = &guess->Add({{"kind", "actual"}});
   auto* guess_hits = &guess->Add({{"kind", "held"}});
   auto* guess_first = &guess->Add({{"kind", "first"}});
+  auto* cold_gpu = &prometheus::BuildCounter()
+                        .Name("pinfer_worker_cold_gpu_share_neurons_total")
+                        .Help(
+                            "(token, neuron) pairs of the decode layers' predicted cold lists that "
+                            "the GPU computed itself from pinned host rows over PCIe "
+                            "(--cold-gpu-share; CUDA backend); counted in "
+                            "pinfer_worker_neurons_computed_total{side=\"gpu\"} too")
+                        .Register(registry)
+                        .Add({});
   auto* lane_steps = &prometheus::BuildCounter()
                           .Name("pinfer_worker_decode_lane_steps_total")
                           .Help(
@@ -189,6 +198,7 @@ SchedulerHooks RegisterWorkerMetrics(const State& s, prometheus::Registry& regis
     streamed_bytes->Increment(st.streamed_bytes);
     cache_swaps->Increment(static_cast<double>(st.cache_swaps));
     lane_steps->Increment(static_cast<double>(st.lane_steps));
+    cold_gpu->Increment(static_cast<double>(st.cold_gpu_neurons));
     guess_neurons->Increment(static_cast<double>(st.guess_neurons));
     guess_actual->Increment(static_cast<double>(st.guess_actual));
     guess_hits->Increment(static_cast<double>(st.guess_hits));

@@ -398,6 +398,9 @@ TEST_F(ServiceTest, MetricsCountTheLoad) {
   EXPECT_GT(MetricSum(*gpu, "pinfer_worker_shm_wait_seconds_count"), 0);
   EXPECT_EQ(MetricSum(*gpu, "pinfer_worker_backend_info", "backend=\"cpu\""), 1);
   EXPECT_EQ(MetricSum(*gpu, "pinfer_worker_gpu_available"), 0);
+  // The CPU backend has no GPU to take a share of the cold lists; the series is there, at 0.
+  EXPECT_EQ(gpu->count("pinfer_worker_cold_gpu_share_neurons_total"), 1u);
+  EXPECT_EQ(MetricSum(*gpu, "pinfer_worker_cold_gpu_share_neurons_total"), 0);
   EXPECT_GT(MetricSum(*gpu, "pinfer_worker_resident_bytes"), 0);
   EXPECT_EQ(MetricSum(*gpu, "pinfer_worker_peer_alive"), 1);
   // ReLU: most neurons are skipped (reference.json: 15-35% active per layer).

@@ -7,7 +7,9 @@
 #      unsummed (ways=parts) and every listed neuron's three rows (ways=silu), at 14, 8 and 1
 #      threads, for a request of 442 listed neurons and one of 1100 (the service's size: it
 #      computed 544-594 live neurons an exchange in session 43); the huge pages the store got;
-#   2. the 70B service with its defaults, scraping the listed and computed cold neurons.
+#   2. the 70B service with its defaults, scraping the listed and computed cold neurons and the
+#      GPU's share of them (--cold-gpu-share auto), then with that share off: the GPU's reads of
+#      pinned host rows over PCIe take host memory bandwidth from the cpu-worker's own rows.
 #
 #   bench/cuda/device/cold_rows_run.sh OUT
 set -u
@@ -24,9 +26,15 @@ for n in 442 1100; do
     requests=500 neurons=$n | tee "$out/cold_rows_$n.txt"
 done
 rm -f $m
-timeout 200 env REPEATS=3 bench/cuda/device/seventy_b_service_run.sh "$out/service" > "$out/service.log" 2>&1
-echo "== service rc=$?"
-grep -E "^first token|^repeat|^peak|exchange_compute_seconds_(sum|count)|shm_wait_seconds_sum|neurons_(listed|computed)" \
-  "$out/service/summary.txt"
-grep "cold rows:" "$out/service/cpu-worker.log"
+g="--gpu-slots 2 --max-context 4096"
+for run in "service:$g" "noshare:$g --cold-gpu-share off"; do
+  name=${run%%:*}
+  timeout 200 env REPEATS=3 GPU_FLAGS="${run#*:}" bench/cuda/device/seventy_b_service_run.sh \
+    "$out/$name" > "$out/$name.log" 2>&1
+  echo "== $name rc=$?"
+  pkill -9 -f "pinfer-(gpu|cpu)-worker|pinfer-gateway"
+  grep -E "^first token|^repeat|^peak|exchange_compute_seconds_(sum|count)|shm_wait_seconds_sum|neurons_(listed|computed)|cold_gpu_share" \
+    "$out/$name/summary.txt"
+  grep "cold rows:" "$out/$name/cpu-worker.log"
+done
 exit 0

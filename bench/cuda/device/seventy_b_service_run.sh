@@ -124,7 +124,7 @@ curl -s "http://127.0.0.1:$(cat "$dir/cpu.mport")/metrics" > "$out/cpu-worker.me
 # the handoff (shared memory, wake-ups).
 grep -E '^pinfer_worker_exchange_compute_seconds_(sum|count)|^pinfer_worker_neurons_(listed|computed)_total' "$out/cpu-worker.metrics" |
   tee -a "$out/summary.txt"
-grep -E '^pinfer_worker_ffn_sparsity|^pinfer_worker_neurons_computed_total|^pinfer_worker_shm_wait_seconds_(sum|count)|^pinfer_worker_shm_wait_seconds_total|^pinfer_worker_compute_seconds_total' \
+grep -E '^pinfer_worker_ffn_sparsity|^pinfer_worker_neurons_computed_total|^pinfer_worker_cold_gpu_share_neurons_total|^pinfer_worker_shm_wait_seconds_(sum|count)|^pinfer_worker_shm_wait_seconds_total|^pinfer_worker_compute_seconds_total' \
   "$out/gpu-worker.metrics" | tee -a "$out/summary.txt"
 kill $gw $gp $cp 2>/dev/null
 wait $gw $gp $cp 2>/dev/null
