@@ -77,7 +77,19 @@ int Main(int argc, char** argv) {
   std::vector<int> threads;
   for (absl::string_view t : absl::StrSplit(kv.count("threads") ? kv["threads"] : "14,8,1", ',')) {
     int v;
-    if (absl::SimpleAtoi(t, &v) && v > 0) threads.push_back(v);
+    if (!absl::SimpleAtoi(t, &v) || v < 1) {
+      std::fprintf(stderr, "threads: positive integers, comma-separated\n");
+      return 2;
+    }
+    threads.push_back(v);
+  }
+  const std::vector<std::string> ways = absl::StrSplit(
+      kv.count("ways") ? kv["ways"] : "accumulate,parts,silu", ',', absl::SkipEmpty());
+  for (const std::string& w : ways) {
+    if (w != "accumulate" && w != "parts" && w != "silu") {
+      std::fprintf(stderr, "unknown way %s (accumulate, parts, silu)\n", w.c_str());
+      return 2;
+    }
   }
   const int neurons = static_cast<int>(num("neurons", 442));
   const int requests = static_cast<int>(num("requests", 600));
@@ -133,8 +145,6 @@ int Main(int argc, char** argv) {
   const double gate_b = static_cast<double>(l0.gate.row_bytes()),
                updown_b = static_cast<double>(l0.up.row_bytes() + l0.down_t.row_bytes());
 
-  std::vector<std::string> ways = absl::StrSplit(
-      kv.count("ways") ? kv["ways"] : "accumulate,parts,silu", ',', absl::SkipEmpty());
   std::printf(
       "\n| threads | way | gap us | request median us | p90 us | active of %d | GB/s at the "
       "median | back to back, median us |\n|---|---|---|---|---|---|---|---|\n",

@@ -4,12 +4,8 @@
 // all see the same keys as one whole-sequence pass would.
 #include "shared/engine/transformer.h"
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <cmath>
-#include <cstring>
-#include <new>
 #include <numbers>
 
 #include "absl/strings/str_cat.h"
@@ -18,16 +14,9 @@
 namespace pinfer {
 
 std::unique_ptr<float[], KvCache::Free> KvCache::Allocate(size_t n) {
-  constexpr size_t kHugePage = size_t{2} << 20;
-  const size_t bytes = n * sizeof(float);
-  const size_t align = bytes >= kHugePage ? kHugePage : 64;
-  const size_t rounded = (std::max<size_t>(bytes, 1) + align - 1) / align * align;
-  float* p = static_cast<float*>(std::aligned_alloc(align, rounded));
-  if (p == nullptr) throw std::bad_alloc();
-  if (align == kHugePage) madvise(p, rounded, MADV_HUGEPAGE);
-  std::memset(p, 0, rounded);
-  if (align == kHugePage) (void)CollapseToHugePages(p, rounded);  // see aligned_buffer.h
-  return std::unique_ptr<float[], Free>(p);
+  // AllocateAligned's memory is freed with std::free, as Free does.
+  return std::unique_ptr<float[], Free>(
+      reinterpret_cast<float*>(AllocateAligned(n * sizeof(float)).release()));
 }
 
 std::vector<float> RopeInverseFrequencies(const ModelConfig& c) {

@@ -36,9 +36,9 @@ struct KvCache {
   struct Free {
     void operator()(float* p) const { std::free(p); }
   };
-  // Caches of 2 MiB and more get transparent huge pages where the kernel grants them on request:
-  // each decode step reads every cached row of every layer, a new 4 KiB page every row or so,
-  // and the TLB misses cost ~6% of a Q4_0 decode step (measured on the benchmark model).
+  // From AllocateAligned: caches of 2 MiB and more in transparent huge pages, since each decode
+  // step reads every cached row of every layer, a new 4 KiB page every row or so, and the TLB
+  // misses cost ~6% of a Q4_0 decode step (measured on the benchmark model).
   static std::unique_ptr<float[], Free> Allocate(size_t n);
   std::unique_ptr<float[], Free> k, v;
 };
