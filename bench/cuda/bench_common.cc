@@ -16,6 +16,7 @@
 #include "gpu-worker/cuda/kernels.h"
 #include "gpu-worker/cuda/model_dims.h"
 #include "shared/engine/row_kernels.h"
+#include "shared/model/gguf.h"
 
 namespace pinfer::cudabench {
 
@@ -94,7 +95,9 @@ bool ParseSharedFlag(const std::string& a, BenchOptions* o) {
                                 {"--active=", &o->active}}};
   if (ParseNumberFlag(a, numbers)) return true;
   if (const char* v = FlagValue(a, "--dtype=")) {
-    o->dtype = v;
+    // Q4_K_M is no DType but a mix over Q4_K (SynthModel).
+    o->q4_k_m = std::string(v) == "Q4_K_M";
+    o->dtype = o->q4_k_m ? "Q4_K" : v;
   } else if (const char* v = FlagValue(a, "--skews=")) {
     o->skews = CommaList(v);
   } else if (const char* v = FlagValue(a, "--graphs=")) {
@@ -115,7 +118,17 @@ bool ParseFlags(int argc, char** argv, BenchOptions* o,
     }
   }
   if (o->dtype != "F16" && o->dtype != "Q4_0" && o->dtype != "Q4_K" && o->dtype != "Q6_K") {
-    std::fprintf(stderr, "--dtype must be F16, Q4_0, Q4_K or Q6_K\n");
+    std::fprintf(stderr, "--dtype must be F16, Q4_0, Q4_K, Q4_K_M or Q6_K\n");
+    return false;
+  }
+  if (o->q4_k_m && !o->mixes_ok) {
+    std::fprintf(stderr, "--dtype=Q4_K_M: only cuda_decode_bench counts bytes per tensor type\n");
+    return false;
+  }
+  // Rows of whole super-blocks (ffn_down's rows are ffn long in the file): else the converter
+  // falls back to types the bench does not build (KMixTensorType).
+  if (o->q4_k_m && (o->hidden % kSuperBlock != 0 || o->ffn % kSuperBlock != 0)) {
+    std::fprintf(stderr, "--dtype=Q4_K_M needs --hidden and --ffn multiples of %d\n", kSuperBlock);
     return false;
   }
   if (o->rounds < 1 || o->rounds > 100) {
@@ -202,24 +215,37 @@ void FillRandom(DType t, uint8_t* p, size_t bytes, uint64_t seed, ThreadPool& po
       }
     });
   }
-  if (t == DType::kQ4_K || t == DType::kQ6_K) {
+  if (IsKQuant(t)) {
     // K super-blocks: random quants and sub-block scales, the fp16 scales of the scales (and of
     // the mins) fixed to small sane values, so no value is Inf or NaN.
     const size_t bb = RowBytes(t, kSuperBlock), blocks = bytes / bb;
     pool.ParallelFor(static_cast<int64_t>(blocks), 1 << 14, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         uint8_t* blk = p + i * bb;
-        uint16_t* d = reinterpret_cast<uint16_t*>(t == DType::kQ4_K ? blk : blk + 208);
+        uint16_t* d = reinterpret_cast<uint16_t*>(t == DType::kQ6_K ? blk + 208 : blk);
         d[0] = static_cast<uint16_t>(0x1000 | (d[0] & 0xff));  // ~0.0005 times a 6-bit scale
-        if (t == DType::kQ4_K) d[1] = static_cast<uint16_t>(0x1000 | (d[1] & 0xff));
+        if (t != DType::kQ6_K) d[1] = static_cast<uint16_t>(0x1000 | (d[1] & 0xff));
       }
     });
   }
 }
 
-size_t SynthModel::AttnBytes() const {
+size_t SynthModel::AttnBytes(int l) const {
   const ModelConfig& c = config;
-  return Rb(c.hidden_size) * (2 * c.q_dim() + 2 * c.kv_dim());
+  return Rb(c.hidden_size) * (2 * c.q_dim() + c.kv_dim()) +
+         RowBytes(layers[l].wv_dtype, c.hidden_size) * c.kv_dim();
+}
+
+size_t SynthModel::AllAttnBytes() const {
+  size_t s = 0;
+  for (int l = 0; l < config.n_layers; ++l) s += AttnBytes(l);
+  return s;
+}
+
+size_t SynthModel::AllNeuronBytes() const {
+  size_t s = 0;
+  for (int l = 0; l < config.n_layers; ++l) s += NeuronBytes(l);
+  return s;
 }
 
 size_t SynthModel::PredBytes() const {
@@ -227,8 +253,29 @@ size_t SynthModel::PredBytes() const {
 }
 
 size_t SynthModel::ModelBytes() const {
-  return HeadBytes() + config.n_layers * (AttnBytes() + FfnBytes() + 8 * config.hidden_size) +
-         4 * config.hidden_size;
+  return HeadBytes() + AllAttnBytes() + AllNeuronBytes() * config.ffn_size +
+         config.n_layers * 8 * config.hidden_size + 4 * config.hidden_size;
+}
+
+std::string SynthModel::TypeName(bool detail) const {
+  const std::string base(DTypeName(dtype));
+  if (!q4_k_m) return base;
+  if (!detail) return "Q4_K_M";
+  int wv6 = 0, down6 = 0, wv5 = 0;
+  for (const SynthLayer& L : layers) {
+    wv6 += L.wv_dtype == DType::kQ6_K;
+    wv5 += L.wv_dtype == DType::kQ5_K;
+    down6 += L.down_dtype == DType::kQ6_K;
+  }
+  std::string s = "Q4_K_M (" + base + ", " + std::string(DTypeName(out_dtype)) + " output";
+  if (wv6 == down6) {
+    s += ", Q6_K wv/down of " + std::to_string(wv6) + " layers";
+  } else {
+    s += ", Q6_K wv of " + std::to_string(wv6) + " layers and down of " + std::to_string(down6);
+  }
+  // llama.cpp's 70B rule (80 layers with grouped-query attention): the other layers' wv Q5_K.
+  if (wv5 > 0) s += ", Q5_K wv of " + std::to_string(wv5) + " layers";
+  return s + ")";
 }
 
 TensorView View(DType t, int64_t rows, int64_t cols, const Buffer& b) {
@@ -239,10 +286,11 @@ TensorView View(DType t, int64_t rows, int64_t cols, const Buffer& b) {
   return v;
 }
 
-std::unique_ptr<SynthModel> BuildModel(const BenchOptions& o, ThreadPool& pool) {
+std::unique_ptr<SynthModel> PlanModel(const BenchOptions& o) {
   auto m = std::make_unique<SynthModel>();
   auto parsed = DTypeFromName(o.dtype);
   m->dtype = parsed.ok() ? *parsed : DType::kF16;
+  m->q4_k_m = o.q4_k_m;
   m->config = ModelConfig{.vocab_size = o.vocab,
                           .hidden_size = o.hidden,
                           .n_layers = o.layers,
@@ -253,38 +301,65 @@ std::unique_ptr<SynthModel> BuildModel(const BenchOptions& o, ThreadPool& pool) 
                           .activation = Activation::kSilu};
   const ModelConfig& c = m->config;
   m->pred_rank = o.pred_rank;
+  // The mix's types as `pinfer convert --type q4_k_m` picks them, by the tensors' GGUF names and
+  // row lengths (ffn_down's rows are ffn long there); is_70b as gguf_convert.cc's IsSeventyB.
+  const bool is_70b = c.n_layers == 80 && c.n_heads != c.n_kv_heads;
+  auto mix_type = [&](const std::string& name, int64_t cols, bool is_output) {
+    if (!m->q4_k_m) return m->dtype;
+    const GgmlType g =
+        KMixTensorType(KQuantMix::kQ4_K_M, name, cols, c.n_layers, is_output, is_70b);
+    auto t = DTypeFromGgmlType(static_cast<uint32_t>(g));
+    if (!t.ok()) {  // ParseFlags' checks keep the mix to types the bench builds
+      std::fprintf(stderr, "%s: %s\n", name.c_str(), t.status().ToString().c_str());
+      std::exit(2);
+    }
+    return *t;
+  };
+  m->out_dtype = mix_type("output.weight", c.hidden_size, true);
+  m->layers.resize(c.n_layers);
+  for (int l = 0; l < c.n_layers; ++l) {
+    const std::string blk = "blk." + std::to_string(l) + ".";
+    m->layers[l].wv_dtype = mix_type(blk + "attn_v.weight", c.hidden_size, false);
+    m->layers[l].down_dtype = mix_type(blk + "ffn_down.weight", c.ffn_size, false);
+  }
+  return m;
+}
+
+std::unique_ptr<SynthModel> BuildModel(const BenchOptions& o, ThreadPool& pool) {
+  std::unique_ptr<SynthModel> m = PlanModel(o);
+  const ModelConfig& c = m->config;
   const int H = c.hidden_size, F = c.ffn_size;
   uint64_t seed = 1;
-  auto make = [&](int64_t rows, int64_t cols) {
-    auto b = std::make_unique<Buffer>(m->Rb(cols) * rows);
-    FillRandom(m->dtype, b->p, b->n, seed++, pool);
+  auto make = [&](int64_t rows, int64_t cols, DType t) {
+    auto b = std::make_unique<Buffer>(RowBytes(t, cols) * rows);
+    FillRandom(t, b->p, b->n, seed++, pool);
     return b;
   };
-  m->emb = make(c.vocab_size, H);
-  m->out = make(c.vocab_size, H);
+  m->emb = make(c.vocab_size, H, m->dtype);
+  m->out = make(c.vocab_size, H, m->out_dtype);
   m->out_norm.assign(H, 1.f);
   std::mt19937 rng(7);
   for (int l = 0; l < c.n_layers; ++l) {
-    SynthLayer L;
-    L.wq = make(c.q_dim(), H);
-    L.wk = make(c.kv_dim(), H);
-    L.wv = make(c.kv_dim(), H);
-    L.wo = make(H, c.q_dim());
-    L.gate = make(F, H);
-    L.up = make(F, H);
-    L.down_t = make(F, H);
-    const size_t rb = m->Rb(H);
-    L.bundles = std::make_unique<Buffer>(3 * rb * F);
+    SynthLayer& L = m->layers[l];
+    L.wq = make(c.q_dim(), H, m->dtype);
+    L.wk = make(c.kv_dim(), H, m->dtype);
+    L.wv = make(c.kv_dim(), H, L.wv_dtype);
+    L.wo = make(H, c.q_dim(), m->dtype);
+    L.gate = make(F, H, m->dtype);
+    L.up = make(F, H, m->dtype);
+    L.down_t = make(F, H, L.down_dtype);
+    const size_t rb = m->Rb(H), rb_down = RowBytes(L.down_dtype, H), nb = m->NeuronBytes(l);
+    L.bundles = std::make_unique<Buffer>(nb * F);
     pool.ParallelFor(F, 256, [&](int64_t b, int64_t e) {
       for (int64_t j = b; j < e; ++j) {
-        uint8_t* dst = L.bundles->p + 3 * rb * j;
+        uint8_t* dst = L.bundles->p + nb * j;
         std::memcpy(dst, L.gate->p + rb * j, rb);
         std::memcpy(dst + rb, L.up->p + rb * j, rb);
-        std::memcpy(dst + 2 * rb, L.down_t->p + rb * j, rb);
+        std::memcpy(dst + 2 * rb, L.down_t->p + rb_down * j, rb_down);
       }
     });
-    L.fc1 = make(m->pred_rank, H);
-    L.fc2 = make(F, m->pred_rank);
+    L.fc1 = make(m->pred_rank, H, m->dtype);
+    L.fc2 = make(F, m->pred_rank, m->dtype);
     L.attn_norm.assign(H, 1.f);
     L.ffn_norm.assign(H, 1.f);
     std::vector<int32_t> perm(F);
@@ -292,7 +367,6 @@ std::unique_ptr<SynthModel> BuildModel(const BenchOptions& o, ThreadPool& pool) 
     std::shuffle(perm.begin(), perm.end(), rng);
     L.rank_of.resize(F);
     for (int r = 0; r < F; ++r) L.rank_of[perm[r]] = r;
-    m->layers.push_back(std::move(L));
   }
   return m;
 }
@@ -346,7 +420,7 @@ void CpuColdFfn::Ahead(int layer, const cuda::ColdGuess& module_guess,
   const std::vector<int32_t>& g = (*guess_)[layer];
   if (g.empty()) return;
   const SynthLayer& L = m_.layers[layer];
-  const size_t rb = RowBytes(m_.dtype, m_.config.hidden_size);
+  const size_t nb = m_.NeuronBytes(layer);
   const int n = static_cast<int>(g.size());
   const int parts = ops_->SparseFfnParts(n);  // the op's parts, on the same pinned threads
   std::atomic<bool> stop{false};
@@ -383,7 +457,7 @@ void CpuColdFfn::Ahead(int layer, const cuda::ColdGuess& module_guess,
           if (act != nullptr && std::binary_search(act->begin(), act->end(), g[i]) != (pass == 0))
             continue;
           const size_t j = static_cast<size_t>(g[i]);
-          touch(L.bundles->p + j * 3 * rb, 3 * rb);
+          touch(L.bundles->p + j * nb, nb);
         }
       }
       // Part 0 done early: keep watching for x, so that the other parts stop in time.
@@ -399,12 +473,13 @@ void CpuColdFfn::Ahead(int layer, const cuda::ColdGuess& module_guess,
 cuda::BackendStatus CpuColdFfn::Run(const cuda::ColdRequest& r) {
   const int H = m_.config.hidden_size, F = m_.config.ffn_size;
   const SynthLayer& L = m_.layers[r.layer];
-  // The three matrices as strided views into the bundles.
+  // The three matrices as strided views into the bundles, down_t in its own type.
   const size_t rb = m_.Rb(H);
-  TensorView gate = View(m_.dtype, F, H, *L.bundles), up = gate, down_t = gate;
+  TensorView gate = View(m_.dtype, F, H, *L.bundles), up = gate;
+  TensorView down_t = View(L.down_dtype, F, H, *L.bundles);
   up.data = L.bundles->p + rb;
   down_t.data = L.bundles->p + 2 * rb;
-  gate.row_stride = up.row_stride = down_t.row_stride = 3 * rb;
+  gate.row_stride = up.row_stride = down_t.row_stride = m_.NeuronBytes(r.layer);
   if (r.n == 1 && r.max_parts > 0) {  // the GPU adds the threads' partial sums
     ops_->SparseFfnTokenParts(gate, up, down_t, r.active, r.n_active, Activation::kSilu, r.x,
                               nullptr, coef_.data(), r.out, r.max_parts, r.parts);
@@ -569,7 +644,7 @@ cuda::ModelUpload BaseUpload(const SynthModel& m, int max_ctx) {
   cuda::ModelUpload u;
   u.dims = cuda::DimsFromConfig(c);
   u.tok_embeddings = Host(m.dtype, c.vocab_size, c.hidden_size, m.emb->p);
-  u.output = Host(m.dtype, c.vocab_size, c.hidden_size, m.out->p);
+  u.output = Host(m.out_dtype, c.vocab_size, c.hidden_size, m.out->p);
   u.output_norm = Host(DType::kF32, 1, c.hidden_size, m.out_norm.data());
   u.max_ctx = max_ctx;
   u.max_seqs = 1;
@@ -586,7 +661,7 @@ void FillAttention(const SynthModel& m, int l, cuda::LayerUpload* lu) {
   lu->ffn_norm = Host(DType::kF32, 1, H, L.ffn_norm.data());
   lu->wq = Host(m.dtype, c.q_dim(), H, L.wq->p);
   lu->wk = Host(m.dtype, c.kv_dim(), H, L.wk->p);
-  lu->wv = Host(m.dtype, c.kv_dim(), H, L.wv->p);
+  lu->wv = Host(L.wv_dtype, c.kv_dim(), H, L.wv->p);
   lu->wo = Host(m.dtype, H, c.q_dim(), L.wo->p);
 }
 
@@ -598,7 +673,7 @@ void FillHotLayer(const SynthModel& m, int l, int n_hot, cuda::LayerUpload* lu) 
   lu->ffn = cuda::FfnPlacement::kHot;
   lu->gate = Host(m.dtype, F, H, L.gate->p);
   lu->up = Host(m.dtype, F, H, L.up->p);
-  lu->down_t = Host(m.dtype, F, H, L.down_t->p);
+  lu->down_t = Host(L.down_dtype, F, H, L.down_t->p);
   lu->pred_fc1 = Host(m.dtype, m.pred_rank, H, L.fc1->p);
   lu->pred_fc2 = Host(m.dtype, F, m.pred_rank, L.fc2->p);
   lu->hot_ids.clear();
@@ -613,7 +688,7 @@ void FillDenseFfn(const SynthModel& m, int l, cuda::LayerUpload* lu) {
   lu->ffn = cuda::FfnPlacement::kDense;
   lu->gate = Host(m.dtype, c.ffn_size, c.hidden_size, L.gate->p);
   lu->up = Host(m.dtype, c.ffn_size, c.hidden_size, L.up->p);
-  lu->down = Host(m.dtype, c.hidden_size, c.ffn_size, L.down_t->p);
+  lu->down = Host(L.down_dtype, c.hidden_size, c.ffn_size, L.down_t->p);
 }
 
 double ScratchBytes(const SynthModel& m, int max_ctx, int kv_layers, int max_batch) {
@@ -628,14 +703,13 @@ double ScratchBytes(const SynthModel& m, int max_ctx, int kv_layers, int max_bat
 }
 
 double SplitFixedBytes(const SynthModel& m, double scratch) {
-  return m.HeadBytes() + m.config.n_layers * (m.AttnBytes() + m.PredBytes()) + scratch;
+  return m.HeadBytes() + m.AllAttnBytes() + m.config.n_layers * m.PredBytes() + scratch;
 }
 
 int HotNeuronsInBudget(const SynthModel& m, double budget, double fixed) {
-  const double per_neuron = 3.0 * m.Rb(m.config.hidden_size) + 4;
-  return std::max(0,
-                  std::min(m.config.ffn_size,
-                           static_cast<int>((budget - fixed) / (m.config.n_layers * per_neuron))));
+  // A neuron in every layer: its rows there and its id.
+  const double per_neuron = static_cast<double>(m.AllNeuronBytes()) + 4.0 * m.config.n_layers;
+  return std::max(0, std::min(m.config.ffn_size, static_cast<int>((budget - fixed) / per_neuron)));
 }
 
 cuda::ForwardArgs DecodeStep(const int32_t* token, int pos, cuda::FfnMode mode) {
@@ -658,8 +732,8 @@ void PrintModel(const BenchOptions& o, const SynthModel& m, double build_s) {
       "model: %d layers, hidden %d, ffn %d, heads %d (kv %d), vocab %d, %s: %.2f GB (+ predictors "
       "rank %d: %.2f GB); VRAM budget %.2f GB; built in %.1f s\n",
       c.n_layers, c.hidden_size, c.ffn_size, c.n_heads, c.n_kv_heads, c.vocab_size,
-      DTypeName(m.dtype).data(), m.ModelBytes() / 1e9, m.pred_rank,
-      c.n_layers * m.PredBytes() / 1e9, o.Budget(m.ModelBytes()) / 1e9, build_s);
+      m.TypeName(true).c_str(), m.ModelBytes() / 1e9, m.pred_rank, c.n_layers * m.PredBytes() / 1e9,
+      o.Budget(m.ModelBytes()) / 1e9, build_s);
 }
 
 void PrintBandwidths(const char* when, DType dtype, int threads, const Bandwidths& bw) {

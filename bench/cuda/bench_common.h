@@ -17,7 +17,8 @@
 // The model gates with SiLU rather than ReLU: with random weights a drawn-active neuron's ReLU
 // gate would be zero half of the time, and the sparse kernels skip rows with a zero coefficient,
 // which would flatter both sides; with SiLU every drawn-active row is read in full, as for truly
-// active neurons of a ReLU model. The cost per row is the same.
+// active neurons of a ReLU model. The cost per row is the same. --dtype=Q4_K_M mixes Q4_K and
+// Q6_K as llama.cpp's Q4_K_M types a Llama (SynthModel).
 #ifndef PINFER_BENCH_CUDA_BENCH_COMMON_H_
 #define PINFER_BENCH_CUDA_BENCH_COMMON_H_
 
@@ -51,6 +52,11 @@ std::vector<std::string> Split(const std::string& s, char sep);
 // decode loop. Defaults: the 13B shape at half its bytes in VRAM.
 struct BenchOptions {
   std::string dtype = "F16";
+  // --dtype=Q4_K_M: dtype "Q4_K" with some tensors Q6_K, as `pinfer convert --type q4_k_m` and
+  // llama.cpp's quantize type them (SynthModel). Only benches whose byte counts follow each
+  // tensor's type take it (mixes_ok).
+  bool q4_k_m = false;
+  bool mixes_ok = false;
   int layers = 40, hidden = 5120, ffn = 13824, heads = 40, vocab = 32000;
   int kv_heads = 0;  // --kv-heads=N: grouped-query attention (0: as many as heads, as 13B has)
   // --budget-gb=G: the VRAM budget for the weights in GB (1e9 bytes), instead of a fraction of
@@ -101,21 +107,32 @@ struct Buffer {
 };
 
 // Random weights in the stored type. F16: magnitudes 2^-7..2^-4 with random sign and mantissa;
-// Q4_0: scale ~0.004, random nibbles; Q4_K / Q6_K: random quants and sub-block scales under small
-// fp16 super-block scales. Filled in parallel.
+// Q4_0: scale ~0.004, random nibbles; Q4_K / Q5_K / Q6_K: random quants and sub-block scales under
+// small fp16 super-block scales. Filled in parallel.
 void FillRandom(DType t, uint8_t* p, size_t bytes, uint64_t seed, ThreadPool& pool);
 
 struct SynthLayer {
   std::unique_ptr<Buffer> wq, wk, wv, wo, gate, up, down_t, fc1, fc2;
+  // wv's and down_t's types: the model's dtype but where a mix raises them (Q4_K_M).
+  DType wv_dtype, down_dtype;
   // The cold side's copy of the FFN rows as the cpu-worker keeps them (FfnRowStore): each
-  // neuron's gate, up and down_t rows back to back.
+  // neuron's gate, up and down_t rows back to back (SynthModel::NeuronBytes apart; down_t's row
+  // may be longer than the other two).
   std::unique_ptr<Buffer> bundles;
   std::vector<float> attn_norm, ffn_norm;
   std::vector<int32_t> rank_of;  // neuron -> popularity rank (0 = most active)
 };
 
+// Every weight in `dtype` but, with q4_k_m, the output head (out_dtype) and each layer's wv and
+// down_t (SynthLayer::wv_dtype, down_dtype): llama.cpp's Q4_K_M gives those Q6_K in the layers
+// of its use_more_bits, the first and last eighth and every third between, half of them
+// (KMixTensorType in shared/model/gguf_convert.cc, with which `pinfer convert` writes files; on
+// 80 layers with grouped-query attention the other layers' wv Q5_K). There down_t's rows are
+// longer than gate's and up's. The embeddings and the predictors keep dtype.
 struct SynthModel {
   DType dtype;
+  DType out_dtype;
+  bool q4_k_m = false;
   ModelConfig config;
   std::unique_ptr<Buffer> emb, out;
   std::vector<float> out_norm;
@@ -123,14 +140,28 @@ struct SynthModel {
   int pred_rank = 0;
 
   size_t Rb(int64_t cols) const { return RowBytes(dtype, cols); }
-  size_t AttnBytes() const;
-  size_t FfnBytes() const { return 3 * Rb(config.hidden_size) * config.ffn_size; }
+  // Layer l's wq, wk, wv and wo.
+  size_t AttnBytes(int l) const;
+  // One neuron's gate, up and down_t rows in layer l (its bundle on the cold side).
+  size_t NeuronBytes(int l) const {
+    return 2 * Rb(config.hidden_size) + RowBytes(layers[l].down_dtype, config.hidden_size);
+  }
+  size_t FfnBytes(int l) const { return NeuronBytes(l) * config.ffn_size; }
+  // Over all layers: their attention matrices; one neuron's rows in each.
+  size_t AllAttnBytes() const;
+  size_t AllNeuronBytes() const;
   size_t PredBytes() const;
-  size_t HeadBytes() const { return 2 * Rb(config.hidden_size) * config.vocab_size; }
+  size_t OutBytes() const { return RowBytes(out_dtype, config.hidden_size) * config.vocab_size; }
+  // The embeddings and the output head.
+  size_t HeadBytes() const { return Rb(config.hidden_size) * config.vocab_size + OutBytes(); }
   size_t ModelBytes() const;
+  // The types for the tables ("Q4_K_M"), and with detail = true what the mix holds.
+  std::string TypeName(bool detail = false) const;
 };
 
 TensorView View(DType t, int64_t rows, int64_t cols, const Buffer& b);
+// The model's shape and types, without its weights: its byte counts before it is built.
+std::unique_ptr<SynthModel> PlanModel(const BenchOptions& o);
 std::unique_ptr<SynthModel> BuildModel(const BenchOptions& o, ThreadPool& pool);
 // The model line every bench prints first.
 void PrintModel(const BenchOptions& o, const SynthModel& m, double build_s);
@@ -206,7 +237,8 @@ double ScratchBytes(const SynthModel& m, int max_ctx, int kv_layers, int max_bat
 // `scratch`.
 double SplitFixedBytes(const SynthModel& m, double scratch);
 // How many FFN neurons a layer gets on the GPU when `fixed` bytes of the budget are taken (each
-// neuron: its gate, up and down_t rows and its id).
+// neuron: its gate, up and down_t rows and its id; as many in every layer, even where down_t's
+// rows are longer).
 int HotNeuronsInBudget(const SynthModel& m, double budget, double fixed);
 
 // A one-token decode step at position pos.

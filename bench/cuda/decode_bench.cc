@@ -6,6 +6,11 @@
 //
 //   cuda_decode_bench --dtype=F16 --rounds=3                 # pinfer, offload, gpu at skews 20/40%
 //   cuda_decode_bench --dtype=F16 --rounds=3 --modes=lanes   # two sequences in flight
+//   cuda_decode_bench --dtype=Q4_K_M --rounds=3              # as llama.cpp's Q4_K_M types it
+//
+// --dtype=Q4_K_M is Q4_K with the output head and half of the layers' wv and down Q6_K, as
+// `pinfer convert --type q4_k_m` writes a Llama (bench_common.h): byte counts, budgets and
+// rooflines take each tensor's type, the bandwidths are measured on Q4_K.
 //
 // Modes (--modes, default pinfer,offload,gpu), at the same VRAM budget (default half the model's
 // bytes):
@@ -190,7 +195,7 @@ class CpuDenseLayers {
       ops_->RmsNorm(x, L.attn_norm.data(), 1, H, c.norm_eps, xb.data());
       ops_->MatMul(View(m_.dtype, c.q_dim(), H, *L.wq), xb.data(), 1, q.data());
       ops_->MatMul(View(m_.dtype, c.kv_dim(), H, *L.wk), xb.data(), 1, kc + pos * c.kv_dim());
-      ops_->MatMul(View(m_.dtype, c.kv_dim(), H, *L.wv), xb.data(), 1, vc + pos * c.kv_dim());
+      ops_->MatMul(View(L.wv_dtype, c.kv_dim(), H, *L.wv), xb.data(), 1, vc + pos * c.kv_dim());
       ops_->Rope(q.data(), 1, c.n_heads, c.head_dim, &position, inv_freq_.data(), false);
       ops_->Rope(kc + pos * c.kv_dim(), 1, c.n_kv_heads, c.head_dim, &position, inv_freq_.data(),
                  false);
@@ -201,7 +206,7 @@ class CpuDenseLayers {
       ops_->MatMul(View(m_.dtype, F, H, *L.gate), xb.data(), 1, g.data());
       ops_->MatMul(View(m_.dtype, F, H, *L.up), xb.data(), 1, u.data());
       ops_->GatedActivation(c.activation, g.data(), u.data(), F);
-      ops_->MatMul(View(m_.dtype, H, F, *L.down_t), g.data(), 1, o.data());  // as [hidden, ffn]
+      ops_->MatMul(View(L.down_dtype, H, F, *L.down_t), g.data(), 1, o.data());  // as [hidden, ffn]
       for (int i = 0; i < H; ++i) x[i] += o[i];
     }
   }
@@ -264,7 +269,7 @@ void PrintResults(const Options& o, const SynthModel& m, const Bandwidths& bw,
         r.variant.empty() || r.variant == "base" ? r.mode : r.mode + " [" + r.variant + "]";
     std::printf(
         "| %s | %s | %s | %s | %.2f | %.2f | %s | %.2f | %.2f | %.2f | %.0f%% | %.2f | %.2f |\n",
-        DTypeName(m.dtype).data(), mode.c_str(), skew, r.placement.c_str(), r.tok_s, ms, vs,
+        m.TypeName().c_str(), mode.c_str(), skew, r.placement.c_str(), r.tok_s, ms, vs,
         r.gpu_bytes / 1e9, r.cpu_bytes / 1e9, r.floor_s * 1e3, 100.0 * r.floor_s * r.tok_s,
         r.plan_bytes / 1e9, r.actual_bytes / 1e9);
   }
@@ -354,7 +359,7 @@ void PrintRounds(const SynthModel& m, const std::vector<Result>& rs) {
                     MedianOf(g.tok_s) / MedianOf(offload->tok_s));
     }
     std::printf("| %s | %s | %s | %s | %zu | %.2f | %.2f-%.2f | %s | %.0f%% | %s | %s |\n",
-                DTypeName(m.dtype).data(), g.mode.c_str(), skew, g.variant.c_str(), g.tok_s.size(),
+                m.TypeName().c_str(), g.mode.c_str(), skew, g.variant.c_str(), g.tok_s.size(),
                 MedianOf(g.tok_s), *std::min_element(g.tok_s.begin(), g.tok_s.end()),
                 *std::max_element(g.tok_s.begin(), g.tok_s.end()), vs_offload, MedianOf(g.pct),
                 vs_median, vs_round);
@@ -490,6 +495,7 @@ void ApplyVariant(const std::string& variant) {
 
 int Main(int argc, char** argv) {
   Options o;
+  o.mixes_ok = true;  // every byte count below takes each tensor's type
   auto own = [&](const std::string& a) {
     if (const char* v = FlagValue(a, "--lanes="))
       o.lanes = std::atoi(v);
@@ -554,7 +560,6 @@ int Main(int argc, char** argv) {
 
   const int max_ctx = o.warmup + o.steps + 8;
   const int total_steps = o.warmup + o.steps;
-  const size_t rb = m.Rb(c.hidden_size);
   const double kv_per_layer = 2.0 * max_ctx * c.kv_dim() * 4;
   // Attention reads of the KV cache, averaged over the measured positions.
   const double kv_read = 2.0 * c.kv_dim() * 4 * (o.warmup + o.steps / 2.0);
@@ -575,10 +580,10 @@ int Main(int argc, char** argv) {
     const int seqs = !lanes ? 1 : g_variant_lanes > 0 ? g_variant_lanes : o.lanes;
     if (has_mode("pinfer") || lanes) {
       // With lanes: a KV slot per sequence and each extra lane's scratch (which holds no KV cache).
-      const double fixed = m.HeadBytes() + c.n_layers * (m.AttnBytes() + m.PredBytes()) +
-                           ScratchBytes(m, max_ctx * seqs, c.n_layers, 8) +
-                           (seqs - 1) * ScratchBytes(m, 0, 0, 8);
-      const double per_neuron = 3.0 * rb + 4;  // gate, up, down_t rows and the id
+      const double fixed = SplitFixedBytes(m, ScratchBytes(m, max_ctx * seqs, c.n_layers, 8) +
+                                                  (seqs - 1) * ScratchBytes(m, 0, 0, 8));
+      // A neuron in every layer: its gate, up and down_t rows there and its id.
+      const double per_neuron = static_cast<double>(m.AllNeuronBytes()) + 4.0 * c.n_layers;
       const int n_hot = HotNeuronsInBudget(m, budget, fixed);
       cuda::ModelUpload u = BaseUpload(m, max_ctx);
       u.max_seqs = seqs;
@@ -590,8 +595,8 @@ int Main(int argc, char** argv) {
         for (size_t i = 0; i < lu.hot_ids.size(); ++i)
           local_of[l][lu.hot_ids[i]] = static_cast<int>(i);
       }
-      const double plan = fixed + c.n_layers * per_neuron * n_hot +
-                          4.0 * c.n_layers * (c.ffn_size - n_hot);  // cold ids
+      const double plan =
+          fixed + per_neuron * n_hot + 4.0 * c.n_layers * (c.ffn_size - n_hot);  // cold ids
       Backend be;
       t0 = Now();
       if (!CreateBackend(u, "pinfer", &be)) return 1;
@@ -615,7 +620,8 @@ int Main(int argc, char** argv) {
         const int drawn = seqs * total_steps;
         Masks masks = DrawMasks(m, o.active, skew, drawn, pool);
         std::vector<std::vector<std::vector<int32_t>>> hot(drawn), cold_ids(drawn);
-        double hot_rows = 0, cold_rows = 0;
+        // Rows and their bytes (a neuron's rows are longer where down_t is Q6_K).
+        double hot_rows = 0, cold_rows = 0, hot_bytes = 0, cold_bytes = 0;
         for (int s = 0; s < drawn; ++s) {
           hot[s].resize(c.n_layers);
           cold_ids[s].resize(c.n_layers);
@@ -629,11 +635,16 @@ int Main(int argc, char** argv) {
             if (s % total_steps >= o.warmup) {
               hot_rows += hot[s][l].size();
               cold_rows += cold_ids[s][l].size();
+              hot_bytes += static_cast<double>(hot[s][l].size() * m.NeuronBytes(l));
+              cold_bytes += static_cast<double>(cold_ids[s][l].size() * m.NeuronBytes(l));
             }
           }
         }
-        hot_rows /= o.steps * (drawn / total_steps);
-        cold_rows /= o.steps * (drawn / total_steps);
+        const double measured = o.steps * (drawn / total_steps);
+        hot_rows /= measured;
+        cold_rows /= measured;
+        hot_bytes /= measured;
+        cold_bytes /= measured;
         // One sequence's decode on backend b in KV slot `seq`, its masks from step `first`;
         // `warm` runs once between the warm-up and the measured steps. The stats sum the
         // measured steps.
@@ -683,9 +694,8 @@ int Main(int argc, char** argv) {
         char pl[64];
         std::snprintf(pl, sizeof(pl), "%.1f%% FFN rows hot", 100.0 * n_hot / c.ffn_size);
         // Bytes per token: the same for one sequence and for each of two.
-        const double gpu_bytes = m.HeadBytes() / 2 +
-                                 c.n_layers * (m.AttnBytes() + m.PredBytes() + kv_read) +
-                                 hot_rows * 3 * rb;
+        const double gpu_bytes =
+            m.OutBytes() + m.AllAttnBytes() + c.n_layers * (m.PredBytes() + kv_read) + hot_bytes;
         auto result = [&](const char* mode, double tok_s, const Sums& x, double actual) {
           const double n = o.steps;
           results.push_back(Result{
@@ -694,7 +704,7 @@ int Main(int argc, char** argv) {
               .placement = pl,
               .tok_s = tok_s,
               .gpu_bytes = gpu_bytes,
-              .cpu_bytes = cold_rows * 3 * rb,
+              .cpu_bytes = cold_bytes,
               .plan_bytes = plan,
               .actual_bytes = actual,
               .cold_s = x.cold_s / n,
@@ -800,10 +810,16 @@ int Main(int argc, char** argv) {
     }
     // --- offload: whole layers on the GPU up to the budget, the rest dense on the CPU.
     if (has_mode("offload")) {
-      const double layer_bytes = m.AttnBytes() + m.FfnBytes() + kv_per_layer + 8.0 * c.hidden_size;
+      // The first layers that fit (their sizes differ where a mix raises wv and down).
+      auto layer_bytes = [&](int l) {
+        return static_cast<double>(m.AttnBytes(l) + m.FfnBytes(l)) + kv_per_layer +
+               8.0 * c.hidden_size;
+      };
       const double fixed = m.HeadBytes() + ScratchBytes(m, max_ctx, 0, 8);
-      const int gpu_layers =
-          std::max(0, std::min(c.n_layers, static_cast<int>((budget - fixed) / layer_bytes)));
+      double plan = fixed;
+      int gpu_layers = 0;
+      while (gpu_layers < c.n_layers && plan + layer_bytes(gpu_layers) <= budget)
+        plan += layer_bytes(gpu_layers++);
       cuda::ModelUpload u = BaseUpload(m, max_ctx);
       for (int l = 0; l < c.n_layers; ++l) {
         if (l < gpu_layers) {
@@ -813,7 +829,6 @@ int Main(int argc, char** argv) {
           u.layers[l].ffn = cuda::FfnPlacement::kNone;
         }
       }
-      const double plan = fixed + gpu_layers * layer_bytes;
       Backend be;
       if (!CreateBackend(u, "offload", &be)) return 1;
       std::printf("offload: %d of %d layers on the GPU\n", gpu_layers, c.n_layers);
@@ -847,9 +862,11 @@ int Main(int argc, char** argv) {
       r.mode = "offload";
       r.tok_s = o.steps / elapsed;
       r.placement = std::to_string(gpu_layers) + " of " + std::to_string(c.n_layers) + " layers";
-      const double layer_read = m.AttnBytes() + m.FfnBytes() + kv_read;
-      r.gpu_bytes = m.HeadBytes() / 2 + gpu_layers * layer_read;
-      r.cpu_bytes = (c.n_layers - gpu_layers) * layer_read;
+      r.gpu_bytes = m.OutBytes();
+      for (int l = 0; l < c.n_layers; ++l) {
+        const double layer_read = static_cast<double>(m.AttnBytes(l) + m.FfnBytes(l)) + kv_read;
+        (l < gpu_layers ? r.gpu_bytes : r.cpu_bytes) += layer_read;
+      }
       r.plan_bytes = plan;
       r.actual_bytes = static_cast<double>(be.b->DeviceBytes());
       results.push_back(r);
@@ -878,7 +895,8 @@ int Main(int argc, char** argv) {
       r.mode = "gpu";
       r.tok_s = o.steps / elapsed;
       r.placement = "all weights (no budget)";
-      r.gpu_bytes = m.HeadBytes() / 2 + c.n_layers * (m.AttnBytes() + m.FfnBytes() + kv_read);
+      r.gpu_bytes =
+          m.OutBytes() + m.AllAttnBytes() + m.AllNeuronBytes() * c.ffn_size + c.n_layers * kv_read;
       r.plan_bytes = model_bytes + ScratchBytes(m, max_ctx, c.n_layers, 8);
       r.actual_bytes = static_cast<double>(be.b->DeviceBytes());
       results.push_back(r);
