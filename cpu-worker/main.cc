@@ -353,7 +353,8 @@ int Main(const std::vector<std::string>& args) {
         std::vector<std::vector<int32_t>> cold(c.n_layers);
         for (int l = 0; l < c.n_layers; ++l) cold[l] = placement.Cold(l, c.ffn_size);
         rows.reset();
-        auto built = FfnRowStore::Build(m, cold);
+        const auto t_build = std::chrono::steady_clock::now();
+        auto built = FfnRowStore::Build(m, cold, &pool);  // the pool is idle until attached
         if (!built.ok()) {
           Log("cannot build the cold rows: %s", built.status().ToString().c_str());
           exit_code = 1;
@@ -366,9 +367,11 @@ int Main(const std::vector<std::string>& args) {
         // touched, so that only our copies stay resident.
         ReleaseMappedPages(m);
         row_bytes_gauge.Set(static_cast<double>(rows->bytes()));
-        Log("cold rows: %zu neurons, %.1f MiB; resident %.1f MiB, %.1f MiB in huge pages",
+        Log("cold rows: %zu neurons, %.1f MiB copied in %.2f s on %d threads; resident %.1f MiB, "
+            "%.1f MiB in huge pages",
             static_cast<size_t>(rows->neurons()), rows->bytes() / 1048576.0,
-            ResidentBytes() / 1048576.0, HugePageBytes() / 1048576.0);
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t_build).count(),
+            pool.size(), ResidentBytes() / 1048576.0, HugePageBytes() / 1048576.0);
       }
       shm::ExchangeServer xs(std::move(*seg), co);
       xs.MarkReady(ResidentBytes());

@@ -21,7 +21,7 @@
 //
 //   build/bench/sparse/cold_rows_bench model=FILE [threads=14,8,1] [neurons=442] [cold=24362]
 //       [layers=8] [requests=600] [gap_us=150] [spin_us=200] [seed=1]
-//       [ways=accumulate,parts,silu]
+//       [ways=accumulate,parts,silu] [build_threads=14]
 #include <sys/prctl.h>
 #include <time.h>
 
@@ -93,7 +93,7 @@ int Main(int argc, char** argv) {
     }
   }
   const int neurons = static_cast<int>(num("neurons", 442));
-  const int requests = static_cast<int>(num("requests", 600));
+  const int requests = static_cast<int>(std::max<int64_t>(1, num("requests", 600)));
   const int64_t gap_us = num("gap_us", 150), spin_us = num("spin_us", 200);
 
   // The gaps as asked: a sleeping thread's timer otherwise runs up to 50 us late (the default
@@ -118,18 +118,26 @@ int Main(int argc, char** argv) {
   for (int l = L - layers; l < L; ++l) {
     for (int j = F - cold; j < F; ++j) sets[l].push_back(j);
   }
+  // The copy as the cpu-worker makes it at start-up: on its compute pool's threads.
+  const int build_threads = static_cast<int>(std::max<int64_t>(1, num("build_threads", 14)));
   const uint64_t t_build = Now();
-  auto store = FfnRowStore::Build(m, sets);
-  if (!store.ok()) {
-    std::fprintf(stderr, "cannot build the rows: %s\n", store.status().ToString().c_str());
-    return 1;
+  std::unique_ptr<FfnRowStore> built;
+  {
+    ThreadPool build_pool(build_threads);
+    auto store = FfnRowStore::Build(m, sets, build_threads > 1 ? &build_pool : nullptr);
+    if (!store.ok()) {
+      std::fprintf(stderr, "cannot build the rows: %s\n", store.status().ToString().c_str());
+      return 1;
+    }
+    built = std::move(*store);
   }
+  const std::unique_ptr<FfnRowStore>* store = &built;
   ReleaseMappedPages(m);
   std::printf(
       "model: %d layers, hidden %d, ffn %d, %s; %d layers of %d cold neurons copied "
-      "(%.2f GB, %.2f GB of the process in huge pages) in %.1f s\n",
+      "(%.2f GB, %.2f GB of the process in huge pages) in %.2f s on %d thread(s)\n",
       L, H, F, std::string(DTypeName(m.layers[0].gate.dtype)).c_str(), layers, cold,
-      (*store)->bytes() / 1e9, HugePageBytes() / 1e9, (Now() - t_build) * 1e-9);
+      (*store)->bytes() / 1e9, HugePageBytes() / 1e9, (Now() - t_build) * 1e-9, build_threads);
 
   // Requests: a layer (round robin over the copied ones) and `neurons` distinct cold ids.
   const int words = (F + 63) / 64;
@@ -166,11 +174,12 @@ int Main(int argc, char** argv) {
         const int layer = L - layers + r % layers;
         if (way == "accumulate") {
           std::fill(out.begin(), out.end(), 0.f);
-          return ffn.Accumulate(layer, x.data(), 1, masks[r].data(), words, out.data());
+          return ffn.Accumulate(layer, x.data(), 1, masks[r % requests].data(), words,
+                                out.data());
         }
         const FfnRowStore::Layer& fl = (*store)->layer(layer);
         sel.clear();
-        fl.Select(masks[r].data(), &sel);
+        fl.Select(masks[r % requests].data(), &sel);  // r % requests: the warm-up's layers
         int n_parts = 0;
         ops->SparseFfnTokenParts(fl.gate, fl.up, fl.down_t, sel.data(),
                                  static_cast<int>(sel.size()), act, x.data(), nullptr, coef.data(),

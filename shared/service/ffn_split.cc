@@ -113,17 +113,26 @@ uint64_t ModelFingerprint(const Model& model) {
 }
 
 NeuronBundles BundleRows(const TensorView& gate, const TensorView& up, const TensorView& down_t,
-                         const std::vector<int32_t>& ids) {
+                         const std::vector<int32_t>& ids, ThreadPool* pool) {
   const size_t gb = gate.row_bytes(), ub = up.row_bytes(), db = down_t.row_bytes();
   const size_t stride = gb + ub + db;
   const int64_t k = static_cast<int64_t>(ids.size());
   NeuronBundles b;
   b.storage = AllocateAligned(stride * k);
   uint8_t* base = b.storage.get();
-  for (int64_t i = 0; i < k; ++i) {
-    std::memcpy(base + i * stride, gate.row(ids[i]), gb);
-    std::memcpy(base + i * stride + gb, up.row(ids[i]), ub);
-    std::memcpy(base + i * stride + gb + ub, down_t.row(ids[i]), db);
+  // The source is the model's file mapping, so one thread copies at the rate it takes page faults
+  // (~1 GB/s: a 70B cpu-worker spent 18 s on its 19.7 GB); threads take their faults in parallel.
+  auto copy = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::memcpy(base + i * stride, gate.row(ids[i]), gb);
+      std::memcpy(base + i * stride + gb, up.row(ids[i]), ub);
+      std::memcpy(base + i * stride + gb + ub, down_t.row(ids[i]), db);
+    }
+  };
+  if (pool != nullptr) {
+    pool->ParallelFor(k, 256, copy);
+  } else {
+    copy(0, k);
   }
   b.gate = TensorView{gate.name, gate.dtype, {k, gate.cols()}, base, stride};
   b.up = TensorView{up.name, up.dtype, {k, up.cols()}, base + gb, stride};
@@ -132,7 +141,7 @@ NeuronBundles BundleRows(const TensorView& gate, const TensorView& up, const Ten
 }
 
 absl::StatusOr<std::unique_ptr<FfnRowStore>> FfnRowStore::Build(
-    const Model& model, const std::vector<std::vector<int32_t>>& neurons) {
+    const Model& model, const std::vector<std::vector<int32_t>>& neurons, ThreadPool* pool) {
   const ModelConfig& c = model.config;
   if (static_cast<int>(neurons.size()) != c.n_layers) {
     return absl::InvalidArgumentError(
@@ -176,7 +185,7 @@ absl::StatusOr<std::unique_ptr<FfnRowStore>> FfnRowStore::Build(
       }
       src_t = &transposed;
     }
-    NeuronBundles b = BundleRows(L.gate, L.up, *src_t, ids);
+    NeuronBundles b = BundleRows(L.gate, L.up, *src_t, ids, pool);
     Layer layer;
     layer.neurons = ids;
     layer.member.assign((F + 63) / 64, 0);

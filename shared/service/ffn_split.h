@@ -50,13 +50,13 @@ uint64_t ModelFingerprint(const Model& model);
 // rows side by side, so that a sparse step reads one contiguous stretch per active neuron
 // (ffn_bench: 1.3-1.5x faster than three scattered rows for Q8_0/Q4_0 on one core,
 // docs/benchmarks.md). The views, [ids.size(), cols] with row_stride = the bundle, point into
-// storage.
+// storage. With a pool, its threads copy the rows (the same bytes).
 struct NeuronBundles {
   AlignedBytes storage;
   TensorView gate, up, down_t;
 };
 NeuronBundles BundleRows(const TensorView& gate, const TensorView& up, const TensorView& down_t,
-                         const std::vector<int32_t>& ids);
+                         const std::vector<int32_t>& ids, ThreadPool* pool = nullptr);
 
 // The FFN rows of a subset of neurons per layer, in private memory. gate/up keep the stored
 // dtype; down_t is F16/BF16 when down is (exact copy), otherwise F32 (exact for quantized data).
@@ -82,9 +82,10 @@ class FfnRowStore {
   // (LayerWeights::down_t, a prepared model's ffn_down_t) gives its down rows from there (stored
   // dtype); otherwise down is transposed. Once a layer's rows are copied, its FFN tensors' whole
   // pages inside the model's file mappings are dropped from the resident set, so the peak is the
-  // copy plus one layer of the file.
+  // copy plus one layer of the file. With a pool, its threads copy each layer's rows.
   static absl::StatusOr<std::unique_ptr<FfnRowStore>> Build(
-      const Model& model, const std::vector<std::vector<int32_t>>& neurons);
+      const Model& model, const std::vector<std::vector<int32_t>>& neurons,
+      ThreadPool* pool = nullptr);
 
   const Layer& layer(int l) const { return layers_[l]; }
   int n_layers() const { return static_cast<int>(layers_.size()); }

@@ -277,6 +277,42 @@ TEST(FfnSplitTest, LargeRowStorageArrivesInHugePagesWhereTheHostAllowsThem) {
 // Memory first touched as 4 KiB pages (as on a host too fragmented to give huge pages at the
 // first touch; MADV_NOHUGEPAGE stands in for that here) becomes huge pages when collapsed, its
 // contents unchanged: what AllocateAligned does after zero-filling a large allocation.
+// The cpu-worker copies its rows on its pool's threads: every neuron's gate and up rows are the
+// file's bytes and its down_t row the file's down column, exactly (fp16 stays fp16), with lists
+// long enough for the pool to split them and for chunk ends to fall inside a layer.
+TEST(FfnSplitTest, RowsCopiedOnAPoolAreTheModelsRows) {
+  auto m = Load("relu-llama-tiny");
+  ASSERT_NE(m, nullptr);
+  const ModelConfig& c = m->config;
+  const int H = c.hidden_size, F = c.ffn_size;
+  std::mt19937 rng(5);
+  std::vector<std::vector<int32_t>> sets(c.n_layers);
+  for (int l = 0; l < c.n_layers; ++l) {
+    for (int j = 0; j < F; ++j) {
+      if (rng() % 4 != 0) sets[l].push_back(j);  // ~1150 of 1536: several 256-neuron chunks
+    }
+  }
+  ThreadPool pool(3);
+  auto rows = FfnRowStore::Build(*m, sets, &pool);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  std::vector<float> column(F), got(H);
+  for (int l = 0; l < c.n_layers; ++l) {
+    SCOPED_TRACE(l);
+    const LayerWeights& L = m->layers[l];
+    const FfnRowStore::Layer& s = (*rows)->layer(l);
+    ASSERT_EQ(s.neurons, sets[l]);
+    std::vector<std::vector<float>> down(H, std::vector<float>(F));
+    for (int h = 0; h < H; ++h) DequantizeRow(L.down.dtype, L.down.row(h), down[h].data(), F);
+    for (size_t i = 0; i < sets[l].size(); ++i) {
+      const int32_t j = sets[l][i];
+      ASSERT_EQ(std::memcmp(s.gate.row(i), L.gate.row(j), L.gate.row_bytes()), 0) << "neuron " << j;
+      ASSERT_EQ(std::memcmp(s.up.row(i), L.up.row(j), L.up.row_bytes()), 0) << "neuron " << j;
+      DequantizeRow(s.down_t.dtype, s.down_t.row(i), got.data(), H);
+      for (int h = 0; h < H; ++h) ASSERT_EQ(got[h], down[h][j]) << "neuron " << j << " col " << h;
+    }
+  }
+}
+
 TEST(FfnSplitTest, CollapseToHugePagesTurnsSmallPagesIntoHugeOnesKeepingTheBytes) {
   constexpr size_t kBytes = size_t{32} << 20, kHuge = size_t{2} << 20;
   void* raw = std::aligned_alloc(kHuge, kBytes);
