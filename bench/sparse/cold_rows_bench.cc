@@ -174,8 +174,7 @@ int Main(int argc, char** argv) {
         const int layer = L - layers + r % layers;
         if (way == "accumulate") {
           std::fill(out.begin(), out.end(), 0.f);
-          return ffn.Accumulate(layer, x.data(), 1, masks[r % requests].data(), words,
-                                out.data());
+          return ffn.Accumulate(layer, x.data(), 1, masks[r % requests].data(), words, out.data());
         }
         const FfnRowStore::Layer& fl = (*store)->layer(layer);
         sel.clear();
