@@ -118,10 +118,13 @@ NeuronBundles BundleRows(const TensorView& gate, const TensorView& up, const Ten
   const size_t stride = gb + ub + db;
   const int64_t k = static_cast<int64_t>(ids.size());
   NeuronBundles b;
-  b.storage = AllocateAligned(stride * k);
+  b.storage = AllocateAligned(stride * k, pool);
   uint8_t* base = b.storage.get();
-  // The source is the model's file mapping, so one thread copies at the rate it takes page faults
-  // (~1 GB/s: a 70B cpu-worker spent 18 s on its 19.7 GB); threads take their faults in parallel.
+  // Both the fresh storage (its zero fill, in AllocateAligned) and the source (the model's file
+  // mapping) take page faults as they are first touched: one thread did ~1 GB/s (a 70B
+  // cpu-worker spent 18 s on its 19.7 GB on the GPU host). Threads take their faults in parallel
+  // (a 3-layer 70B-width store, 1.01 GB, on the dev VM: 0.13-0.15 s on two threads against
+  // 0.21-2.32 s, median 0.49, on one; `cold_rows_bench build_threads=1|2`).
   auto copy = [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       std::memcpy(base + i * stride, gate.row(ids[i]), gb);

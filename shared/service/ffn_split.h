@@ -82,7 +82,7 @@ class FfnRowStore {
   // (LayerWeights::down_t, a prepared model's ffn_down_t) gives its down rows from there (stored
   // dtype); otherwise down is transposed. Once a layer's rows are copied, its FFN tensors' whole
   // pages inside the model's file mappings are dropped from the resident set, so the peak is the
-  // copy plus one layer of the file. With a pool, its threads copy each layer's rows.
+  // copy plus one layer of the file. With a pool, its threads fill and copy each layer's rows.
   static absl::StatusOr<std::unique_ptr<FfnRowStore>> Build(
       const Model& model, const std::vector<std::vector<int32_t>>& neurons,
       ThreadPool* pool = nullptr);

@@ -20,6 +20,8 @@
 #include <memory>
 #include <new>
 
+#include "shared/util/thread_pool.h"
+
 namespace pinfer {
 
 struct FreeDeleter {
@@ -38,14 +40,24 @@ inline bool CollapseToHugePages(void* p, size_t bytes) {
   return madvise(p, bytes, MADV_COLLAPSE) == 0;
 }
 
-inline AlignedBytes AllocateAligned(size_t bytes) {
+// With a pool, its threads do the zero fill, 2 MiB blocks each: the fill is the memory's first
+// touch, whose page faults are most of a large allocation's cost (and more on a VM whose memory
+// is backed only as it is first used, as the GPU hosts' are).
+inline AlignedBytes AllocateAligned(size_t bytes, ThreadPool* pool = nullptr) {
   constexpr size_t kPage = 4096, kHugePage = size_t{2} << 20;
   const size_t align = bytes >= kHugePage ? kHugePage : kPage;
   const size_t rounded = (std::max<size_t>(bytes, 1) + align - 1) / align * align;
   void* p = std::aligned_alloc(align, rounded);
   if (p == nullptr) throw std::bad_alloc();
   if (align == kHugePage) madvise(p, rounded, MADV_HUGEPAGE);
-  std::memset(p, 0, rounded);
+  if (pool != nullptr && align == kHugePage) {
+    auto* base = static_cast<uint8_t*>(p);
+    pool->ParallelFor(static_cast<int64_t>(rounded / kHugePage), 8, [&](int64_t b, int64_t e) {
+      std::memset(base + b * kHugePage, 0, (e - b) * kHugePage);
+    });
+  } else {
+    std::memset(p, 0, rounded);
+  }
   if (align == kHugePage) (void)CollapseToHugePages(p, rounded);  // best effort
   return AlignedBytes(static_cast<uint8_t*>(p));
 }

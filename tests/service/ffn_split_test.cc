@@ -313,6 +313,26 @@ TEST(FfnSplitTest, RowsCopiedOnAPoolAreTheModelsRows) {
   }
 }
 
+// A pool's threads zero-fill a large allocation in 2 MiB blocks: every page of it is touched
+// (resident, as the single-threaded fill leaves it) and every byte is zero, for a size that is no
+// multiple of the pool's share.
+TEST(FfnSplitTest, AllocationFilledOnAPoolIsResidentAndZero) {
+  constexpr size_t kBytes = (size_t{37} << 20) + 12345;
+  ThreadPool pool(3);
+  AlignedBytes b = AllocateAligned(kBytes, &pool);
+  ASSERT_NE(b.get(), nullptr);
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t pages = (kBytes + page - 1) / page;
+  std::vector<unsigned char> resident(pages);
+  ASSERT_EQ(mincore(b.get(), pages * page, resident.data()), 0) << std::strerror(errno);
+  size_t absent = 0;
+  for (unsigned char r : resident) absent += (r & 1) == 0;
+  EXPECT_EQ(absent, 0u);
+  size_t nonzero = 0;
+  for (size_t i = 0; i < kBytes; ++i) nonzero += b[i] != 0;
+  EXPECT_EQ(nonzero, 0u);
+}
+
 TEST(FfnSplitTest, CollapseToHugePagesTurnsSmallPagesIntoHugeOnesKeepingTheBytes) {
   constexpr size_t kBytes = size_t{32} << 20, kHuge = size_t{2} << 20;
   void* raw = std::aligned_alloc(kHuge, kBytes);
