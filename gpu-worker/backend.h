@@ -23,6 +23,7 @@
 #include "shared/shm/activation_channel.h"
 #include "shared/sparse/hot_cache.h"
 #include "shared/sparse/sparse_ffn.h"
+#include "shared/util/thread_pool.h"
 
 namespace pinfer::gpuworker {
 
@@ -120,10 +121,11 @@ class ComputeBackend {
 // The CPU implementation. `model`, `ops` and `exchange` must outlive it; `placement` chooses the
 // hot neurons (the rest are computed by the cpu-worker through `exchange`).
 // predictors: --sparse mode (the predictors choose each token's neurons, on both sides), or null
-// for exact mode.
+// for exact mode. pool, if any, copies the hot rows at start-up (the one that runs ops).
 absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCpuBackend(
     const Model& model, const CpuOps& ops, const Placement& placement,
-    shm::ExchangeClient* exchange, const PredictorSet* predictors = nullptr);
+    shm::ExchangeClient* exchange, const PredictorSet* predictors = nullptr,
+    ThreadPool* pool = nullptr);
 
 struct CudaBackendOptions {
   int slots = 8;       // KV cache slots (concurrent sequences) on the device

@@ -254,8 +254,9 @@ class CpuBackend : public ComputeBackend {
 absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCpuBackend(const Model& model, const CpuOps& ops,
                                                               const Placement& placement,
                                                               shm::ExchangeClient* exchange,
-                                                              const PredictorSet* predictors) {
-  auto hot = FfnRowStore::Build(model, placement.hot);
+                                                              const PredictorSet* predictors,
+                                                              ThreadPool* pool) {
+  auto hot = FfnRowStore::Build(model, placement.hot, pool);
   if (!hot.ok()) return hot.status();
   return std::unique_ptr<ComputeBackend>(
       new CpuBackend(model, ops, std::move(*hot), exchange, predictors));

@@ -288,7 +288,7 @@ bool CreateBackend(State& s) {
           o.decode_lanes);
     }
     auto backend = NewCpuBackend(*s.model, *s.ops, s.placement, s.exchange.get(),
-                                 o.sparse ? s.service_model.predictors() : nullptr);
+                                 o.sparse ? s.service_model.predictors() : nullptr, s.pool.get());
     if (!backend.ok()) {
       Log("cannot build the backend: %s", backend.status().ToString().c_str());
       return false;
