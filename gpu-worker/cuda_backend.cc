@@ -681,6 +681,7 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(const Model& mode
   }
   Log("CUDA backend on %s: %.1f MiB on the device", b->DeviceName().c_str(),
       b->DeviceBytes() / 1048576.0);
+  Log("CUDA backend built: %s", b->CreateTimes().c_str());
   std::unique_ptr<ColdPrefillPlanner> planner;
   if (o.cold_prefill != ColdPrefill::kCpu) {
     if (max_batch <= kMaxMatvecTokens) {

@@ -108,6 +108,7 @@ class CudaBackend : public Backend {
   size_t DeviceBytes() const override { return device_bytes_; }
   size_t WeightBytes() const override { return weight_bytes_; }
   std::string DeviceName() const override { return device_name_; }
+  std::string CreateTimes() const override { return create_times_; }
   const ForwardStats& last_stats() const override { return stats_; }
   void set_collect_gpu_times(bool on) override { collect_gpu_times_ = on; }
   void set_cold_guess_shift(double shift) override {
@@ -365,6 +366,7 @@ class CudaBackend : public Backend {
   void* repack_tmp_ = nullptr;  // upload-time scratch of MaybeSplit, freed at the end of Create
   size_t repack_tmp_bytes_ = 0;
   ForwardStats stats_;
+  std::string create_times_;  // CreateTimes()
 
   std::unique_ptr<ColdStreamer> streamer_;  // ModelUpload::stream_cold or cache_rows
   bool cache_loaded_ = false;

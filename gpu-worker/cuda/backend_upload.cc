@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -240,6 +241,11 @@ BackendStatus CudaBackend::UploadStacked(const std::vector<const HostMatrix*>& p
 }
 
 BackendStatus CudaBackend::Create(const ModelUpload& m) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point t_start = Clock::now();
+  auto since = [](Clock::time_point t) {
+    return std::chrono::duration<double>(Clock::now() - t).count();
+  };
   dims_ = m.dims;
   const ModelDims& c = dims_;
   max_ctx_ = m.max_ctx;
@@ -346,6 +352,8 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
     return Error(Code::kInternal, "cublasCreate failed");
   }
 
+  const double init_s = since(t_start);
+  const Clock::time_point t_weights = Clock::now();
   const int H = c.hidden, B = max_batch_, F = c.ffn;
   const int qdim = c.n_heads * c.head_dim, kvdim = c.n_kv_heads * c.head_dim;
   BACKEND_RETURN_IF_ERROR(
@@ -483,6 +491,9 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
     }
   }
   widest = std::max<int64_t>(widest, max_rank_);
+  const double weights_s = since(t_weights);
+  const size_t weights_bytes = device_bytes_;
+  const Clock::time_point t_stream = Clock::now();
   bool any_cache = false;
   for (const LayerUpload& u : m.layers) any_cache = any_cache || u.cache_rows > 0;
   if ((m.stream_cold && B > kSmallBatch) || any_cache || share_on_) {
@@ -494,6 +505,8 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
     }
   }
 
+  const double stream_s = since(t_stream);
+  const Clock::time_point t_rest = Clock::now();
   // The KV cache, shared with every lane (NewLane); then this backend's own scratch.
   const size_t kv = static_cast<size_t>(kv_layers_) * max_seqs_ * max_ctx_ * kvdim;
   BACKEND_RETURN_IF_ERROR(Alloc(kv, &k_cache_));
@@ -504,6 +517,16 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
   if (repack_tmp_ != nullptr) CUDA_RETURN_IF_ERROR(cudaFree(repack_tmp_));
   repack_tmp_ = nullptr;
   repack_tmp_bytes_ = 0;
+  char times[320];
+  std::snprintf(times, sizeof(times),
+                "device and cuBLAS %.2f s; weights %.2f s (%.1f MiB on the device); streamer "
+                "%.2f s (pinned cold rows: %.1f MiB, %.2f s allocating, %.2f s copying); KV cache "
+                "and scratch %.2f s",
+                init_s, weights_s, weights_bytes / 1048576.0, stream_s,
+                streamer_ ? streamer_->pinned_bytes() / 1048576.0 : 0.0,
+                streamer_ ? streamer_->pin_alloc_s() : 0.0,
+                streamer_ ? streamer_->pin_copy_s() : 0.0, since(t_rest));
+  create_times_ = times;
   return Ok();
 }
 

@@ -69,10 +69,13 @@ cudaError_t ColdStreamer::PinRows(WType type, int64_t cols, const void* gate, co
     return cudaSuccess;
   }
   void* p = nullptr;
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point t0 = Clock::now();
   // Pinned (page-locked) so that cudaMemcpyAsync is a real DMA overlapped with compute.
   cudaError_t e = cudaMallocHost(&p, 3 * part);
   if (e != cudaSuccess) return e;
   pinned_.push_back(p);
+  const Clock::time_point t1 = Clock::now();
   uint8_t* dst = static_cast<uint8_t*>(p);
   const void* src[3] = {gate, up, down_t};
   for (int m = 0; m < 3; ++m) {
@@ -80,6 +83,9 @@ cudaError_t ColdStreamer::PinRows(WType type, int64_t cols, const void* gate, co
       std::memcpy(dst + m * part + i * rb, static_cast<const uint8_t*>(src[m]) + ids[i] * rb, rb);
     }
   }
+  pin_alloc_s_ += std::chrono::duration<double>(t1 - t0).count();
+  pin_copy_s_ += std::chrono::duration<double>(Clock::now() - t1).count();
+  pinned_bytes_ += 3 * part;
   r.gate = dst;
   r.up = dst + part;
   r.down_t = dst + 2 * part;

@@ -69,6 +69,10 @@ class ColdStreamer {
   // The memory stays owned by the streamer.
   cudaError_t PinRows(WType type, int64_t cols, const void* gate, const void* up,
                       const void* down_t, const std::vector<int32_t>& ids, ColdRows* out);
+  // PinRows' totals so far: seconds in cudaMallocHost, seconds copying, bytes pinned.
+  double pin_alloc_s() const { return pin_alloc_s_; }
+  double pin_copy_s() const { return pin_copy_s_; }
+  size_t pinned_bytes() const { return pinned_bytes_; }
 
   // Enqueues the copies and products of every chunk of `rows`; on `stream` afterwards the
   // contribution is in target.out. Returns 0 or a GemmXWt/GemmAW code (cudaError_t + 1000 for
@@ -106,6 +110,8 @@ class ColdStreamer {
   int next_ = 0;
   cudaStream_t copy_stream_ = nullptr;
   std::vector<void*> pinned_;
+  double pin_alloc_s_ = 0, pin_copy_s_ = 0;
+  size_t pinned_bytes_ = 0;
   cudaEvent_t order_ = nullptr, loaded_ = nullptr;
   bool load_pending_ = false;
   void* stage_host_ = nullptr;  // pinned [stage_capacity_] int64 index pairs of cache loads
