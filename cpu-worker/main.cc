@@ -367,7 +367,7 @@ int Main(const std::vector<std::string>& args) {
         // touched, so that only our copies stay resident.
         ReleaseMappedPages(m);
         row_bytes_gauge.Set(static_cast<double>(rows->bytes()));
-        Log("cold rows: %zu neurons, %.1f MiB copied in %.2f s on %d threads; resident %.1f MiB, "
+        Log("cold rows: %zu neurons, %.1f MiB copied in %.2f s (%d threads); resident %.1f MiB, "
             "%.1f MiB in huge pages",
             static_cast<size_t>(rows->neurons()), rows->bytes() / 1048576.0,
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t_build).count(),

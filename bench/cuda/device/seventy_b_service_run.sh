@@ -100,7 +100,8 @@ sleep 1
   echo "GPU memory used, peak of the samples: $(sort -k4 -n "$out/memory.tsv" | tail -1 | awk '{print $4}') MiB"
   free -m | sed -n 1,2p
   echo "== gpu-worker"
-  grep -E "placement|VRAM|CUDA backend|cold prefill: --|loaded|model|serving|attached" "$out/gpu-worker.log" | head -20
+  grep -E "placement|VRAM|CUDA backend|cold prefill: --|loaded|model|serving|attached" "$out/gpu-worker.log" |
+    grep -v "placement:   layer" | head -24
   echo "== cpu-worker"
   grep -E "rows|attached|serving|model|placement" "$out/cpu-worker.log" | head -12
 } | tee "$out/summary.txt"
