@@ -172,9 +172,10 @@ constexpr int kMaxDecodeLanes = 8;
 // Device bytes of `rows` adaptive cache slots per layer and their maps (for the VRAM plan).
 uint64_t AdaptiveCacheBytes(const Model& model, int rows);
 
-// Why the CUDA module cannot stream this model's cold rows ("" when it can): it streams gate, up
-// and the transposed down rows of one stored type, and a quantized down projection is kept as
-// F32 rows (a quantized transpose would re-quantize).
+// Why the CUDA module cannot stream this model's cold rows ("" when it can): it streams gate and
+// up rows of one stored type and the transposed down rows in theirs, which may differ (llama.cpp's
+// K mixes give some layers' ffn_down more bits); a quantized down projection stored untransposed
+// is kept as F32 rows (a quantized transpose would re-quantize), which it does not pin.
 std::string ColdStreamingProblem(const Model& model);
 
 // What the CUDA module allocates for `model` before any FFN row (measured by creating it once

@@ -569,11 +569,17 @@ absl::Status CudaModuleComputes(const Model& model) { return CheckModuleTypes(mo
 std::string ColdStreamingProblem(const Model& model) {
   for (int l = 0; l < model.config.n_layers; ++l) {
     const LayerWeights& L = model.layers[l];
+    if (L.gate.dtype != L.up.dtype) {
+      return absl::StrCat("layer ", l, " has gate ", DTypeName(L.gate.dtype), " and up ",
+                          DTypeName(L.up.dtype), " rows; streaming needs the two of one type");
+    }
     const DType dt = DownTransposedType(model, l);
-    if (L.gate.dtype != L.up.dtype || L.gate.dtype != dt) {
-      return absl::StrCat("layer ", l, " has gate ", DTypeName(L.gate.dtype), ", up ",
-                          DTypeName(L.up.dtype), " and transposed down ", DTypeName(dt),
-                          " rows; streaming needs one type");
+    if (IsQuantized(L.down.dtype) && L.down_t.data == nullptr && dt != L.down.dtype) {
+      return absl::StrCat("layer ", l, "'s ", DTypeName(L.down.dtype),
+                          " down projection is stored untransposed, so its cold rows would be ",
+                          DTypeName(dt),
+                          " copies; a prepared model (pinfer prepare) stores "
+                          "ffn_down_t");
     }
   }
   return "";

@@ -211,21 +211,24 @@ BackendStatus CudaBackend::SetUpStreaming(const ModelUpload& m, bool slots) {
     const LayerUpload& u = m.layers[l];
     DeviceLayer& d = layers_[l];
     if (d.ffn != FfnPlacement::kHot || d.cold_ids_host.empty()) continue;
-    if (u.gate.type != u.up.type || u.gate.type != u.down_t.type || u.down_t.empty()) {
+    // down_t may have a type of its own (a K mix's more-bits layers), gate and up may not: the
+    // two are read as one pair of products over the same chunk.
+    if (u.gate.type != u.up.type || u.down_t.empty()) {
       return Error(Code::kInvalidArgument, "layer " + std::to_string(l) +
-                                               ": streamed cold rows need gate, up and down_t "
-                                               "of one type");
+                                               ": streamed cold rows need gate and up of one "
+                                               "type and down_t");
     }
+    const WType type = static_cast<WType>(u.gate.type),
+                down_type = static_cast<WType>(u.down_t.type);
     if (allocate_only_) {
       // Host memory only: the shape sizes the slots, no row is copied.
-      d.cold_rows = ColdRows{static_cast<WType>(u.gate.type),
-                             static_cast<int64_t>(d.cold_ids_host.size()), dims_.hidden};
+      d.cold_rows = ColdRows{type, static_cast<int64_t>(d.cold_ids_host.size()), dims_.hidden};
+      d.cold_rows.down_type = down_type;
     } else {
-      CUDA_RETURN_IF_ERROR(streamer_->PinRows(static_cast<WType>(u.gate.type), dims_.hidden,
-                                              u.gate.data, u.up.data, u.down_t.data,
-                                              d.cold_ids_host, &d.cold_rows));
+      CUDA_RETURN_IF_ERROR(streamer_->PinRows(type, down_type, dims_.hidden, u.gate.data, u.up.data,
+                                              u.down_t.data, d.cold_ids_host, &d.cold_rows));
     }
-    max_rb = std::max(max_rb, d.cold_rows.row_bytes());
+    max_rb = std::max(max_rb, d.cold_rows.max_row_bytes());
   }
   if (max_rb == 0) return Ok();  // no cold rows anywhere
   const int chunk = std::min(std::max(1, m.stream_chunk_rows), dims_.ffn);

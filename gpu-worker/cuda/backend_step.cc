@@ -428,7 +428,7 @@ BackendStatus CudaBackend::EnqueueLayer(int l, const ForwardArgs& a, const float
     const ColdRows& R = L.cold_rows;
     const DeviceMatrix cg{R.type, R.rows, R.cols, R.gate};
     const DeviceMatrix cu{R.type, R.rows, R.cols, R.up};
-    const DeviceMatrix cd{R.type, R.rows, R.cols, R.down_t};
+    const DeviceMatrix cd{R.down_type, R.rows, R.cols, R.down_t};
     CUDA_RETURN_IF_ERROR(MatVecRows(cg, list, n_cold, count, xb_, 1, cold_gate_, n_cold, stream_));
     CUDA_RETURN_IF_ERROR(MatVecRows(cu, list, n_cold, count, xb_, 1, cold_up_, n_cold, stream_));
     CUDA_RETURN_IF_ERROR(GatedActivation(act, cold_gate_, cold_up_, n_cold, stream_));

@@ -500,8 +500,11 @@ BackendStatus CudaBackend::Create(const ModelUpload& m) {
     BACKEND_RETURN_IF_ERROR(SetUpStreaming(m, m.stream_cold && B > kSmallBatch));
     for (const DeviceLayer& d : layers_) {
       if (d.cold_rows.rows == 0) continue;
-      const DeviceMatrix chunk{d.cold_rows.type, streamer_->chunk_rows(), H, d.cold_rows.gate};
-      w_half = std::max(w_half, GemmWeightScratchBytes(chunk));
+      for (int m : {0, 2}) {  // gate's and up's type, down_t's
+        const DeviceMatrix chunk{d.cold_rows.type_of(m), streamer_->chunk_rows(), H,
+                                 d.cold_rows.gate};
+        w_half = std::max(w_half, GemmWeightScratchBytes(chunk));
+      }
     }
   }
 

@@ -56,14 +56,16 @@ cudaError_t ColdStreamer::Init(int chunk_rows, int slots, size_t max_row_bytes,
   return cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking);
 }
 
-cudaError_t ColdStreamer::PinRows(WType type, int64_t cols, const void* gate, const void* up,
-                                  const void* down_t, const std::vector<int32_t>& ids,
-                                  ColdRows* out) {
+cudaError_t ColdStreamer::PinRows(WType type, WType down_type, int64_t cols, const void* gate,
+                                  const void* up, const void* down_t,
+                                  const std::vector<int32_t>& ids, ColdRows* out) {
   ColdRows r;
   r.type = type;
+  r.down_type = down_type;
   r.cols = cols;
   r.rows = static_cast<int64_t>(ids.size());
-  const size_t rb = r.row_bytes(), part = rb * ids.size();
+  // gate's rows, then up's (as many bytes), then down_t's.
+  const size_t part = r.row_bytes() * ids.size(), total = r.bytes();
   if (ids.empty()) {
     *out = r;
     return cudaSuccess;
@@ -72,20 +74,21 @@ cudaError_t ColdStreamer::PinRows(WType type, int64_t cols, const void* gate, co
   using Clock = std::chrono::steady_clock;
   const Clock::time_point t0 = Clock::now();
   // Pinned (page-locked) so that cudaMemcpyAsync is a real DMA overlapped with compute.
-  cudaError_t e = cudaMallocHost(&p, 3 * part);
+  cudaError_t e = cudaMallocHost(&p, total);
   if (e != cudaSuccess) return e;
   pinned_.push_back(p);
   const Clock::time_point t1 = Clock::now();
   uint8_t* dst = static_cast<uint8_t*>(p);
   const void* src[3] = {gate, up, down_t};
   for (int m = 0; m < 3; ++m) {
+    const size_t rb = r.row_bytes_of(m);
     for (size_t i = 0; i < ids.size(); ++i) {
       std::memcpy(dst + m * part + i * rb, static_cast<const uint8_t*>(src[m]) + ids[i] * rb, rb);
     }
   }
   pin_alloc_s_ += std::chrono::duration<double>(t1 - t0).count();
   pin_copy_s_ += std::chrono::duration<double>(Clock::now() - t1).count();
-  pinned_bytes_ += 3 * part;
+  pinned_bytes_ += total;
   r.gate = dst;
   r.up = dst + part;
   r.down_t = dst + 2 * part;
@@ -94,9 +97,9 @@ cudaError_t ColdStreamer::PinRows(WType type, int64_t cols, const void* gate, co
 }
 
 cudaError_t ColdStreamer::Copy(const ColdRows& rows, int64_t r0, int64_t count, uint8_t* slot) {
-  const size_t rb = rows.row_bytes();
   const uint8_t* src[3] = {rows.gate, rows.up, rows.down_t};
   for (int m = 0; m < 3; ++m) {
+    const size_t rb = rows.row_bytes_of(m);
     cudaError_t e = cudaMemcpyAsync(slot + m * slot_part_bytes_, src[m] + r0 * rb, count * rb,
                                     cudaMemcpyHostToDevice, copy_stream_);
     if (e != cudaSuccess) return e;
@@ -111,7 +114,7 @@ int ColdStreamer::Products(cublasHandle_t h, const ColdRows& rows, int64_t r0, i
   const int c = static_cast<int>(count);
   const DeviceMatrix gate{rows.type, count, rows.cols, slot};
   const DeviceMatrix up{rows.type, count, rows.cols, slot + slot_part_bytes_};
-  const DeviceMatrix down_t{rows.type, count, rows.cols, slot + 2 * slot_part_bytes_};
+  const DeviceMatrix down_t{rows.down_type, count, rows.cols, slot + 2 * slot_part_bytes_};
   int rc = GemmXWt(h, gate, t.x, t.n, t.gate, c, 0.f, scratch, stream);  // [n, c]
   if (rc == 0) rc = GemmXWt(h, up, t.x, t.n, t.up, c, 0.f, scratch, stream);
   if (rc == 0) {
@@ -125,7 +128,7 @@ int ColdStreamer::Products(cublasHandle_t h, const ColdRows& rows, int64_t r0, i
 int ColdStreamer::Run(cublasHandle_t h, const ColdRows& rows, const StreamTarget& t,
                       const GemmScratch& scratch, cudaStream_t stream) {
   if (!ready()) return CodeOf(cudaErrorNotReady);
-  if (rows.row_bytes() * chunk_rows_ > slot_part_bytes_) return CodeOf(cudaErrorInvalidValue);
+  if (rows.max_row_bytes() * chunk_rows_ > slot_part_bytes_) return CodeOf(cudaErrorInvalidValue);
   for (int64_t r0 = 0; r0 < rows.rows; r0 += chunk_rows_) {
     const int64_t count = std::min<int64_t>(chunk_rows_, rows.rows - r0);
     const int s = next_;
@@ -151,7 +154,8 @@ cudaError_t ColdStreamer::LoadRows(const ColdRows& rows, const std::vector<int64
   if (slots.empty()) return cudaSuccess;
   const bool split = dst[0].split();
   for (int m = 0; m < 3; ++m) {
-    if (dst[m].split() != split || dst[m].row_bytes() != rows.row_bytes()) {
+    if (dst[m].split() != split || dst[m].type != rows.type_of(m) ||
+        dst[m].row_bytes() != rows.row_bytes_of(m)) {
       return cudaErrorInvalidValue;
     }
   }
@@ -167,7 +171,7 @@ cudaError_t ColdStreamer::LoadRows(const ColdRows& rows, const std::vector<int64
   if (e != cudaSuccess) return e;
   if (landed) stage_used_ = 0;
   size_t need = stage_used_ + per_row * n;
-  const size_t gathered = split ? 3 * n * rows.row_bytes() : 0;
+  const size_t gathered = split ? n * (2 * rows.row_bytes() + rows.down_row_bytes()) : 0;
   if ((need > stage_capacity_ || gathered > gathered_bytes_) && !landed) {
     if ((e = RowsLanded(/*wait=*/true, &landed)) != cudaSuccess) return e;
     stage_used_ = 0;
@@ -208,10 +212,11 @@ cudaError_t ColdStreamer::LoadRows(const ColdRows& rows, const std::vector<int64
     src_dev[m] = static_cast<const uint8_t*>(p);
   }
   uint8_t* into[3];
-  for (int m = 0; m < 3; ++m) {
+  for (int m = 0; m < 3; ++m) {  // gathered: gate's n rows, up's, down_t's (gate's and up's alike)
     into[m] = split ? gathered_ + m * n * rows.row_bytes()
                     : static_cast<uint8_t*>(const_cast<void*>(dst[m].data));
   }
+  const size_t row_bytes[3] = {rows.row_bytes_of(0), rows.row_bytes_of(1), rows.row_bytes_of(2)};
   e = cudaEventRecord(order_, after);
   if (e == cudaSuccess) e = cudaStreamWaitEvent(copy_stream_, order_, 0);
   if (e == cudaSuccess) {
@@ -219,10 +224,10 @@ cudaError_t ColdStreamer::LoadRows(const ColdRows& rows, const std::vector<int64
                         copy_stream_);
   }
   if (e == cudaSuccess) {
-    e = GatherRows(src_dev, dev, static_cast<int>(n), rows.row_bytes(), into, copy_stream_);
+    e = GatherRows(src_dev, dev, static_cast<int>(n), row_bytes, into, copy_stream_);
   }
   for (int m = 0; m < 3 && split && e == cudaSuccess; ++m) {
-    DeviceMatrix from{rows.type, static_cast<int64_t>(n), rows.cols, into[m]};
+    DeviceMatrix from{rows.type_of(m), static_cast<int64_t>(n), rows.cols, into[m]};
     e = RepackSplitRows(from, dst[m], dev + 2 * n, copy_stream_);
   }
   if (e == cudaSuccess) e = cudaEventRecord(loaded_, copy_stream_);

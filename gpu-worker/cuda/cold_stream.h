@@ -27,16 +27,26 @@
 namespace pinfer {
 namespace cuda {
 
-// One layer's cold rows in pinned host memory: three [rows, cols] matrices of one type.
+// One layer's cold rows in pinned host memory: three [rows, cols] matrices, gate and up of one
+// type and down_t of its own (llama.cpp's K mixes give half of the layers' ffn_down more bits:
+// Q6_K under Q4_K gate and up rows in Q4_K_M).
 struct ColdRows {
-  WType type = WType::kF32;
+  WType type = WType::kF32;  // gate's and up's
   int64_t rows = 0;
   int64_t cols = 0;
   const uint8_t* gate = nullptr;
   const uint8_t* up = nullptr;
   const uint8_t* down_t = nullptr;
+  WType down_type = WType::kF32;
   size_t row_bytes() const { return WRowBytes(type, cols); }
-  size_t bytes() const { return 3 * row_bytes() * static_cast<size_t>(rows); }
+  size_t down_row_bytes() const { return WRowBytes(down_type, cols); }
+  // Matrix m's (0 gate, 1 up, 2 down_t).
+  WType type_of(int m) const { return m == 2 ? down_type : type; }
+  size_t row_bytes_of(int m) const { return m == 2 ? down_row_bytes() : row_bytes(); }
+  size_t max_row_bytes() const {
+    return row_bytes() > down_row_bytes() ? row_bytes() : down_row_bytes();
+  }
+  size_t bytes() const { return (2 * row_bytes() + down_row_bytes()) * static_cast<size_t>(rows); }
 };
 
 // What a streamed layer writes into: the FFN input and the output it adds to, plus scratch of
@@ -65,9 +75,9 @@ class ColdStreamer {
   bool has_slots() const { return ready() && !slots_.empty(); }
   int chunk_rows() const { return chunk_rows_; }
 
-  // Pinned host copy of rows `ids` of three host matrices (row-major, row_bytes each).
-  // The memory stays owned by the streamer.
-  cudaError_t PinRows(WType type, int64_t cols, const void* gate, const void* up,
+  // Pinned host copy of rows `ids` of three host matrices (row-major): gate and up of `type`,
+  // down_t of `down_type`. The memory stays owned by the streamer.
+  cudaError_t PinRows(WType type, WType down_type, int64_t cols, const void* gate, const void* up,
                       const void* down_t, const std::vector<int32_t>& ids, ColdRows* out);
   // PinRows' totals so far: seconds in cudaMallocHost, seconds copying, bytes pinned.
   double pin_alloc_s() const { return pin_alloc_s_; }

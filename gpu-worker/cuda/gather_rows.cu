@@ -4,6 +4,8 @@
 // (thousands per update); one launch per layer and matrix triple costs one.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "gpu-worker/cuda/gather_rows.h"
 
 namespace pinfer {
@@ -13,8 +15,10 @@ namespace {
 template <typename Unit>
 __global__ void GatherRowsKernel(const uint8_t* __restrict__ s0, const uint8_t* __restrict__ s1,
                                  const uint8_t* __restrict__ s2, const int64_t* __restrict__ idx,
-                                 size_t row_bytes, uint8_t* d0, uint8_t* d1, uint8_t* d2) {
+                                 size_t rb0, size_t rb1, size_t rb2, uint8_t* d0, uint8_t* d1,
+                                 uint8_t* d2) {
   const int i = blockIdx.y, m = blockIdx.z;
+  const size_t row_bytes = m == 0 ? rb0 : m == 1 ? rb1 : rb2;
   const uint8_t* src = (m == 0 ? s0 : m == 1 ? s1 : s2) + idx[2 * i] * row_bytes;
   uint8_t* dst = (m == 0 ? d0 : m == 1 ? d1 : d2) + idx[2 * i + 1] * row_bytes;
   const size_t step = static_cast<size_t>(gridDim.x) * blockDim.x * sizeof(Unit);
@@ -26,25 +30,27 @@ __global__ void GatherRowsKernel(const uint8_t* __restrict__ s0, const uint8_t* 
 
 template <typename Unit>
 cudaError_t LaunchGather(const uint8_t* const src[3], const int64_t* idx, int count,
-                         size_t row_bytes, uint8_t* const dst[3], cudaStream_t stream) {
+                         const size_t row_bytes[3], uint8_t* const dst[3], cudaStream_t stream) {
   const int threads = 256;
-  const size_t units = row_bytes / sizeof(Unit);
+  const size_t widest = std::max({row_bytes[0], row_bytes[1], row_bytes[2]});
+  const size_t units = widest / sizeof(Unit);
   const unsigned bx = static_cast<unsigned>((units + threads - 1) / threads);
   GatherRowsKernel<Unit><<<dim3(bx, count, 3), threads, 0, stream>>>(
-      src[0], src[1], src[2], idx, row_bytes, dst[0], dst[1], dst[2]);
+      src[0], src[1], src[2], idx, row_bytes[0], row_bytes[1], row_bytes[2], dst[0], dst[1],
+      dst[2]);
   return cudaGetLastError();
 }
 
 }  // namespace
 
-cudaError_t GatherRows(const uint8_t* const src[3], const int64_t* idx, int count, size_t row_bytes,
-                       uint8_t* const dst[3], cudaStream_t stream) {
+cudaError_t GatherRows(const uint8_t* const src[3], const int64_t* idx, int count,
+                       const size_t row_bytes[3], uint8_t* const dst[3], cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
   if (count > 65535) return cudaErrorInvalidValue;
-  // The widest unit that divides the row size and every base address.
-  uintptr_t all = row_bytes;
+  // The widest unit that divides every row size and every base address.
+  uintptr_t all = 0;
   for (int m = 0; m < 3; ++m) {
-    all |= reinterpret_cast<uintptr_t>(src[m]) | reinterpret_cast<uintptr_t>(dst[m]);
+    all |= row_bytes[m] | reinterpret_cast<uintptr_t>(src[m]) | reinterpret_cast<uintptr_t>(dst[m]);
   }
   if (all % 16 == 0) return LaunchGather<uint4>(src, idx, count, row_bytes, dst, stream);
   if (all % 8 == 0) return LaunchGather<uint2>(src, idx, count, row_bytes, dst, stream);

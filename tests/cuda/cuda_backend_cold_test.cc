@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <iterator>
 #include <memory>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -214,6 +215,59 @@ TEST_F(CudaBackendTest, StreamedColdRowsMatchCpuReference) {
   st = backend->CalibrateStreaming(0, 4, &cal);
   EXPECT_EQ(st.code, cuda::Code::kInvalidArgument);
   EXPECT_NE(st.message.find("streaming needs 9..64 tokens"), std::string::npos) << st.message;
+}
+
+// Streamed cold rows whose down_t has a type of its own, as a prepared K-mix file has them
+// (Q4_K_M: Q6_K ffn_down_t under Q4_K gate and up in half of the layers; here, at hidden 384,
+// Q8_0 gate and up over Q4_0 down_t in every other layer): the streamed prompt batch's logits
+// follow the callback path's, which computes the same rows on the CPU, and the calibration
+// counts each matrix's own bytes.
+TEST_F(CudaBackendTest, StreamedColdRowsWithTheirOwnDownTypeFollowTheCallback) {
+  std::vector<TensorView> down_t, q4_down_t;
+  std::unique_ptr<Model> q8 = QuantizedCopy(*model_, *down_t_, DType::kQ8_0, &down_t);
+  std::unique_ptr<Model> q4 = QuantizedCopy(*model_, *down_t_, DType::kQ4_0, &q4_down_t);
+  for (size_t l = 0; l < down_t.size(); l += 2) down_t[l] = q4_down_t[l];
+  cuda::ModelUpload u = Upload(*q8, down_t, /*hot=*/true);
+  u.stream_cold = true;
+  u.stream_chunk_rows = 100;
+  u.stream_slots = 2;
+  auto backend = Create(u);
+  ASSERT_NE(backend, nullptr);
+  const ModelConfig& c = model_->config;
+  const int V = c.vocab_size, n = 48;
+  std::mt19937 rng(17);
+  std::vector<int32_t> tokens(n);
+  for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % V);
+  CpuColdFfn cold(*q8, down_t, *cold_ids_);
+  std::vector<std::vector<float>> logits;
+  for (cuda::ColdPath path : {cuda::ColdPath::kCallback, cuda::ColdPath::kStream}) {
+    std::vector<float> got(static_cast<size_t>(n) * V, NAN);
+    cuda::ForwardArgs a;
+    a.tokens = tokens.data();
+    a.n = n;
+    a.pos0 = 0;
+    a.mode = cuda::FfnMode::kExact;
+    a.cold = &cold;
+    a.cold_path = path;
+    a.logits_mode = cuda::LogitsMode::kAll;
+    a.logits = got.data();
+    cuda::BackendStatus st = backend->Forward(a);
+    ASSERT_TRUE(st.ok()) << st.message;
+    EXPECT_EQ(backend->last_stats().streamed_layers,
+              path == cuda::ColdPath::kStream ? c.n_layers : 0);
+    logits.push_back(std::move(got));
+  }
+  const double nmse = Nmse(logits[1].data(), logits[0].data(), n * V);
+  std::printf("  streamed against the callback, mixed down_t types: nmse %.3g\n", nmse);
+  EXPECT_LE(nmse, 1e-3);
+  cuda::StreamCalibration cal;
+  for (int layer : {0, 1}) {  // Q4_0 down_t, then Q8_0
+    cuda::BackendStatus st = backend->CalibrateStreaming(layer, 32, &cal);
+    ASSERT_TRUE(st.ok()) << st.message;
+    const double n_cold = static_cast<double>((*cold_ids_)[layer].size());
+    const double down = static_cast<double>(RowBytes(down_t[layer].dtype, c.hidden_size));
+    EXPECT_EQ(cal.bytes, n_cold * (2.0 * RowBytes(DType::kQ8_0, c.hidden_size) + down)) << layer;
+  }
 }
 
 // The gpu-worker's VRAM plan measures its fixed part with an allocate_only instance: it must

@@ -23,12 +23,21 @@ namespace {
 // for Q8_0 / Q4_0 copies, whose slots are gathered in GGUF's layout and rewritten into the split
 // layout of the rows around them (ColdStreamer::LoadRows); the quantized ones against the
 // reference on the weights the split multiplies, as QuantizedModelStepLogitsMatchCpuReference.
+// The last case mixes types as llama.cpp's K mixes do: Q8_0 gate and up rows over Q4_0 down_t
+// rows in every other layer (the slots' gathers and split-layout rewrites per matrix type).
 TEST_F(CudaBackendTest, AdaptiveCacheRowsMatchCpuReference) {
-  for (DType type : {DType::kF16, DType::kQ8_0, DType::kQ4_0}) {
-    SCOPED_TRACE(std::string(DTypeName(type)));
-    std::vector<TensorView> qdown_t;
-    std::unique_ptr<Model> qmodel, split_model;
-    if (type != DType::kF16) {
+  constexpr DType kMixed = DType::kF32;  // stands for the mix below
+  for (DType type : {DType::kF16, DType::kQ8_0, DType::kQ4_0, kMixed}) {
+    SCOPED_TRACE(type == kMixed ? std::string("Q8_0 with Q4_0 down_t in even layers")
+                                : std::string(DTypeName(type)));
+    std::vector<TensorView> qdown_t, q4_down_t;
+    std::unique_ptr<Model> qmodel, split_model, q4_model;
+    if (type == kMixed) {
+      qmodel = QuantizedCopy(*model_, *down_t_, DType::kQ8_0, &qdown_t);
+      q4_model = QuantizedCopy(*model_, *down_t_, DType::kQ4_0, &q4_down_t);
+      for (size_t l = 0; l < qdown_t.size(); l += 2) qdown_t[l] = q4_down_t[l];
+      split_model = WithDownFromRows(*qmodel, qdown_t);
+    } else if (type != DType::kF16) {
       qmodel = QuantizedCopy(*model_, *down_t_, type, &qdown_t);
       split_model = WithDownFromRows(*qmodel, qdown_t);
     }

@@ -47,6 +47,34 @@ TEST(CudaBackendOptionsTest, AdaptiveCacheNeedsPredictorsAndIsPlannedExactly) {
 // The module computes every DType (K-quants included, and mixes of them); a type value it does
 // not know is refused by name before the module is opened, so --backend auto can fall back to the
 // CPU, as is a model whose attention has biases.
+// Which models' cold rows the module can pin and stream (the GPU's cold share, streamed prompt
+// rows and the adaptive hot set all need it): gate and up of one type with the transposed down
+// rows in theirs, as a prepared Q4_K_M file has them (Q6_K ffn_down_t under Q4_K gate and up in
+// half of the layers); not gate and up of two types, nor a quantized down projection stored
+// untransposed (its rows would be F32 copies).
+TEST(CudaBackendOptionsTest, StreamsColdRowsWhoseDownHasATypeOfItsOwn) {
+  auto model = LoadModel(std::string(PINFER_MODELS_DIR) + "/relu-llama-tiny");
+  ASSERT_TRUE(model.ok()) << model.status();
+  Model& m = **model;
+  EXPECT_EQ(ColdStreamingProblem(m), "");  // fp16 throughout, down transposed as fp16
+  // Only the types are read: the views keep the fp16 data.
+  for (size_t l = 0; l < m.layers.size(); ++l) {
+    LayerWeights& L = m.layers[l];
+    L.gate.dtype = L.up.dtype = DType::kQ4_K;
+    L.down_t = TensorView{
+        "ffn_down_t", l % 2 == 0 ? DType::kQ6_K : DType::kQ4_K, {1536, 384}, L.gate.data};
+    L.down = TensorView{};
+  }
+  EXPECT_EQ(ColdStreamingProblem(m), "");
+  m.layers[3].up.dtype = DType::kQ6_K;
+  EXPECT_THAT(ColdStreamingProblem(m), HasSubstr("layer 3 has gate Q4_K and up Q6_K rows"));
+  m.layers[3].up.dtype = DType::kQ4_K;
+  m.layers[4].down_t = TensorView{};
+  m.layers[4].down = TensorView{"ffn_down", DType::kQ6_K, {384, 1536}, m.layers[4].gate.data};
+  EXPECT_THAT(ColdStreamingProblem(m), HasSubstr("layer 4's Q6_K down projection is stored "
+                                                 "untransposed"));
+}
+
 TEST(CudaBackendOptionsTest, RefusesTypesTheModuleDoesNotCompute) {
   auto model = LoadModel(std::string(PINFER_MODELS_DIR) + "/relu-llama-tiny");
   ASSERT_TRUE(model.ok()) << model.status();
