@@ -18,6 +18,31 @@ namespace pinfer {
 namespace cuda_test {
 namespace {
 
+// u with its prompt batches' cold rows streamed in chunks of 100 neurons through two slots (so
+// that slots are reused many times per layer and across layers).
+cuda::ModelUpload Streaming(cuda::ModelUpload u) {
+  u.stream_cold = true;
+  u.stream_chunk_rows = 100;
+  u.stream_slots = 2;
+  return u;
+}
+
+// A prompt batch of `tokens` from position 0 in exact mode, the cold rows by `path`, every
+// position's logits into `logits`.
+cuda::ForwardArgs ExactPrompt(const std::vector<int32_t>& tokens, cuda::ColdFfn* cold,
+                              cuda::ColdPath path, float* logits) {
+  cuda::ForwardArgs a;
+  a.tokens = tokens.data();
+  a.n = static_cast<int>(tokens.size());
+  a.pos0 = 0;
+  a.mode = cuda::FfnMode::kExact;
+  a.cold = cold;
+  a.cold_path = path;
+  a.logits_mode = cuda::LogitsMode::kAll;
+  a.logits = logits;
+  return a;
+}
+
 // The cold side's partial sums added on the GPU (SumParts, the default for single tokens): each
 // step's logits still equal the CPU reference's and the greedy tokens reference.json's, whether
 // the callback hands over 5 parts, or 1, or (PINFER_CUDA_COLD_PARTS=0) is not offered parts;
@@ -154,11 +179,7 @@ TEST_F(CudaBackendTest, FailedColdCallbackLeavesNoQueuedWorkBehind) {
 // and every layer reports streaming. Then the same batch through the callback path, for the
 // same backend, and the calibration's sizes.
 TEST_F(CudaBackendTest, StreamedColdRowsMatchCpuReference) {
-  cuda::ModelUpload u = Upload(/*hot=*/true);
-  u.stream_cold = true;
-  u.stream_chunk_rows = 100;
-  u.stream_slots = 2;
-  auto backend = Create(u);
+  auto backend = Create(Streaming(Upload(/*hot=*/true)));
   ASSERT_NE(backend, nullptr);
   const ModelConfig& c = model_->config;
   const int V = c.vocab_size, n = 48;
@@ -179,15 +200,7 @@ TEST_F(CudaBackendTest, StreamedColdRowsMatchCpuReference) {
   CpuColdFfn cold(*model_, *down_t_, *cold_ids_);
   for (cuda::ColdPath path : {cuda::ColdPath::kStream, cuda::ColdPath::kCallback}) {
     std::vector<float> got(static_cast<size_t>(n) * V, NAN);
-    cuda::ForwardArgs a;
-    a.tokens = tokens.data();
-    a.n = n;
-    a.pos0 = 0;
-    a.mode = cuda::FfnMode::kExact;
-    a.cold = &cold;
-    a.cold_path = path;
-    a.logits_mode = cuda::LogitsMode::kAll;
-    a.logits = got.data();
+    const cuda::ForwardArgs a = ExactPrompt(tokens, &cold, path, got.data());
     const int calls_before = cold.calls;
     cuda::BackendStatus st = backend->Forward(a);
     ASSERT_TRUE(st.ok()) << st.message;
@@ -227,11 +240,7 @@ TEST_F(CudaBackendTest, StreamedColdRowsWithTheirOwnDownTypeFollowTheCallback) {
   std::unique_ptr<Model> q8 = QuantizedCopy(*model_, *down_t_, DType::kQ8_0, &down_t);
   std::unique_ptr<Model> q4 = QuantizedCopy(*model_, *down_t_, DType::kQ4_0, &q4_down_t);
   for (size_t l = 0; l < down_t.size(); l += 2) down_t[l] = q4_down_t[l];
-  cuda::ModelUpload u = Upload(*q8, down_t, /*hot=*/true);
-  u.stream_cold = true;
-  u.stream_chunk_rows = 100;
-  u.stream_slots = 2;
-  auto backend = Create(u);
+  auto backend = Create(Streaming(Upload(*q8, down_t, /*hot=*/true)));
   ASSERT_NE(backend, nullptr);
   const ModelConfig& c = model_->config;
   const int V = c.vocab_size, n = 48;
@@ -242,15 +251,7 @@ TEST_F(CudaBackendTest, StreamedColdRowsWithTheirOwnDownTypeFollowTheCallback) {
   std::vector<std::vector<float>> logits;
   for (cuda::ColdPath path : {cuda::ColdPath::kCallback, cuda::ColdPath::kStream}) {
     std::vector<float> got(static_cast<size_t>(n) * V, NAN);
-    cuda::ForwardArgs a;
-    a.tokens = tokens.data();
-    a.n = n;
-    a.pos0 = 0;
-    a.mode = cuda::FfnMode::kExact;
-    a.cold = &cold;
-    a.cold_path = path;
-    a.logits_mode = cuda::LogitsMode::kAll;
-    a.logits = got.data();
+    const cuda::ForwardArgs a = ExactPrompt(tokens, &cold, path, got.data());
     cuda::BackendStatus st = backend->Forward(a);
     ASSERT_TRUE(st.ok()) << st.message;
     EXPECT_EQ(backend->last_stats().streamed_layers,
