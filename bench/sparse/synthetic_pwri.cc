@@ -4,8 +4,8 @@
 // checkpoint, a day of profiling or twice the file in memory.
 //
 //   synthetic_pwri --out 70b.gguf --vocab-gguf models/llama2-vocab/llama-2-tiny-random.gguf
-//       --layers 80 --hidden 8192 --ffn 28672 --heads 64 --kv-heads 8 --dtype q4_0
-//       [--skew 0.2] [--active 0.1] [--rank 128] [--seed 1]
+//       --layers 80 --hidden 8192 --ffn 28672 --heads 64 --kv-heads 8
+//       [--dtype q4_0|q8_0|q4_k|q4_k_m|f16] [--skew 0.2] [--active 0.1] [--rank 128] [--seed 1]
 //
 // Weights are random blocks of the dtype with values of standard deviation 1/sqrt(hidden) (Q4_K
 // with equal sub-block scales and mins that centre them). Norms are ones. The vocabulary and
@@ -105,6 +105,28 @@ GgufWriter::Producer RandomMatrix(DType dt, int64_t rows, int64_t cols, float sd
         }
         break;
       }
+      case DType::kQ5_K: {  // every scale and min 32: 32 * (d * q - dmin), q in 0..31 (sd 9.23)
+        rng.Fill(p, out.size());
+        BlockQ5_K head;
+        head.d = Fp32ToFp16(sd / (32 * 9.23f));
+        head.dmin = Fp32ToFp16(15.5f * sd / (32 * 9.23f));
+        for (int j = 0; j < 8; ++j) head.scales[j] = 0xA0;  // as Q4_K's
+        for (int j = 8; j < 12; ++j) head.scales[j] = 0;
+        for (int64_t b = 0; b < n / kSuperBlock; ++b) {
+          std::memcpy(p + b * sizeof(BlockQ5_K), &head, offsetof(BlockQ5_K, qh));
+        }
+        break;
+      }
+      case DType::kQ6_K: {  // d * 16 * (q - 32), q uniform in 0..63: sd 18.5 * 16 d
+        rng.Fill(p, out.size());
+        const uint16_t d = Fp32ToFp16(sd / (16 * 18.47f));
+        for (int64_t b = 0; b < n / kSuperBlock; ++b) {
+          auto* blk = reinterpret_cast<BlockQ6_K*>(p + b * sizeof(BlockQ6_K));
+          for (int8_t& sc : blk->scales) sc = 16;
+          std::memcpy(&blk->d, &d, 2);
+        }
+        break;
+      }
       default:
         return absl::InvalidArgumentError(absl::StrCat("no random blocks for ", DTypeName(dt)));
     }
@@ -163,16 +185,20 @@ absl::Status Run(const cli::Flags& f) {
        static_cast<int>(heads),  static_cast<int>(kv_heads), 0, static_cast<int>(rank)};
   const std::string dtype_name = f.Get("dtype").value_or("q4_0");
   DType type;
+  // q4_k_m: Q4_K, with the tensors llama.cpp's Q4_K_M raises (the output head, attn_v and
+  // ffn_down of its more-bits layers; KMixTensorType, as `pinfer convert` types them). The
+  // prepared file's ffn_down_t takes ffn_down's type, as `pinfer prepare` stores it.
+  const bool q4_k_m = dtype_name == "q4_k_m";
   if (dtype_name == "q4_0") {
     type = DType::kQ4_0;
   } else if (dtype_name == "q8_0") {
     type = DType::kQ8_0;
-  } else if (dtype_name == "q4_k") {
+  } else if (dtype_name == "q4_k" || q4_k_m) {
     type = DType::kQ4_K;
   } else if (dtype_name == "f16") {
     type = DType::kF16;
   } else {
-    return absl::InvalidArgumentError("--dtype must be q4_0, q8_0, q4_k or f16");
+    return absl::InvalidArgumentError("--dtype must be q4_0, q8_0, q4_k, q4_k_m or f16");
   }
   const int block = BlockElems(type);
   if (s.layers < 1 || s.heads < 1 || s.kv_heads < 1 || s.heads % s.kv_heads != 0 ||
@@ -218,26 +244,41 @@ absl::Status Run(const cli::Flags& f) {
 
   const float sd = 1.f / std::sqrt(static_cast<float>(s.hidden));
   uint64_t stream = static_cast<uint64_t>(seed) << 32;
+  // The type of `gguf_name` (rows of `cols` values in the source model): `type`, or the mix's.
+  auto type_of = [&](const std::string& gguf_name, int64_t cols) -> absl::StatusOr<DType> {
+    if (!q4_k_m) return type;
+    const bool is_70b = s.layers == 80 && s.heads != s.kv_heads;
+    const GgmlType g = KMixTensorType(KQuantMix::kQ4_K_M, gguf_name, cols, s.layers,
+                                      gguf_name == "output.weight", is_70b);
+    return DTypeFromGgmlType(static_cast<uint32_t>(g));
+  };
   auto matrix = [&](const std::string& name, DType t, int64_t rows, int64_t cols,
                     float value_sd) -> absl::Status {
     ASSIGN_OR_RETURN(GgmlType gt, GgmlTypeFromDType(t));
     return w.AddTensor(name, gt, {rows, cols}, RandomMatrix(t, rows, cols, value_sd, ++stream));
   };
+  std::string types_used;  // the mix, for the summary line
   RETURN_IF_ERROR(matrix("token_embd.weight", type, s.vocab, s.hidden, sd));
   RETURN_IF_ERROR(w.AddTensor("output_norm.weight", GgmlType::kF32, {s.hidden}, Ones(s.hidden)));
-  RETURN_IF_ERROR(matrix("output.weight", type, s.vocab, s.hidden, sd));
+  ASSIGN_OR_RETURN(DType out_type, type_of("output.weight", s.hidden));
+  RETURN_IF_ERROR(matrix("output.weight", out_type, s.vocab, s.hidden, sd));
+  int raised_v = 0, raised_down = 0;
   for (int l = 0; l < s.layers; ++l) {
     const std::string p = absl::StrCat("blk.", l, ".");
     RETURN_IF_ERROR(w.AddTensor(p + "attn_norm.weight", GgmlType::kF32, {s.hidden}, Ones(s.hidden)));
     RETURN_IF_ERROR(matrix(p + "attn_q.weight", type, s.hidden, s.hidden, sd));
     RETURN_IF_ERROR(matrix(p + "attn_k.weight", type, kv_dim, s.hidden, sd));
-    RETURN_IF_ERROR(matrix(p + "attn_v.weight", type, kv_dim, s.hidden, sd));
+    ASSIGN_OR_RETURN(DType v_type, type_of(p + "attn_v.weight", s.hidden));
+    ASSIGN_OR_RETURN(DType down_type, type_of(p + "ffn_down.weight", s.ffn));
+    raised_v += v_type != type;
+    raised_down += down_type != type;
+    RETURN_IF_ERROR(matrix(p + "attn_v.weight", v_type, kv_dim, s.hidden, sd));
     RETURN_IF_ERROR(matrix(p + "attn_output.weight", type, s.hidden, s.hidden, sd));
     RETURN_IF_ERROR(w.AddTensor(p + "ffn_norm.weight", GgmlType::kF32, {s.hidden}, Ones(s.hidden)));
     RETURN_IF_ERROR(matrix(p + "ffn_gate.weight", type, s.ffn, s.hidden, sd));
     RETURN_IF_ERROR(matrix(p + "ffn_up.weight", type, s.ffn, s.hidden, sd));
     // A neuron's down column, stored as a row: [ffn, hidden], values of sd 1/sqrt(ffn).
-    RETURN_IF_ERROR(matrix(p + "ffn_down_t.weight", type, s.ffn, s.hidden,
+    RETURN_IF_ERROR(matrix(p + "ffn_down_t.weight", down_type, s.ffn, s.hidden,
                            1.f / std::sqrt(static_cast<float>(s.ffn))));
     RETURN_IF_ERROR(matrix(p + "fc1.weight", DType::kF16, s.rank, s.hidden, sd));
     RETURN_IF_ERROR(w.AddTensor(p + "fc2.weight", GgmlType::kF16, {s.ffn, s.rank},
@@ -251,10 +292,15 @@ absl::Status Run(const cli::Flags& f) {
   if (!written.ok()) return written.status();
   uint64_t bytes = 0;
   for (const GgufTensorInfo& t : (*written)->tensors()) bytes += t.nbytes;
-  std::printf("wrote %s: %d layers, hidden %d, ffn %d, %d/%d heads, vocab %d, %s, %.2f GB of "
-              "tensors in %.1f s; neurons: %d of %d per layer fire with p %.3f, the rest %.4f\n",
-              out.c_str(), s.layers, s.hidden, s.ffn, s.heads, s.kv_heads, s.vocab,
-              dtype_name.c_str(), bytes * 1e-9, secs, hot, s.ffn, p_hot, p_cold);
+  if (q4_k_m) {
+    types_used = absl::StrCat(" (output ", DTypeName(out_type), ", attn_v raised in ", raised_v,
+                              " layers, ffn_down_t in ", raised_down, ")");
+  }
+  std::printf(
+      "wrote %s: %d layers, hidden %d, ffn %d, %d/%d heads, vocab %d, %s%s, %.2f GB of "
+      "tensors in %.1f s; neurons: %d of %d per layer fire with p %.3f, the rest %.4f\n",
+      out.c_str(), s.layers, s.hidden, s.ffn, s.heads, s.kv_heads, s.vocab, dtype_name.c_str(),
+      types_used.c_str(), bytes * 1e-9, secs, hot, s.ffn, p_hot, p_cold);
   return absl::OkStatus();
 }
 
