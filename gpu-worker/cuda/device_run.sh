@@ -28,7 +28,7 @@ rc=0
 timeout "${OPS_TIMEOUT:-120}" "$bundle/bin/cuda_ops_test" --gtest_output="xml:$out/cuda_ops_test.xml" 2>&1 | tee "$out/cuda_ops_test.log" || rc=1
 PINFER_CUDA_MODULE="$bundle/bin/libpinfer_cuda.so" PINFER_MODELS_DIR="$PWD/models" \
   timeout "${BACKEND_TIMEOUT:-120}" "$bundle/bin/cuda_backend_test" --gtest_output="xml:$out/cuda_backend_test.xml" 2>&1 | tee "$out/cuda_backend_test.log" || rc=1
-for dtype in ${BENCH_DTYPES:-F16 Q4_0}; do
+for dtype in ${BENCH_DTYPES-F16 Q4_0}; do  # BENCH_DTYPES="": the tests alone
   timeout "${BENCH_TIMEOUT:-240}" "$bundle/bin/cuda_decode_bench" --dtype=$dtype --rounds=${ROUNDS:-3} ${BENCH_FLAGS:-} 2>&1 | tee "$out/bench_$dtype.log" || rc=1
 done
 # Two sequences in flight (lanes), each filling the other's gaps between the two sides, in a
