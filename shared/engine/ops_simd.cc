@@ -163,9 +163,9 @@ class SimdOps : public CpuOps {
     // depends on the list and the thread count only). Measured on the H200 host (16 threads, 295
     // and 838 neurons, docs/benchmarks.md run 34): ~48 fixed-size chunks, whose result did not
     // depend on the thread count, were up to 1.6x slower (twice the buffers to zero and add);
-    // 64-neuron chunks left most threads idle. Within a part, groups of kGroup neurons: their
-    // gate rows, then the up rows of the active ones, then their down rows, each set read
-    // interleaved.
+    // 64-neuron chunks left most threads idle. Within a part, groups of kGroup neurons
+    // (kGateGroup where the gate decides, below): their gate rows, then the up rows of the active
+    // ones, then their down rows, each set read interleaved.
     const int threads = pool_ == nullptr ? 1 : pool_->size();
     const int chunks = std::min(SparseFfnParts(n_rows), max_parts);
     auto part_begin = [&](int c) { return SparseFfnPartBegin(n_rows, chunks, c); };
