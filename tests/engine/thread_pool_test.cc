@@ -2,12 +2,14 @@
 // many times in a row, with and without a spin time (run under ThreadSanitizer in CI).
 #include "shared/util/thread_pool.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "shared/util/ranges_on_threads.h"
 
 namespace pinfer {
 namespace {
@@ -31,6 +33,36 @@ TEST(ThreadPoolTest, EveryIndexExactlyOnce) {
 
 // With pinned chunks, a loop of size() single-index chunks runs index i on the same thread every
 // time, index 0 on the caller; loops of another size still cover every index once.
+// RunRangesOnThreads (the CUDA module's pinned copy): every index once, on min(n, threads)
+// threads, the first range on the caller's, for counts below, at and above the thread count.
+TEST(ThreadPoolTest, RangesOnThreadsCoverEveryIndexOnce) {
+  for (size_t n : {size_t{0}, size_t{1}, size_t{5}, size_t{16}, size_t{1000}, size_t{4099}}) {
+    for (int threads : {1, 3, 16}) {
+      std::vector<std::atomic<int>> hits(n);
+      std::vector<std::thread::id> ids(n);
+      RunRangesOnThreads(n, threads, [&](size_t b, size_t e) {
+        ASSERT_LE(b, e);
+        ASSERT_LE(e, n);
+        for (size_t i = b; i < e; ++i) {
+          hits[i].fetch_add(1);
+          ids[i] = std::this_thread::get_id();
+        }
+      });
+      for (size_t i = 0; i < n; ++i)
+        ASSERT_EQ(hits[i].load(), 1) << n << " " << threads << " " << i;
+      std::vector<std::thread::id> distinct;
+      for (const std::thread::id& id : ids) {
+        if (std::find(distinct.begin(), distinct.end(), id) == distinct.end())
+          distinct.push_back(id);
+      }
+      EXPECT_EQ(distinct.size(), std::min<size_t>(n, threads)) << n << " " << threads;
+      if (n >= static_cast<size_t>(threads)) {
+        EXPECT_EQ(ids[0], std::this_thread::get_id());  // the first range is the caller's
+      }
+    }
+  }
+}
+
 TEST(ThreadPoolTest, PinnedChunksKeepEachIndexOnOneThread) {
   for (auto spin : {std::chrono::microseconds(0), std::chrono::microseconds(200)}) {
     ThreadPool pool(4, spin);
