@@ -40,17 +40,32 @@ inline bool CollapseToHugePages(void* p, size_t bytes) {
   return madvise(p, bytes, MADV_COLLAPSE) == 0;
 }
 
+inline constexpr size_t kHugePageBytes = size_t{2} << 20;
+
+// AllocateAligned's memory before its fill: aligned and hinted, no page of it touched yet, its
+// contents undefined. For a caller that writes every byte itself (the first touch's page faults
+// then fall on the threads that write) and then calls CollapseToHugePages where bytes >=
+// kHugePageBytes. *rounded: the allocation's size, bytes rounded up to its alignment.
+inline AlignedBytes AllocateAlignedUnfilled(size_t bytes, size_t* rounded) {
+  constexpr size_t kPage = 4096;
+  const size_t align = bytes >= kHugePageBytes ? kHugePageBytes : kPage;
+  *rounded = (std::max<size_t>(bytes, 1) + align - 1) / align * align;
+  void* p = std::aligned_alloc(align, *rounded);
+  if (p == nullptr) throw std::bad_alloc();
+  if (align == kHugePageBytes) madvise(p, *rounded, MADV_HUGEPAGE);
+  return AlignedBytes(static_cast<uint8_t*>(p));
+}
+
 // With a pool, its threads do the zero fill, 2 MiB blocks each: the fill is the memory's first
 // touch, whose page faults are most of a large allocation's cost (and more on a VM whose memory
 // is backed only as it is first used, as the GPU hosts' are).
 inline AlignedBytes AllocateAligned(size_t bytes, ThreadPool* pool = nullptr) {
-  constexpr size_t kPage = 4096, kHugePage = size_t{2} << 20;
-  const size_t align = bytes >= kHugePage ? kHugePage : kPage;
-  const size_t rounded = (std::max<size_t>(bytes, 1) + align - 1) / align * align;
-  void* p = std::aligned_alloc(align, rounded);
-  if (p == nullptr) throw std::bad_alloc();
-  if (align == kHugePage) madvise(p, rounded, MADV_HUGEPAGE);
-  if (pool != nullptr && align == kHugePage) {
+  constexpr size_t kHugePage = kHugePageBytes;
+  size_t rounded = 0;
+  AlignedBytes out = AllocateAlignedUnfilled(bytes, &rounded);
+  uint8_t* p = out.get();
+  const bool huge = bytes >= kHugePage;
+  if (pool != nullptr && huge) {
     auto* base = static_cast<uint8_t*>(p);
     pool->ParallelFor(static_cast<int64_t>(rounded / kHugePage), 8, [&](int64_t b, int64_t e) {
       std::memset(base + b * kHugePage, 0, (e - b) * kHugePage);
@@ -58,8 +73,8 @@ inline AlignedBytes AllocateAligned(size_t bytes, ThreadPool* pool = nullptr) {
   } else {
     std::memset(p, 0, rounded);
   }
-  if (align == kHugePage) (void)CollapseToHugePages(p, rounded);  // best effort
-  return AlignedBytes(static_cast<uint8_t*>(p));
+  if (huge) (void)CollapseToHugePages(p, rounded);  // best effort
+  return out;
 }
 
 }  // namespace pinfer
