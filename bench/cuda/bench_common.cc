@@ -707,9 +707,8 @@ double SplitFixedBytes(const SynthModel& m, double scratch) {
 }
 
 int HotNeuronsInBudget(const SynthModel& m, double budget, double fixed) {
-  // A neuron in every layer: its rows there and its id.
-  const double per_neuron = static_cast<double>(m.AllNeuronBytes()) + 4.0 * m.config.n_layers;
-  return std::max(0, std::min(m.config.ffn_size, static_cast<int>((budget - fixed) / per_neuron)));
+  return std::max(
+      0, std::min(m.config.ffn_size, static_cast<int>((budget - fixed) / m.HotNeuronBytes())));
 }
 
 cuda::ForwardArgs DecodeStep(const int32_t* token, int pos, cuda::FfnMode mode) {

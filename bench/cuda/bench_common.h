@@ -150,6 +150,10 @@ struct SynthModel {
   // Over all layers: their attention matrices; one neuron's rows in each.
   size_t AllAttnBytes() const;
   size_t AllNeuronBytes() const;
+  // What a neuron hot in every layer costs the VRAM budget: its rows and an id in each layer.
+  double HotNeuronBytes() const {
+    return static_cast<double>(AllNeuronBytes()) + 4.0 * config.n_layers;
+  }
   size_t PredBytes() const;
   size_t OutBytes() const { return RowBytes(out_dtype, config.hidden_size) * config.vocab_size; }
   // The embeddings and the output head.

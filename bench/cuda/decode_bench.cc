@@ -582,8 +582,6 @@ int Main(int argc, char** argv) {
       // With lanes: a KV slot per sequence and each extra lane's scratch (which holds no KV cache).
       const double fixed = SplitFixedBytes(m, ScratchBytes(m, max_ctx * seqs, c.n_layers, 8) +
                                                   (seqs - 1) * ScratchBytes(m, 0, 0, 8));
-      // A neuron in every layer: its gate, up and down_t rows there and its id.
-      const double per_neuron = static_cast<double>(m.AllNeuronBytes()) + 4.0 * c.n_layers;
       const int n_hot = HotNeuronsInBudget(m, budget, fixed);
       cuda::ModelUpload u = BaseUpload(m, max_ctx);
       u.max_seqs = seqs;
@@ -596,7 +594,7 @@ int Main(int argc, char** argv) {
           local_of[l][lu.hot_ids[i]] = static_cast<int>(i);
       }
       const double plan =
-          fixed + per_neuron * n_hot + 4.0 * c.n_layers * (c.ffn_size - n_hot);  // cold ids
+          fixed + m.HotNeuronBytes() * n_hot + 4.0 * c.n_layers * (c.ffn_size - n_hot);  // cold ids
       Backend be;
       t0 = Now();
       if (!CreateBackend(u, "pinfer", &be)) return 1;

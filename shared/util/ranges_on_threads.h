@@ -1,8 +1,9 @@
 // Runs fn(begin, end) over [0, n) in `threads` equal ranges, each on a thread of its own started
 // for the call (the first on the calling thread), and returns once all are done. For one-off
-// start-up copies in code that has no ThreadPool and may take no framework headers (the CUDA
-// module's pinned copy of the cold rows): the copies read a file mapping whose page faults hold
-// one thread to about 1 GB/s. A thread that cannot be started leaves its range to the caller.
+// start-up copies in code that links none of pinfer's libraries, so has no ThreadPool (the CUDA
+// module, loaded with dlopen: its pinned copy of the cold rows), where a pool kept for one call
+// would be all its use: the copies read a file mapping whose page faults hold one thread to about
+// 1 GB/s. A thread that cannot be started leaves its range to the caller.
 #pragma once
 
 #include <cstddef>
