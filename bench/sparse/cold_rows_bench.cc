@@ -121,7 +121,7 @@ int Main(int argc, char** argv) {
   // The copy as the cpu-worker makes it at start-up: on its compute pool's threads.
   const int build_threads = static_cast<int>(std::max<int64_t>(1, num("build_threads", 14)));
   const uint64_t t_build = Now();
-  std::unique_ptr<FfnRowStore> built;
+  std::unique_ptr<FfnRowStore> built;  // the cold rows
   {
     ThreadPool build_pool(build_threads);
     auto store = FfnRowStore::Build(m, sets, build_threads > 1 ? &build_pool : nullptr);
@@ -131,13 +131,12 @@ int Main(int argc, char** argv) {
     }
     built = std::move(*store);
   }
-  const std::unique_ptr<FfnRowStore>* store = &built;
   ReleaseMappedPages(m);
   std::printf(
       "model: %d layers, hidden %d, ffn %d, %s; %d layers of %d cold neurons copied "
       "(%.2f GB, %.2f GB of the process in huge pages) in %.2f s on %d thread(s)\n",
       L, H, F, std::string(DTypeName(m.layers[0].gate.dtype)).c_str(), layers, cold,
-      (*store)->bytes() / 1e9, HugePageBytes() / 1e9, (Now() - t_build) * 1e-9, build_threads);
+      built->bytes() / 1e9, HugePageBytes() / 1e9, (Now() - t_build) * 1e-9, build_threads);
 
   // Requests: a layer (round robin over the copied ones) and `neurons` distinct cold ids.
   const int words = (F + 63) / 64;
@@ -154,7 +153,7 @@ int Main(int argc, char** argv) {
   std::vector<float> x(H), out(H);
   std::normal_distribution<float> nd(0.f, 1.f);
   for (float& v : x) v = nd(rng);
-  const FfnRowStore::Layer& l0 = (*store)->layer(L - 1);
+  const FfnRowStore::Layer& l0 = built->layer(L - 1);
   const double gate_b = static_cast<double>(l0.gate.row_bytes()),
                updown_b = static_cast<double>(l0.up.row_bytes() + l0.down_t.row_bytes());
 
@@ -166,7 +165,7 @@ int Main(int argc, char** argv) {
     for (const std::string& way : ways) {
       ThreadPool pool(t, std::chrono::microseconds(spin_us));
       std::unique_ptr<CpuOps> ops = NewSimdOps(&pool);
-      PartialFfn ffn(**store, m.config.activation, *ops);
+      PartialFfn ffn(*built, m.config.activation, *ops);
       std::vector<int32_t> sel;
       std::vector<float> coef(cold), parts(static_cast<size_t>(t) * H);
       const Activation act = way == "silu" ? Activation::kSilu : m.config.activation;
@@ -176,7 +175,7 @@ int Main(int argc, char** argv) {
           std::fill(out.begin(), out.end(), 0.f);
           return ffn.Accumulate(layer, x.data(), 1, masks[r % requests].data(), words, out.data());
         }
-        const FfnRowStore::Layer& fl = (*store)->layer(layer);
+        const FfnRowStore::Layer& fl = built->layer(layer);
         sel.clear();
         fl.Select(masks[r % requests].data(), &sel);  // r % requests: the warm-up's layers
         int n_parts = 0;
